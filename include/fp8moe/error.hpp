@@ -1,0 +1,24 @@
+// fp8moe errors: every bad argument raises fp8moe::Error with a message that names the argument
+// and what was expected. Use FP8MOE_CHECK(cond, "what" << value) in library code.
+#pragma once
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace fp8moe {
+
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace fp8moe
+
+#define FP8MOE_CHECK(cond, msg)                                                         \
+  do {                                                                                  \
+    if (!(cond)) {                                                                      \
+      std::ostringstream fp8moe_check_os_;                                              \
+      fp8moe_check_os_ << msg;                                                          \
+      throw ::fp8moe::Error(fp8moe_check_os_.str());                                    \
+    }                                                                                   \
+  } while (0)

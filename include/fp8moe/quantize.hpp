@@ -1,0 +1,80 @@
+// Fine-grained FP8 quantization (SPEC.md §1, report §3.3.2, seed 002), CPU reference.
+//
+// Online absmax: every tile/block gets scale s = amax / max_finite(dtype) (ScaleMode::fp32) or the
+// smallest power of two >= that (ScaleMode::pow2, so nothing overflows), and q = encode(x / s)
+// (IEEE float division, round to nearest even, saturating). An all-zero tile gets s = 1 and exact
+// zeros. NaN or Inf in the input raises fp8moe::Error naming the argument and the element.
+//
+// Layouts. A quantized 2-D tensor has values [R, C] row-major (e4m3/e5m2 bytes or e5m6 uint16) and
+// FP32 scales:
+//   ScaleKind::tile_1x128     one scale per row per 128 columns (activations: per token per 128
+//                             channels). scales [ceil(C/128), scale_ld(R)] f32, group-major
+//                             ("M-major": the rows of one column group are contiguous, the layout
+//                             the GEMM's TMA reads). scale_ld(R) = round_up(R, 4) keeps each group
+//                             16-byte aligned; padding entries are written as 1.
+//   ScaleKind::block_128x128  one scale per 128x128 block (weights [N, K]: 128 output x 128 input
+//                             channels). scales [ceil(R/128), ceil(C/128)] f32 row-major.
+// Ragged shapes: the last tile/block along a dimension may be partial; its scale covers only the
+// valid elements and nothing past the end is read or written.
+//
+// 128x1 (grouped along tokens, for Wgrad): for x [T, C] the GEMM needs x^T [C, T] quantized 1x128
+// along T. quantize_128x1 does that directly from FP32/BF16; requantize_128x1 is the report's path
+// from the cached 1x128 FP8 tensor: dequantize, transpose, requantize.
+#pragma once
+#include "fp8moe/tensor.hpp"
+
+namespace fp8moe {
+
+constexpr int kQuantGroup = 128;
+
+enum class ScaleKind : uint8_t { tile_1x128, block_128x128 };
+enum class ScaleMode : uint8_t { fp32, pow2 };
+
+inline int64_t scale_ld(int64_t rows) { return round_up(rows, 4); }
+
+struct QuantizedView {
+  TensorView values;  // [R, C] e4m3 | e5m2 | e5m6, row-major
+  TensorView scales;  // see the layouts above
+  ScaleKind kind = ScaleKind::tile_1x128;
+
+  int64_t rows() const { return values.size(0); }
+  int64_t cols() const { return values.size(1); }
+  // Scale of element (r, c).
+  float scale_at(int64_t r, int64_t c) const;
+};
+
+struct QuantizedTensor {
+  Tensor values, scales;
+  ScaleKind kind = ScaleKind::tile_1x128;
+  QuantizedView view() const { return {values.view(), scales.view(), kind}; }
+  operator QuantizedView() const { return view(); }
+};
+
+// Shape of the scale tensor for values [rows, cols].
+std::array<int64_t, 2> scale_shape(ScaleKind kind, int64_t rows, int64_t cols);
+// Host storage for a quantized [rows, cols] tensor.
+QuantizedTensor make_quantized_host(int64_t rows, int64_t cols, DType dtype, ScaleKind kind);
+
+// Scale of a tile with absolute maximum `amax` (finite, >= 0).
+float compute_scale(float amax, DType dtype, ScaleMode mode);
+
+// Validates `q` (dtypes, scale shape, layout) for values [rows, cols]; `arg` names it in errors.
+void check_quantized(const QuantizedView& q, const char* arg, ScaleKind kind);
+
+// x [R, C] f32 | bf16  ->  out [R, C] 1x128-scaled.
+void quantize_1x128(const TensorView& x, const QuantizedView& out, ScaleMode mode = ScaleMode::fp32);
+// w [R, C] f32 | bf16  ->  out [R, C] 128x128-scaled.
+void quantize_128x128(const TensorView& w, const QuantizedView& out, ScaleMode mode = ScaleMode::fp32);
+// x [T, C] f32 | bf16  ->  out [C, T] 1x128-scaled along T (x^T, grouped along tokens).
+void quantize_128x1(const TensorView& x, const QuantizedView& out, ScaleMode mode = ScaleMode::fp32);
+// in [T, C] 1x128-scaled  ->  out [C, T] 1x128-scaled along T: dequantize, transpose, requantize.
+void requantize_128x1(const QuantizedView& in, const QuantizedView& out, ScaleMode mode = ScaleMode::fp32);
+// in [R, C] any kind  ->  out [R, C] f32 | bf16, value = decode(q) * scale (FP32 product).
+void dequantize(const QuantizedView& in, const TensorView& out);
+
+// Element accessors for reference code: x as float, whatever its dtype (f32, bf16, f64).
+float load_float(const TensorView& x, int64_t i);
+void store_float(const TensorView& x, int64_t i, float v);
+float decode_value(DType dtype, const void* data, int64_t i);
+
+}  // namespace fp8moe

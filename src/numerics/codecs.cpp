@@ -1,0 +1,131 @@
+// Scalar codecs: see include/fp8moe/codecs.hpp for the formats and the NaN/Inf policy.
+// The generic minifloat encoder works in double: every float is exact there, and scaling by a
+// power of two before std::nearbyint gives round-to-nearest-even at the target's quantum.
+#include "fp8moe/codecs.hpp"
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+
+#include "fp8moe/error.hpp"
+
+namespace fp8moe {
+
+namespace {
+uint32_t nan_code(const MiniFloatFormat& f) {
+  return (1u << (f.exp_bits + f.man_bits)) - 1;  // exponent and mantissa all ones
+}
+uint32_t inf_code(const MiniFloatFormat& f) { return ((1u << f.exp_bits) - 1) << f.man_bits; }
+uint32_t max_code(const MiniFloatFormat& f) {
+  return f.has_inf ? inf_code(f) - 1 : nan_code(f) - 1;
+}
+}  // namespace
+
+uint32_t minifloat_encode(const MiniFloatFormat& f, double x, Saturate sat) {
+  const int width = 1 + f.exp_bits + f.man_bits;
+  const uint32_t sign = std::signbit(x) ? 1u << (width - 1) : 0u;
+  if (std::isnan(x)) {
+    if (f.man_bits == 2) {
+      // E5M2: NaN keeps the top mantissa bits of the input and is made quiet (as cuda_fp8.h).
+      uint64_t bits = std::bit_cast<uint64_t>(x);
+      return sign | 0x7Eu | uint32_t((bits >> 50) & 0x3);
+    }
+    return sign | nan_code(f);
+  }
+  const double a = std::fabs(x);
+  const uint32_t overflow = sat == Saturate::finite ? max_code(f) : (f.has_inf ? inf_code(f) : nan_code(f));
+  if (std::isinf(a)) return sign | overflow;
+  if (a == 0) return sign;
+  const int emin = 1 - f.bias;  // exponent of the smallest normal
+  int e;
+  std::frexp(a, &e);            // a = m * 2^e, m in [0.5, 1)  ->  floor(log2 a) = e - 1
+  int exp = std::max(e - 1, emin);
+  double n = std::nearbyint(std::ldexp(a, f.man_bits - exp));  // significand in quanta, RNE
+  double r = std::ldexp(n, exp - f.man_bits);
+  if (r > f.max_finite) return sign | overflow;
+  if (n == 0) return sign;
+  if (n >= double(2u << f.man_bits)) {  // rounded up into the next binade
+    n /= 2;
+    ++exp;
+  }
+  uint32_t man = uint32_t(n);
+  uint32_t field = 0;
+  if (man >= (1u << f.man_bits)) {  // normal: drop the hidden bit
+    field = uint32_t(exp + f.bias);
+    man -= 1u << f.man_bits;
+  }
+  return sign | (field << f.man_bits) | man;
+}
+
+double minifloat_decode(const MiniFloatFormat& f, uint32_t code) {
+  const int width = 1 + f.exp_bits + f.man_bits;
+  const bool neg = (code >> (width - 1)) & 1;
+  const uint32_t field = (code >> f.man_bits) & ((1u << f.exp_bits) - 1);
+  const uint32_t man = code & ((1u << f.man_bits) - 1);
+  double v;
+  if (f.has_inf && field == (1u << f.exp_bits) - 1) {
+    v = man ? std::nan("") : INFINITY;
+  } else if (!f.has_inf && (code & nan_code(f)) == nan_code(f)) {
+    v = std::nan("");
+  } else if (field == 0) {
+    v = std::ldexp(double(man), 1 - f.bias - f.man_bits);
+  } else {
+    v = std::ldexp(double(man | (1u << f.man_bits)), int(field) - f.bias - f.man_bits);
+  }
+  return neg ? -v : v;
+}
+
+uint8_t e4m3_encode(float x, Saturate sat) { return uint8_t(minifloat_encode(kE4M3, x, sat)); }
+float e4m3_decode(uint8_t code) { return float(minifloat_decode(kE4M3, code)); }
+uint8_t e5m2_encode(float x, Saturate sat) { return uint8_t(minifloat_encode(kE5M2, x, sat)); }
+float e5m2_decode(uint8_t code) { return float(minifloat_decode(kE5M2, code)); }
+uint16_t e5m6_encode(float x, Saturate sat) { return uint16_t(minifloat_encode(kE5M6, x, sat)); }
+float e5m6_decode(uint16_t code) { return float(minifloat_decode(kE5M6, code & 0xFFF)); }
+
+uint16_t bf16_encode(float x, Saturate sat) {
+  uint32_t u = std::bit_cast<uint32_t>(x);
+  if (std::isnan(x)) return uint16_t((u >> 16) & 0x8000) | 0x7FFF;
+  if (sat == Saturate::finite && std::isinf(x)) return uint16_t((u >> 16) & 0x8000) | 0x7F7F;
+  uint32_t rounded = u + 0x7FFF + ((u >> 16) & 1);  // RNE on the low 16 bits
+  uint16_t r = uint16_t(rounded >> 16);
+  if (sat == Saturate::finite && (r & 0x7FFF) == 0x7F80) r = uint16_t((r & 0x8000) | 0x7F7F);
+  return r;
+}
+
+float bf16_decode(uint16_t bits) { return std::bit_cast<float>(uint32_t(bits) << 16); }
+
+uint8_t ue8m0_encode(float x, bool round_up, Saturate sat) {
+  if (std::isnan(x)) return 0xFF;
+  float a = std::fabs(x);
+  if (std::isinf(a)) return sat == Saturate::finite ? 0xFE : 0xFF;
+  uint32_t u = std::bit_cast<uint32_t>(a);
+  int field = int(u >> 23);  // biased exponent, 0 for zero/subnormals
+  uint32_t man = u & 0x7FFFFF;
+  if (field == 0) {
+    // Below 2^-126: round toward zero gives 2^-127 (code 0) for all; toward +Inf gives code 0 up
+    // to exactly 2^-127 and code 1 above.
+    return (round_up && man > 0x400000) ? 1 : 0;
+  }
+  if (round_up && man != 0) ++field;
+  if (field >= 255) return sat == Saturate::finite ? 0xFE : 0xFF;
+  return uint8_t(field);
+}
+
+float ue8m0_decode(uint8_t code) {
+  if (code == 0xFF) return NAN;
+  return std::ldexp(1.0f, int(code) - 127);
+}
+
+const MiniFloatFormat& format_of(DType t) {
+  switch (t) {
+    case DType::e4m3: return kE4M3;
+    case DType::e5m2: return kE5M2;
+    case DType::e5m6: return kE5M6;
+    default: break;
+  }
+  FP8MOE_CHECK(false, "dtype " << dtype_name(t) << " is not an FP8/E5M6 format (expected e4m3|e5m2|e5m6)");
+}
+
+double max_finite(DType t) { return format_of(t).max_finite; }
+
+}  // namespace fp8moe

@@ -1,0 +1,97 @@
+// TensorView / Tensor helpers and the argument checks every op uses.
+#include "fp8moe/tensor.hpp"
+
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+namespace fp8moe {
+
+TensorView::TensorView(void* p, DType t, std::initializer_list<int64_t> dims, Device dev)
+    : data(p), dtype(t), device(dev), ndim(int(dims.size())) {
+  FP8MOE_CHECK(ndim <= kMaxDims, "tensor has " << ndim << " dims, at most " << kMaxDims);
+  int i = 0;
+  for (int64_t d : dims) {
+    FP8MOE_CHECK(d >= 0, "tensor dim " << i << " is negative (" << d << ")");
+    shape[i++] = d;
+  }
+  int64_t s = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    strides[d] = s;
+    s *= shape[d];
+  }
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t s = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    if (shape[d] != 1 && strides[d] != s) return false;
+    s *= shape[d];
+  }
+  return true;
+}
+
+std::string TensorView::str() const {
+  std::ostringstream os;
+  os << "[";
+  for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << shape[d];
+  os << "] " << dtype_name(dtype) << " " << device_name(device);
+  return os.str();
+}
+
+static void check_common(const TensorView& t, const char* arg, int ndim) {
+  FP8MOE_CHECK(t.data != nullptr, arg << ": null data pointer");
+  FP8MOE_CHECK(t.ndim == ndim, arg << ": expected " << ndim << " dims, got " << t.str());
+  FP8MOE_CHECK(t.is_contiguous(), arg << ": expected a contiguous row-major tensor, got " << t.str());
+}
+
+void check_tensor(const TensorView& t, const char* arg, DType dtype, int ndim) {
+  check_common(t, arg, ndim);
+  FP8MOE_CHECK(t.dtype == dtype, arg << ": expected dtype " << dtype_name(dtype) << ", got " << t.str());
+}
+
+void check_tensor(const TensorView& t, const char* arg, std::initializer_list<DType> dtypes, int ndim) {
+  check_common(t, arg, ndim);
+  bool ok = false;
+  std::string names;
+  for (DType d : dtypes) {
+    ok |= (t.dtype == d);
+    names += (names.empty() ? "" : "|") + std::string(dtype_name(d));
+  }
+  FP8MOE_CHECK(ok, arg << ": expected dtype " << names << ", got " << t.str());
+}
+
+void check_shape(const TensorView& t, const char* arg, std::initializer_list<int64_t> shape) {
+  bool ok = int(shape.size()) == t.ndim;
+  int i = 0;
+  std::ostringstream want;
+  want << "[";
+  for (int64_t d : shape) {
+    want << (i ? ", " : "") << d;
+    ok = ok && t.shape[i] == d;
+    ++i;
+  }
+  want << "]";
+  FP8MOE_CHECK(ok, arg << ": expected shape " << want.str() << ", got " << t.str());
+}
+
+Tensor::Tensor(std::shared_ptr<void> storage, DType t, std::initializer_list<int64_t> dims, Device dev)
+    : storage_(std::move(storage)), view_(storage_.get(), t, dims, dev) {}
+
+Tensor Tensor::host(DType t, std::initializer_list<int64_t> dims) {
+  TensorView shape_only(nullptr, t, dims);
+  size_t bytes = std::max<size_t>(shape_only.nbytes(), 1);
+  // 64-byte alignment: vector loads and the alignment rules of the GPU copies.
+  void* p = std::aligned_alloc(64, round_up(int64_t(bytes), 64));
+  FP8MOE_CHECK(p != nullptr, "host allocation of " << bytes << " bytes failed");
+  std::memset(p, 0, bytes);
+  return Tensor(std::shared_ptr<void>(p, std::free), t, dims, Device::cpu);
+}
+
+}  // namespace fp8moe
