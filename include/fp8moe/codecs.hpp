@@ -7,7 +7,7 @@
 //         Subnormals: exponent field 0, value = m/8 * 2^-6 (min 2^-9).
 //   E5M2  1-5-2, bias 15. IEEE-like: exponent 31 is Inf (m=0) or NaN (m!=0). Max finite 57344.
 //   E5M6  1-5-6, bias 15, stored in the low 12 bits of a uint16 (bit 11 = sign, bits 15..12 = 0).
-//         IEEE-like: exponent 31 is Inf (m=0) or NaN (m!=0; encoders write 0x7FF|sign).
+//         IEEE-like: exponent 31 is Inf (m=0) or NaN (m!=0; encoders write 0x7FF).
 //         Max finite 65024 = 2^15 * (1 + 63/64). Subnormals: m/64 * 2^-14 (min 2^-20).
 //         Same range as E5M2, three more mantissa bits: the report's format for the input of the
 //         Linear after attention.
@@ -15,7 +15,8 @@
 //   UE8M0 8-bit unsigned exponent, value 2^(e-127), 0xFF = NaN: power-of-two scales.
 //
 // NaN/Inf policy (encoders):
-//   NaN in  -> NaN out, in both modes (E4M3: 0x7F|sign; E5M2: 0x7E|sign|top mantissa bits as CUDA).
+//   NaN in  -> the canonical positive NaN in both modes (E4M3 and E5M2 0x7F, E5M6 0x7FF), as
+//              cuda_fp8.h does for float inputs; BF16 keeps the sign (0x7FFF|sign).
 //   Saturate::finite : values (and +-Inf) beyond the largest finite clamp to +-max finite.
 //   Saturate::none   : overflow gives +-Inf where the format has Inf, NaN for E4M3 (as __NV_NOSAT).
 //   Overflow means: the value rounded to nearest-even in an unbounded-exponent format exceeds max.

@@ -3,7 +3,8 @@
 // Online absmax: every tile/block gets scale s = amax / max_finite(dtype) (ScaleMode::fp32) or the
 // smallest power of two >= that (ScaleMode::pow2, so nothing overflows), and q = encode(x / s)
 // (IEEE float division, round to nearest even, saturating). An all-zero tile gets s = 1 and exact
-// zeros. NaN or Inf in the input raises fp8moe::Error naming the argument and the element.
+// zeros; a scale below FLT_MIN (tiny tiles) is raised to FLT_MIN so x / s stays finite.
+// Power-of-two scales are computed as ue8m0_decode(ue8m0_encode(amax / max, round_up)). NaN or Inf in the input raises fp8moe::Error naming the argument and the element.
 //
 // Layouts. A quantized 2-D tensor has values [R, C] row-major (e4m3/e5m2 bytes or e5m6 uint16) and
 // FP32 scales:

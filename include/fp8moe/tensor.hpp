@@ -47,8 +47,13 @@ class Tensor {
   Tensor() = default;
   // Takes ownership of `storage` (freed by its deleter) holding a contiguous tensor.
   Tensor(std::shared_ptr<void> storage, DType t, std::initializer_list<int64_t> dims, Device dev);
+  // Takes ownership of `storage` holding the contiguous tensor described by `view` (view.data is
+  // replaced by storage.get()).
+  Tensor(std::shared_ptr<void> storage, TensorView view);
   // Host tensor, zero-initialized.
   static Tensor host(DType t, std::initializer_list<int64_t> dims);
+  // Contiguous zero-initialized host tensor with the dtype and shape of `like`.
+  static Tensor host_like(const TensorView& like);
 
   const TensorView& view() const { return view_; }
   operator const TensorView&() const { return view_; }

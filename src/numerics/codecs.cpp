@@ -24,14 +24,7 @@ uint32_t max_code(const MiniFloatFormat& f) {
 uint32_t minifloat_encode(const MiniFloatFormat& f, double x, Saturate sat) {
   const int width = 1 + f.exp_bits + f.man_bits;
   const uint32_t sign = std::signbit(x) ? 1u << (width - 1) : 0u;
-  if (std::isnan(x)) {
-    if (f.man_bits == 2) {
-      // E5M2: NaN keeps the top mantissa bits of the input and is made quiet (as cuda_fp8.h).
-      uint64_t bits = std::bit_cast<uint64_t>(x);
-      return sign | 0x7Eu | uint32_t((bits >> 50) & 0x3);
-    }
-    return sign | nan_code(f);
-  }
+  if (std::isnan(x)) return nan_code(f);  // canonical, positive NaN (as cuda_fp8.h for float input)
   const double a = std::fabs(x);
   const uint32_t overflow = sat == Saturate::finite ? max_code(f) : (f.has_inf ? inf_code(f) : nan_code(f));
   if (std::isinf(a)) return sign | overflow;

@@ -1,6 +1,7 @@
 // TensorView / Tensor helpers and the argument checks every op uses.
 #include "fp8moe/tensor.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -84,14 +85,26 @@ void check_shape(const TensorView& t, const char* arg, std::initializer_list<int
 Tensor::Tensor(std::shared_ptr<void> storage, DType t, std::initializer_list<int64_t> dims, Device dev)
     : storage_(std::move(storage)), view_(storage_.get(), t, dims, dev) {}
 
-Tensor Tensor::host(DType t, std::initializer_list<int64_t> dims) {
-  TensorView shape_only(nullptr, t, dims);
-  size_t bytes = std::max<size_t>(shape_only.nbytes(), 1);
+Tensor::Tensor(std::shared_ptr<void> storage, TensorView view) : storage_(std::move(storage)), view_(view) {
+  view_.data = storage_.get();
+}
+
+Tensor Tensor::host(DType t, std::initializer_list<int64_t> dims) { return host_like(TensorView(nullptr, t, dims)); }
+
+Tensor Tensor::host_like(const TensorView& like) {
+  TensorView v = like;
+  int64_t s = 1;  // contiguous strides
+  for (int d = v.ndim - 1; d >= 0; --d) {
+    v.strides[d] = s;
+    s *= v.shape[d];
+  }
+  v.device = Device::cpu;
+  size_t bytes = std::max<size_t>(v.nbytes(), 1);
   // 64-byte alignment: vector loads and the alignment rules of the GPU copies.
-  void* p = std::aligned_alloc(64, round_up(int64_t(bytes), 64));
+  void* p = std::aligned_alloc(64, size_t(round_up(int64_t(bytes), 64)));
   FP8MOE_CHECK(p != nullptr, "host allocation of " << bytes << " bytes failed");
   std::memset(p, 0, bytes);
-  return Tensor(std::shared_ptr<void>(p, std::free), t, dims, Device::cpu);
+  return Tensor(std::shared_ptr<void>(p, std::free), v);
 }
 
 }  // namespace fp8moe

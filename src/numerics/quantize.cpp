@@ -1,0 +1,189 @@
+// Fine-grained quantizers (1x128, 128x128, 128x1) and dequantization, CPU reference.
+// Contracts and layouts: include/fp8moe/quantize.hpp.
+#include "fp8moe/quantize.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "fp8moe/codecs.hpp"
+
+namespace fp8moe {
+
+float load_float(const TensorView& x, int64_t i) {
+  switch (x.dtype) {
+    case DType::f32: return x.ptr<const float>()[i];
+    case DType::bf16: return bf16_decode(x.ptr<const uint16_t>()[i]);
+    case DType::f64: return float(x.ptr<const double>()[i]);
+    default: break;
+  }
+  FP8MOE_CHECK(false, "load_float: unsupported dtype " << dtype_name(x.dtype));
+}
+
+void store_float(const TensorView& x, int64_t i, float v) {
+  switch (x.dtype) {
+    case DType::f32: x.ptr<float>()[i] = v; return;
+    case DType::bf16: x.ptr<uint16_t>()[i] = bf16_encode(v); return;
+    case DType::f64: x.ptr<double>()[i] = v; return;
+    default: break;
+  }
+  FP8MOE_CHECK(false, "store_float: unsupported dtype " << dtype_name(x.dtype));
+}
+
+float decode_value(DType dtype, const void* data, int64_t i) {
+  switch (dtype) {
+    case DType::e4m3: return e4m3_decode(static_cast<const uint8_t*>(data)[i]);
+    case DType::e5m2: return e5m2_decode(static_cast<const uint8_t*>(data)[i]);
+    case DType::e5m6: return e5m6_decode(static_cast<const uint16_t*>(data)[i]);
+    default: break;
+  }
+  FP8MOE_CHECK(false, "decode_value: " << dtype_name(dtype) << " is not a quantized dtype");
+}
+
+static void encode_value(DType dtype, void* data, int64_t i, float v) {
+  switch (dtype) {
+    case DType::e4m3: static_cast<uint8_t*>(data)[i] = e4m3_encode(v); return;
+    case DType::e5m2: static_cast<uint8_t*>(data)[i] = e5m2_encode(v); return;
+    case DType::e5m6: static_cast<uint16_t*>(data)[i] = e5m6_encode(v); return;
+    default: break;
+  }
+}
+
+std::array<int64_t, 2> scale_shape(ScaleKind kind, int64_t rows, int64_t cols) {
+  if (kind == ScaleKind::tile_1x128) return {ceil_div(cols, kQuantGroup), scale_ld(rows)};
+  return {ceil_div(rows, kQuantGroup), ceil_div(cols, kQuantGroup)};
+}
+
+QuantizedTensor make_quantized_host(int64_t rows, int64_t cols, DType dtype, ScaleKind kind) {
+  format_of(dtype);  // validates the dtype
+  auto ss = scale_shape(kind, rows, cols);
+  QuantizedTensor q{Tensor::host(dtype, {rows, cols}), Tensor::host(DType::f32, {ss[0], ss[1]}), kind};
+  return q;
+}
+
+float QuantizedView::scale_at(int64_t r, int64_t c) const {
+  const float* s = scales.ptr<const float>();
+  if (kind == ScaleKind::tile_1x128) return s[(c / kQuantGroup) * scales.size(1) + r];
+  return s[(r / kQuantGroup) * scales.size(1) + c / kQuantGroup];
+}
+
+float compute_scale(float amax, DType dtype, ScaleMode mode) {
+  FP8MOE_CHECK(std::isfinite(amax) && amax >= 0, "compute_scale: amax must be finite and >= 0, got " << amax);
+  if (amax == 0) return 1.0f;
+  float s = amax / float(max_finite(dtype));
+  if (mode == ScaleMode::pow2) s = ue8m0_decode(ue8m0_encode(s, /*round_up=*/true));
+  // NOTES: amax / max can underflow to 0 or a subnormal for tiny tiles; a scale of at least the
+  // smallest normal keeps x / s finite, and such tiles quantize to (near) zero anyway.
+  return std::max(s, std::numeric_limits<float>::min());
+}
+
+void check_quantized(const QuantizedView& q, const char* arg, ScaleKind kind) {
+  FP8MOE_CHECK(q.kind == kind, arg << ": expected " << (kind == ScaleKind::tile_1x128 ? "1x128" : "128x128")
+                                   << " scales, got the other kind");
+  check_tensor(q.values, arg, {DType::e4m3, DType::e5m2, DType::e5m6}, 2);
+  auto ss = scale_shape(kind, q.values.size(0), q.values.size(1));
+  std::string scales_arg = std::string(arg) + ".scales";
+  check_tensor(q.scales, scales_arg.c_str(), DType::f32, 2);
+  check_shape(q.scales, scales_arg.c_str(), {ss[0], ss[1]});
+  FP8MOE_CHECK(q.values.device == q.scales.device, arg << ": values and scales on different devices");
+}
+
+static void check_input(const TensorView& x, const char* arg) {
+  check_tensor(x, arg, {DType::f32, DType::bf16}, 2);
+  FP8MOE_CHECK(x.device == Device::cpu, arg << ": the CPU quantizer needs host memory, got " << x.str());
+}
+
+[[noreturn]] static void non_finite(const char* arg, int64_t r, int64_t c, float v) {
+  FP8MOE_CHECK(false, arg << ": non-finite value " << v << " at [" << r << ", " << c
+                          << "] (NaN/Inf input is refused by the quantizers)");
+  __builtin_unreachable();
+}
+
+// Quantizes the tile rows [r0, r1) x cols [c0, c1) of `get(r, c)` with one scale; returns it.
+template <class Get>
+static float quantize_tile(Get get, const char* arg, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                           const TensorView& out, ScaleMode mode) {
+  float amax = 0;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = c0; c < c1; ++c) {
+      float v = get(r, c);
+      if (!std::isfinite(v)) non_finite(arg, r, c, v);
+      amax = std::max(amax, std::fabs(v));
+    }
+  const float s = compute_scale(amax, out.dtype, mode);
+  const int64_t ld = out.size(1);
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = c0; c < c1; ++c) encode_value(out.dtype, out.data, r * ld + c, get(r, c) / s);
+  return s;
+}
+
+// 1x128 tiles of a logical [R, C] source read through `get`.
+template <class Get>
+static void quantize_rows_1x128(Get get, const char* arg, const QuantizedView& out, ScaleMode mode) {
+  const int64_t R = out.rows(), C = out.cols(), G = ceil_div(C, kQuantGroup), ld = out.scales.size(1);
+  float* scales = out.scales.ptr<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g)
+      scales[g * ld + r] = quantize_tile(get, arg, r, r + 1, g * kQuantGroup,
+                                         std::min(C, (g + 1) * kQuantGroup), out.values, mode);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = R; r < ld; ++r) scales[g * ld + r] = 1.0f;
+}
+
+void quantize_1x128(const TensorView& x, const QuantizedView& out, ScaleMode mode) {
+  check_input(x, "x");
+  check_quantized(out, "out", ScaleKind::tile_1x128);
+  check_shape(out.values, "out.values", {x.size(0), x.size(1)});
+  const int64_t C = x.size(1);
+  quantize_rows_1x128([&](int64_t r, int64_t c) { return load_float(x, r * C + c); }, "x", out, mode);
+}
+
+void quantize_128x128(const TensorView& w, const QuantizedView& out, ScaleMode mode) {
+  check_input(w, "w");
+  check_quantized(out, "out", ScaleKind::block_128x128);
+  check_shape(out.values, "out.values", {w.size(0), w.size(1)});
+  const int64_t R = w.size(0), C = w.size(1), BR = ceil_div(R, kQuantGroup), BC = ceil_div(C, kQuantGroup);
+  auto get = [&](int64_t r, int64_t c) { return load_float(w, r * C + c); };
+  float* scales = out.scales.ptr<float>();
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t br = 0; br < BR; ++br)
+    for (int64_t bc = 0; bc < BC; ++bc)
+      scales[br * BC + bc] =
+          quantize_tile(get, "w", br * kQuantGroup, std::min(R, (br + 1) * kQuantGroup), bc * kQuantGroup,
+                        std::min(C, (bc + 1) * kQuantGroup), out.values, mode);
+}
+
+void quantize_128x1(const TensorView& x, const QuantizedView& out, ScaleMode mode) {
+  check_input(x, "x");
+  check_quantized(out, "out", ScaleKind::tile_1x128);
+  check_shape(out.values, "out.values", {x.size(1), x.size(0)});
+  const int64_t C = x.size(1);
+  // out[c, t] = x[t, c]
+  quantize_rows_1x128([&](int64_t c, int64_t t) { return load_float(x, t * C + c); }, "x", out, mode);
+}
+
+void requantize_128x1(const QuantizedView& in, const QuantizedView& out, ScaleMode mode) {
+  check_quantized(in, "in", ScaleKind::tile_1x128);
+  check_quantized(out, "out", ScaleKind::tile_1x128);
+  FP8MOE_CHECK(in.values.device == Device::cpu, "in: the CPU quantizer needs host memory");
+  check_shape(out.values, "out.values", {in.cols(), in.rows()});
+  const int64_t C = in.cols();
+  auto get = [&](int64_t c, int64_t t) {
+    return decode_value(in.values.dtype, in.values.data, t * C + c) * in.scale_at(t, c);
+  };
+  quantize_rows_1x128(get, "in", out, mode);
+}
+
+void dequantize(const QuantizedView& in, const TensorView& out) {
+  check_quantized(in, "in", in.kind);
+  check_tensor(out, "out", {DType::f32, DType::bf16}, 2);
+  check_shape(out, "out", {in.rows(), in.cols()});
+  const int64_t R = in.rows(), C = in.cols();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c)
+      store_float(out, r * C + c, decode_value(in.values.dtype, in.values.data, r * C + c) * in.scale_at(r, c));
+}
+
+}  // namespace fp8moe

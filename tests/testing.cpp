@@ -1,0 +1,39 @@
+// Shared test helpers (see testing.hpp).
+#include "testing.hpp"
+
+#include "fp8moe/quantize.hpp"
+
+namespace fp8moe::testing {
+
+Tensor random_normal(std::mt19937_64& rng, DType dtype, std::initializer_list<int64_t> shape, float stddev) {
+  Tensor t = Tensor::host(dtype, shape);
+  std::normal_distribution<float> dist(0.0f, stddev);
+  for (int64_t i = 0; i < t.numel(); ++i) store_float(t.view(), i, dist(rng));
+  return t;
+}
+
+double calc_diff(const std::vector<double>& x, const std::vector<double>& y) {
+  double xy = 0, xx = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    xy += x[i] * y[i];
+    xx += x[i] * x[i] + y[i] * y[i];
+  }
+  return xx == 0 ? 0.0 : 1.0 - 2.0 * xy / xx;
+}
+
+double rel_error(const std::vector<double>& x, const std::vector<double>& y) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    num += (x[i] - y[i]) * (x[i] - y[i]);
+    den += y[i] * y[i];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+std::vector<double> to_doubles(const TensorView& t) {
+  std::vector<double> out(size_t(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i) out[size_t(i)] = load_float(t, i);
+  return out;
+}
+
+}  // namespace fp8moe::testing

@@ -1,0 +1,41 @@
+// Shared test helpers: seeded random inputs (fresh each run, seed printed, FP8MOE_SEED=<n> to
+// replay), calc_diff, and the GPU skip guard.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <iostream>
+#include <random>
+#include <vector>
+
+#include "fp8moe/tensor.hpp"
+
+namespace fp8moe::testing {
+
+// A generator seeded from FP8MOE_SEED or std::random_device; the seed is printed so a failure
+// can be replayed.
+inline std::mt19937_64 make_rng() {
+  uint64_t seed;
+  if (const char* s = std::getenv("FP8MOE_SEED")) {
+    seed = std::strtoull(s, nullptr, 10);
+  } else {
+    seed = (uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
+  }
+  std::cout << "[ seed     ] FP8MOE_SEED=" << seed << "  ("
+            << ::testing::UnitTest::GetInstance()->current_test_info()->name() << ")\n";
+  return std::mt19937_64(seed);
+}
+
+// Host tensor filled with N(0, stddev) (f32, or bf16 rounded).
+Tensor random_normal(std::mt19937_64& rng, DType dtype, std::initializer_list<int64_t> shape, float stddev = 1.0f);
+
+// DeepGEMM's similarity measure: 1 - 2*sum(xy) / sum(x^2 + y^2); 0 means identical.
+double calc_diff(const std::vector<double>& x, const std::vector<double>& y);
+// ||x - y|| / ||y||
+double rel_error(const std::vector<double>& x, const std::vector<double>& y);
+// All elements of a tensor as doubles.
+std::vector<double> to_doubles(const TensorView& t);
+
+}  // namespace fp8moe::testing
