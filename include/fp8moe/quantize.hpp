@@ -68,6 +68,9 @@ void quantize_1x128(const TensorView& x, const QuantizedView& out, ScaleMode mod
 void quantize_128x128(const TensorView& w, const QuantizedView& out, ScaleMode mode = ScaleMode::fp32);
 // x [T, C] f32 | bf16  ->  out [C, T] 1x128-scaled along T (x^T, grouped along tokens).
 void quantize_128x1(const TensorView& x, const QuantizedView& out, ScaleMode mode = ScaleMode::fp32);
+// Per-tensor quantization (the coarse baseline the report improves on), written in either layout
+// with every scale equal to the tensor's amax / max_finite, so the GEMMs consume it unchanged.
+void quantize_per_tensor(const TensorView& x, const QuantizedView& out, ScaleMode mode = ScaleMode::fp32);
 // in [T, C] 1x128-scaled  ->  out [C, T] 1x128-scaled along T: dequantize, transpose, requantize.
 void requantize_128x1(const QuantizedView& in, const QuantizedView& out, ScaleMode mode = ScaleMode::fp32);
 // in [R, C] any kind  ->  out [R, C] f32 | bf16, value = decode(q) * scale (FP32 product).

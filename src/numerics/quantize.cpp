@@ -93,23 +93,24 @@ static void check_input(const TensorView& x, const char* arg) {
   FP8MOE_CHECK(x.device == Device::cpu, arg << ": the CPU quantizer needs host memory, got " << x.str());
 }
 
-[[noreturn]] static void non_finite(const char* arg, int64_t r, int64_t c, float v) {
-  FP8MOE_CHECK(false, arg << ": non-finite value " << v << " at [" << r << ", " << c
-                          << "] (NaN/Inf input is refused by the quantizers)");
-  __builtin_unreachable();
+// NOTES: runs before the OpenMP loops, since an exception must not leave a parallel region.
+template <class Get>
+static void check_finite(Get get, const char* arg, int64_t R, int64_t C) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) {
+      float v = get(r, c);
+      FP8MOE_CHECK(std::isfinite(v), arg << ": non-finite value " << v << " at [" << r << ", " << c
+                                         << "] (NaN/Inf input is refused by the quantizers)");
+    }
 }
 
 // Quantizes the tile rows [r0, r1) x cols [c0, c1) of `get(r, c)` with one scale; returns it.
 template <class Get>
-static float quantize_tile(Get get, const char* arg, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+static float quantize_tile(Get get, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
                            const TensorView& out, ScaleMode mode) {
   float amax = 0;
   for (int64_t r = r0; r < r1; ++r)
-    for (int64_t c = c0; c < c1; ++c) {
-      float v = get(r, c);
-      if (!std::isfinite(v)) non_finite(arg, r, c, v);
-      amax = std::max(amax, std::fabs(v));
-    }
+    for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(get(r, c)));
   const float s = compute_scale(amax, out.dtype, mode);
   const int64_t ld = out.size(1);
   for (int64_t r = r0; r < r1; ++r)
@@ -121,11 +122,12 @@ static float quantize_tile(Get get, const char* arg, int64_t r0, int64_t r1, int
 template <class Get>
 static void quantize_rows_1x128(Get get, const char* arg, const QuantizedView& out, ScaleMode mode) {
   const int64_t R = out.rows(), C = out.cols(), G = ceil_div(C, kQuantGroup), ld = out.scales.size(1);
+  check_finite(get, arg, R, C);
   float* scales = out.scales.ptr<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g)
-      scales[g * ld + r] = quantize_tile(get, arg, r, r + 1, g * kQuantGroup,
+      scales[g * ld + r] = quantize_tile(get, r, r + 1, g * kQuantGroup,
                                          std::min(C, (g + 1) * kQuantGroup), out.values, mode);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t r = R; r < ld; ++r) scales[g * ld + r] = 1.0f;
@@ -145,13 +147,26 @@ void quantize_128x128(const TensorView& w, const QuantizedView& out, ScaleMode m
   check_shape(out.values, "out.values", {w.size(0), w.size(1)});
   const int64_t R = w.size(0), C = w.size(1), BR = ceil_div(R, kQuantGroup), BC = ceil_div(C, kQuantGroup);
   auto get = [&](int64_t r, int64_t c) { return load_float(w, r * C + c); };
+  check_finite(get, "w", R, C);
   float* scales = out.scales.ptr<float>();
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t br = 0; br < BR; ++br)
     for (int64_t bc = 0; bc < BC; ++bc)
       scales[br * BC + bc] =
-          quantize_tile(get, "w", br * kQuantGroup, std::min(R, (br + 1) * kQuantGroup), bc * kQuantGroup,
+          quantize_tile(get, br * kQuantGroup, std::min(R, (br + 1) * kQuantGroup), bc * kQuantGroup,
                         std::min(C, (bc + 1) * kQuantGroup), out.values, mode);
+}
+
+void quantize_per_tensor(const TensorView& x, const QuantizedView& out, ScaleMode mode) {
+  check_input(x, "x");
+  check_quantized(out, "out", out.kind);
+  check_shape(out.values, "out.values", {x.size(0), x.size(1)});
+  const int64_t R = x.size(0), C = x.size(1);
+  auto get = [&](int64_t r, int64_t c) { return load_float(x, r * C + c); };
+  check_finite(get, "x", R, C);
+  const float s = quantize_tile(get, 0, R, 0, C, out.values, mode);
+  float* scales = out.scales.ptr<float>();
+  for (int64_t i = 0; i < out.scales.numel(); ++i) scales[i] = s;
 }
 
 void quantize_128x1(const TensorView& x, const QuantizedView& out, ScaleMode mode) {
