@@ -131,7 +131,7 @@ void accum_command(const AccumArgs& args) {
 
 struct QuantArgs {
   int64_t tokens = 512, channels = 1024;
-  float outlier_scale = 100.0f;
+  float outlier_scale = 10000.0f;
   uint64_t seed = 0;
   bool json = false;
 };

@@ -20,6 +20,8 @@ struct Case {
   Op op;
 };
 
+void PrintTo(const Case& c, std::ostream* os) { *os << c.backend << "/" << op_name(c.op); }
+
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
   for (const std::string& b : available_backends())
