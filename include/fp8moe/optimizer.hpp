@@ -1,0 +1,59 @@
+// AdamW with the report's precision policy (§3.3.3): FP32 master weights and FP32 gradients, first
+// and second moments stored in BF16 (MomentPrecision::f32 for comparison); a warm-up + cosine
+// learning-rate schedule and clipping by the global gradient norm.
+// Parameters are host (CPU) tensors here; a device version keeps the same state layout, so
+// checkpoints move between the two.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "fp8moe/tensor.hpp"
+
+namespace fp8moe {
+
+struct ParamRef {
+  std::string name;
+  TensorView value;  // f32 master weight
+  TensorView grad;   // f32 gradient, same shape
+  bool weight_decay = true;
+};
+
+enum class MomentPrecision : uint8_t { bf16, f32 };
+
+struct AdamWConfig {
+  float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.1f;
+  MomentPrecision moments = MomentPrecision::bf16;
+};
+
+struct LrSchedule {
+  float peak = 3e-4f, min = 3e-5f;
+  int64_t warmup_steps = 100, total_steps = 1000;
+  float at(int64_t step) const;  // step counts from 0
+};
+
+class AdamW {
+ public:
+  AdamW(std::vector<ParamRef> params, AdamWConfig cfg);
+  // One update with learning rate `lr`; gradients are multiplied by `grad_scale` first (clipping).
+  void step(float lr, float grad_scale = 1.0f);
+  int64_t steps() const { return t_; }
+  void set_steps(int64_t t) { t_ = t; }
+  const std::vector<ParamRef>& params() const { return params_; }
+  // Moment tensors, parallel to params(): [same shape] bf16 or f32.
+  const std::vector<Tensor>& first_moments() const { return m_; }
+  const std::vector<Tensor>& second_moments() const { return v_; }
+  const AdamWConfig& config() const { return cfg_; }
+
+ private:
+  std::vector<ParamRef> params_;
+  AdamWConfig cfg_;
+  std::vector<Tensor> m_, v_;
+  int64_t t_ = 0;
+};
+
+// sqrt(sum of squares) over all gradients (FP64 accumulation).
+double global_grad_norm(const std::vector<ParamRef>& params);
+// The factor that brings the norm to at most max_norm (1 when already below, or max_norm <= 0).
+float clip_scale(double norm, float max_norm);
+
+}  // namespace fp8moe
