@@ -1,0 +1,162 @@
+// DeepSeek-V3-mini (SPEC.md §6): MLA attention, dense SwiGLU MLP for the first layers, DeepSeekMoE
+// (shared + routed experts, sigmoid affinity, group-limited top-k, auxiliary-loss-free bias, a
+// sequence-wise balance loss), output head and a depth-1 multi-token-prediction (MTP) module that
+// shares the embedding and the head. Written once against the Backend interface; every layer has
+// an explicit forward and a backward split into backward-for-input (B) and backward-for-weights
+// (W), callable separately as ZeroBubble and DualPipe schedules need.
+//
+// Trainer use:
+//   auto be = fp8moe::make_backend("cpu");
+//   fp8moe::Model model(fp8moe::load_config("configs/tiny.json"), fp8moe::Recipe::from_name("fp8"), *be, seed);
+//   model.zero_grad();
+//   auto st = model.forward_backward(tokens, targets, 1.0 / micro_batches);  // [B, S] i32 each
+//   ... optimizer on model.parameters() (weight/grad, FP32) ...
+//   model.update_routing_bias(st.expert_loads, cfg.bias_update_speed);
+// Parameters carry DeepSeek-V3's Hugging Face names (model.layers.{i}.self_attn.q_a_proj.weight,
+// model.layers.{i}.mlp.experts.{e}.gate_proj.weight, model.layers.{i}.mlp.gate.weight,
+// model.layers.{i}.mlp.gate.e_score_correction_bias, model.embed_tokens.weight, model.norm.weight,
+// lm_head.weight; the MTP layer is model.layers.{L} with enorm, hnorm, eh_proj, shared_head.norm).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fp8moe/backend.hpp"
+#include "fp8moe/config.hpp"
+#include "fp8moe/model_recipe.hpp"
+
+namespace fp8moe {
+
+struct Parameter {
+  std::string name;       // Hugging Face DeepSeek-V3 tensor name
+  Tensor weight;          // master weight, [out, in] for matrices; f32 (f64 in the fp64 recipe)
+  Tensor grad;            // same shape and dtype; forward_backward accumulates into it
+  bool trainable = true;  // false for e_score_correction_bias (moved by update_routing_bias)
+  bool decay = true;      // weight decay applies: matrices yes; norms, bias no
+};
+
+// Geometry of one micro-batch: B sequences of S tokens, flattened to T = B * S rows.
+struct Batch {
+  int64_t batch = 0, seq = 0;
+  Tensor tokens;     // [T] i32 on the backend
+  Tensor targets;    // [T] i32: next token of each position, -1 = ignored
+  Tensor positions;  // [T] i32: position inside its sequence (RoPE)
+  int64_t tokens_count() const { return batch * seq; }
+};
+
+struct StepStats {
+  double loss = 0;          // main + mtp_loss_weight * mtp + balance: what the gradients are of
+  double main_loss = 0;     // mean next-token cross-entropy over non-ignored targets
+  double mtp_loss = 0;      // mean cross-entropy of the MTP module (predicts token t+2); 0 without
+  double balance_loss = 0;  // sum over MoE layers of aux_loss_alpha * sequence-wise balance loss
+  int64_t tokens = 0;
+  // Tokens routed to each expert, per MoE layer in execution order (main layers, then MTP):
+  // [num_moe_layers][n_routed_experts]. Input of update_routing_bias.
+  std::vector<std::vector<int64_t>> expert_loads;
+};
+
+// One tensor kept from forward to backward.
+struct MemoryItem {
+  std::string layer;   // "layers.3.attn", "layers.3.moe", "embed", "head", "mtp.eh", ...
+  std::string tensor;  // "x", "rstd", "h_fp8", ...
+  DType dtype = DType::f32;
+  int64_t elements = 0;
+  int64_t bytes = 0;   // storage bytes (FP8 scales included)
+};
+struct MemoryAccount {
+  std::vector<MemoryItem> items;
+  int64_t total_bytes() const;
+  std::map<std::string, int64_t> bytes_per_layer() const;  // keyed by MemoryItem::layer
+};
+// Bytes each layer keeps for backward for a micro-batch of `tokens` tokens, from the config and the
+// recipe alone (routed experts assumed perfectly balanced unless `loads` gives the tokens per
+// expert per MoE layer). Matches Model::saved_memory() after a forward of that many tokens.
+MemoryAccount predict_memory(const ModelConfig& cfg, const Recipe& recipe, int64_t tokens,
+                             const std::vector<std::vector<int64_t>>* loads = nullptr);
+
+// State one layer keeps from its forward until its backward, for one micro-batch (several can be
+// in flight, as in pipeline schedules). B may drop what only B needed; W frees the rest.
+struct Saved {
+  virtual ~Saved() = default;
+  std::vector<MemoryItem> kept;  // what forward stored (the memory account)
+};
+
+// One schedulable piece of the trunk: y [T, D] = x + f(x), with forward, backward-for-input and
+// backward-for-weights. The model's trunk is [layer 0 attention, layer 0 mlp|moe, layer 1 ...].
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  virtual std::string name() const = 0;  // "layers.0.attn", "layers.1.moe"
+  // x [T, D] -> y [T, D] (both act dtype). Returns the state backward needs.
+  virtual std::unique_ptr<Saved> forward(const Batch& b, const Tensor& x, Tensor& y) = 0;
+  // dy [T, D] -> dx [T, D]; keeps in `s` the output gradients that backward_weight needs.
+  virtual void backward_input(const Batch& b, Saved& s, const Tensor& dy, Tensor& dx) = 0;
+  // Accumulates this layer's weight gradients (scaled like dy) and releases `s`'s tensors.
+  virtual void backward_weight(const Batch& b, Saved& s) = 0;
+  // Extra scalar losses this layer added (the balance loss of a MoE layer), and its expert loads.
+  virtual double aux_loss(const Saved&) const { return 0; }
+  virtual std::vector<int64_t> expert_loads(const Saved&) const { return {}; }
+};
+
+class Model {
+ public:
+  // Allocates the parameters on `backend` and initializes them from `seed` (normal(0, std) for
+  // matrices, ones for norms, zeros for the routing bias). Validates cfg against the recipe.
+  Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uint64_t seed = 0);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelConfig& config() const;
+  const Recipe& recipe() const;
+  Backend& backend() const;
+
+  std::vector<Parameter>& parameters();
+  Parameter& parameter(std::string_view name);          // throws naming the unknown parameter
+  Parameter* find_parameter(std::string_view name);     // nullptr when absent
+  int64_t num_parameters() const;
+  void init_weights(uint64_t seed);
+  void zero_grad();
+
+  // Builds the Batch of tokens/targets [B, S] i32 (host or backend tensors).
+  Batch make_batch(const TensorView& tokens, const TensorView& targets) const;
+  // Forward and backward of one micro-batch: gradients of grad_scale * loss are ADDED to every
+  // parameter's grad (accumulation across micro-batches; call zero_grad before a step).
+  StepStats forward_backward(const TensorView& tokens, const TensorView& targets, double grad_scale = 1.0);
+  // Forward only (evaluation): losses and loads, nothing kept.
+  StepStats forward(const TensorView& tokens, const TensorView& targets);
+  // Main logits [T, V] f32|f64 of the last forward or forward_backward.
+  const Tensor& last_logits() const;
+  // Bytes kept for backward by the last forward_backward, per layer (measured).
+  const MemoryAccount& saved_memory() const;
+
+  // Auxiliary-loss-free balancing: b_i += gamma * sign(mean load - load_i) per MoE layer, with
+  // loads as returned in StepStats::expert_loads (summed over micro-batches by the caller).
+  void update_routing_bias(const std::vector<std::vector<int64_t>>& loads, double gamma);
+
+  // The trunk for pipeline schedules: layers in execution order (attention and MLP halves).
+  std::vector<Layer*> trunk();
+  // Embedding: tokens -> x0 [T, D]; its backward accumulates into embed_tokens.grad.
+  Tensor embed_forward(const Batch& b);
+  void embed_backward(const Batch& b, const Tensor& dx0);
+  // Final norm + head + cross-entropy (+ the MTP module when enabled). Takes the trunk output,
+  // returns dh [T, D] for the trunk's backward, adds head/norm/MTP gradients, fills losses.
+  Tensor head_forward_backward(const Batch& b, const Tensor& h, double grad_scale, StepStats& st, bool backward);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Safetensors I/O of the parameters (F32 tensors, Hugging Face names; F64 in the fp64 recipe).
+// The PyTorch reference (tests/reference/) reads what save writes.
+void save_safetensors(const std::string& path, Model& model);
+void load_safetensors(const std::string& path, Model& model);  // throws on missing/mis-shaped tensors
+// Writes arbitrary host tensors (f32, f64, i32) to a safetensors file, and reads them back.
+void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, TensorView>>& tensors);
+std::map<std::string, Tensor> read_safetensors(const std::string& path);
+
+}  // namespace fp8moe

@@ -1,0 +1,48 @@
+// The mixed-precision recipe of a model run (SPEC.md §1): which GEMM precision every Linear uses,
+// how activations are cached for backward, and the ablations of the FP8 recipe.
+//   fp64              FD-check mode: master weights, activations and GEMMs in FP64 (CPU only).
+//   fp32              everything in FP32: the oracle the PyTorch reference is compared with.
+//   bf16              every GEMM with BF16 inputs and FP32 accumulation; Linear inputs cached BF16.
+//   fp8               the report: Fprop/Dgrad/Wgrad of every Linear (experts included) in E4M3 with
+//                     1x128 activation tiles and 128x128 weight blocks, FP32 promotion every 128 K;
+//                     embedding, output head (BF16 GEMM), MoE gate (FP32), norms and attention
+//                     (FP32) in higher precision; Linear inputs cached in FP8, the attention-out
+//                     Linear input in E5M6 with power-of-two scales, SwiGLU input cached in FP8.
+//   fp8-no-promotion  fp8 with the Tensor Core accumulation emulated at 14 bits and never promoted.
+//   fp8-per-tensor    fp8 with one scale per tensor instead of tiles/blocks.
+// Master weights and weight gradients are FP32 in every recipe but fp64.
+#pragma once
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fp8moe/gemm_ref.hpp"
+#include "fp8moe/quantize.hpp"
+
+namespace fp8moe {
+
+enum class LinearPrecision : uint8_t { full, bf16, fp8 };  // full = the activation dtype (f32|f64)
+
+struct Recipe {
+  std::string name = "fp32";
+  DType act_dtype = DType::f32;          // activations, master weights and gradients
+  LinearPrecision linear = LinearPrecision::full;
+  bool head_bf16 = false;                // output head (and MTP head) as a BF16 GEMM
+  bool per_tensor = false;               // fp8-per-tensor ablation
+  AccumConfig accum{};                   // FP8 GEMM accumulation (promotion)
+  ScaleMode scale_mode = ScaleMode::fp32;  // scales of ordinary FP8 tensors
+  // Where the report asks for power-of-two scales: the attention-out Linear input (E5M6), the
+  // activations before MoE dispatch and the activation gradients before the MoE down projection.
+  ScaleMode pow2_mode = ScaleMode::pow2;
+  DType attn_out_cache = DType::f32;     // dtype of the cached attention-out Linear input
+
+  bool is_fp8() const { return linear == LinearPrecision::fp8; }
+  // Bytes per element a cached Linear input takes (scales included for FP8: 4 bytes per 128).
+  double cache_bytes_per_element(bool attn_out = false) const;
+
+  // "fp64", "fp32", "bf16", "fp8", "fp8-no-promotion", "fp8-per-tensor"; throws on others.
+  static Recipe from_name(std::string_view name);
+  static std::vector<std::string> names();
+};
+
+}  // namespace fp8moe
