@@ -1,0 +1,55 @@
+// `fp8moe bench gemm` and `fp8moe bench quant`: our CUDA kernels against cuBLASLt, side by side
+// (src/cuda/bench.hpp). Example:  fp8moe bench gemm --iters 30 --set m4096
+#include <memory>
+
+#include "commands.hpp"
+#include "fp8moe/error.hpp"
+#ifdef FP8MOE_HAVE_CUDA
+#include "cuda/bench.hpp"
+#include "cuda/cuda_backend.hpp"
+#endif
+
+namespace {
+
+#ifdef FP8MOE_HAVE_CUDA
+void require_gpu() {
+  FP8MOE_CHECK(fp8moe::cuda_device_available(), "bench: no usable CUDA device");
+}
+#endif
+
+void add_bench(CLI::App& app) {
+  auto* bench = app.add_subcommand("bench", "Benchmark the CUDA kernels against cuBLASLt");
+  bench->require_subcommand(1);
+#ifdef FP8MOE_HAVE_CUDA
+  auto g = std::make_shared<fp8moe::cuda::GemmBenchOptions>();
+  auto* gemm = bench->add_subcommand("gemm", "FP8 block-scaled GEMM: ours vs cuBLASLt FP8 and BF16");
+  gemm->add_option("--iters", g->iters, "timed runs per case (median)");
+  gemm->add_option("--warmup", g->warmup, "untimed runs per case");
+  gemm->add_option("--set", g->set, "all | fprop | wgrad | m4096 | small | tails");
+  gemm->add_option("--check-rows", g->check_rows, "rows of D checked against the FP64 reference");
+  gemm->add_flag("!--no-check", g->check, "skip the correctness columns");
+  gemm->add_option("--seed", g->seed, "random seed (0: fresh)");
+  gemm->callback([g] {
+    require_gpu();
+    if (fp8moe::cuda::run_gemm_bench(*g) != 0) throw CLI::RuntimeError("bench gemm: correctness check failed", 2);
+  });
+  auto q = std::make_shared<fp8moe::cuda::QuantBenchOptions>();
+  auto* quant = bench->add_subcommand("quant", "Quantization kernels: GB/s against the device copy bandwidth");
+  quant->add_option("--iters", q->iters, "timed runs per case (median)");
+  quant->add_option("--tokens", q->tokens, "rows T of x [T, C]");
+  quant->add_option("--channels", q->channels, "columns C of x [T, C]");
+  quant->callback([q] {
+    require_gpu();
+    if (fp8moe::cuda::run_quant_bench(*q) != 0) throw CLI::RuntimeError("bench quant: bit-exactness check failed", 2);
+  });
+#else
+  for (const char* name : {"gemm", "quant"})
+    bench->add_subcommand(name, "needs the CUDA backend")->callback([] {
+      throw fp8moe::Error("bench: this build has no CUDA backend");
+    });
+#endif
+}
+
+const bool registered = fp8moe::cli::register_command(&add_bench);
+
+}  // namespace

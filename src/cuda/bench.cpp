@@ -1,0 +1,406 @@
+// `fp8moe bench gemm` / `fp8moe bench quant` (bench.hpp): our kernels against cuBLASLt on the
+// DeepSeek-V3 shapes, measured side by side in one run.
+//
+// Timing: every timed launch follows a 512 MiB memset that flushes L2 and gives the host time to
+// enqueue the launch, so the event pair around it measures GPU time only; median of `iters`.
+// Correctness (GEMM): D of sampled rows against two FP64 host references: the unquantized BF16
+// inputs (calc_diff, recipe error) and the dequantized FP8 inputs (relative error, kernel error);
+// plus calc_diff against cuBLASLt's D on every element. Quantizers: byte-exact comparison with
+// the CPU quantizers on the whole tensor.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench.hpp"
+#include "cuda_check.hpp"
+#include "fp8moe/codecs.hpp"
+#include "kernel_api.hpp"
+
+namespace fp8moe::cuda {
+
+namespace {
+
+// ---- device buffers and random data ----
+struct DeviceBuffer {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) : bytes(n) {
+    if (n) FP8MOE_CUDA_CHECK(cudaMalloc(&p, n));
+  }
+  ~DeviceBuffer() {
+    if (p) cudaFree(p);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+TensorView dview(void* p, DType t, int64_t r, int64_t c) { return TensorView(p, t, {r, c}, Device::cuda); }
+
+struct DeviceQuantized {
+  DeviceBuffer values, scales;
+  QuantizedView view;
+  DeviceQuantized(int64_t rows, int64_t cols, ScaleKind kind)
+      : values(size_t(rows * cols)),
+        scales(size_t(scale_shape(kind, rows, cols)[0] * scale_shape(kind, rows, cols)[1]) * 4) {
+    const auto ss = scale_shape(kind, rows, cols);
+    view = {dview(values.p, DType::e4m3, rows, cols), dview(scales.p, DType::f32, ss[0], ss[1]), kind};
+  }
+};
+
+// ---- timing ----
+struct Timer {
+  DeviceBuffer flush{size_t(512) << 20};
+  double median_us(const std::function<void()>& fn, int warmup, int iters) {
+    for (int i = 0; i < warmup; ++i) fn();
+    FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<cudaEvent_t> ev(size_t(2 * iters));
+    for (auto& e : ev) FP8MOE_CUDA_CHECK(cudaEventCreate(&e));
+    for (int i = 0; i < iters; ++i) {
+      FP8MOE_CUDA_CHECK(cudaMemsetAsync(flush.p, i & 0xFF, flush.bytes, nullptr));
+      FP8MOE_CUDA_CHECK(cudaEventRecord(ev[size_t(2 * i)], nullptr));
+      fn();
+      FP8MOE_CUDA_CHECK(cudaEventRecord(ev[size_t(2 * i + 1)], nullptr));
+    }
+    FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<double> us(static_cast<size_t>(iters));
+    for (int i = 0; i < iters; ++i) {
+      float ms = 0;
+      FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[size_t(2 * i)], ev[size_t(2 * i + 1)]));
+      us[size_t(i)] = double(ms) * 1e3;
+    }
+    for (auto& e : ev) cudaEventDestroy(e);
+    std::sort(us.begin(), us.end());
+    return us[us.size() / 2];
+  }
+};
+
+template <class T>
+std::vector<T> to_host(const void* p, size_t n) {
+  std::vector<T> h(n);
+  if (n) FP8MOE_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+float bf16_bits_to_float(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+std::vector<double> d_to_doubles(const void* dev, int64_t M, int64_t N, bool f32) {
+  std::vector<double> out(size_t(M * N));
+  if (f32) {
+    auto h = to_host<float>(dev, size_t(M * N));
+    for (size_t i = 0; i < h.size(); ++i) out[i] = h[i];
+  } else {
+    auto h = to_host<uint16_t>(dev, size_t(M * N));
+    for (size_t i = 0; i < h.size(); ++i) out[i] = bf16_bits_to_float(h[i]);
+  }
+  return out;
+}
+
+double calc_diff(const std::vector<double>& x, const std::vector<double>& y) {
+  double xy = 0, xx = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    xy += x[i] * y[i];
+    xx += x[i] * x[i] + y[i] * y[i];
+  }
+  return xx == 0 ? 0.0 : 1.0 - 2.0 * xy / xx;
+}
+
+double rel_error(const std::vector<double>& x, const std::vector<double>& y) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    num += (x[i] - y[i]) * (x[i] - y[i]);
+    den += y[i] * y[i];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+bool has_nan(const std::vector<double>& x) {
+  for (double v : x)
+    if (!std::isfinite(v)) return true;
+  return false;
+}
+
+struct GemmCase {
+  const char* kind;  // "fprop" (B 128x128, bf16 out) | "wgrad" (B 1x128, f32 out, accumulate)
+  int64_t M, N, K;
+};
+
+std::vector<GemmCase> gemm_cases(const std::string& set) {
+  const int64_t nk[6][2] = {{2112, 7168}, {24576, 1536}, {32768, 512}, {7168, 16384}, {4096, 7168}, {7168, 2048}};
+  std::vector<GemmCase> v;
+  const bool all = set == "all";
+  for (int64_t m : {64, 128, 4096}) {
+    const bool want = all || set == "fprop" || (set == "m4096" && m == 4096) || (set == "small" && m != 4096);
+    if (!want) continue;
+    for (auto& p : nk) v.push_back({"fprop", m, p[0], p[1]});
+  }
+  if (all || set == "wgrad")
+    for (auto& p : nk) v.push_back({"wgrad", p[0], p[1], 4096});  // dW [N_out, K_in] over 4096 tokens
+  if (all || set == "tails") {
+    v.push_back({"fprop", 1000, 2104, 7168});
+    v.push_back({"fprop", 77, 1544, 640});
+    v.push_back({"fprop", 4096, 7168 + 72, 2048});
+    v.push_back({"wgrad", 1000, 520, 4224});
+  }
+  return v;
+}
+
+}  // namespace
+
+int run_gemm_bench(const GemmBenchOptions& opt) {
+  const cudaDeviceProp& prop = device_props();
+  FP8MOE_CHECK(sm90_available(), "bench gemm: needs a Hopper GPU (sm_90), found " << prop.name);
+  uint64_t seed = opt.seed ? opt.seed : (uint64_t(std::random_device{}()) << 32 | std::random_device{}());
+  std::printf("# fp8moe bench gemm on %s (%d SMs), seed %llu, median of %d (warm-up %d, L2 flushed)\n", prop.name,
+              prop.multiProcessorCount, (unsigned long long)seed, opt.iters, opt.warmup);
+  std::printf("# fprop: A 1x128 x B 128x128 -> bf16;  wgrad: A 1x128 x B 1x128 -> f32, D += A*B^T\n");
+  std::printf("# calc_diff: vs FP64 product of the unquantized bf16 inputs (%d sampled rows); kerr: rel. error vs FP64 "
+              "product of the dequantized FP8 inputs; vs_lt: calc_diff ours vs cuBLASLt (all of D)\n",
+              opt.check_rows);
+  std::printf("| kind | M | N | K | tile | ours us | ours TFLOPS | cuBLASLt-FP8 TFLOPS | cuBLASLt-BF16 TFLOPS | ours/cuBLASLt | calc_diff | kerr | vs_lt |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::fflush(stdout);
+
+  Timer timer;
+  bool all_ok = true;
+  std::vector<double> r_m4096, r_small, r_wgrad, r_all;
+  int case_id = 0;
+  for (const GemmCase& gc : gemm_cases(opt.set)) {
+    ++case_id;
+    const int64_t M = gc.M, N = gc.N, K = gc.K;
+    const bool wgrad = std::strcmp(gc.kind, "wgrad") == 0;
+    const ScaleKind bkind = wgrad ? ScaleKind::tile_1x128 : ScaleKind::block_128x128;
+    const DType ddt = wgrad ? DType::f32 : DType::bf16;
+    const size_t dbytes = size_t(M * N) * dtype_size(ddt);
+
+    DeviceBuffer a16(size_t(M * K) * 2), b16(size_t(N * K) * 2);
+    fill_normal_bf16(a16.p, M * K, seed + 2 * uint64_t(case_id));
+    fill_normal_bf16(b16.p, N * K, seed + 2 * uint64_t(case_id) + 1);
+    DeviceQuantized aq(M, K, ScaleKind::tile_1x128), bq(N, K, bkind);
+    quantize_1x128_cuda(dview(a16.p, DType::bf16, M, K), aq.view, ScaleMode::fp32, nullptr, false);
+    if (wgrad)
+      quantize_1x128_cuda(dview(b16.p, DType::bf16, N, K), bq.view, ScaleMode::fp32, nullptr, false);
+    else
+      quantize_128x128_cuda(dview(b16.p, DType::bf16, N, K), bq.view, ScaleMode::fp32, nullptr, false);
+    DeviceBuffer d_ours(dbytes), d_lt(dbytes), d_bf(dbytes);
+    const TensorView dv_ours = dview(d_ours.p, ddt, M, N), dv_lt = dview(d_lt.p, ddt, M, N),
+                     dv_bf = dview(d_bf.p, ddt, M, N);
+    const GemmTile tile = gemm_fp8_sm90_tile(M, N, K, wgrad);
+
+    // Correctness runs first: poisoned outputs (NaN) for fprop, zeroed for the accumulating wgrad.
+    FP8MOE_CUDA_CHECK(cudaMemset(d_ours.p, wgrad ? 0x00 : 0xFF, dbytes));
+    FP8MOE_CUDA_CHECK(cudaMemset(d_lt.p, wgrad ? 0x00 : 0xFF, dbytes));
+    std::string err_ours, err_lt, err_bf;
+    try {
+      gemm_fp8_sm90(aq.view, bq.view, dv_ours, wgrad, nullptr);
+      FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    } catch (const std::exception& e) {
+      err_ours = e.what();
+    }
+    try {
+      gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, wgrad, nullptr);
+      FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    } catch (const std::exception& e) {
+      err_lt = e.what();
+    }
+
+    double t_ours = NAN, t_lt = NAN, t_bf = NAN;
+    if (err_ours.empty())
+      t_ours = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, wgrad, nullptr); }, opt.warmup, opt.iters);
+    if (err_lt.empty())
+      t_lt = timer.median_us([&] { gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, wgrad, nullptr); }, opt.warmup, opt.iters);
+    try {
+      t_bf = timer.median_us(
+          [&] { gemm_bf16_cublaslt(dview(a16.p, DType::bf16, M, K), dview(b16.p, DType::bf16, N, K), dv_bf, wgrad, nullptr); },
+          opt.warmup, opt.iters);
+    } catch (const std::exception& e) {
+      err_bf = e.what();
+    }
+
+    double cd = NAN, kerr = NAN, vs_lt = NAN;
+    bool ok = err_ours.empty();
+    if (opt.check && err_ours.empty()) {
+      // Re-run the correctness outputs: the timing loops above accumulated into D for wgrad.
+      FP8MOE_CUDA_CHECK(cudaMemset(d_ours.p, wgrad ? 0x00 : 0xFF, dbytes));
+      gemm_fp8_sm90(aq.view, bq.view, dv_ours, wgrad, nullptr);
+      if (err_lt.empty()) {
+        FP8MOE_CUDA_CHECK(cudaMemset(d_lt.p, wgrad ? 0x00 : 0xFF, dbytes));
+        gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, wgrad, nullptr);
+      }
+      FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<double> ours = d_to_doubles(d_ours.p, M, N, !wgrad ? false : true);
+      if (err_lt.empty()) vs_lt = calc_diff(ours, d_to_doubles(d_lt.p, M, N, wgrad));
+
+      // FP64 references on sampled rows.
+      const int R = int(std::min<int64_t>(opt.check_rows, M));
+      std::vector<int64_t> rows(static_cast<size_t>(R));
+      for (int i = 0; i < R; ++i) rows[size_t(i)] = R == 1 ? 0 : int64_t(i) * (M - 1) / (R - 1);
+      const auto a16h = to_host<uint16_t>(a16.p, size_t(M * K));
+      const auto b16h = to_host<uint16_t>(b16.p, size_t(N * K));
+      const auto aqh = to_host<uint8_t>(aq.values.p, size_t(M * K));
+      const auto bqh = to_host<uint8_t>(bq.values.p, size_t(N * K));
+      const auto ash = to_host<float>(aq.scales.p, aq.scales.bytes / 4);
+      const auto bsh = to_host<float>(bq.scales.p, bq.scales.bytes / 4);
+      const int64_t lda_s = aq.view.scales.size(1), ldb_s = bq.view.scales.size(1);
+      float lut[256];
+      for (int i = 0; i < 256; ++i) lut[i] = e4m3_decode(uint8_t(i));
+      std::vector<double> ref_unq(size_t(R * N)), ref_deq(size_t(R * N)), got(size_t(R * N));
+      const int64_t G = K / 128;
+#pragma omp parallel for schedule(dynamic, 16)
+      for (int64_t n = 0; n < N; ++n) {
+        for (int i = 0; i < R; ++i) {
+          const int64_t m = rows[size_t(i)];
+          double su = 0, sd = 0;
+          for (int64_t g = 0; g < G; ++g) {
+            double gu = 0, gd = 0;
+            for (int64_t k = g * 128; k < (g + 1) * 128; ++k) {
+              gu += double(bf16_bits_to_float(a16h[size_t(m * K + k)]) * bf16_bits_to_float(b16h[size_t(n * K + k)]));
+              gd += double(lut[aqh[size_t(m * K + k)]] * lut[bqh[size_t(n * K + k)]]);
+            }
+            const double sa = ash[size_t(g * lda_s + m)];
+            const double sb = wgrad ? bsh[size_t(g * ldb_s + n)] : bsh[size_t((n / 128) * ldb_s + g)];
+            su += gu;
+            sd += gd * sa * sb;
+          }
+          ref_unq[size_t(i * N + n)] = su;
+          ref_deq[size_t(i * N + n)] = sd;
+          got[size_t(i * N + n)] = ours[size_t(m * N + n)];
+        }
+      }
+      cd = calc_diff(got, ref_unq);
+      kerr = rel_error(got, ref_deq);
+      ok = !has_nan(ours) && cd < 1e-3 && kerr < 1e-3;
+    }
+    all_ok = all_ok && ok;
+
+    const double flops = 2.0 * double(M) * double(N) * double(K);
+    auto tf = [&](double us) { return std::isnan(us) ? NAN : flops / (us * 1e-6) / 1e12; };
+    const double ratio = t_lt / t_ours;
+    char tile_s[32];
+    std::snprintf(tile_s, sizeof tile_s, "%dx%d", tile.block_m, tile.block_n);
+    std::printf("| %s | %lld | %lld | %lld | %s | %.1f | %.0f | %.0f | %.0f | %.3f | %.2e | %.2e | %.2e |%s\n", gc.kind,
+                (long long)M, (long long)N, (long long)K, tile_s, t_ours, tf(t_ours), tf(t_lt), tf(t_bf), ratio, cd, kerr,
+                vs_lt, ok ? "" : " FAIL");
+    if (!err_ours.empty()) std::printf("#   ours: %s\n", err_ours.c_str());
+    if (!err_lt.empty()) std::printf("#   cuBLASLt FP8: %s\n", err_lt.c_str());
+    if (!err_bf.empty()) std::printf("#   cuBLASLt BF16: %s\n", err_bf.c_str());
+    std::fflush(stdout);
+    if (std::isfinite(ratio) && ratio > 0) {
+      r_all.push_back(ratio);
+      if (wgrad) r_wgrad.push_back(ratio);
+      else if (M == 4096 && N % 128 == 0) r_m4096.push_back(ratio);
+      else if (M <= 128) r_small.push_back(ratio);
+    }
+  }
+  auto geo = [](const std::vector<double>& v) {
+    if (v.empty()) return double(NAN);
+    double s = 0;
+    for (double x : v) s += std::log(x);
+    return std::exp(s / double(v.size()));
+  };
+  std::printf("# geomean ours/cuBLASLt-FP8: M=4096 fprop %.3f (%zu) | M<=128 fprop %.3f (%zu) | wgrad %.3f (%zu) | all %.3f (%zu)\n",
+              geo(r_m4096), r_m4096.size(), geo(r_small), r_small.size(), geo(r_wgrad), r_wgrad.size(), geo(r_all),
+              r_all.size());
+  std::printf("# correctness: %s\n", all_ok ? "all passed" : "FAILURES (see FAIL rows)");
+  return all_ok ? 0 : 1;
+}
+
+int run_quant_bench(const QuantBenchOptions& opt) {
+  const cudaDeviceProp& prop = device_props();
+  const int64_t T = opt.tokens, C = opt.channels;
+  const uint64_t seed = (uint64_t(std::random_device{}()) << 32) | std::random_device{}();
+  std::printf("# fp8moe bench quant on %s, x [%lld, %lld] bf16 (%.0f MiB), seed %llu, median of %d, L2 flushed\n", prop.name,
+              (long long)T, (long long)C, double(T * C * 2) / (1 << 20), (unsigned long long)seed, opt.iters);
+  Timer timer;
+  DeviceBuffer x(size_t(T * C) * 2);
+  fill_normal_bf16(x.p, T * C, seed);
+  const TensorView xv = dview(x.p, DType::bf16, T, C);
+
+  // Copy bandwidth over the same byte count as the largest case (read + write counted).
+  DeviceBuffer cpy(size_t(T * C) * 2);
+  const double t_copy = timer.median_us(
+      [&] { FP8MOE_CUDA_CHECK(cudaMemcpyAsync(cpy.p, x.p, size_t(T * C) * 2, cudaMemcpyDeviceToDevice, nullptr)); },
+      opt.warmup, opt.iters);
+  const double copy_gbs = 2.0 * double(T * C) * 2 / (t_copy * 1e-6) / 1e9;
+  std::printf("| case | shape | MiB moved | us | GB/s | %% of copy | bit-exact vs CPU |\n|---|---|---|---|---|---|---|\n");
+  std::printf("| device copy (D2D) | %lldx%lld bf16 | %.0f | %.1f | %.0f | 100%% | - |\n", (long long)T, (long long)C,
+              2.0 * double(T * C) * 2 / (1 << 20), t_copy, copy_gbs);
+
+  // Host copies for the exactness checks.
+  std::vector<uint16_t> xh = to_host<uint16_t>(x.p, size_t(T * C));
+  Tensor xh_t = Tensor::host(DType::bf16, {T, C});
+  std::memcpy(xh_t.view().data, xh.data(), xh.size() * 2);
+
+  bool all_exact = true;
+  auto compare = [&](const DeviceQuantized& dq, const QuantizedTensor& ref) {
+    auto v = to_host<uint8_t>(dq.values.p, size_t(dq.view.values.numel()));
+    auto s = to_host<float>(dq.scales.p, size_t(dq.view.scales.numel()));
+    const bool ok = std::memcmp(v.data(), ref.values.view().data, v.size()) == 0 &&
+                    std::memcmp(s.data(), ref.scales.view().data, s.size() * 4) == 0;
+    all_exact = all_exact && ok;
+    return ok;
+  };
+  auto row = [&](const char* name, const char* shape, double bytes, double us, const char* exact) {
+    const double gbs = bytes / (us * 1e-6) / 1e9;
+    std::printf("| %s | %s | %.0f | %.1f | %.0f | %.1f%% | %s |\n", name, shape, bytes / (1 << 20), us, gbs,
+                100.0 * gbs / copy_gbs, exact);
+    std::fflush(stdout);
+  };
+  char shape[64];
+  const double scale_bytes_tc = double((C + 127) / 128 * scale_ld(T)) * 4;
+
+  for (ScaleMode mode : {ScaleMode::fp32, ScaleMode::pow2}) {
+    DeviceQuantized q(T, C, ScaleKind::tile_1x128);
+    const double us = timer.median_us([&] { quantize_1x128_cuda(xv, q.view, mode, nullptr, false); }, opt.warmup, opt.iters);
+    QuantizedTensor ref = make_quantized_host(T, C, DType::e4m3, ScaleKind::tile_1x128);
+    fp8moe::quantize_1x128(xh_t.view(), ref.view(), mode);
+    std::snprintf(shape, sizeof shape, "%lldx%lld bf16->e4m3", (long long)T, (long long)C);
+    row(mode == ScaleMode::pow2 ? "quantize_1x128 pow2" : "quantize_1x128", shape, double(T * C) * 3 + scale_bytes_tc, us,
+        compare(q, ref) ? "yes" : "NO");
+  }
+  {
+    DeviceQuantized q(C, T, ScaleKind::tile_1x128);
+    const double us = timer.median_us([&] { quantize_128x1_cuda(xv, q.view, ScaleMode::fp32, nullptr, false); }, opt.warmup, opt.iters);
+    QuantizedTensor ref = make_quantized_host(C, T, DType::e4m3, ScaleKind::tile_1x128);
+    fp8moe::quantize_128x1(xh_t.view(), ref.view(), ScaleMode::fp32);
+    std::snprintf(shape, sizeof shape, "%lldx%lld bf16->[C,T] e4m3", (long long)T, (long long)C);
+    row("quantize_128x1", shape, double(T * C) * 3 + double((T + 127) / 128 * scale_ld(C)) * 4, us, compare(q, ref) ? "yes" : "NO");
+  }
+  {
+    DeviceQuantized in(T, C, ScaleKind::tile_1x128), q(C, T, ScaleKind::tile_1x128);
+    quantize_1x128_cuda(xv, in.view, ScaleMode::fp32, nullptr, false);
+    const double us = timer.median_us([&] { requantize_128x1_cuda(in.view, q.view, ScaleMode::fp32, nullptr); }, opt.warmup, opt.iters);
+    QuantizedTensor in_h = make_quantized_host(T, C, DType::e4m3, ScaleKind::tile_1x128);
+    FP8MOE_CUDA_CHECK(cudaMemcpy(in_h.values.view().data, in.values.p, in.values.bytes, cudaMemcpyDeviceToHost));
+    FP8MOE_CUDA_CHECK(cudaMemcpy(in_h.scales.view().data, in.scales.p, in.scales.bytes, cudaMemcpyDeviceToHost));
+    QuantizedTensor ref = make_quantized_host(C, T, DType::e4m3, ScaleKind::tile_1x128);
+    fp8moe::requantize_128x1(in_h.view(), ref.view(), ScaleMode::fp32);
+    std::snprintf(shape, sizeof shape, "%lldx%lld e4m3->[C,T] e4m3", (long long)T, (long long)C);
+    row("requantize_128x1", shape, double(T * C) * 2 + scale_bytes_tc + double((T + 127) / 128 * scale_ld(C)) * 4, us,
+        compare(q, ref) ? "yes" : "NO");
+  }
+  {
+    DeviceQuantized q(T, C, ScaleKind::block_128x128);
+    const double us = timer.median_us([&] { quantize_128x128_cuda(xv, q.view, ScaleMode::fp32, nullptr, false); }, opt.warmup, opt.iters);
+    QuantizedTensor ref = make_quantized_host(T, C, DType::e4m3, ScaleKind::block_128x128);
+    fp8moe::quantize_128x128(xh_t.view(), ref.view(), ScaleMode::fp32);
+    std::snprintf(shape, sizeof shape, "%lldx%lld bf16->e4m3", (long long)T, (long long)C);
+    row("quantize_128x128", shape, double(T * C) * 3, us, compare(q, ref) ? "yes" : "NO");
+  }
+  std::printf("# bit-exact: %s\n", all_exact ? "all cases" : "MISMATCH");
+  return all_exact ? 0 : 1;
+}
+
+}  // namespace fp8moe::cuda

@@ -1,0 +1,31 @@
+// Benchmarks of the CUDA kernels against cuBLASLt (`fp8moe bench gemm`, `fp8moe bench quant`).
+// Each prints one table row per case, measured side by side in one run (warm-up, L2 flushed
+// before every timed launch, median of `iters`), and a geometric mean last. Plain C++ header: the
+// app includes it without CUDA headers.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace fp8moe::cuda {
+
+struct GemmBenchOptions {
+  int iters = 30;
+  int warmup = 5;
+  bool check = true;         // correctness columns (host FP64 reference on sampled rows)
+  int check_rows = 16;       // rows of D compared against the FP64 reference
+  std::string set = "all";   // all | fprop | wgrad | m4096 | small | tails
+  uint64_t seed = 0;         // 0: fresh random seed (printed)
+};
+
+struct QuantBenchOptions {
+  int iters = 30;
+  int warmup = 5;
+  int64_t tokens = 8192;
+  int64_t channels = 7168;
+};
+
+// Return 0 when every correctness check passed (calc_diff < 1e-3 and no NaN), 1 otherwise.
+int run_gemm_bench(const GemmBenchOptions& opt);
+int run_quant_bench(const QuantBenchOptions& opt);
+
+}  // namespace fp8moe::cuda

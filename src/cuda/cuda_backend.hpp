@@ -1,0 +1,21 @@
+// The CUDA backends of fp8moe (registered by src/backends.cpp when built with CUDA):
+//   "cuda"     our sm_90a kernels: FP8 block-scaled GEMM (gemm_fp8), quantizers; BF16 GEMM and
+//              the non-Hopper fallback of gemm_fp8 go through cuBLASLt.
+//   "cublaslt" the same backend with gemm_fp8 routed to cuBLASLt's block-scaled FP8 GEMM: the
+//              vendor baseline the benchmarks compare against.
+// Tensors live in device memory (cudaMalloc); ops run on the legacy default stream.
+#pragma once
+#include <memory>
+
+#include "fp8moe/backend.hpp"
+
+namespace fp8moe {
+
+// True when the CUDA runtime sees at least one usable device.
+bool cuda_device_available();
+// Our kernels.
+std::unique_ptr<Backend> make_cuda_backend();
+// gemm_fp8 through cuBLASLt (everything else as make_cuda_backend()).
+std::unique_ptr<Backend> make_cublaslt_backend();
+
+}  // namespace fp8moe

@@ -1,0 +1,50 @@
+// Tile-shape heuristic of the sm_90a FP8 GEMM, kept apart from the kernel (host only).
+//
+// Model: the persistent grid runs ceil(tiles / SMs) waves; a tile's time per 128-wide K block is
+// the larger of its WGMMA time (bm*bn*128*2 FLOP at 8192 FLOP/clk/SM, derated for narrow N) and its
+// load time ((bm + bn) * 128 bytes at ~64 B/clk/SM from L2). Cost = waves * per-block time; ties
+// go to the larger tile (less global traffic). Small M thus gets narrow N tiles that spread B over
+// all SMs; large M gets 128x128.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace fp8moe::cuda {
+
+struct GemmTile {
+  int block_m = 128;
+  int block_n = 128;
+};
+
+// Tile shapes compiled into the library (gemm_fp8.cu instantiates exactly these).
+inline const std::vector<GemmTile>& gemm_tiles(bool b_1x128) {
+  static const std::vector<GemmTile> k1d2d{{64, 16}, {64, 32}, {64, 64}, {64, 128},
+                                           {128, 16}, {128, 32}, {128, 64}, {128, 128}};
+  static const std::vector<GemmTile> k1d1d{{64, 64}, {64, 128}, {128, 64}, {128, 128}};
+  return b_1x128 ? k1d1d : k1d2d;
+}
+
+inline double gemm_tile_cost(const GemmTile& t, int64_t M, int64_t N, int num_sms) {
+  const int64_t tiles = ((M + t.block_m - 1) / t.block_m) * ((N + t.block_n - 1) / t.block_n);
+  const int64_t waves = (tiles + num_sms - 1) / num_sms;
+  const double eff = t.block_n >= 128 ? 1.0 : t.block_n >= 64 ? 0.9 : t.block_n >= 32 ? 0.75 : 0.6;
+  const double mma_clk = double(t.block_m) * t.block_n * 128 * 2 / 8192.0 / eff;
+  const double load_clk = double(t.block_m + t.block_n) * 128 / 64.0;
+  return double(waves) * (mma_clk > load_clk ? mma_clk : load_clk);
+}
+
+inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t /*K*/, bool b_1x128, int num_sms) {
+  GemmTile best{};
+  double best_cost = -1;
+  for (const GemmTile& t : gemm_tiles(b_1x128)) {
+    const double c = gemm_tile_cost(t, M, N, num_sms);
+    const bool larger = t.block_m * t.block_n > best.block_m * best.block_n;
+    if (best_cost < 0 || c < best_cost * 0.999 || (c <= best_cost * 1.001 && larger)) {
+      best = t;
+      best_cost = c;
+    }
+  }
+  return best;
+}
+
+}  // namespace fp8moe::cuda

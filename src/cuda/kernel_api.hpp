@@ -1,0 +1,49 @@
+// Host entry points of the CUDA kernels (no Backend involved): argument checks, launch, and the
+// knobs the benchmarks and tests use (forced tile shapes, streams). The Backend classes in
+// cuda_backend.cu and cublaslt.cu call these. All tensors are device views.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "fp8moe/gemm_ref.hpp"
+#include "fp8moe/quantize.hpp"
+#include "gemm_heuristics.hpp"
+
+namespace fp8moe::cuda {
+
+// ---- our sm_90a FP8 GEMM (gemm_fp8.cu) ----
+// D [M, N] = A [M, K] * B [N, K]^T (+ D).  A: 1x128 e4m3; B: 128x128 (Fprop/Dgrad) or 1x128
+// (Wgrad) e4m3; D: bf16 | f32 (accumulate needs f32). K % 128 == 0; M, N any (N even for the
+// paired stores, else masked single stores). `tile` overrides the heuristic when non-null.
+void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorView& d, bool accumulate,
+                   cudaStream_t stream, const GemmTile* tile = nullptr);
+// The tile the heuristic picks for this problem.
+GemmTile gemm_fp8_sm90_tile(int64_t M, int64_t N, int64_t K, bool b_1x128);
+// True when the current device can run the sm_90a kernels.
+bool sm90_available();
+
+// ---- quantization kernels (quantize.cu) ----
+// Same contracts as the CPU quantizers in quantize.hpp, bit-exact. `check_finite` makes the call
+// synchronous: the kernel flags NaN/Inf inputs and the host raises fp8moe::Error.
+void quantize_1x128_cuda(const TensorView& x, const QuantizedView& out, ScaleMode mode, cudaStream_t stream,
+                         bool check_finite);
+void quantize_128x128_cuda(const TensorView& w, const QuantizedView& out, ScaleMode mode, cudaStream_t stream,
+                           bool check_finite);
+void quantize_128x1_cuda(const TensorView& x, const QuantizedView& out, ScaleMode mode, cudaStream_t stream,
+                         bool check_finite);
+void requantize_128x1_cuda(const QuantizedView& in, const QuantizedView& out, ScaleMode mode, cudaStream_t stream);
+void dequantize_cuda(const QuantizedView& in, const TensorView& out, cudaStream_t stream);
+
+// ---- cuBLASLt (cublaslt.cu) ----
+// FP8 block-scaled GEMM through cuBLASLt (VEC128_32F x BLK128x128_32F, or VEC128 x VEC128 for a
+// 1x128-scaled B); same contract as gemm_fp8_sm90.
+void gemm_fp8_cublaslt(const QuantizedView& a, const QuantizedView& b, const TensorView& d, bool accumulate,
+                       cudaStream_t stream);
+// D [M, N] f32 | bf16 = A [M, K] bf16 * B [N, K]^T bf16 (+ D), FP32 accumulation.
+void gemm_bf16_cublaslt(const TensorView& a, const TensorView& b, const TensorView& d, bool accumulate,
+                        cudaStream_t stream);
+
+// ---- test and benchmark inputs (random.cu) ----
+// p [n] bf16 <- N(0, stddev), deterministic in (seed, index).
+void fill_normal_bf16(void* p, int64_t n, uint64_t seed, float stddev = 1.0f, cudaStream_t stream = nullptr);
+
+}  // namespace fp8moe::cuda

@@ -1,0 +1,226 @@
+// The sm_90a FP8 block-scaled GEMM kernel with per-128-K promotion (SPEC.md §1, report §3.3.2):
+//
+//   D [M, N] = A [M, K] * B [N, K]^T  (+ D),  A 1x128-scaled, B 128x128-scaled (Fprop, Dgrad:
+//   kind "1d2d") or 1x128-scaled (Wgrad: "1d1d"), D bf16 | f32.
+//
+// Structure (as DeepGEMM's sm90 kernels): one producer warpgroup whose elected thread issues TMA
+// loads of A, B and the scales into a STAGES-deep shared-memory ring guarded by full/empty
+// mbarriers, and BLOCK_M/64 math warpgroups; each math warpgroup owns 64 rows of the
+// BLOCK_M x BLOCK_N tile. Per 128-wide K block it issues four m64nNk32 WGMMAs into `acc` (Tensor
+// Core accumulation, restarted from zero at each block), waits, releases the stage, and promotes:
+// final += (s_a * s_b) * acc in FP32 registers on the CUDA cores. Two math warpgroups alternate
+// naturally: while one promotes, the other's WGMMAs run. The grid is persistent (one CTA per SM),
+// tiles come from TileScheduler.
+//
+// Shared memory per stage: A tile [BLOCK_M, 128] e4m3 (128B-swizzled, K-major), B tile
+// [BLOCK_N, 128] e4m3, s_a [BLOCK_M] f32, and for 1d1d s_b [BLOCK_N] f32.
+// Launch: gemm_fp8.cu (tensor maps, heuristics in gemm_heuristics.hpp).
+#pragma once
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "epilogue.cuh"
+#include "mma.cuh"
+#include "ptx.cuh"
+#include "scheduler.cuh"
+
+namespace fp8moe::cuda {
+
+constexpr int kBlockK = 128;
+constexpr int kMaxSmemBytes = 232448;  // sm_90 opt-in limit per block
+
+template <int BLOCK_M, int BLOCK_N, bool kB1x128>
+struct GemmTraits {
+  static constexpr int kNumMathWG = BLOCK_M / 64;
+  static constexpr int kNumMathThreads = kNumMathWG * 128;
+  static constexpr int kNumThreads = kNumMathThreads + 128;  // + producer warpgroup
+  static constexpr int kSmemA = BLOCK_M * kBlockK;            // [BLOCK_M, 128] e4m3
+  static constexpr int kSmemB = BLOCK_N * kBlockK;            // [BLOCK_N, 128] e4m3
+  static constexpr int kSmemSA = BLOCK_M * 4;                 // [BLOCK_M] f32
+  static constexpr int kSmemSB = kB1x128 ? BLOCK_N * 4 : 0;   // [BLOCK_N] f32 (1d1d only)
+  static constexpr int kStageBytes = kSmemA + kSmemB + kSmemSA + kSmemSB;
+  static constexpr int kStages = [] {
+    int s = (kMaxSmemBytes - 1024 - 512) / kStageBytes;
+    return s > 10 ? 10 : s;
+  }();
+  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // + barriers + align slack
+  static constexpr uint32_t kTxBytes = kStageBytes;
+
+  static_assert(BLOCK_M == 64 || BLOCK_M == 128, "BLOCK_M: one or two math warpgroups of m64");
+  static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 192, "BLOCK_N: a WGMMA N");
+  static_assert(kB1x128 || kBlockK % BLOCK_N == 0 || BLOCK_N % kBlockK == 0,
+                "1d2d: a tile must not straddle a 128-row scale block of B partially");
+  static_assert(kSmemA % 1024 == 0 && kSmemB % 1024 == 0, "swizzle-128B tiles need 1024-byte alignment");
+  static_assert(kStages >= 2, "shared memory too small for two stages");
+};
+
+struct GemmKernelArgs {
+  const float* sb_blk;  // 1d2d: B scales [ceil(N/128), K/128] f32 row-major
+  EpilogueArgs epi;
+  uint32_t M, N, K;
+};
+
+template <int BLOCK_M, int BLOCK_N, bool kB1x128>
+__global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128>::kNumThreads, 1)
+    sm90_fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,   // A [M, K] e4m3, box [BLOCK_M, 128]
+                         const __grid_constant__ CUtensorMap tmap_b,   // B [N, K] e4m3, box [BLOCK_N, 128]
+                         const __grid_constant__ CUtensorMap tmap_sa,  // s_a [K/128, ld(M)] f32, box [1, BLOCK_M]
+                         const __grid_constant__ CUtensorMap tmap_sb,  // 1d1d: s_b [K/128, ld(N)] f32, box [1, BLOCK_N]
+                         const GemmKernelArgs args) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  using T = GemmTraits<BLOCK_M, BLOCK_N, kB1x128>;
+  using Mma = WgmmaFp8<BLOCK_N>;
+  constexpr int STAGES = T::kStages;
+  constexpr int kNumAccum = Mma::kNumAccum;  // BLOCK_N / 2 f32 per thread
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // NOTES: the runtime only guarantees 16-byte alignment of dynamic shared memory; align by hand.
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* smem_a = smem;                                  // [STAGES][BLOCK_M, 128] e4m3
+  uint8_t* smem_b = smem_a + STAGES * T::kSmemA;           // [STAGES][BLOCK_N, 128] e4m3
+  float* smem_sa = reinterpret_cast<float*>(smem_b + STAGES * T::kSmemB);  // [STAGES][BLOCK_M] f32
+  float* smem_sb = smem_sa + STAGES * BLOCK_M;             // [STAGES][BLOCK_N] f32 (1d1d)
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(smem_sb) + STAGES * T::kSmemSB);
+  uint64_t* empty_bar = full_bar + STAGES;
+
+  const uint32_t warp = threadIdx.x / 32;
+  const uint32_t lane = threadIdx.x % 32;
+
+  if (threadIdx.x == T::kNumMathThreads) {
+    ptx::prefetch_tmap(&tmap_a);
+    ptx::prefetch_tmap(&tmap_b);
+    ptx::prefetch_tmap(&tmap_sa);
+    if constexpr (kB1x128) ptx::prefetch_tmap(&tmap_sb);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      ptx::mbar_init(&full_bar[s], 1);                         // the producer's arrive + TMA bytes
+      ptx::mbar_init(&empty_bar[s], T::kNumMathThreads / 32);  // one arrive per math warp
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const TileScheduler sched(args.M, args.N, BLOCK_M, BLOCK_N);
+  const uint32_t num_k_blocks = args.K / kBlockK;
+
+  if (threadIdx.x >= T::kNumMathThreads) {
+    // ---- producer warpgroup: one thread issues every TMA load ----
+    ptx::setmaxnreg_dec<40>();
+    if (threadIdx.x == T::kNumMathThreads) {
+      uint32_t stage = 0, phase = 0;
+      for (uint32_t tile = blockIdx.x; tile < sched.num_tiles; tile += gridDim.x) {
+        uint32_t m_blk, n_blk;
+        sched.tile_coords(tile, m_blk, n_blk);
+        const int32_t m0 = int32_t(m_blk * BLOCK_M), n0 = int32_t(n_blk * BLOCK_N);
+        for (uint32_t kb = 0; kb < num_k_blocks; ++kb) {
+          ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+          ptx::mbar_arrive_expect_tx(&full_bar[stage], T::kTxBytes);
+          const int32_t k0 = int32_t(kb * kBlockK);
+          ptx::tma_load_2d(&tmap_a, &full_bar[stage], smem_a + stage * T::kSmemA, k0, m0);
+          ptx::tma_load_2d(&tmap_b, &full_bar[stage], smem_b + stage * T::kSmemB, k0, n0);
+          ptx::tma_load_2d(&tmap_sa, &full_bar[stage], smem_sa + stage * BLOCK_M, m0, int32_t(kb));
+          if constexpr (kB1x128)
+            ptx::tma_load_2d(&tmap_sb, &full_bar[stage], smem_sb + stage * BLOCK_N, n0, int32_t(kb));
+          if (++stage == STAGES) stage = 0, phase ^= 1;
+        }
+      }
+    }
+  } else {
+    // ---- math warpgroups ----
+    ptx::setmaxnreg_inc<232>();
+    const uint32_t wg = threadIdx.x / 128;                        // rows [64*wg, 64*wg + 64) of the tile
+    const uint32_t r_frag = wg * 64 + (warp % 4) * 16 + lane / 4;  // tile row of d[0]; d[2] is 8 below
+    const uint32_t c_frag = 2 * (lane % 4);                        // tile column of d[0]
+    const uint32_t sb_ld = num_k_blocks;                           // 1d2d: row stride of sb_blk
+
+    uint32_t stage = 0, phase = 0;
+    float acc[kNumAccum];
+    float final_acc[kNumAccum];
+
+    for (uint32_t tile = blockIdx.x; tile < sched.num_tiles; tile += gridDim.x) {
+      uint32_t m_blk, n_blk;
+      sched.tile_coords(tile, m_blk, n_blk);
+      const uint32_t m0 = m_blk * BLOCK_M, n0 = n_blk * BLOCK_N;
+#pragma unroll
+      for (int i = 0; i < kNumAccum; ++i) final_acc[i] = 0.0f;
+
+      // 1d2d: s_b of 128-row block n0/128 (BLOCK_N <= 128), or of n0/128 and n0/128 + 1.
+      const float* sb_row = kB1x128 ? nullptr : args.sb_blk + (n0 / kBlockK) * sb_ld;
+      constexpr bool kTwoSb = !kB1x128 && BLOCK_N > kBlockK;
+      const bool has_second_sb = kTwoSb && (n0 + kBlockK < args.N);
+
+      for (uint32_t kb = 0; kb < num_k_blocks; ++kb) {
+        float sb0 = 0.0f, sb1 = 0.0f;
+        if constexpr (!kB1x128) {
+          sb0 = __ldg(sb_row + kb);
+          if constexpr (kTwoSb) sb1 = has_second_sb ? __ldg(sb_row + sb_ld + kb) : 0.0f;
+        }
+        ptx::mbar_wait(&full_bar[stage], phase);
+
+        // Read the scales of this stage before releasing it.
+        const float sa0 = smem_sa[stage * BLOCK_M + r_frag];
+        const float sa1 = smem_sa[stage * BLOCK_M + r_frag + 8];
+        float sbc[kB1x128 ? BLOCK_N / 4 : 1];  // 1d1d: s_b of columns 8j + c_frag + {0, 1}
+        if constexpr (kB1x128) {
+#pragma unroll
+          for (int j = 0; j < BLOCK_N / 8; ++j) {
+            const float2 v = *reinterpret_cast<const float2*>(&smem_sb[stage * BLOCK_N + 8 * j + c_frag]);
+            sbc[2 * j] = v.x;
+            sbc[2 * j + 1] = v.y;
+          }
+        }
+
+        const uint64_t desc_a = make_smem_desc_k128b(smem_a + stage * T::kSmemA + wg * 64 * kBlockK);
+        const uint64_t desc_b = make_smem_desc_k128b(smem_b + stage * T::kSmemB);
+#pragma unroll
+        for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kBlockK / 32; ++k) {
+          // 32 e4m3 along K = 32 bytes = 2 descriptor address units.
+          Mma::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
+        }
+        ptx::wgmma_commit();
+#pragma unroll
+        for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
+        ptx::wgmma_wait<0>();
+
+        // Shared-memory reads of this stage are complete: hand it back to the producer.
+        if (lane == 0) ptx::mbar_arrive(&empty_bar[stage]);
+        if (++stage == STAGES) stage = 0, phase ^= 1;
+
+        // Promotion: final += (s_a * s_b) * acc, in FP32 on the CUDA cores.
+        if constexpr (kB1x128) {
+#pragma unroll
+          for (int j = 0; j < BLOCK_N / 8; ++j) {
+            final_acc[4 * j + 0] += (sa0 * sbc[2 * j]) * acc[4 * j + 0];
+            final_acc[4 * j + 1] += (sa0 * sbc[2 * j + 1]) * acc[4 * j + 1];
+            final_acc[4 * j + 2] += (sa1 * sbc[2 * j]) * acc[4 * j + 2];
+            final_acc[4 * j + 3] += (sa1 * sbc[2 * j + 1]) * acc[4 * j + 3];
+          }
+        } else {
+          const float s00 = sa0 * sb0, s10 = sa1 * sb0;
+          const float s01 = sa0 * sb1, s11 = sa1 * sb1;
+#pragma unroll
+          for (int j = 0; j < BLOCK_N / 8; ++j) {
+            const bool second = kTwoSb && (8 * j >= kBlockK);
+            final_acc[4 * j + 0] += (second ? s01 : s00) * acc[4 * j + 0];
+            final_acc[4 * j + 1] += (second ? s01 : s00) * acc[4 * j + 1];
+            final_acc[4 * j + 2] += (second ? s11 : s10) * acc[4 * j + 2];
+            final_acc[4 * j + 3] += (second ? s11 : s10) * acc[4 * j + 3];
+          }
+        }
+      }
+
+      store_fragment<BLOCK_N>(final_acc, args.epi, m0 + r_frag, n0 + c_frag);
+    }
+  }
+#else
+  // Built for an architecture without wgmma: never launched (the host checks sm_90).
+  if (threadIdx.x == 0 && blockIdx.x == 0) __trap();
+#endif
+}
+
+}  // namespace fp8moe::cuda

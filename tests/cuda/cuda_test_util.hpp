@@ -1,0 +1,55 @@
+// Helpers of the CUDA tests: the GPU skip guard, host <-> device copies of (quantized) tensors.
+// Every GPU test starts with FP8MOE_REQUIRE_GPU() and is reported as skipped without a GPU.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+
+#include "cuda/cuda_backend.hpp"
+#include "cuda/kernel_api.hpp"
+#include "fp8moe/backend.hpp"
+#include "testing.hpp"
+
+#define FP8MOE_REQUIRE_GPU()                                                         \
+  do {                                                                               \
+    if (!::fp8moe::cuda_device_available()) GTEST_SKIP() << "no CUDA device";        \
+  } while (0)
+
+#define FP8MOE_REQUIRE_SM90()                                                        \
+  do {                                                                               \
+    FP8MOE_REQUIRE_GPU();                                                            \
+    if (!::fp8moe::cuda::sm90_available()) GTEST_SKIP() << "needs a Hopper (sm_90) GPU"; \
+  } while (0)
+
+namespace fp8moe::testing {
+
+inline Tensor to_device(Backend& be, const Tensor& h) {
+  Tensor d = be.empty(h.dtype(), {h.size(0), h.size(1)});
+  be.copy(d.view(), h.view());
+  return d;
+}
+
+inline QuantizedTensor to_device(Backend& be, const QuantizedTensor& h) {
+  return {to_device(be, h.values), to_device(be, h.scales), h.kind};
+}
+
+inline QuantizedTensor to_host(Backend& be, const QuantizedTensor& d) {
+  return {be.to_host(d.values), be.to_host(d.scales), d.kind};
+}
+
+inline bool bytes_equal(const Tensor& x, const Tensor& y) {
+  return x.view().nbytes() == y.view().nbytes() && std::memcmp(x.view().data, y.view().data, x.view().nbytes()) == 0;
+}
+
+// First index where two host tensors differ bytewise (element index), -1 if equal.
+inline int64_t first_mismatch(const Tensor& x, const Tensor& y) {
+  const size_t es = dtype_size(x.dtype());
+  const auto* a = static_cast<const uint8_t*>(x.view().data);
+  const auto* b = static_cast<const uint8_t*>(y.view().data);
+  for (int64_t i = 0; i < x.numel(); ++i)
+    if (std::memcmp(a + i * es, b + i * es, es) != 0) return i;
+  return -1;
+}
+
+}  // namespace fp8moe::testing
