@@ -138,9 +138,9 @@ void DualPipeRankBuilder::build() {
 
   // Step 2: h+1 pairs of forwards, one of each phase. The receive for the next phase-0 forward is
   // posted one op early so it travels while the phase-1 forward runs.
-  // NOTES: on a turning rank the phase-0 output must leave right away (DualPipe: the other middle
-  // rank is waiting on it; DualPipeV: it stays local) and its last phase-1 output is held back until
-  // step 4, so that the two middle ranks post their messages in matching order.
+  // NOTES: a DualPipe middle rank sends its phase-0 output right after computing it, because the
+  // other middle rank's phase-1 forward of the same round consumes it; a turning rank also keeps
+  // its last phase-1 output until step 4, where it leaves after the next phase-0 forward.
   const bool send_phase0_early = !v_shape_ && turning_rank_;
   recv_forward(0);
   for (int i = 0; i < h + 1; ++i) {
@@ -163,8 +163,8 @@ void DualPipeRankBuilder::build() {
   for (int i = 0; i < chunks - 2 * n + h + 1; ++i) {
     if (i == 0) {
       if (turning_rank_) {
-        // NOTES: the reference does not overlap this pair on the turning rank: it runs F0 first so
-        // the held-back phase-1 output and the new phase-0 output leave earlier (smaller bubble).
+        // NOTES: the reference does not overlap this pair on the turning rank "to further reduce
+        // bubble size": F0 runs alone, then the held-back phase-1 output leaves, then B1.
         forward_chunk(0, /*recv=*/false, /*send=*/false);
         send_forward(1);
         backward_chunk(1, /*defer_weights=*/false, /*recv=*/true, /*send=*/false);

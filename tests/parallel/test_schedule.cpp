@@ -266,6 +266,27 @@ TEST(DualPipeVReference, IsDualPipeCutInHalf) {
   }
 }
 
+TEST(DualPipeReference, ReceiveBeforeWeightOnlyMovesTheGap) {
+  // Step 3 posts the receive of the next forward before W, so W waits for it. Posting it after W
+  // moves the wait behind W but changes neither bubble nor makespan.
+  for (int pp : {4, 8, 16}) {
+    Schedule s = dualpipe_schedule(pp, 2 * pp + 4);
+    const Simulation reference = simulate(s, OpCosts{});
+    int moved = 0;
+    for (auto& ops : s.rank_ops)
+      for (size_t i = 0; i + 1 < ops.size(); ++i)
+        if (ops[i].kind == OpKind::RecvActivation && ops[i + 1].kind == OpKind::Weight) {
+          std::swap(ops[i], ops[i + 1]);
+          ++moved;
+        }
+    EXPECT_GT(moved, 0);
+    EXPECT_TRUE(find_schedule_problems(s).empty());
+    const Simulation after = simulate(s, OpCosts{});
+    EXPECT_DOUBLE_EQ(after.bubble, reference.bubble) << pp;
+    EXPECT_DOUBLE_EQ(after.makespan, reference.makespan) << pp;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // 2. Validation
 
