@@ -27,10 +27,12 @@ void add_bench(CLI::App& app) {
   gemm->add_option("--warmup", g->warmup, "untimed runs per case");
   gemm->add_option("--set", g->set, "all | fprop | wgrad | m4096 | small | tails");
   gemm->add_option("--check-rows", g->check_rows, "rows of D checked against the FP64 reference");
-  gemm->add_flag("!--no-check", g->check, "skip the correctness columns");
+  auto no_check = std::make_shared<bool>(false);
+  gemm->add_flag("--no-check", *no_check, "skip the correctness columns");
   gemm->add_option("--seed", g->seed, "random seed (0: fresh)");
-  gemm->callback([g] {
+  gemm->callback([g, no_check] {
     require_gpu();
+    g->check = !*no_check;
     if (fp8moe::cuda::run_gemm_bench(*g) != 0) throw CLI::RuntimeError("bench gemm: correctness check failed", 2);
   });
   auto q = std::make_shared<fp8moe::cuda::QuantBenchOptions>();

@@ -167,7 +167,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
               prop.multiProcessorCount, (unsigned long long)seed, opt.iters, opt.warmup);
   std::printf("# fprop: A 1x128 x B 128x128 -> bf16;  wgrad: A 1x128 x B 1x128 -> f32, D += A*B^T\n");
   std::printf("# calc_diff: vs FP64 product of the unquantized bf16 inputs (%d sampled rows); kerr: rel. error vs FP64 "
-              "product of the dequantized FP8 inputs; vs_lt: calc_diff ours vs cuBLASLt (all of D)\n",
+              "product of the dequantized FP8 inputs (rounded to bf16 for bf16 D); vs_lt: calc_diff ours vs cuBLASLt (all of D)\n",
               opt.check_rows);
   std::printf("| kind | M | N | K | tile | ours us | ours TFLOPS | cuBLASLt-FP8 TFLOPS | cuBLASLt-BF16 TFLOPS | ours/cuBLASLt | calc_diff | kerr | vs_lt |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
@@ -275,13 +275,15 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
             sd += gd * sa * sb;
           }
           ref_unq[size_t(i * N + n)] = su;
-          ref_deq[size_t(i * N + n)] = sd;
+          // bf16 D: compare with the reference rounded the same way, so kerr shows kernel error
+          // (Tensor Core accumulation) rather than the output format's rounding.
+          ref_deq[size_t(i * N + n)] = wgrad ? sd : double(bf16_round(float(sd)));
           got[size_t(i * N + n)] = ours[size_t(m * N + n)];
         }
       }
       cd = calc_diff(got, ref_unq);
       kerr = rel_error(got, ref_deq);
-      ok = !has_nan(ours) && cd < 1e-3 && kerr < 1e-3;
+      ok = !has_nan(ours) && cd < 1e-3 && kerr < (wgrad ? 1e-3 : 2e-3);
     }
     all_ok = all_ok && ok;
 

@@ -2,10 +2,10 @@
 //   FP8 block-scaled GEMM: CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F (A, 1x128) x BLK128x128_32F
 //   (B, weights) or VEC128_32F x VEC128_32F (Wgrad); BF16 GEMM with FP32 accumulation.
 //
-// Row-major D [M, N] = A [M, K] * B [N, K]^T is computed as the column-major product
-// D^T [N, M] = op(B)^T... i.e. cuBLAS "A" := our B viewed as K x N column-major with TRANSA = T,
-// cuBLAS "B" := our A viewed as K x M column-major with TRANSB = N (the "TN" layout FP8 needs),
-// cuBLAS D := our D viewed as N x M column-major (ld = row stride of D).
+// Row-major D [M, N] = A [M, K] * B [N, K]^T in cuBLAS's column-major terms: both operands are
+// K-major ("TN", what FP8 needs); either cuBLAS "A" := our B and D is written as the column-major
+// N x M matrix D^T (orientation 0), or cuBLAS "A" := our A and D is row-major (orientation 1).
+// get_plan takes the first one cuBLASLt supports for the scale modes at hand.
 // Scales: VEC128 wants [K/128, rows] with the rows contiguous (our 1x128 layout, but with the
 // leading dimension equal to the row count: padded ld(R) = round_up(R, 4) is repacked when
 // R % 4 != 0); BLK128x128 wants [ceil(rows/128), K/128] row-major (our 128x128 layout).
@@ -31,6 +31,7 @@ struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  int orient = 0;  // see get_plan
   ~Plan() {
     if (la) cublasLtMatrixLayoutDestroy(la);
     if (lb) cublasLtMatrixLayoutDestroy(lb);
@@ -90,43 +91,69 @@ void set_attr(cublasLtMatmulDesc_t op, cublasLtMatmulDescAttributes_t attr, cons
   FP8MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, attr, &v, sizeof(v)));
 }
 
-// Builds (or fetches) the plan; the caller sets the scale pointers.
+// Builds (or fetches) the plan. Two orientations are tried, the first one cuBLASLt accepts wins:
+//   0: cuBLAS A := our B (K x N, TRANSA = T), cuBLAS B := our A (K x M), D column-major N x M;
+//   1: cuBLAS A := our A (K x M, TRANSA = T), cuBLAS B := our B (K x N), D row-major M x N
+//      (CUBLASLT_ORDER_ROW).
+// NOTES: block-scaled FP8 validates the scale pointers in the heuristic query, so they are set
+// before it (and again on every call, since the plan is shared).
 Plan& get_plan(Context& ctx, const PlanKey& key, cudaDataType_t in_type, cudaDataType_t d_type, int64_t M, int64_t N,
-               int64_t K, int64_t ldd, int a_mode, int b_mode, bool fp8) {
+               int64_t K, int64_t ldd, int a_mode, int b_mode, bool fp8, const void* sa, const void* sb) {
   auto it = ctx.plans.find(key);
   if (it != ctx.plans.end()) return *it->second;
-  auto plan = std::make_unique<Plan>();
-  FP8MOE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-  set_attr(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, ta);
-  set_attr(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, tb);
-  if (fp8) {
-    set_attr(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, int32_t(a_mode));
-    set_attr(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, int32_t(b_mode));
+  std::string failures;
+  for (int orient = 0; orient < (fp8 ? 2 : 1); ++orient) {
+    auto plan = std::make_unique<Plan>();
+    plan->orient = orient;
+    FP8MOE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    set_attr(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, ta);
+    set_attr(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, tb);
+    if (fp8) {
+      // a_mode / b_mode are the modes of our A and our B.
+      set_attr(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, int32_t(orient == 0 ? b_mode : a_mode));
+      set_attr(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, int32_t(orient == 0 ? a_mode : b_mode));
+      set_attr(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, orient == 0 ? sb : sa);
+      set_attr(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, orient == 0 ? sa : sb);
+    }
+    if (orient == 0) {
+      FP8MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->la, in_type, uint64_t(K), uint64_t(N), K));
+      FP8MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->lb, in_type, uint64_t(K), uint64_t(M), K));
+      FP8MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->lc, d_type, uint64_t(N), uint64_t(M), ldd));
+    } else {
+      FP8MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->la, in_type, uint64_t(K), uint64_t(M), K));
+      FP8MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->lb, in_type, uint64_t(K), uint64_t(N), K));
+      FP8MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->lc, d_type, uint64_t(M), uint64_t(N), ldd));
+      const int32_t row = CUBLASLT_ORDER_ROW;
+      FP8MOE_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(plan->lc, CUBLASLT_MATRIX_LAYOUT_ORDER, &row, sizeof(row)));
+    }
+    cublasLtMatmulPreference_t pref = nullptr;
+    FP8MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws = kWorkspaceBytes;
+    cublasLtMatmulHeuristicResult_t res{};
+    int n = 0;
+    cublasStatus_t st =
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulAlgoGetHeuristic(ctx.handle, plan->op, plan->la, plan->lb, plan->lc, plan->lc, pref, 1, &res,
+                                          &n);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (st == CUBLAS_STATUS_SUCCESS && n > 0) {
+      plan->algo = res.algo;
+      return *ctx.plans.emplace(key, std::move(plan)).first->second;
+    }
+    failures += std::string(" [orientation ") + std::to_string(orient) + ": " +
+                (st == CUBLAS_STATUS_SUCCESS ? "no algorithm" : cublasLtGetStatusString(st)) + "]";
   }
-  // cuBLAS A: our B as K x N (ld K); cuBLAS B: our A as K x M (ld K); C = D: N x M (ld ldd).
-  FP8MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->la, in_type, uint64_t(K), uint64_t(N), K));
-  FP8MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->lb, in_type, uint64_t(K), uint64_t(M), K));
-  FP8MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->lc, d_type, uint64_t(N), uint64_t(M), ldd));
-  cublasLtMatmulPreference_t pref = nullptr;
-  FP8MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t ws = kWorkspaceBytes;
-  cublasLtMatmulHeuristicResult_t res{};
-  int n = 0;
-  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulAlgoGetHeuristic(ctx.handle, plan->op, plan->la, plan->lb, plan->lc, plan->lc, pref, 1, &res, &n);
-  cublasLtMatmulPreferenceDestroy(pref);
-  FP8MOE_CUBLAS_CHECK(st);
-  FP8MOE_CHECK(n > 0, "cublasLtMatmulAlgoGetHeuristic: no algorithm for " << (fp8 ? "FP8 block-scaled" : "BF16")
-                                                                          << " GEMM M=" << M << " N=" << N << " K=" << K);
-  plan->algo = res.algo;
-  return *ctx.plans.emplace(key, std::move(plan)).first->second;
+  throw Error(std::string("cublasLtMatmulAlgoGetHeuristic: no ") + (fp8 ? "FP8 block-scaled" : "BF16") +
+              " GEMM for M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) + failures);
 }
 
 void run(Context& ctx, Plan& plan, const void* a_ptr, const void* b_ptr, void* d, bool accumulate, cudaStream_t stream) {
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-  FP8MOE_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.op, &alpha, b_ptr, plan.la, a_ptr, plan.lb, &beta, d, plan.lc, d,
+  const void* first = plan.orient == 0 ? b_ptr : a_ptr;
+  const void* second = plan.orient == 0 ? a_ptr : b_ptr;
+  FP8MOE_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.op, &alpha, first, plan.la, second, plan.lb, &beta, d, plan.lc, d,
                                      plan.lc, &plan.algo, ctx.workspace, kWorkspaceBytes, stream));
 }
 
@@ -161,8 +188,9 @@ void gemm_fp8_cublaslt(const QuantizedView& a, const QuantizedView& b, const Ten
 
   Context& ctx = context();
   const bool b_vec = b.kind == ScaleKind::tile_1x128;
-  const int a_mode = b_vec ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
-  const int b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+  // Scale modes of our A (1x128 activations) and our B (weights, or 1x128 for Wgrad).
+  const int a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+  const int b_mode = b_vec ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
   std::shared_ptr<void> tmp_a, tmp_b;
   const float* sa = vec128_scales(a.scales, M, tmp_a, stream);
   const float* sb = b_vec ? vec128_scales(b.scales, N, tmp_b, stream) : b.scales.ptr<const float>();
@@ -171,10 +199,9 @@ void gemm_fp8_cublaslt(const QuantizedView& a, const QuantizedView& b, const Ten
   const cudaDataType_t dt = d.dtype == DType::f32 ? CUDA_R_32F : CUDA_R_16BF;
   const PlanKey key{dev, true, a_mode, b_mode, M, N, K, d.strides[0], int(dt), accumulate};
   std::lock_guard<std::mutex> lock(ctx.mu);
-  Plan& plan = get_plan(ctx, key, CUDA_R_8F_E4M3, dt, M, N, K, d.strides[0], a_mode, b_mode, true);
-  // cuBLAS A is our B, cuBLAS B is our A.
-  set_attr(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(sb));
-  set_attr(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(sa));
+  Plan& plan = get_plan(ctx, key, CUDA_R_8F_E4M3, dt, M, N, K, d.strides[0], a_mode, b_mode, true, sa, sb);
+  set_attr(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(plan.orient == 0 ? sb : sa));
+  set_attr(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(plan.orient == 0 ? sa : sb));
   run(ctx, plan, a.values.data, b.values.data, d.data, accumulate, stream);
 }
 
@@ -195,7 +222,7 @@ void gemm_bf16_cublaslt(const TensorView& a, const TensorView& b, const TensorVi
   const cudaDataType_t dt = d.dtype == DType::f32 ? CUDA_R_32F : CUDA_R_16BF;
   const PlanKey key{dev, false, 0, 0, M, N, K, d.strides[0], int(dt), accumulate};
   std::lock_guard<std::mutex> lock(ctx.mu);
-  Plan& plan = get_plan(ctx, key, CUDA_R_16BF, dt, M, N, K, d.strides[0], 0, 0, false);
+  Plan& plan = get_plan(ctx, key, CUDA_R_16BF, dt, M, N, K, d.strides[0], 0, 0, false, nullptr, nullptr);
   run(ctx, plan, a.data, b.data, d.data, accumulate, stream);
 }
 

@@ -65,7 +65,7 @@ void check_row_major(const TensorView& t, const char* arg) {
 
 template <int BM, int BN, bool kB1x128>
 void launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa, const CUtensorMap& tsb,
-            const GemmKernelArgs& args, cudaStream_t stream) {
+            const CUtensorMap& td, GemmKernelArgs args, cudaStream_t stream) {
   using T = GemmTraits<BM, BN, kB1x128>;
   auto kernel = sm90_fp8_gemm_kernel<BM, BN, kB1x128>;
   static std::once_flag once;
@@ -74,15 +74,17 @@ void launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa
   });
   const int64_t tiles = int64_t((args.M + BM - 1) / BM) * int64_t((args.N + BN - 1) / BN);
   const int grid = int(std::min<int64_t>(tiles, device_props().multiProcessorCount));
-  kernel<<<grid, T::kNumThreads, T::kSmemBytes, stream>>>(ta, tb, tsa, tsb, args);
+  // TMA-store epilogue only when D has the staging dtype (the caller checked alignment).
+  args.epi.tma_store = args.epi.tma_store && T::kTmaStoreOk && (args.epi.d_f32 == T::kStageF32);
+  kernel<<<grid, T::kNumThreads, T::kSmemBytes, stream>>>(ta, tb, tsa, tsb, td, args);
   FP8MOE_CUDA_CHECK_LAUNCH("sm90_fp8_gemm_kernel");
 }
 
 template <int BM, int BN, bool kB1x128>
 bool try_launch(const GemmTile& t, const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa,
-                const CUtensorMap& tsb, const GemmKernelArgs& args, cudaStream_t stream) {
+                const CUtensorMap& tsb, const CUtensorMap& td, const GemmKernelArgs& args, cudaStream_t stream) {
   if (t.block_m != BM || t.block_n != BN) return false;
-  launch<BM, BN, kB1x128>(ta, tb, tsa, tsb, args, stream);
+  launch<BM, BN, kB1x128>(ta, tb, tsa, tsb, td, args, stream);
   return true;
 }
 
@@ -108,8 +110,10 @@ void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorV
   const int64_t M = a.rows(), K = a.cols(), N = b.rows();
   FP8MOE_CHECK(b.cols() == K, "b: expected K = " << K << " columns (b is [N, K]), got " << b.values.str());
   FP8MOE_CHECK(K % kBlockK == 0 && K > 0, "a: K = " << K << " must be a positive multiple of 128 (pad K with zeros)");
-  check_tensor(d, "d", {DType::f32, DType::bf16}, 2);
-  check_shape(d, "d", {M, N});
+  // D may have a row stride > N (check_tensor would insist on contiguity).
+  FP8MOE_CHECK(d.data != nullptr && d.ndim == 2, "d: expected a 2-D tensor, got " << d.str());
+  FP8MOE_CHECK(d.dtype == DType::f32 || d.dtype == DType::bf16, "d: expected f32 or bf16, got " << d.str());
+  FP8MOE_CHECK(d.shape[0] == M && d.shape[1] == N, "d: expected shape [" << M << ", " << N << "], got " << d.str());
   FP8MOE_CHECK(!accumulate || d.dtype == DType::f32, "d: accumulate needs an f32 output, got " << d.str());
   FP8MOE_CHECK(d.strides[1] == 1 && d.strides[0] >= N, "d: expected row-major rows (stride 1 along N), got " << d.str());
   check_row_major(a.values, "a.values");
@@ -154,22 +158,30 @@ void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorV
   args.epi.accumulate = accumulate;
   const uintptr_t pair_align = args.epi.d_f32 ? 8 : 4;
   args.epi.pair_ok = (d.strides[0] % 2 == 0) && (reinterpret_cast<uintptr_t>(d.data) % pair_align == 0);
+  // TMA-store epilogue: 16-byte aligned rows (the kernel also needs D's dtype = its staging dtype).
+  const int esize = int(dtype_size(d.dtype));
+  args.epi.tma_store = aligned16(d.data) && (d.strides[0] * esize) % 16 == 0;
+  CUtensorMap td = tsa;  // unused when tma_store is off
+  if (args.epi.tma_store)
+    td = make_tmap_2d(d.data, args.epi.d_f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                      esize, uint64_t(N), uint64_t(M), uint64_t(d.strides[0]), uint32_t(128 / esize), 64,
+                      CU_TENSOR_MAP_SWIZZLE_128B, "d");
 
   bool ok = false;
   if (b_1x128) {
-    ok = try_launch<64, 64, true>(t, ta, tb, tsa, tsb, args, stream) ||
-         try_launch<64, 128, true>(t, ta, tb, tsa, tsb, args, stream) ||
-         try_launch<128, 64, true>(t, ta, tb, tsa, tsb, args, stream) ||
-         try_launch<128, 128, true>(t, ta, tb, tsa, tsb, args, stream);
+    ok = try_launch<64, 64, true>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<64, 128, true>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<128, 64, true>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<128, 128, true>(t, ta, tb, tsa, tsb, td, args, stream);
   } else {
-    ok = try_launch<64, 16, false>(t, ta, tb, tsa, tsb, args, stream) ||
-         try_launch<64, 32, false>(t, ta, tb, tsa, tsb, args, stream) ||
-         try_launch<64, 64, false>(t, ta, tb, tsa, tsb, args, stream) ||
-         try_launch<64, 128, false>(t, ta, tb, tsa, tsb, args, stream) ||
-         try_launch<128, 16, false>(t, ta, tb, tsa, tsb, args, stream) ||
-         try_launch<128, 32, false>(t, ta, tb, tsa, tsb, args, stream) ||
-         try_launch<128, 64, false>(t, ta, tb, tsa, tsb, args, stream) ||
-         try_launch<128, 128, false>(t, ta, tb, tsa, tsb, args, stream);
+    ok = try_launch<64, 16, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<64, 32, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<64, 64, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<64, 128, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<128, 16, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<128, 32, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<128, 64, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<128, 128, false>(t, ta, tb, tsa, tsb, td, args, stream);
   }
   FP8MOE_CHECK(ok, "gemm_fp8: tile " << t.block_m << "x" << t.block_n << " is not compiled for "
                                      << (b_1x128 ? "1x128" : "128x128") << " B scales");

@@ -1,6 +1,9 @@
-// GEMM epilogue: writes a warpgroup's FP32 accumulator fragment (m64 x BLOCK_N, layout in
-// mma.cuh) to D [M, N] row-major, BF16 or FP32, optionally accumulating into FP32 D.
-// Layer 4 of src/cuda/kernels. Rows >= M and columns >= N are masked.
+// GEMM epilogues: a warpgroup's FP32 accumulator fragment (m64 x BLOCK_N, layout in mma.cuh)
+// to D [M, N] row-major, BF16 or FP32, optionally accumulating into FP32 D. Layer 4 of
+// src/cuda/kernels.
+//   store_fragment      direct global stores, rows >= M and columns >= N masked (any D);
+//   stage_fragment      into a 128B-swizzled shared-memory tile that TMA then stores (or adds)
+//                       asynchronously, clipped at the tensor bounds (D rows 16-byte aligned).
 #pragma once
 #include <cuda_bf16.h>
 
@@ -15,6 +18,7 @@ struct EpilogueArgs {
   bool d_f32;        // else bf16
   bool accumulate;   // D += result (f32 only)
   bool pair_ok;      // two adjacent columns can be written as one 8/4-byte access
+  bool tma_store;    // D goes through the staging tile and TMA (dtype matches the kernel's staging)
 };
 
 // acc: this thread's fragment; row0: global row of d[0] (= tile row + 16*warp + lane/4);
@@ -57,6 +61,42 @@ __device__ __forceinline__ void store_fragment(const float (&acc)[BLOCK_N / 2], 
           if (c < e.N) row[c] = __float2bfloat16_rn(v0);
           if (c + 1 < e.N) row[c + 1] = __float2bfloat16_rn(v1);
         }
+      }
+    }
+  }
+}
+
+// Shared-memory staging tile of one warpgroup: kBoxes boxes of [64 rows, 128 bytes], each
+// 128B-swizzled (16-byte chunk c of row r stored at chunk c ^ (r % 8)), the layout a TMA store with
+// CU_TENSOR_MAP_SWIZZLE_128B and box [64, 128 / sizeof(OutT)] reads.
+// NOTES: the swizzle makes the 8 rows a warp writes at once land in 8 different bank groups.
+template <int BLOCK_N, bool kF32>
+struct StagingTile {
+  static constexpr int kElemBytes = kF32 ? 4 : 2;
+  static constexpr int kBoxCols = 128 / kElemBytes;      // columns per box
+  static constexpr int kBoxes = (BLOCK_N * kElemBytes + 127) / 128;
+  static constexpr int kBoxBytes = 64 * 128;
+  static constexpr int kBytes = kBoxes * kBoxBytes;      // per warpgroup
+};
+
+// r: row in the warpgroup's 64 rows (16*warp + lane/4); c: column of d[0] in the tile (2*(lane%4)).
+template <int BLOCK_N, bool kF32>
+__device__ __forceinline__ void stage_fragment(const float (&acc)[BLOCK_N / 2], uint8_t* smem, uint32_t r0,
+                                               uint32_t c0) {
+  using S = StagingTile<BLOCK_N, kF32>;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t r = r0 + 8 * i;
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j) {
+      const uint32_t c = c0 + 8 * j;
+      const uint32_t box = c / S::kBoxCols;
+      const uint32_t byte = (c % S::kBoxCols) * S::kElemBytes;
+      const uint32_t addr = box * S::kBoxBytes + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16;
+      if constexpr (kF32) {
+        *reinterpret_cast<float2*>(smem + addr) = make_float2(acc[4 * j + 2 * i], acc[4 * j + 2 * i + 1]);
+      } else {
+        *reinterpret_cast<__nv_bfloat162*>(smem + addr) = __floats2bfloat162_rn(acc[4 * j + 2 * i], acc[4 * j + 2 * i + 1]);
       }
     }
   }

@@ -12,8 +12,13 @@
 // naturally: while one promotes, the other's WGMMAs run. The grid is persistent (one CTA per SM),
 // tiles come from TileScheduler.
 //
-// Shared memory per stage: A tile [BLOCK_M, 128] e4m3 (128B-swizzled, K-major), B tile
-// [BLOCK_N, 128] e4m3, s_a [BLOCK_M] f32, and for 1d1d s_b [BLOCK_N] f32.
+// Shared memory: per math warpgroup a staging tile for the epilogue (bf16 for 1d2d, f32 for
+// 1d1d; StagingTile in epilogue.cuh), then per stage: A tile [BLOCK_M, 128] e4m3 (128B-swizzled,
+// K-major), B tile [BLOCK_N, 128] e4m3, s_a [BLOCK_M] f32, and for 1d1d s_b [BLOCK_N] f32.
+// Epilogue: when D's dtype is the staging dtype and its rows are 16-byte aligned, each math
+// warpgroup writes its 64 x BLOCK_N result into its staging tile and one thread issues TMA stores
+// (TMA reduce-add for D += ...) that run while the next tile's WGMMAs start; otherwise direct
+// masked global stores.
 // Launch: gemm_fp8.cu (tensor maps, heuristics in gemm_heuristics.hpp).
 #pragma once
 #include <cuda.h>
@@ -41,11 +46,17 @@ struct GemmTraits {
   static constexpr int kSmemSA = BLOCK_M * 4;                 // [BLOCK_M] f32
   static constexpr int kSmemSB = kB1x128 ? BLOCK_N * 4 : 0;   // [BLOCK_N] f32 (1d1d only)
   static constexpr int kStageBytes = kSmemA + kSmemB + kSmemSA + kSmemSB;
+  static constexpr bool kStageF32 = kB1x128;  // epilogue staging dtype: f32 (Wgrad) or bf16
+  using Staging = StagingTile<BLOCK_N, kStageF32>;
+  // TMA-store epilogue only for tiles at least one 128-byte box wide.
+  static constexpr bool kTmaStoreOk = BLOCK_N % Staging::kBoxCols == 0;
+  static constexpr int kSmemStaging = kTmaStoreOk ? kNumMathWG * Staging::kBytes : 0;
   static constexpr int kStages = [] {
-    int s = (kMaxSmemBytes - 1024 - 512) / kStageBytes;
+    int s = (kMaxSmemBytes - 1024 - 512 - kSmemStaging) / kStageBytes;
     return s > 10 ? 10 : s;
   }();
-  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // + barriers + align slack
+  // + barriers + alignment slack
+  static constexpr int kSmemBytes = kSmemStaging + kStages * kStageBytes + 2 * kStages * 8 + 1024;
   static constexpr uint32_t kTxBytes = kStageBytes;
 
   static_assert(BLOCK_M == 64 || BLOCK_M == 128, "BLOCK_M: one or two math warpgroups of m64");
@@ -68,6 +79,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128>::kNumThr
                          const __grid_constant__ CUtensorMap tmap_b,   // B [N, K] e4m3, box [BLOCK_N, 128]
                          const __grid_constant__ CUtensorMap tmap_sa,  // s_a [K/128, ld(M)] f32, box [1, BLOCK_M]
                          const __grid_constant__ CUtensorMap tmap_sb,  // 1d1d: s_b [K/128, ld(N)] f32, box [1, BLOCK_N]
+                         const __grid_constant__ CUtensorMap tmap_d,   // D [M, N], box [64, 128 B], 128B swizzle
                          const GemmKernelArgs args) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using T = GemmTraits<BLOCK_M, BLOCK_N, kB1x128>;
@@ -78,7 +90,8 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128>::kNumThr
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // NOTES: the runtime only guarantees 16-byte alignment of dynamic shared memory; align by hand.
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* smem_a = smem;                                  // [STAGES][BLOCK_M, 128] e4m3
+  uint8_t* smem_stg = smem;                                // [math WG][Staging] epilogue tiles
+  uint8_t* smem_a = smem_stg + T::kSmemStaging;            // [STAGES][BLOCK_M, 128] e4m3
   uint8_t* smem_b = smem_a + STAGES * T::kSmemA;           // [STAGES][BLOCK_N, 128] e4m3
   float* smem_sa = reinterpret_cast<float*>(smem_b + STAGES * T::kSmemB);  // [STAGES][BLOCK_M] f32
   float* smem_sb = smem_sa + STAGES * BLOCK_M;             // [STAGES][BLOCK_N] f32 (1d1d)
@@ -93,6 +106,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128>::kNumThr
     ptx::prefetch_tmap(&tmap_b);
     ptx::prefetch_tmap(&tmap_sa);
     if constexpr (kB1x128) ptx::prefetch_tmap(&tmap_sb);
+    if (args.epi.tma_store) ptx::prefetch_tmap(&tmap_d);
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       ptx::mbar_init(&full_bar[s], 1);                         // the producer's arrive + TMA bytes
@@ -107,7 +121,9 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128>::kNumThr
 
   if (threadIdx.x >= T::kNumMathThreads) {
     // ---- producer warpgroup: one thread issues every TMA load ----
-    ptx::setmaxnreg_dec<40>();
+    // NOTES: with one math warpgroup (256 threads) every warp already has the 232 registers it
+    // needs, so the register pool is only rebalanced for two.
+    if constexpr (T::kNumMathWG > 1) ptx::setmaxnreg_dec<40>();
     if (threadIdx.x == T::kNumMathThreads) {
       uint32_t stage = 0, phase = 0;
       for (uint32_t tile = blockIdx.x; tile < sched.num_tiles; tile += gridDim.x) {
@@ -129,7 +145,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128>::kNumThr
     }
   } else {
     // ---- math warpgroups ----
-    ptx::setmaxnreg_inc<232>();
+    if constexpr (T::kNumMathWG > 1) ptx::setmaxnreg_inc<232>();
     const uint32_t wg = threadIdx.x / 128;                        // rows [64*wg, 64*wg + 64) of the tile
     const uint32_t r_frag = wg * 64 + (warp % 4) * 16 + lane / 4;  // tile row of d[0]; d[2] is 8 below
     const uint32_t c_frag = 2 * (lane % 4);                        // tile column of d[0]
@@ -214,8 +230,35 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128>::kNumThr
         }
       }
 
-      store_fragment<BLOCK_N>(final_acc, args.epi, m0 + r_frag, n0 + c_frag);
+      if (T::kTmaStoreOk && args.epi.tma_store) {
+        using S = typename T::Staging;
+        uint8_t* stg = smem_stg + wg * S::kBytes;
+        const bool leader = threadIdx.x % 128 == 0;
+        // The previous tile's TMA store must have read the staging tile before it is rewritten.
+        if (leader) ptx::bulk_wait_read();
+        ptx::named_barrier_sync(1 + wg, 128);
+        stage_fragment<BLOCK_N, T::kStageF32>(final_acc, stg, (warp % 4) * 16 + lane / 4, c_frag);
+        ptx::fence_proxy_async_smem();
+        ptx::named_barrier_sync(1 + wg, 128);
+        const uint32_t row0 = m0 + wg * 64;
+        if (leader && row0 < args.M) {
+#pragma unroll
+          for (int b = 0; b < S::kBoxes; ++b) {
+            const uint32_t col0 = n0 + b * S::kBoxCols;
+            if (col0 >= args.N) break;
+            if (args.epi.accumulate)
+              ptx::tma_reduce_add_2d(&tmap_d, stg + b * S::kBoxBytes, int32_t(col0), int32_t(row0));
+            else
+              ptx::tma_store_2d(&tmap_d, stg + b * S::kBoxBytes, int32_t(col0), int32_t(row0));
+          }
+          ptx::bulk_commit();
+        }
+      } else {
+        store_fragment<BLOCK_N>(final_acc, args.epi, m0 + r_frag, n0 + c_frag);
+      }
     }
+    // Outstanding TMA stores must complete before the CTA's shared memory goes away.
+    if (T::kTmaStoreOk && args.epi.tma_store && threadIdx.x % 128 == 0) ptx::bulk_wait();
   }
 #else
   // Built for an architecture without wgmma: never launched (the host checks sm_90).

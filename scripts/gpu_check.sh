@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# GPU check of the CUDA backend, for a machine with an NVIDIA Hopper GPU: builds the CUDA targets
+# (or takes prebuilt binaries), runs the GPU tests, compute-sanitizer memcheck, a SASS sanity check
+# (FP8 WGMMA = QGMMA present), `fp8moe bench quant` and `fp8moe bench gemm`, writes the logs to
+# $OUT (default ./gpu_check_out) and prints a short table last.
+#
+#   scripts/gpu_check.sh                      # configure + build in build-gpu/, then check
+#   FP8MOE_BIN=<dir> scripts/gpu_check.sh     # use <dir>/{fp8moe,test_cuda_quantize,test_cuda_gemm}
+#   FP8MOE_BENCH_SET=m4096 FP8MOE_ITERS=20 ... # bench subset / timed runs per case
+# Every step has a time limit, so a hung kernel shows up as a TIMEOUT row instead of a stuck run.
+set -u
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+ITERS=${FP8MOE_ITERS:-30}
+SET=${FP8MOE_BENCH_SET:-all}
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}
+
+if [ -z "${FP8MOE_BIN:-}" ]; then
+  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
+    cmake --build build-gpu -j"$(nproc)" --target fp8moe_cli test_cuda_quantize test_cuda_gemm >>"$OUT/build.log" 2>&1 ||
+    { echo "build failed, see $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
+  BIN_CLI=build-gpu/bin/fp8moe
+  BIN_T=build-gpu/tests/cuda
+else
+  BIN_CLI=$FP8MOE_BIN/fp8moe
+  BIN_T=$FP8MOE_BIN
+fi
+
+declare -a ROWS
+step() {  # step <name> <seconds> <log> <cmd...>: runs, records "name | rc | seconds"
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local t0=$SECONDS
+  timeout --signal=KILL "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  local st="ok"
+  [ $rc -ne 0 ] && st="FAIL(rc=$rc)"
+  [ $rc -eq 137 ] && st="TIMEOUT(${limit}s)"
+  ROWS+=("| $name | $st | $((SECONDS - t0)) s |")
+  echo "[gpu_check] $name: $st ($((SECONDS - t0)) s)"
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+
+step "test_cuda_quantize" 60 "$OUT/tests.log" "$BIN_T/test_cuda_quantize"
+step "test_cuda_gemm" 90 "$OUT/tests.log" "$BIN_T/test_cuda_gemm"
+GEMM_HUNG=$(printf '%s\n' "${ROWS[@]}" | grep -c "test_cuda_gemm | TIMEOUT")
+if [ "$GEMM_HUNG" = 0 ]; then
+  step "memcheck gemm" 90 "$OUT/memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
+    "$BIN_T/test_cuda_gemm" --gtest_filter='CudaGemm.SmallIntegers*:CudaGemm.Accumulates*:CudaGemm.RejectsBad*'
+fi
+step "memcheck quantize" 90 "$OUT/memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
+  "$BIN_T/test_cuda_quantize" --gtest_filter='*Rows1x128*:*Transposed*:*Requantize*:*Blocks*'
+{ cuobjdump --dump-sass "$BIN_T/test_cuda_gemm" 2>/dev/null | grep -c QGMMA; } >"$OUT/sass.txt" 2>&1
+step "bench quant" 60 "$OUT/bench_quant.md" "$BIN_CLI" bench quant --iters "$ITERS"
+[ "$GEMM_HUNG" = 0 ] && step "bench gemm" 200 "$OUT/bench_gemm.md" "$BIN_CLI" bench gemm --iters "$ITERS" --set "$SET"
+
+echo
+echo "== tests =="
+grep -E "^\[  (PASSED|FAILED|SKIPPED) \]|Failure|error:|info     \]" "$OUT/tests.log" | head -40
+echo "== memcheck =="
+grep -E "ERROR SUMMARY" "$OUT/memcheck.log"
+echo "== QGMMA instructions in test_cuda_gemm SASS: $(cat "$OUT/sass.txt") =="
+echo "== bench quant =="
+cat "$OUT/bench_quant.md"
+echo "== bench gemm =="
+cat "$OUT/bench_gemm.md"
+echo
+echo "| step | result | time |"
+echo "|---|---|---|"
+printf '%s\n' "${ROWS[@]}"
