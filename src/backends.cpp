@@ -16,6 +16,26 @@ std::string_view op_name(Op op) {
     case Op::dequantize: return "dequantize";
     case Op::gemm_fp8: return "gemm_fp8";
     case Op::gemm_bf16: return "gemm_bf16";
+    case Op::gemm: return "gemm";
+    case Op::convert: return "convert";
+    case Op::axpy: return "axpy";
+    case Op::copy_cols: return "copy_cols";
+    case Op::transpose: return "transpose";
+    case Op::embedding_forward: return "embedding_forward";
+    case Op::embedding_backward: return "embedding_backward";
+    case Op::rmsnorm_forward: return "rmsnorm_forward";
+    case Op::rmsnorm_backward: return "rmsnorm_backward";
+    case Op::rope: return "rope";
+    case Op::attention_forward: return "attention_forward";
+    case Op::attention_backward: return "attention_backward";
+    case Op::swiglu_forward: return "swiglu_forward";
+    case Op::swiglu_backward: return "swiglu_backward";
+    case Op::cross_entropy: return "cross_entropy";
+    case Op::moe_route: return "moe_route";
+    case Op::moe_route_backward: return "moe_route_backward";
+    case Op::gather_rows: return "gather_rows";
+    case Op::scatter_add_rows: return "scatter_add_rows";
+    case Op::rows_dot: return "rows_dot";
   }
   return "?";
 }
@@ -24,6 +44,63 @@ QuantizedTensor Backend::empty_quantized(int64_t rows, int64_t cols, DType dtype
   auto ss = scale_shape(kind, rows, cols);
   return {empty(dtype, {rows, cols}), empty(DType::f32, {ss[0], ss[1]}), kind};
 }
+
+// Model ops: a backend that does not implement one says so by name.
+#define FP8MOE_UNSUPPORTED(op) FP8MOE_CHECK(false, #op ": unsupported on backend " << name())
+void Backend::gemm(const TensorView&, const TensorView&, const TensorView&, bool, bool, bool) { FP8MOE_UNSUPPORTED(gemm); }
+void Backend::convert(const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(convert); }
+void Backend::axpy(double, const TensorView&, double, const TensorView&) { FP8MOE_UNSUPPORTED(axpy); }
+void Backend::copy_cols(const TensorView&, int64_t, const TensorView&, int64_t, int64_t, bool) {
+  FP8MOE_UNSUPPORTED(copy_cols);
+}
+void Backend::transpose(const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(transpose); }
+void Backend::embedding_forward(const TensorView&, const TensorView&, const TensorView&) {
+  FP8MOE_UNSUPPORTED(embedding_forward);
+}
+void Backend::embedding_backward(const TensorView&, const TensorView&, const TensorView&) {
+  FP8MOE_UNSUPPORTED(embedding_backward);
+}
+void Backend::rmsnorm_forward(const TensorView&, const TensorView&, const TensorView&, const TensorView&, double) {
+  FP8MOE_UNSUPPORTED(rmsnorm_forward);
+}
+void Backend::rmsnorm_backward(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                               const TensorView&, const TensorView&, bool) {
+  FP8MOE_UNSUPPORTED(rmsnorm_backward);
+}
+void Backend::rope(const TensorView&, int64_t, int64_t, const TensorView&, double, bool) { FP8MOE_UNSUPPORTED(rope); }
+void Backend::attention_forward(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                                const TensorView&, int64_t, double) {
+  FP8MOE_UNSUPPORTED(attention_forward);
+}
+void Backend::attention_backward(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                                 const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                                 const TensorView&, int64_t, double) {
+  FP8MOE_UNSUPPORTED(attention_backward);
+}
+void Backend::swiglu_forward(const TensorView&, const TensorView&, const TensorView&) {
+  FP8MOE_UNSUPPORTED(swiglu_forward);
+}
+void Backend::swiglu_backward(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                              const TensorView&) {
+  FP8MOE_UNSUPPORTED(swiglu_backward);
+}
+void Backend::cross_entropy(const TensorView&, const TensorView&, const TensorView&, const TensorView&, double) {
+  FP8MOE_UNSUPPORTED(cross_entropy);
+}
+void Backend::moe_route(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                        const TensorView&, int64_t, int64_t, bool, double) {
+  FP8MOE_UNSUPPORTED(moe_route);
+}
+void Backend::moe_route_backward(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
+                                 const TensorView&, bool, double) {
+  FP8MOE_UNSUPPORTED(moe_route_backward);
+}
+void Backend::gather_rows(const TensorView&, const TensorView&, const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(gather_rows); }
+void Backend::scatter_add_rows(const TensorView&, const TensorView&, const TensorView&, const TensorView&) {
+  FP8MOE_UNSUPPORTED(scatter_add_rows);
+}
+void Backend::rows_dot(const TensorView&, const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(rows_dot); }
+#undef FP8MOE_UNSUPPORTED
 
 Tensor Backend::to_host(const Tensor& t) {
   if (t.device() == Device::cpu) return t;

@@ -23,6 +23,27 @@ enum class Op : uint8_t {
   dequantize,
   gemm_fp8,
   gemm_bf16,
+  // Model ops (include/fp8moe/backend.hpp, "Model ops" below).
+  gemm,
+  convert,
+  axpy,
+  copy_cols,
+  transpose,
+  embedding_forward,
+  embedding_backward,
+  rmsnorm_forward,
+  rmsnorm_backward,
+  rope,
+  attention_forward,
+  attention_backward,
+  swiglu_forward,
+  swiglu_backward,
+  cross_entropy,
+  moe_route,
+  moe_route_backward,
+  gather_rows,
+  scatter_add_rows,
+  rows_dot,
 };
 std::string_view op_name(Op op);
 
@@ -50,6 +71,74 @@ class Backend {
                         const GemmOptions& opt) = 0;
   // D [M, N] f32 | bf16 = A [M, K] bf16 * B [N, K]^T bf16 (+ D when accumulate).
   virtual void gemm_bf16(const TensorView& a, const TensorView& b, const TensorView& d, bool accumulate) = 0;
+
+  // ---- Model ops (src/model). "float" below means f32 | f64, one dtype per call; tensors are
+  // contiguous row-major; T = tokens. Defaults throw "<op>: unsupported on backend <name>".
+  // d [M, N] (+)= op(a) * op(b): op(a) = a [M, K] or, with trans_a, a^T for a [K, M]; op(b) = b
+  // [K, N] or, with trans_b, b^T for b [N, K]. Linear: y = x w^T is gemm(x, w, y, false, true).
+  virtual void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b,
+                    bool accumulate);
+  // dst = src elementwise between f32, f64 and bf16 (same element count).
+  virtual void convert(const TensorView& src, const TensorView& dst);
+  // y = alpha * x + beta * y (float, same shape).
+  virtual void axpy(double alpha, const TensorView& x, double beta, const TensorView& y);
+  // dst[:, dst_col + j] (+)= src[:, src_col + j] for j < ncols; src [R, Cs], dst [R, Cd] float|bf16.
+  virtual void copy_cols(const TensorView& src, int64_t src_col, const TensorView& dst, int64_t dst_col,
+                         int64_t ncols, bool accumulate);
+  // dst [C, R] = src [R, C]^T (float | bf16).
+  virtual void transpose(const TensorView& src, const TensorView& dst);
+  // out [T, D] = table[ids[t]]; ids [T] i32, table [V, D] float.
+  virtual void embedding_forward(const TensorView& ids, const TensorView& table, const TensorView& out);
+  // dtable[ids[t]] += dout[t].
+  virtual void embedding_backward(const TensorView& ids, const TensorView& dout, const TensorView& dtable);
+  // y [T, D] = x * rstd * w, rstd [T] = 1 / sqrt(mean(x^2) + eps); w [D].
+  virtual void rmsnorm_forward(const TensorView& x, const TensorView& w, const TensorView& y,
+                               const TensorView& rstd, double eps);
+  // dx [T, D] (+= when accumulate_dx) and dw [D] (+=) from dy [T, D]; either output may be undefined
+  // (empty view) to skip it: backward-for-input and backward-for-weights.
+  virtual void rmsnorm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd,
+                                const TensorView& dy, const TensorView& dx, const TensorView& dw,
+                                bool accumulate_dx);
+  // In place on x [T, H, C]: rotates the interleaved pairs of columns [col0, col0 + rot) of every
+  // head by positions[t] * theta^(-2i/rot); inverse rotates back (the backward).
+  virtual void rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& positions, double theta,
+                    bool inverse);
+  // Causal attention within sequences of seq_len rows (T = B * seq_len): q, k [T, H, Dk], v [T, H, Dv]
+  // -> out [T, H, Dv], lse [H, T] (log-sum-exp of the scaled scores, for the backward).
+  virtual void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                 const TensorView& out, const TensorView& lse, int64_t seq_len, double scale);
+  // dq, dk, dv (overwritten) from dout [T, H, Dv], out and lse of the forward.
+  virtual void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const TensorView& out, const TensorView& lse, const TensorView& dout,
+                                  const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                  int64_t seq_len, double scale);
+  // out [T, F] = silu(gate) * up.
+  virtual void swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out);
+  // dgate, dup [T, F] (overwritten) from dout [T, F].
+  virtual void swiglu_backward(const TensorView& gate, const TensorView& up, const TensorView& dout,
+                               const TensorView& dgate, const TensorView& dup);
+  // losses [T] = -log softmax(logits[t])[targets[t]] (0 where targets[t] < 0); when dlogits is defined,
+  // dlogits [T, V] = grad_scale * (softmax - onehot) (0 rows for ignored targets). logits float.
+  virtual void cross_entropy(const TensorView& logits, const TensorView& targets, const TensorView& losses,
+                             const TensorView& dlogits, double grad_scale);
+  // DeepSeek-V3 routing: scores [T, E] = sigmoid(logits); choice = scores + bias [E]; the n_group groups
+  // ranked by the sum of their top-2 choices, the best topk_group kept; top-k of choice inside them ->
+  // idx [T, k] i32 (descending), weights [T, k] = scores / sum (norm) * scaling.
+  virtual void moe_route(const TensorView& logits, const TensorView& bias, const TensorView& scores,
+                         const TensorView& idx, const TensorView& weights, int64_t n_group, int64_t topk_group,
+                         bool norm, double scaling);
+  // dlogits [T, E] (overwritten) = sigmoid' * (dscores + d(weights)/d(scores)^T dweights); dscores [T, E]
+  // may be undefined (no direct score gradient, e.g. without a balance loss).
+  virtual void moe_route_backward(const TensorView& scores, const TensorView& idx, const TensorView& dweights,
+                                  const TensorView& dscores, const TensorView& dlogits, bool norm, double scaling);
+  // dst[i] = w[i] * src[idx[i]] for i < N; idx [N] i32, src [T, D], dst [N', D] with N' >= N (rows >= N
+  // untouched); w [N] float or undefined (1).
+  virtual void gather_rows(const TensorView& src, const TensorView& idx, const TensorView& w, const TensorView& dst);
+  // dst[idx[i]] += w[i] * src[i] for i < N; w [N] float or undefined (1); src [N', D], dst [T, D].
+  virtual void scatter_add_rows(const TensorView& src, const TensorView& idx, const TensorView& w,
+                                const TensorView& dst);
+  // out [N] = sum_j a[i, j] * b[i, j] for i < N (a, b [N', D], N = out size).
+  virtual void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out);
 };
 
 // "cpu" or "cuda" (the CUDA backend exists when built with CUDA and a GPU is present).

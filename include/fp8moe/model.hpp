@@ -44,6 +44,7 @@ struct Batch {
   Tensor tokens;     // [T] i32 on the backend
   Tensor targets;    // [T] i32: next token of each position, -1 = ignored
   Tensor positions;  // [T] i32: position inside its sequence (RoPE)
+  double grad_scale = 1.0;  // gradients are of grad_scale * loss (layers with their own loss use it)
   int64_t tokens_count() const { return batch * seq; }
 };
 

@@ -2,6 +2,8 @@
 // that every tensor is in host memory.
 #include "cpu_backend.hpp"
 
+#include "cpu_ops.hpp"
+
 #include <cstring>
 
 namespace fp8moe {
@@ -56,6 +58,70 @@ class CpuBackend final : public Backend {
     require_host(d, "d");
     gemm_ref(a, b, d, accumulate);
   }
+
+  // Model ops: src/cpu/ops_*.cpp (cpu_ops.hpp).
+  void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool ta, bool tb, bool acc) override {
+    cpu::gemm(a, b, d, ta, tb, acc);
+  }
+  void convert(const TensorView& src, const TensorView& dst) override { cpu::convert(src, dst); }
+  void axpy(double alpha, const TensorView& x, double beta, const TensorView& y) override { cpu::axpy(alpha, x, beta, y); }
+  void copy_cols(const TensorView& src, int64_t sc, const TensorView& dst, int64_t dc, int64_t n, bool acc) override {
+    cpu::copy_cols(src, sc, dst, dc, n, acc);
+  }
+  void transpose(const TensorView& src, const TensorView& dst) override { cpu::transpose(src, dst); }
+  void embedding_forward(const TensorView& ids, const TensorView& table, const TensorView& out) override {
+    cpu::embedding_forward(ids, table, out);
+  }
+  void embedding_backward(const TensorView& ids, const TensorView& dout, const TensorView& dtable) override {
+    cpu::embedding_backward(ids, dout, dtable);
+  }
+  void rmsnorm_forward(const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd,
+                       double eps) override {
+    cpu::rmsnorm_forward(x, w, y, rstd, eps);
+  }
+  void rmsnorm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd, const TensorView& dy,
+                        const TensorView& dx, const TensorView& dw, bool acc) override {
+    cpu::rmsnorm_backward(x, w, rstd, dy, dx, dw, acc);
+  }
+  void rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& pos, double theta, bool inv) override {
+    cpu::rope(x, col0, rot, pos, theta, inv);
+  }
+  void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                         const TensorView& lse, int64_t seq_len, double scale) override {
+    cpu::attention_forward(q, k, v, out, lse, seq_len, scale);
+  }
+  void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                          const TensorView& lse, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                          const TensorView& dv, int64_t seq_len, double scale) override {
+    cpu::attention_backward(q, k, v, out, lse, dout, dq, dk, dv, seq_len, scale);
+  }
+  void swiglu_forward(const TensorView& g, const TensorView& u, const TensorView& out) override {
+    cpu::swiglu_forward(g, u, out);
+  }
+  void swiglu_backward(const TensorView& g, const TensorView& u, const TensorView& dout, const TensorView& dg,
+                       const TensorView& du) override {
+    cpu::swiglu_backward(g, u, dout, dg, du);
+  }
+  void cross_entropy(const TensorView& logits, const TensorView& targets, const TensorView& losses,
+                     const TensorView& dlogits, double grad_scale) override {
+    cpu::cross_entropy(logits, targets, losses, dlogits, grad_scale);
+  }
+  void moe_route(const TensorView& logits, const TensorView& bias, const TensorView& scores, const TensorView& idx,
+                 const TensorView& weights, int64_t n_group, int64_t topk_group, bool norm, double scaling) override {
+    cpu::moe_route(logits, bias, scores, idx, weights, n_group, topk_group, norm, scaling);
+  }
+  void moe_route_backward(const TensorView& scores, const TensorView& idx, const TensorView& dweights,
+                          const TensorView& dscores, const TensorView& dlogits, bool norm, double scaling) override {
+    cpu::moe_route_backward(scores, idx, dweights, dscores, dlogits, norm, scaling);
+  }
+  void gather_rows(const TensorView& src, const TensorView& idx, const TensorView& w, const TensorView& dst) override {
+    cpu::gather_rows(src, idx, w, dst);
+  }
+  void scatter_add_rows(const TensorView& src, const TensorView& idx, const TensorView& w,
+                        const TensorView& dst) override {
+    cpu::scatter_add_rows(src, idx, w, dst);
+  }
+  void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out) override { cpu::rows_dot(a, b, out); }
 };
 
 }  // namespace

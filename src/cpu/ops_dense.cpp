@@ -1,0 +1,199 @@
+// CPU dense ops of the model: float GEMM (all four transpose cases), dtype conversion, axpy,
+// column-block copies and transposes. The GEMM is a 4-row register-blocked row-axpy kernel with
+// OpenMP over rows: every case is reduced to d[i, :] += sum_k A(i, k) * B[k, :] with B row-major
+// [K, N] (b^T is materialized once for trans_b), so the inner loop is contiguous and vectorizes.
+#include <cstring>
+#include <vector>
+
+#include "cpu_ops.hpp"
+#include "fp8moe/codecs.hpp"
+
+namespace fp8moe::cpu {
+
+void check_op_tensor(const TensorView& t, const char* op, const char* arg, DType dtype, int ndim) {
+  FP8MOE_CHECK(t.device == Device::cpu, op << ": " << arg << " must be a host tensor, got " << t.str());
+  FP8MOE_CHECK(t.data != nullptr, op << ": " << arg << " is undefined");
+  FP8MOE_CHECK(t.dtype == dtype, op << ": " << arg << " must be " << dtype_name(dtype) << ", got " << t.str());
+  FP8MOE_CHECK(ndim < 0 || t.ndim == ndim, op << ": " << arg << " must have " << ndim << " dims, got " << t.str());
+  FP8MOE_CHECK(t.is_contiguous(), op << ": " << arg << " must be contiguous, got " << t.str());
+}
+
+namespace {
+
+template <class T>
+void gemm_impl(const TensorView& a, const TensorView& b, const TensorView& d, bool ta, bool tb, bool acc) {
+  const int64_t M = d.size(0), N = d.size(1);
+  const int64_t K = ta ? a.size(0) : a.size(1);
+  FP8MOE_CHECK((ta ? a.size(1) : a.size(0)) == M, "gemm: a " << a.str() << " does not give M = " << M);
+  FP8MOE_CHECK((tb ? b.size(1) : b.size(0)) == K && (tb ? b.size(0) : b.size(1)) == N,
+               "gemm: b " << b.str() << " does not match K = " << K << ", N = " << N);
+  const T* A = a.ptr<const T>();
+  T* D = d.ptr<T>();
+  // B as row-major [K, N].
+  std::vector<T> bt;
+  const T* B = b.ptr<const T>();
+  if (tb) {
+    bt.resize(size_t(K * N));
+    const int64_t R = N, C = K;  // b is [N, K]
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t r = 0; r < R; ++r) bt[size_t(c * R + r)] = B[r * C + c];
+    B = bt.data();
+  }
+  auto a_at = [&](int64_t i, int64_t k) { return ta ? A[k * M + i] : A[i * K + k]; };
+  const int64_t MB = (M + 3) / 4;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t ib = 0; ib < MB; ++ib) {
+    const int64_t i0 = ib * 4, rows = std::min<int64_t>(4, M - i0);
+    T* d0 = D + i0 * N;
+    T* d1 = rows > 1 ? d0 + N : d0;
+    T* d2 = rows > 2 ? d0 + 2 * N : d0;
+    T* d3 = rows > 3 ? d0 + 3 * N : d0;
+    if (!acc) std::memset(d0, 0, sizeof(T) * size_t(rows * N));
+    if (rows == 4) {
+      for (int64_t k = 0; k < K; ++k) {
+        const T a0 = a_at(i0, k), a1 = a_at(i0 + 1, k), a2 = a_at(i0 + 2, k), a3 = a_at(i0 + 3, k);
+        const T* br = B + k * N;
+#pragma omp simd
+        for (int64_t j = 0; j < N; ++j) {
+          const T bv = br[j];
+          d0[j] += a0 * bv;
+          d1[j] += a1 * bv;
+          d2[j] += a2 * bv;
+          d3[j] += a3 * bv;
+        }
+      }
+    } else {
+      for (int64_t r = 0; r < rows; ++r) {
+        T* dr = D + (i0 + r) * N;
+        for (int64_t k = 0; k < K; ++k) {
+          const T av = a_at(i0 + r, k);
+          const T* br = B + k * N;
+#pragma omp simd
+          for (int64_t j = 0; j < N; ++j) dr[j] += av * br[j];
+        }
+      }
+    }
+  }
+}
+
+double load_any(const TensorView& t, int64_t i) {
+  switch (t.dtype) {
+    case DType::f32: return t.ptr<const float>()[i];
+    case DType::f64: return t.ptr<const double>()[i];
+    case DType::bf16: return bf16_decode(t.ptr<const uint16_t>()[i]);
+    default: break;
+  }
+  FP8MOE_CHECK(false, "unsupported dtype " << t.str());
+}
+
+void store_any(const TensorView& t, int64_t i, double v) {
+  switch (t.dtype) {
+    case DType::f32: t.ptr<float>()[i] = float(v); return;
+    case DType::f64: t.ptr<double>()[i] = v; return;
+    case DType::bf16: t.ptr<uint16_t>()[i] = bf16_encode(float(v)); return;
+    default: break;
+  }
+  FP8MOE_CHECK(false, "unsupported dtype " << t.str());
+}
+
+void check_2d_any(const TensorView& t, const char* op, const char* arg) {
+  FP8MOE_CHECK(t.device == Device::cpu && t.data, op << ": " << arg << " must be a defined host tensor");
+  FP8MOE_CHECK(t.ndim == 2 && t.is_contiguous(), op << ": " << arg << " must be 2-D contiguous, got " << t.str());
+  FP8MOE_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64 || t.dtype == DType::bf16,
+               op << ": " << arg << " must be f32, f64 or bf16, got " << t.str());
+}
+
+}  // namespace
+
+void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b, bool accumulate) {
+  dispatch_float(d, "gemm", "d", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr DType dt = sizeof(T) == 4 ? DType::f32 : DType::f64;
+    check_op_tensor(a, "gemm", "a", dt, 2);
+    check_op_tensor(b, "gemm", "b", dt, 2);
+    check_op_tensor(d, "gemm", "d", dt, 2);
+    gemm_impl<T>(a, b, d, trans_a, trans_b, accumulate);
+  });
+}
+
+void convert(const TensorView& src, const TensorView& dst) {
+  FP8MOE_CHECK(src.numel() == dst.numel(), "convert: src " << src.str() << " and dst " << dst.str()
+                                                           << " differ in element count");
+  FP8MOE_CHECK(src.is_contiguous() && dst.is_contiguous(), "convert: src and dst must be contiguous");
+  FP8MOE_CHECK(src.device == Device::cpu && dst.device == Device::cpu, "convert: host tensors only");
+  const int64_t n = src.numel();
+  if (src.dtype == dst.dtype) {
+    std::memcpy(dst.data, src.data, src.nbytes());
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) store_any(dst, i, load_any(src, i));
+}
+
+void axpy(double alpha, const TensorView& x, double beta, const TensorView& y) {
+  dispatch_float(y, "axpy", "y", [&](auto tag) {
+    using T = decltype(tag);
+    FP8MOE_CHECK(x.dtype == y.dtype && x.numel() == y.numel() && x.is_contiguous() && y.is_contiguous(),
+                 "axpy: x " << x.str() << " and y " << y.str() << " must match in dtype and size");
+    const T* xp = x.ptr<const T>();
+    T* yp = y.ptr<T>();
+    const T a = T(alpha), bb = T(beta);
+    const int64_t n = y.numel();
+    if (beta == 1.0) {
+#pragma omp parallel for simd schedule(static)
+      for (int64_t i = 0; i < n; ++i) yp[i] += a * xp[i];
+    } else {
+#pragma omp parallel for simd schedule(static)
+      for (int64_t i = 0; i < n; ++i) yp[i] = a * xp[i] + bb * yp[i];
+    }
+  });
+}
+
+void copy_cols(const TensorView& src, int64_t src_col, const TensorView& dst, int64_t dst_col, int64_t ncols,
+               bool accumulate) {
+  check_2d_any(src, "copy_cols", "src");
+  check_2d_any(dst, "copy_cols", "dst");
+  FP8MOE_CHECK(src.size(0) == dst.size(0), "copy_cols: src " << src.str() << " and dst " << dst.str()
+                                                             << " differ in rows");
+  FP8MOE_CHECK(src_col >= 0 && ncols >= 0 && src_col + ncols <= src.size(1),
+               "copy_cols: columns [" << src_col << ", " << src_col + ncols << ") outside src " << src.str());
+  FP8MOE_CHECK(dst_col >= 0 && dst_col + ncols <= dst.size(1),
+               "copy_cols: columns [" << dst_col << ", " << dst_col + ncols << ") outside dst " << dst.str());
+  const int64_t R = src.size(0), Cs = src.size(1), Cd = dst.size(1);
+  if (src.dtype == dst.dtype && !accumulate) {
+    const size_t es = dtype_size(src.dtype);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < R; ++r)
+      std::memcpy(static_cast<char*>(dst.data) + (r * Cd + dst_col) * es,
+                  static_cast<const char*>(src.data) + (r * Cs + src_col) * es, size_t(ncols) * es);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < ncols; ++j) {
+      const int64_t di = r * Cd + dst_col + j;
+      double v = load_any(src, r * Cs + src_col + j);
+      if (accumulate) v += load_any(dst, di);
+      store_any(dst, di, v);
+    }
+}
+
+void transpose(const TensorView& src, const TensorView& dst) {
+  check_2d_any(src, "transpose", "src");
+  check_2d_any(dst, "transpose", "dst");
+  FP8MOE_CHECK(src.dtype == dst.dtype, "transpose: src " << src.str() << " and dst " << dst.str() << " differ in dtype");
+  check_shape(dst, "transpose: dst", {src.size(1), src.size(0)});
+  const int64_t R = src.size(0), C = src.size(1);
+  const size_t es = dtype_size(src.dtype);
+  constexpr int64_t kB = 32;  // cache blocking
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t r0 = 0; r0 < R; r0 += kB)
+    for (int64_t c0 = 0; c0 < C; c0 += kB)
+      for (int64_t r = r0; r < std::min(R, r0 + kB); ++r)
+        for (int64_t c = c0; c < std::min(C, c0 + kB); ++c)
+          std::memcpy(static_cast<char*>(dst.data) + (c * R + r) * es,
+                      static_cast<const char*>(src.data) + (r * C + c) * es, es);
+}
+
+}  // namespace fp8moe::cpu

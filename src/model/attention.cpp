@@ -1,0 +1,233 @@
+// Multi-head latent attention (DeepSeek-V3 §2.1.1) as a residual sublayer:
+//   h   = input_layernorm(x)                                  [T, D]
+//   q   = q_b_proj(q_a_layernorm(q_a_proj(h)))                [T, H*(dn+dr)]  (q_proj(h) without q_lora)
+//   ckv = kv_a_proj_with_mqa(h)                               [T, rkv + dr]: latent | shared RoPE key
+//   kv  = kv_b_proj(kv_a_layernorm(ckv[:, :rkv]))             [T, H*(dn+dv)]: per-head k_nope | v
+//   Q = [q_nope, rope(q_pe)], K = [k_nope, rope(k_pe) for every head], V    (scale 1/sqrt(dn+dr))
+//   y   = x + o_proj(causal_attention(Q, K, V))
+// Memory (report §3.2.3, §3.3.3): the norm outputs and the up-projection outputs q and kv are not
+// kept; backward recomputes q and kv from the cached inputs of q_b_proj and kv_b_proj. Kept: x,
+// the norms' rstd, the norm inputs q_a output and ckv (small latents), the Linear inputs in the
+// recipe's format, and the attention output as o_proj's input (E5M6, power-of-two scales in the
+// FP8 recipes), which also serves as O in the attention backward.
+#include <cmath>
+
+#include "model_internal.hpp"
+
+namespace fp8moe::model {
+
+namespace {
+
+class AttentionLayer final : public Layer {
+ public:
+  AttentionLayer(Ctx& c, int64_t layer, const ParamLookup& get) : c_(c) {
+    const std::string pre = "model.layers." + std::to_string(layer) + ".";
+    name_ = "layers." + std::to_string(layer) + ".attn";
+    norm_ = get(pre + "input_layernorm.weight");
+    if (c.cfg.q_lora_rank > 0) {
+      q_a_ = get(pre + "self_attn.q_a_proj.weight");
+      q_a_norm_ = get(pre + "self_attn.q_a_layernorm.weight");
+      q_b_ = get(pre + "self_attn.q_b_proj.weight");
+    } else {
+      q_b_ = get(pre + "self_attn.q_proj.weight");
+    }
+    kv_a_ = get(pre + "self_attn.kv_a_proj_with_mqa.weight");
+    kv_a_norm_ = get(pre + "self_attn.kv_a_layernorm.weight");
+    kv_b_ = get(pre + "self_attn.kv_b_proj.weight");
+    o_ = get(pre + "self_attn.o_proj.weight");
+    H_ = c.cfg.num_attention_heads;
+    dn_ = c.cfg.qk_nope_head_dim;
+    dr_ = c.cfg.qk_rope_head_dim;
+    dv_ = c.cfg.v_head_dim;
+    dqk_ = dn_ + dr_;
+    rkv_ = c.cfg.kv_lora_rank;
+    scale_ = 1.0 / std::sqrt(double(dqk_));
+  }
+  std::string name() const override { return name_; }
+
+  struct State : Saved {
+    Tensor x, rstd;          // [T, D] layer input, [T] input_layernorm
+    Cached h;                // [T, D] input of q_a_proj / kv_a_proj (q_proj)
+    Tensor cq, rstd_q;       // [T, rq] q_a_proj output (q_a_layernorm input), [T]
+    Cached cqn;              // [T, rq] input of q_b_proj
+    Tensor ckv, rstd_kv;     // [T, rkv + dr] kv_a_proj_with_mqa output, [T] kv_a_layernorm
+    Cached ckvn;             // [T, rkv] input of kv_b_proj
+    Cached o;                // [T, H*dv] attention output = o_proj input
+    Tensor lse;              // [H, T]
+    // Output gradients kept from B for W.
+    Tensor dy, dq, dcqn, dcq, dkv, dckvn, dckv, dh;
+  };
+
+  // q [T, H*dqk] and kv [T, H*(dn+dv)] from the cached Linear inputs (the up-projections), then
+  // Q, K, V [T, H, *] with RoPE applied.
+  void build_qkv(const Batch& b, State& s, Tensor& Q, Tensor& K, Tensor& V) {
+    const int64_t T = s.x.size(0);
+    Q = c_.zeros({T, H_, dqk_});
+    K = c_.zeros({T, H_, dqk_});
+    V = c_.zeros({T, H_, dv_});
+    linear_forward(c_, q_a_ ? s.cqn : s.h, *q_b_, reshaped(Q, {T, H_ * dqk_}), c_.recipe.linear);
+    c_.be.rope(Q.view(), dn_, dr_, b.positions.view(), c_.cfg.rope_theta, false);
+    Tensor kv = c_.zeros({T, H_ * (dn_ + dv_)});
+    linear_forward(c_, s.ckvn, *kv_b_, kv, c_.recipe.linear);
+    Tensor kpe = c_.zeros({T, 1, dr_});  // shared RoPE key
+    c_.be.copy_cols(s.ckv.view(), rkv_, reshape(kpe.view(), {T, dr_}), 0, dr_, false);
+    c_.be.rope(kpe.view(), 0, dr_, b.positions.view(), c_.cfg.rope_theta, false);
+    const TensorView K2 = reshape(K.view(), {T, H_ * dqk_}), V2 = reshape(V.view(), {T, H_ * dv_});
+    for (int64_t h = 0; h < H_; ++h) {
+      c_.be.copy_cols(kv.view(), h * (dn_ + dv_), K2, h * dqk_, dn_, false);
+      c_.be.copy_cols(kv.view(), h * (dn_ + dv_) + dn_, V2, h * dv_, dv_, false);
+      c_.be.copy_cols(reshape(kpe.view(), {T, dr_}), 0, K2, h * dqk_ + dn_, dr_, false);
+    }
+  }
+
+  std::unique_ptr<Saved> forward(const Batch& b, const Tensor& x, Tensor& y) override {
+    auto s = std::make_unique<State>();
+    const int64_t T = x.size(0), D = x.size(1);
+    const ScaleMode sm = c_.recipe.scale_mode;
+    s->x = x;
+    s->rstd = c_.zeros({T});
+    Tensor h = c_.zeros({T, D});
+    rmsnorm(c_, x, *norm_, h, s->rstd);
+    s->h = linear_input(c_, h.view(), sm);
+    if (q_a_) {
+      const int64_t rq = q_a_->weight.size(0);
+      s->cq = c_.zeros({T, rq});
+      linear_forward(c_, s->h, *q_a_, s->cq, c_.recipe.linear);
+      s->rstd_q = c_.zeros({T});
+      Tensor cqn = c_.zeros({T, rq});
+      rmsnorm(c_, s->cq, *q_a_norm_, cqn, s->rstd_q);
+      s->cqn = linear_input(c_, cqn.view(), sm);
+    }
+    s->ckv = c_.zeros({T, rkv_ + dr_});
+    linear_forward(c_, s->h, *kv_a_, s->ckv, c_.recipe.linear);
+    Tensor ckv_c = c_.zeros({T, rkv_});
+    c_.be.copy_cols(s->ckv.view(), 0, ckv_c.view(), 0, rkv_, false);
+    s->rstd_kv = c_.zeros({T});
+    Tensor ckvn = c_.zeros({T, rkv_});
+    rmsnorm(c_, ckv_c, *kv_a_norm_, ckvn, s->rstd_kv);
+    s->ckvn = linear_input(c_, ckvn.view(), sm);
+
+    Tensor Q, K, V;
+    build_qkv(b, *s, Q, K, V);
+    Tensor O = c_.zeros({T, H_, dv_});
+    s->lse = c_.zeros({H_, T});
+    c_.be.attention_forward(Q.view(), K.view(), V.view(), O.view(), s->lse.view(), b.seq, scale_);
+    // The attention-out Linear input: E5M6 with power-of-two scales in the FP8 recipes.
+    s->o = linear_input(c_, reshape(O.view(), {T, H_ * dv_}), c_.recipe.pow2_mode, c_.recipe.attn_out_cache);
+    Tensor out = c_.zeros({T, D});
+    linear_forward(c_, s->o, *o_, out, c_.recipe.linear);
+    y = clone(c_, x.view());
+    c_.be.axpy(1.0, out.view(), 1.0, y.view());
+
+    auto& k = s->kept;
+    k.push_back(account_item(name_, "x", x.view()));
+    k.push_back(account_item(name_, "rstd", s->rstd.view()));
+    s->h.account(k, name_, "norm_out");
+    if (q_a_) {
+      k.push_back(account_item(name_, "q_a_out", s->cq.view()));
+      k.push_back(account_item(name_, "rstd_q", s->rstd_q.view()));
+      s->cqn.account(k, name_, "q_a_norm_out");
+    }
+    k.push_back(account_item(name_, "kv_a_out", s->ckv.view()));
+    k.push_back(account_item(name_, "rstd_kv", s->rstd_kv.view()));
+    s->ckvn.account(k, name_, "kv_a_norm_out");
+    s->o.account(k, name_, "attn_out");
+    k.push_back(account_item(name_, "lse", s->lse.view()));
+    return s;
+  }
+
+  void backward_input(const Batch& b, Saved& saved, const Tensor& dy, Tensor& dx) override {
+    auto& s = static_cast<State&>(saved);
+    const int64_t T = dy.size(0), D = dy.size(1);
+    const LinearPrecision prec = c_.recipe.linear;
+    s.dy = dy;
+    Tensor dO = c_.zeros({T, H_, dv_});
+    linear_backward_input(c_, dy, *o_, reshaped(dO, {T, H_ * dv_}), false, prec);
+    Tensor Q, K, V;
+    build_qkv(b, s, Q, K, V);  // recomputation of the up-projections
+    Tensor O = s.o.restore(c_);  // [T, H*dv]
+    Tensor dQ = c_.zeros({T, H_, dqk_}), dK = c_.zeros({T, H_, dqk_}), dV = c_.zeros({T, H_, dv_});
+    c_.be.attention_backward(Q.view(), K.view(), V.view(), reshape(O.view(), {T, H_, dv_}), s.lse.view(), dO.view(),
+                             dQ.view(), dK.view(), dV.view(), b.seq, scale_);
+    // RoPE backward: the inverse rotation of the gradient.
+    c_.be.rope(dQ.view(), dn_, dr_, b.positions.view(), c_.cfg.rope_theta, true);
+    s.dq = c_.zeros({T, H_ * dqk_});
+    c_.be.copy(s.dq.view(), reshape(dQ.view(), {T, H_ * dqk_}));
+    s.dkv = c_.zeros({T, H_ * (dn_ + dv_)});
+    Tensor dkpe = c_.zeros({T, 1, dr_});
+    const TensorView dK2 = reshape(dK.view(), {T, H_ * dqk_}), dV2 = reshape(dV.view(), {T, H_ * dv_});
+    const TensorView dkpe2 = reshape(dkpe.view(), {T, dr_});
+    for (int64_t h = 0; h < H_; ++h) {
+      c_.be.copy_cols(dK2, h * dqk_, s.dkv.view(), h * (dn_ + dv_), dn_, false);
+      c_.be.copy_cols(dV2, h * dv_, s.dkv.view(), h * (dn_ + dv_) + dn_, dv_, false);
+      c_.be.copy_cols(dK2, h * dqk_ + dn_, dkpe2, 0, dr_, true);  // the shared key sums over heads
+    }
+    c_.be.rope(dkpe.view(), 0, dr_, b.positions.view(), c_.cfg.rope_theta, true);
+
+    s.dh = c_.zeros({T, D});
+    if (q_a_) {
+      const int64_t rq = q_a_->weight.size(0);
+      s.dcqn = c_.zeros({T, rq});
+      linear_backward_input(c_, s.dq, *q_b_, s.dcqn, false, prec);
+      s.dcq = c_.zeros({T, rq});
+      c_.be.rmsnorm_backward(s.cq.view(), q_a_norm_->weight.view(), s.rstd_q.view(), s.dcqn.view(), s.dcq.view(),
+                             TensorView(), false);
+      linear_backward_input(c_, s.dcq, *q_a_, s.dh, false, prec);
+    } else {
+      linear_backward_input(c_, s.dq, *q_b_, s.dh, false, prec);
+    }
+    s.dckvn = c_.zeros({T, rkv_});
+    linear_backward_input(c_, s.dkv, *kv_b_, s.dckvn, false, prec);
+    Tensor ckv_c = c_.zeros({T, rkv_});
+    c_.be.copy_cols(s.ckv.view(), 0, ckv_c.view(), 0, rkv_, false);
+    Tensor dckv_c = c_.zeros({T, rkv_});
+    c_.be.rmsnorm_backward(ckv_c.view(), kv_a_norm_->weight.view(), s.rstd_kv.view(), s.dckvn.view(), dckv_c.view(),
+                           TensorView(), false);
+    s.dckv = c_.zeros({T, rkv_ + dr_});
+    c_.be.copy_cols(dckv_c.view(), 0, s.dckv.view(), 0, rkv_, false);
+    c_.be.copy_cols(dkpe2, 0, s.dckv.view(), rkv_, dr_, false);
+    linear_backward_input(c_, s.dckv, *kv_a_, s.dh, true, prec);
+    dx = clone(c_, dy.view());
+    c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(), TensorView(), true);
+  }
+
+  void backward_weight(const Batch&, Saved& saved) override {
+    auto& s = static_cast<State&>(saved);
+    const LinearPrecision prec = c_.recipe.linear;
+    linear_backward_weight(c_, s.o, s.dy, *o_, prec);
+    if (q_a_) {
+      linear_backward_weight(c_, s.cqn, s.dq, *q_b_, prec);
+      c_.be.rmsnorm_backward(s.cq.view(), q_a_norm_->weight.view(), s.rstd_q.view(), s.dcqn.view(), TensorView(),
+                             q_a_norm_->grad.view(), false);
+      linear_backward_weight(c_, s.h, s.dcq, *q_a_, prec);
+    } else {
+      linear_backward_weight(c_, s.h, s.dq, *q_b_, prec);
+    }
+    linear_backward_weight(c_, s.ckvn, s.dkv, *kv_b_, prec);
+    const int64_t T = s.x.size(0);
+    Tensor ckv_c = c_.zeros({T, rkv_});
+    c_.be.copy_cols(s.ckv.view(), 0, ckv_c.view(), 0, rkv_, false);
+    c_.be.rmsnorm_backward(ckv_c.view(), kv_a_norm_->weight.view(), s.rstd_kv.view(), s.dckvn.view(), TensorView(),
+                           kv_a_norm_->grad.view(), false);
+    linear_backward_weight(c_, s.h, s.dckv, *kv_a_, prec);
+    c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
+                           norm_->grad.view(), false);
+    s = State{};
+  }
+
+ private:
+  Ctx& c_;
+  std::string name_;
+  Parameter *norm_ = nullptr, *q_a_ = nullptr, *q_a_norm_ = nullptr, *q_b_ = nullptr;
+  Parameter *kv_a_ = nullptr, *kv_a_norm_ = nullptr, *kv_b_ = nullptr, *o_ = nullptr;
+  int64_t H_, dn_, dr_, dv_, dqk_, rkv_;
+  double scale_;
+};
+
+}  // namespace
+
+std::unique_ptr<Layer> make_attention_layer(Ctx& c, int64_t layer, const ParamLookup& get) {
+  return std::make_unique<AttentionLayer>(c, layer, get);
+}
+
+}  // namespace fp8moe::model

@@ -1,0 +1,305 @@
+// The Linear of every recipe: Fprop y = x w^T, Dgrad dx = dy w, Wgrad dW += dy^T x, and the
+// cached activation each keeps for backward (SPEC.md §1).
+//   full  float GEMMs (fp32 oracle, fp64 finite-difference mode); inputs cached as they are.
+//   bf16  BF16 operands, FP32 accumulation and output; inputs cached in BF16.
+//   fp8   E4M3 operands: x 1x128 tiles, w 128x128 blocks (Fprop), dy 1x128 and w^T 128x128
+//         (Dgrad), dy^T and x^T grouped 1x128 along tokens (Wgrad, x^T from the cached FP8 tiles by
+//         dequantize-transpose-requantize as the report does); promotion per the recipe's
+//         AccumConfig; FP32 output and FP32 accumulation into the master gradient.
+// FP8 GEMMs need K % 128 == 0: Fprop's K (in features) is validated with the config, Dgrad's K (out
+// features) is zero-padded here when needed (kv_a_proj_with_mqa: kv_lora_rank + rope dims), and
+// Wgrad's K (tokens) is padded by caching x with zero rows up to a multiple of 128.
+#include <memory>
+
+#include "model_internal.hpp"
+
+namespace fp8moe::model {
+
+TensorView rows_view(const TensorView& t, int64_t r0, int64_t n) {
+  FP8MOE_CHECK(t.ndim >= 1 && r0 >= 0 && r0 + n <= t.size(0), "rows_view: rows [" << r0 << ", " << r0 + n
+                                                                                  << ") outside " << t.str());
+  TensorView v = t;
+  v.data = static_cast<char*>(t.data) + r0 * t.strides[0] * int64_t(dtype_size(t.dtype));
+  v.shape[0] = n;
+  return v;
+}
+
+TensorView reshape(const TensorView& t, std::initializer_list<int64_t> shape) {
+  TensorView v(t.data, t.dtype, shape, t.device);
+  FP8MOE_CHECK(v.numel() == t.numel() && t.is_contiguous(), "reshape: " << t.str() << " to " << v.str());
+  return v;
+}
+
+Tensor empty_like(Backend& be, const TensorView& t) {
+  switch (t.ndim) {
+    case 1: return be.empty(t.dtype, {t.shape[0]});
+    case 2: return be.empty(t.dtype, {t.shape[0], t.shape[1]});
+    case 3: return be.empty(t.dtype, {t.shape[0], t.shape[1], t.shape[2]});
+    case 4: return be.empty(t.dtype, {t.shape[0], t.shape[1], t.shape[2], t.shape[3]});
+    default: break;
+  }
+  FP8MOE_CHECK(false, "empty_like: unsupported rank of " << t.str());
+}
+
+Tensor clone(Ctx& c, const TensorView& t) {
+  Tensor o = empty_like(c.be, t);
+  c.be.copy(o.view(), t);
+  return o;
+}
+
+Tensor prefix_rows(const Tensor& t, int64_t n) {
+  if (n == t.size(0)) return t;
+  auto keep = std::make_shared<Tensor>(t);
+  // Aliasing shared_ptr: owns `t`'s storage, points at its data.
+  std::shared_ptr<void> alias(keep, t.view().data);
+  return Tensor(alias, rows_view(t.view(), 0, n));
+}
+
+Tensor reshaped(const Tensor& t, std::initializer_list<int64_t> shape) {
+  auto keep = std::make_shared<Tensor>(t);
+  std::shared_ptr<void> alias(keep, t.view().data);
+  return Tensor(alias, reshape(t.view(), shape));
+}
+
+MemoryItem account_item(const std::string& layer, const std::string& name, const TensorView& t) {
+  return {layer, name, t.dtype, t.numel(), int64_t(t.nbytes())};
+}
+
+namespace {
+
+void require_cpu_for_per_tensor(Ctx& c) {
+  FP8MOE_CHECK(c.be.device() == Device::cpu,
+               "recipe fp8-per-tensor: per-tensor quantization runs on the cpu backend only (backend "
+                   << c.be.name() << ")");
+}
+
+// The quantizers of the recipe: fine-grained through the backend, or one scale per tensor.
+void quant_act(Ctx& c, const TensorView& x, const QuantizedView& out, ScaleMode m) {  // 1x128
+  if (c.recipe.per_tensor) {
+    require_cpu_for_per_tensor(c);
+    quantize_per_tensor(x, out, m);
+  } else {
+    c.be.quantize_1x128(x, out, m);
+  }
+}
+void quant_weight(Ctx& c, const TensorView& w, const QuantizedView& out) {  // 128x128
+  if (c.recipe.per_tensor) {
+    require_cpu_for_per_tensor(c);
+    quantize_per_tensor(w, out, c.recipe.scale_mode);
+  } else {
+    c.be.quantize_128x128(w, out, c.recipe.scale_mode);
+  }
+}
+void quant_tokens(Ctx& c, const TensorView& x, const QuantizedView& out, ScaleMode m) {  // x [T, C] -> [C, T]
+  if (c.recipe.per_tensor) {
+    require_cpu_for_per_tensor(c);
+    Tensor xt = c.be.empty(x.dtype, {x.size(1), x.size(0)});
+    c.be.transpose(x, xt.view());
+    quantize_per_tensor(xt.view(), out, m);
+  } else {
+    c.be.quantize_128x1(x, out, m);
+  }
+}
+void requant_tokens(Ctx& c, const QuantizedView& in, const QuantizedView& out) {  // [T, C] -> [C, T]
+  if (c.recipe.per_tensor) {
+    require_cpu_for_per_tensor(c);
+    Tensor x = c.be.empty(DType::f32, {in.rows(), in.cols()});
+    c.be.dequantize(in, x.view());
+    quant_tokens(c, x.view(), out, c.recipe.scale_mode);
+  } else {
+    c.be.requantize_128x1(in, out, c.recipe.scale_mode);
+  }
+}
+
+Tensor to_bf16(Ctx& c, const TensorView& x) {
+  Tensor o = c.be.empty(DType::bf16, {x.size(0), x.size(1)});
+  c.be.convert(x, o.view());
+  return o;
+}
+
+Tensor transposed(Ctx& c, const TensorView& x) {
+  Tensor o = c.be.empty(x.dtype, {x.size(1), x.size(0)});
+  c.be.transpose(x, o.view());
+  return o;
+}
+
+// x [T, C] padded with zero rows to [rows, C] (x itself when it already has them).
+Tensor pad_rows(Ctx& c, const Tensor& x, int64_t rows) {
+  if (x.size(0) == rows) return x;
+  Tensor o = c.be.empty(x.dtype(), {rows, x.size(1)});
+  c.be.copy(rows_view(o.view(), 0, x.size(0)), x.view());
+  return o;
+}
+
+// x [R, C] padded with zero columns to [R, cols].
+Tensor pad_cols(Ctx& c, const Tensor& x, int64_t cols) {
+  if (x.size(1) == cols) return x;
+  Tensor o = c.be.empty(x.dtype(), {x.size(0), cols});
+  c.be.copy_cols(x.view(), 0, o.view(), 0, x.size(1), false);
+  return o;
+}
+
+GemmOptions gemm_options(Ctx& c, bool accumulate) {
+  GemmOptions o;
+  o.accumulate = accumulate;
+  o.accum = c.recipe.accum;
+  return o;
+}
+
+}  // namespace
+
+Cached cache_activation(Ctx& c, const TensorView& x, DType qdtype, ScaleMode mode, bool pad, LinearPrecision prec) {
+  Cached k;
+  k.rows = x.size(0);
+  switch (prec) {
+    case LinearPrecision::full: k.full = clone(c, x); break;
+    case LinearPrecision::bf16: k.full = to_bf16(c, x); break;
+    case LinearPrecision::fp8: {
+      const int64_t rows = pad ? round_up(k.rows, kQuantGroup) : k.rows;
+      Tensor xp = rows == k.rows ? Tensor() : c.be.empty(x.dtype, {rows, x.size(1)});
+      if (xp.defined()) c.be.copy(rows_view(xp.view(), 0, k.rows), x);
+      k.q = c.be.empty_quantized(rows, x.size(1), qdtype, ScaleKind::tile_1x128);
+      quant_act(c, xp.defined() ? xp.view() : x, k.q, mode);
+      break;
+    }
+  }
+  return k;
+}
+
+Tensor Cached::restore(Ctx& c) const {
+  if (full.defined()) {
+    if (full.dtype() == c.act()) return full;
+    Tensor o = c.be.empty(c.act(), {full.size(0), full.size(1)});
+    c.be.convert(full.view(), o.view());
+    return o;
+  }
+  FP8MOE_CHECK(q.values.defined(), "Cached::restore: nothing cached");
+  Tensor o = c.be.empty(DType::f32, {q.values.size(0), q.values.size(1)});
+  c.be.dequantize(q, o.view());
+  return prefix_rows(o, rows);
+}
+
+void Cached::account(std::vector<MemoryItem>& items, const std::string& layer, const std::string& name) const {
+  if (full.defined()) items.push_back(account_item(layer, name, full.view()));
+  if (q.values.defined()) {
+    items.push_back(account_item(layer, name, q.values.view()));
+    items.push_back(account_item(layer, name + ".scales", q.scales.view()));
+  }
+}
+
+void linear_forward(Ctx& c, const Cached& x, Parameter& w, const Tensor& y, LinearPrecision prec) {
+  const TensorView& W = w.weight.view();  // [N, K]
+  switch (prec) {
+    case LinearPrecision::full: c.be.gemm(x.full.view(), W, y.view(), false, true, false); return;
+    case LinearPrecision::bf16: {
+      Tensor wb = to_bf16(c, W);
+      c.be.gemm_bf16(x.full.view(), wb.view(), y.view(), false);
+      return;
+    }
+    case LinearPrecision::fp8: {
+      const int64_t N = W.size(0), K = W.size(1), Tp = x.q.values.size(0);
+      FP8MOE_CHECK(K % kQuantGroup == 0, w.name << ": FP8 Fprop needs in features (" << K << ") % 128 == 0");
+      QuantizedTensor wq = c.be.empty_quantized(N, K, DType::e4m3, ScaleKind::block_128x128);
+      quant_weight(c, W, wq);
+      if (Tp == x.rows) {
+        c.be.gemm_fp8(x.q, wq, y.view(), gemm_options(c, false));
+      } else {
+        Tensor d = c.be.empty(DType::f32, {Tp, N});
+        c.be.gemm_fp8(x.q, wq, d.view(), gemm_options(c, false));
+        c.be.copy(y.view(), rows_view(d.view(), 0, x.rows));
+      }
+      return;
+    }
+  }
+}
+
+void linear_backward_input(Ctx& c, const Tensor& dy, Parameter& w, const Tensor& dx, bool accumulate,
+                           LinearPrecision prec, ScaleMode dy_mode) {
+  const TensorView& W = w.weight.view();  // [N, K]
+  switch (prec) {
+    case LinearPrecision::full: c.be.gemm(dy.view(), W, dx.view(), false, false, accumulate); return;
+    case LinearPrecision::bf16: {
+      Tensor dyb = to_bf16(c, dy.view());
+      Tensor wt = to_bf16(c, transposed(c, W).view());  // [K, N]
+      c.be.gemm_bf16(dyb.view(), wt.view(), dx.view(), accumulate);
+      return;
+    }
+    case LinearPrecision::fp8: {
+      const int64_t N = W.size(0), K = W.size(1), T = dy.size(0), Np = round_up(N, kQuantGroup);
+      // NOTES: N is this GEMM's K; zero columns of dy meet zero rows of w, adding nothing.
+      Tensor dyp = pad_cols(c, dy, Np);
+      QuantizedTensor dyq = c.be.empty_quantized(T, Np, DType::e4m3, ScaleKind::tile_1x128);
+      quant_act(c, dyp.view(), dyq, dy_mode);
+      Tensor wp = pad_rows(c, w.weight, Np);              // [Np, K]
+      Tensor wt = transposed(c, wp.view());               // [K, Np]
+      QuantizedTensor wtq = c.be.empty_quantized(K, Np, DType::e4m3, ScaleKind::block_128x128);
+      quant_weight(c, wt.view(), wtq);
+      c.be.gemm_fp8(dyq, wtq, dx.view(), gemm_options(c, accumulate));
+      return;
+    }
+  }
+}
+
+void linear_backward_weight(Ctx& c, const Cached& x, const Tensor& dy, Parameter& w, LinearPrecision prec,
+                            ScaleMode dy_mode) {
+  if (!w.trainable) return;
+  const TensorView& G = w.grad.view();  // [N, K]
+  switch (prec) {
+    case LinearPrecision::full: c.be.gemm(dy.view(), x.full.view(), G, true, false, true); return;
+    case LinearPrecision::bf16: {
+      Tensor dyt = to_bf16(c, transposed(c, dy.view()).view());  // [N, T]
+      Tensor xt = transposed(c, x.full.view());                   // [K, T] bf16
+      c.be.gemm_bf16(dyt.view(), xt.view(), G, true);
+      return;
+    }
+    case LinearPrecision::fp8: {
+      const int64_t N = G.size(0), K = G.size(1), Tp = x.q.values.size(0);
+      Tensor dyp = pad_rows(c, dy, Tp);  // [Tp, N]
+      QuantizedTensor a = c.be.empty_quantized(N, Tp, DType::e4m3, ScaleKind::tile_1x128);  // dy^T along tokens
+      quant_tokens(c, dyp.view(), a, dy_mode);
+      QuantizedTensor b = c.be.empty_quantized(K, Tp, DType::e4m3, ScaleKind::tile_1x128);  // x^T along tokens
+      requant_tokens(c, x.q, b);
+      c.be.gemm_fp8(a, b, G, gemm_options(c, true));
+      return;
+    }
+  }
+}
+
+Tensor to_backend(Ctx& c, const Tensor& host) {
+  if (c.be.device() == Device::cpu) return host;
+  Tensor o = empty_like(c.be, host.view());
+  c.be.copy(o.view(), host.view());
+  return o;
+}
+
+Tensor act_vector(Ctx& c, const std::vector<double>& v) {
+  Tensor h = Tensor::host(c.act(), {int64_t(v.size())});
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (c.act() == DType::f64) {
+      h.ptr<double>()[i] = v[i];
+    } else {
+      h.ptr<float>()[i] = float(v[i]);
+    }
+  }
+  return to_backend(c, h);
+}
+
+std::vector<double> to_doubles(Ctx& c, const Tensor& t) {
+  Tensor h = c.be.to_host(t);
+  std::vector<double> out(size_t(h.numel()));
+  for (size_t i = 0; i < out.size(); ++i) {
+    switch (h.dtype()) {
+      case DType::f64: out[i] = h.ptr<double>()[i]; break;
+      case DType::f32: out[i] = h.ptr<float>()[i]; break;
+      case DType::i32: out[i] = h.ptr<int32_t>()[i]; break;
+      default: out[i] = load_float(h.view(), int64_t(i)); break;
+    }
+  }
+  return out;
+}
+
+void rmsnorm(Ctx& c, const Tensor& x, Parameter& w, const Tensor& y, const Tensor& rstd) {
+  c.be.rmsnorm_forward(x.view(), w.weight.view(), y.view(), rstd.view(), c.cfg.rms_norm_eps);
+}
+
+}  // namespace fp8moe::model

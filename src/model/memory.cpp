@@ -1,0 +1,101 @@
+// The analytic account of the bytes each layer keeps from forward to backward (report §3.2.3 and
+// §3.3.3), from the config and the recipe alone. It lists the same tensors, in the same formats,
+// as the layers' forward records (Saved::kept), so tests can check one against the other; with FP8
+// the cached Linear inputs are padded to 128 tokens (the Wgrad's K) and carry 4-byte scales per 128.
+#include "model_internal.hpp"
+
+namespace fp8moe {
+
+namespace {
+
+struct Acc {
+  const Recipe& r;
+  std::vector<MemoryItem>& items;
+  std::string layer;
+
+  void plain(const std::string& name, DType dt, int64_t n) { items.push_back({layer, name, dt, n, n * int64_t(dtype_size(dt))}); }
+  void act(const std::string& name, int64_t n) { plain(name, r.act_dtype, n); }
+  // A cached activation [T, K] (model::cache_activation).
+  void cached(const std::string& name, int64_t T, int64_t K, bool pad, DType qdtype = DType::e4m3) {
+    switch (r.linear) {
+      case LinearPrecision::full: act(name, T * K); return;
+      case LinearPrecision::bf16: plain(name, DType::bf16, T * K); return;
+      case LinearPrecision::fp8: {
+        const int64_t rows = pad ? round_up(T, kQuantGroup) : T;
+        plain(name, qdtype, rows * K);
+        const auto ss = scale_shape(ScaleKind::tile_1x128, rows, K);
+        plain(name + ".scales", DType::f32, ss[0] * ss[1]);
+        return;
+      }
+    }
+  }
+};
+
+}  // namespace
+
+MemoryAccount predict_memory(const ModelConfig& c, const Recipe& r, int64_t T,
+                             const std::vector<std::vector<int64_t>>* loads) {
+  validate_config(c, r);
+  MemoryAccount m;
+  const int64_t D = c.hidden_size, H = c.num_attention_heads, E = c.n_routed_experts, K = c.num_experts_per_tok;
+  int64_t moe_index = 0;
+  for (int64_t l = 0; l < c.num_layers_total(); ++l) {
+    const std::string L = "layers." + std::to_string(l);
+    if (l >= c.num_hidden_layers) {
+      Acc a{r, m.items, L + ".eh"};
+      a.act("emb", T * D);
+      a.act("rstd_e", T);
+      a.act("rstd_h", T);
+      a.cached("eh_in", T, 2 * D, true);
+    }
+    {
+      Acc a{r, m.items, L + ".attn"};
+      a.act("x", T * D);
+      a.act("rstd", T);
+      a.cached("norm_out", T, D, true);
+      if (c.q_lora_rank > 0) {
+        a.act("q_a_out", T * c.q_lora_rank);
+        a.act("rstd_q", T);
+        a.cached("q_a_norm_out", T, c.q_lora_rank, true);
+      }
+      a.act("kv_a_out", T * (c.kv_lora_rank + c.qk_rope_head_dim));
+      a.act("rstd_kv", T);
+      a.cached("kv_a_norm_out", T, c.kv_lora_rank, true);
+      a.cached("attn_out", T, H * c.v_head_dim, true, r.attn_out_cache);
+      a.act("lse", H * T);
+    }
+    if (!c.is_moe_layer(l)) {
+      Acc a{r, m.items, L + ".mlp"};
+      a.act("x", T * D);
+      a.act("rstd", T);
+      a.cached("norm_out", T, D, true);
+      a.cached("gate_out", T, c.intermediate_size, false);
+      a.cached("up_out", T, c.intermediate_size, false);
+      continue;
+    }
+    Acc a{r, m.items, L + ".moe"};
+    a.act("x", T * D);
+    a.act("rstd", T);
+    if (c.n_shared_experts > 0) {
+      const int64_t F = c.n_shared_experts * c.moe_intermediate_size;
+      a.cached("norm_out", T, D, true);
+      a.cached("shared.gate_out", T, F, false);
+      a.cached("shared.up_out", T, F, false);
+    }
+    a.act("scores", T * E);
+    a.plain("topk_idx", DType::i32, T * K);
+    a.act("topk_w", T * K);
+    for (int64_t e = 0; e < E; ++e) {
+      // Balanced routing unless the observed loads are given.
+      const int64_t n = loads ? (*loads)[size_t(moe_index)][size_t(e)] : (T * K) / E + (e < (T * K) % E ? 1 : 0);
+      if (n == 0) continue;
+      a.cached("experts.in", n, D, true);
+      a.cached("experts.gate_out", n, c.moe_intermediate_size, false);
+      a.cached("experts.up_out", n, c.moe_intermediate_size, false);
+    }
+    ++moe_index;
+  }
+  return m;
+}
+
+}  // namespace fp8moe

@@ -1,0 +1,127 @@
+// SwiGLU MLP: the dense MLP of the first layers, the shared expert and every routed expert.
+//   out = down(silu(gate(x)) * up(x))
+// Memory (report §3.3.3): the SwiGLU input (gate and up outputs) is cached in the recipe's format
+// (FP8 in the fp8 recipes) and the SwiGLU output is recomputed in backward, then cached again as
+// down_proj's input for its Wgrad until backward-for-weights.
+#include "model_internal.hpp"
+
+namespace fp8moe::model {
+
+void MlpState::account(std::vector<MemoryItem>& items, const std::string& layer, const std::string& prefix) const {
+  g.account(items, layer, prefix + "gate_out");
+  u.account(items, layer, prefix + "up_out");
+}
+
+void mlp_forward(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& out, ScaleMode) {
+  const int64_t T = st.in.rows, F = p.gate->weight.size(0);
+  const LinearPrecision prec = c.recipe.linear;
+  Tensor g = c.zeros({T, F}), u = c.zeros({T, F});  // [T, F] act
+  linear_forward(c, st.in, *p.gate, g, prec);
+  linear_forward(c, st.in, *p.up, u, prec);
+  st.g = cache_activation(c, g.view(), DType::e4m3, c.recipe.scale_mode, false, prec);
+  st.u = cache_activation(c, u.view(), DType::e4m3, c.recipe.scale_mode, false, prec);
+  Tensor a = c.zeros({T, F});  // [T, F] act: SwiGLU output, not kept
+  c.be.swiglu_forward(g.view(), u.view(), a.view());
+  linear_forward(c, linear_input(c, a.view(), c.recipe.scale_mode), *p.down, out, prec);
+}
+
+void mlp_backward_input(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& dy, const Tensor& dx, bool accumulate,
+                        ScaleMode dy_mode, const Tensor* combine_grad) {
+  const int64_t T = st.in.rows, F = p.gate->weight.size(0);
+  const LinearPrecision prec = c.recipe.linear;
+  st.dy = dy;
+  Tensor da = c.zeros({T, F});  // [T, F]
+  linear_backward_input(c, dy, *p.down, da, false, prec, dy_mode);
+  // Recompute the SwiGLU output from its cached input.
+  Tensor g = st.g.restore(c), u = st.u.restore(c);  // [T, F] act
+  Tensor a = c.zeros({T, F});
+  c.be.swiglu_forward(g.view(), u.view(), a.view());
+  st.a = linear_input(c, a.view(), c.recipe.scale_mode);
+  if (combine_grad) c.be.rows_dot(da.view(), a.view(), combine_grad->view());
+  st.dg = c.zeros({T, F});
+  st.du = c.zeros({T, F});
+  c.be.swiglu_backward(g.view(), u.view(), da.view(), st.dg.view(), st.du.view());
+  st.g.reset();
+  st.u.reset();
+  linear_backward_input(c, st.dg, *p.gate, dx, accumulate, prec);
+  linear_backward_input(c, st.du, *p.up, dx, true, prec);
+}
+
+void mlp_backward_weight(Ctx& c, const MlpParams& p, MlpState& st, ScaleMode dy_mode) {
+  const LinearPrecision prec = c.recipe.linear;
+  linear_backward_weight(c, st.a, st.dy, *p.down, prec, dy_mode);
+  linear_backward_weight(c, st.in, st.dg, *p.gate, prec);
+  linear_backward_weight(c, st.in, st.du, *p.up, prec);
+  st = MlpState{};
+}
+
+namespace {
+
+// Dense MLP sublayer of the first layers: y = x + mlp(post_attention_layernorm(x)).
+class MlpLayer final : public Layer {
+ public:
+  MlpLayer(Ctx& c, int64_t layer, const ParamLookup& get) : c_(c) {
+    const std::string pre = "model.layers." + std::to_string(layer) + ".";
+    name_ = "layers." + std::to_string(layer) + ".mlp";
+    norm_ = get(pre + "post_attention_layernorm.weight");
+    p_ = {get(pre + "mlp.gate_proj.weight"), get(pre + "mlp.up_proj.weight"), get(pre + "mlp.down_proj.weight")};
+  }
+  std::string name() const override { return name_; }
+
+  struct State : Saved {
+    Tensor x, rstd;  // [T, D] layer input (the norm is recomputed from it), [T]
+    MlpState mlp;
+    Tensor dh;  // [T, D] gradient of the norm output, kept from B for W
+  };
+
+  std::unique_ptr<Saved> forward(const Batch&, const Tensor& x, Tensor& y) override {
+    auto s = std::make_unique<State>();
+    const int64_t T = x.size(0), D = x.size(1);
+    s->x = x;
+    s->rstd = c_.zeros({T});
+    Tensor h = c_.zeros({T, D});  // [T, D] norm output: not kept
+    rmsnorm(c_, x, *norm_, h, s->rstd);
+    s->mlp.in = linear_input(c_, h.view(), c_.recipe.scale_mode);
+    Tensor out = c_.zeros({T, D});
+    mlp_forward(c_, p_, s->mlp, out, c_.recipe.scale_mode);
+    y = clone(c_, x.view());
+    c_.be.axpy(1.0, out.view(), 1.0, y.view());
+    s->kept.push_back(account_item(name_, "x", x.view()));
+    s->kept.push_back(account_item(name_, "rstd", s->rstd.view()));
+    s->mlp.in.account(s->kept, name_, "norm_out");
+    s->mlp.account(s->kept, name_, "");
+    return s;
+  }
+
+  void backward_input(const Batch&, Saved& saved, const Tensor& dy, Tensor& dx) override {
+    auto& s = static_cast<State&>(saved);
+    const int64_t T = dy.size(0), D = dy.size(1);
+    s.dh = c_.zeros({T, D});
+    mlp_backward_input(c_, p_, s.mlp, dy, s.dh, false, c_.recipe.scale_mode);
+    dx = clone(c_, dy.view());
+    c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(), TensorView(),
+                           true);
+  }
+
+  void backward_weight(const Batch&, Saved& saved) override {
+    auto& s = static_cast<State&>(saved);
+    mlp_backward_weight(c_, p_, s.mlp, c_.recipe.scale_mode);
+    c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
+                           norm_->grad.view(), false);
+    s = State{};
+  }
+
+ private:
+  Ctx& c_;
+  std::string name_;
+  Parameter* norm_;
+  MlpParams p_;
+};
+
+}  // namespace
+
+std::unique_ptr<Layer> make_mlp_layer(Ctx& c, int64_t layer, const ParamLookup& get) {
+  return std::make_unique<MlpLayer>(c, layer, get);
+}
+
+}  // namespace fp8moe::model

@@ -1,0 +1,355 @@
+// The DeepSeek-V3-mini Model: parameters by Hugging Face name, the trunk of attention and MLP/MoE
+// sublayers, embedding, output head with cross-entropy, the depth-1 MTP module sharing embedding
+// and head, forward_backward over one micro-batch, and the auxiliary-loss-free bias update.
+//
+// MTP (DeepSeek-V3 §2.2), for position t of a sequence:
+//   h'_t = eh_proj([enorm(embed(token t+1)); hnorm(h_t)])   (h_t: the main trunk output, pre-norm)
+//   then one transformer block (layers.L), shared_head.norm and the shared lm_head predict token t+2.
+// Its loss (mean over positions that have a t+2 in the sequence) enters with mtp_loss_weight.
+#include <cmath>
+#include <random>
+
+#include "model_internal.hpp"
+
+namespace fp8moe {
+
+using model::Cached;
+using model::Ctx;
+
+int64_t MemoryAccount::total_bytes() const {
+  int64_t n = 0;
+  for (const auto& i : items) n += i.bytes;
+  return n;
+}
+
+std::map<std::string, int64_t> MemoryAccount::bytes_per_layer() const {
+  std::map<std::string, int64_t> m;
+  for (const auto& i : items) m[i.layer] += i.bytes;
+  return m;
+}
+
+struct Model::Impl {
+  ModelConfig cfg;
+  Recipe recipe;
+  Backend& be;
+  Ctx ctx;
+  std::vector<Parameter> params;
+  std::map<std::string, size_t, std::less<>> index;
+  std::vector<std::unique_ptr<Layer>> trunk;  // [layer 0 attn, layer 0 mlp|moe, ...]
+  std::vector<std::unique_ptr<Layer>> mtp;    // the MTP block's two sublayers
+  Parameter *embed = nullptr, *norm = nullptr, *head = nullptr;
+  Parameter *enorm = nullptr, *hnorm = nullptr, *eh = nullptr, *mtp_norm = nullptr;
+  Tensor last_logits;
+  MemoryAccount memory;
+
+  Impl(const ModelConfig& c, const Recipe& r, Backend& b) : cfg(c), recipe(r), be(b), ctx{be, recipe, cfg} {}
+
+  // Embedding, trunk forward, head (+ MTP) and, when backward, the trunk's B and W in reverse.
+  StepStats run(Model& model, const TensorView& tokens, const TensorView& targets, double grad_scale, bool backward);
+
+  LinearPrecision head_prec() const { return recipe.head_bf16 ? LinearPrecision::bf16 : LinearPrecision::full; }
+
+  Parameter* get(const std::string& name) {
+    auto it = index.find(name);
+    FP8MOE_CHECK(it != index.end(), "model: no parameter named '" << name << "'");
+    return &params[it->second];
+  }
+
+  // Final norm + head + cross-entropy over `targets`; adds d loss / d h into dh when backward.
+  double head_loss(const Tensor& h, Parameter& norm_w, const Tensor& targets, double weight, double grad_scale,
+                   bool backward, const Tensor& dh, Tensor* logits_out) {
+    const int64_t T = h.size(0), D = h.size(1), V = cfg.vocab_size;
+    Tensor rstd = ctx.zeros({T}), hn = ctx.zeros({T, D});
+    model::rmsnorm(ctx, h, norm_w, hn, rstd);
+    const Cached hin = model::cache_activation(ctx, hn.view(), DType::e4m3, ScaleMode::fp32, false, head_prec());
+    Tensor logits = ctx.zeros({T, V});
+    model::linear_forward(ctx, hin, *head, logits, head_prec());
+    if (logits_out) *logits_out = logits;
+    const Tensor tg = be.to_host(targets);
+    int64_t valid = 0;
+    for (int64_t t = 0; t < T; ++t) valid += tg.ptr<int32_t>()[t] >= 0;
+    const double n = double(std::max<int64_t>(valid, 1));
+    Tensor losses = ctx.zeros({T});
+    Tensor dlogits = backward ? ctx.zeros({T, V}) : Tensor();
+    be.cross_entropy(logits.view(), targets.view(), losses.view(), backward ? dlogits.view() : TensorView(),
+                     grad_scale * weight / n);
+    double sum = 0;
+    for (double v : model::to_doubles(ctx, losses)) sum += v;
+    if (backward) {
+      Tensor dhn = ctx.zeros({T, D});
+      model::linear_backward_input(ctx, dlogits, *head, dhn, false, head_prec());
+      model::linear_backward_weight(ctx, hin, dlogits, *head, head_prec());
+      be.rmsnorm_backward(h.view(), norm_w.weight.view(), rstd.view(), dhn.view(), dh.view(), norm_w.grad.view(), true);
+    }
+    return sum / n;
+  }
+
+  // The MTP module on the trunk output h [T, D]; adds its gradient into dh.
+  void mtp_forward_backward(const Batch& b, const Tensor& h, const Tensor& dh, bool backward, StepStats& st) {
+    const int64_t T = h.size(0), D = h.size(1), S = b.seq;
+    const std::string L = "layers." + std::to_string(cfg.num_hidden_layers) + ".eh";
+    // Inputs: token t+1 (= targets[t]); targets: token t+2 inside the sequence.
+    const Tensor tg = be.to_host(b.targets);
+    Tensor ids = Tensor::host(DType::i32, {T}), tg2 = Tensor::host(DType::i32, {T});
+    for (int64_t t = 0; t < T; ++t) {
+      const int32_t next = tg.ptr<int32_t>()[t];
+      ids.ptr<int32_t>()[t] = next >= 0 ? next : 0;
+      tg2.ptr<int32_t>()[t] = (t % S < S - 1 && next >= 0) ? tg.ptr<int32_t>()[t + 1] : -1;
+    }
+    ids = model::to_backend(ctx, ids);
+    tg2 = model::to_backend(ctx, tg2);
+    Tensor e = ctx.zeros({T, D}), en = ctx.zeros({T, D}), rstd_e = ctx.zeros({T});
+    be.embedding_forward(ids.view(), embed->weight.view(), e.view());
+    model::rmsnorm(ctx, e, *enorm, en, rstd_e);
+    Tensor hn = ctx.zeros({T, D}), rstd_h = ctx.zeros({T});
+    model::rmsnorm(ctx, h, *hnorm, hn, rstd_h);
+    Tensor cat = ctx.zeros({T, 2 * D});  // [enorm(e); hnorm(h)]
+    be.copy_cols(en.view(), 0, cat.view(), 0, D, false);
+    be.copy_cols(hn.view(), 0, cat.view(), D, D, false);
+    const Cached catin = model::linear_input(ctx, cat.view(), recipe.scale_mode);
+    Tensor x = ctx.zeros({T, D});
+    model::linear_forward(ctx, catin, *eh, x, recipe.linear);
+    std::vector<MemoryItem> kept{model::account_item(L, "emb", e.view()), model::account_item(L, "rstd_e", rstd_e.view()),
+                                 model::account_item(L, "rstd_h", rstd_h.view())};
+    catin.account(kept, L, "eh_in");
+    std::vector<std::unique_ptr<Saved>> saved;
+    for (auto& layer : mtp) {
+      Tensor y;
+      saved.push_back(layer->forward(b, x, y));
+      x = y;
+    }
+    if (backward) {
+      memory.items.insert(memory.items.end(), kept.begin(), kept.end());
+      for (auto& s : saved) memory.items.insert(memory.items.end(), s->kept.begin(), s->kept.end());
+    }
+    for (size_t i = 0; i < mtp.size(); ++i) {
+      st.balance_loss += mtp[i]->aux_loss(*saved[i]);
+      auto loads = mtp[i]->expert_loads(*saved[i]);
+      if (!loads.empty()) st.expert_loads.push_back(std::move(loads));
+    }
+    Tensor dx = ctx.zeros({T, D});
+    st.mtp_loss = head_loss(x, *mtp_norm, tg2, cfg.mtp_loss_weight, b.grad_scale, backward, dx, nullptr);
+    if (!backward) return;
+    for (size_t i = mtp.size(); i-- > 0;) {
+      Tensor dprev;
+      mtp[i]->backward_input(b, *saved[i], dx, dprev);
+      mtp[i]->backward_weight(b, *saved[i]);
+      dx = dprev;
+    }
+    Tensor dcat = ctx.zeros({T, 2 * D});
+    model::linear_backward_input(ctx, dx, *eh, dcat, false, recipe.linear);
+    model::linear_backward_weight(ctx, catin, dx, *eh, recipe.linear);
+    Tensor den = ctx.zeros({T, D}), dhn = ctx.zeros({T, D}), de = ctx.zeros({T, D});
+    be.copy_cols(dcat.view(), 0, den.view(), 0, D, false);
+    be.copy_cols(dcat.view(), D, dhn.view(), 0, D, false);
+    be.rmsnorm_backward(e.view(), enorm->weight.view(), rstd_e.view(), den.view(), de.view(), enorm->grad.view(), false);
+    be.embedding_backward(ids.view(), de.view(), embed->grad.view());
+    be.rmsnorm_backward(h.view(), hnorm->weight.view(), rstd_h.view(), dhn.view(), dh.view(), hnorm->grad.view(), true);
+  }
+};
+
+Model::Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uint64_t seed)
+    : impl_(std::make_unique<Impl>(cfg, recipe, backend)) {
+  validate_config(cfg, recipe);
+  FP8MOE_CHECK(recipe.act_dtype != DType::f64 || backend.device() == Device::cpu,
+               "recipe fp64 runs on the cpu backend only (backend " << backend.name() << ")");
+  auto& m = *impl_;
+  for (const auto& s : model::parameter_specs(cfg)) {
+    Parameter p;
+    p.name = s.name;
+    const DType dt = recipe.act_dtype;
+    if (s.shape.size() == 1) {
+      p.weight = backend.empty(dt, {s.shape[0]});
+      p.grad = backend.empty(dt, {s.shape[0]});
+    } else {
+      p.weight = backend.empty(dt, {s.shape[0], s.shape[1]});
+      p.grad = backend.empty(dt, {s.shape[0], s.shape[1]});
+    }
+    p.trainable = s.trainable;
+    p.decay = s.decay;
+    m.index[p.name] = m.params.size();
+    m.params.push_back(std::move(p));
+  }
+  const model::ParamLookup get = [&m](const std::string& n) { return m.get(n); };
+  for (int64_t l = 0; l < cfg.num_layers_total(); ++l) {
+    auto& dst = l < cfg.num_hidden_layers ? m.trunk : m.mtp;
+    dst.push_back(model::make_attention_layer(m.ctx, l, get));
+    dst.push_back(cfg.is_moe_layer(l) ? model::make_moe_layer(m.ctx, l, get) : model::make_mlp_layer(m.ctx, l, get));
+  }
+  m.embed = m.get("model.embed_tokens.weight");
+  m.norm = m.get("model.norm.weight");
+  m.head = m.get("lm_head.weight");
+  if (cfg.num_nextn_predict_layers > 0) {
+    const std::string p = "model.layers." + std::to_string(cfg.num_hidden_layers) + ".";
+    m.enorm = m.get(p + "enorm.weight");
+    m.hnorm = m.get(p + "hnorm.weight");
+    m.eh = m.get(p + "eh_proj.weight");
+    m.mtp_norm = m.get(p + "shared_head.norm.weight");
+  }
+  init_weights(seed);
+}
+
+Model::~Model() = default;
+
+const ModelConfig& Model::config() const { return impl_->cfg; }
+const Recipe& Model::recipe() const { return impl_->recipe; }
+Backend& Model::backend() const { return impl_->be; }
+std::vector<Parameter>& Model::parameters() { return impl_->params; }
+Parameter& Model::parameter(std::string_view name) { return *impl_->get(std::string(name)); }
+Parameter* Model::find_parameter(std::string_view name) {
+  auto it = impl_->index.find(name);
+  return it == impl_->index.end() ? nullptr : &impl_->params[it->second];
+}
+int64_t Model::num_parameters() const {
+  int64_t n = 0;
+  for (const auto& p : impl_->params) n += p.weight.numel();
+  return n;
+}
+const Tensor& Model::last_logits() const { return impl_->last_logits; }
+const MemoryAccount& Model::saved_memory() const { return impl_->memory; }
+
+std::vector<Layer*> Model::trunk() {
+  std::vector<Layer*> v;
+  for (auto& l : impl_->trunk) v.push_back(l.get());
+  return v;
+}
+
+void Model::init_weights(uint64_t seed) {
+  auto& m = *impl_;
+  const auto specs = model::parameter_specs(m.cfg);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd(0.0, m.cfg.initializer_range);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    Parameter& p = m.params[i];
+    Tensor h = Tensor::host_like(p.weight.view());
+    for (int64_t j = 0; j < h.numel(); ++j) {
+      const double v = specs[i].init == model::ParamSpec::normal ? nd(rng) : specs[i].init == model::ParamSpec::ones ? 1.0 : 0.0;
+      if (h.dtype() == DType::f64) {
+        h.ptr<double>()[j] = v;
+      } else {
+        h.ptr<float>()[j] = float(v);
+      }
+    }
+    m.be.copy(p.weight.view(), h.view());
+  }
+}
+
+void Model::zero_grad() {
+  for (auto& p : impl_->params) {
+    Tensor z = model::empty_like(impl_->be, p.grad.view());
+    impl_->be.copy(p.grad.view(), z.view());
+  }
+}
+
+Batch Model::make_batch(const TensorView& tokens, const TensorView& targets) const {
+  auto& m = *impl_;
+  FP8MOE_CHECK(tokens.ndim == 2 && tokens.dtype == DType::i32, "tokens: expected [B, S] i32, got " << tokens.str());
+  check_tensor(targets, "targets", DType::i32, 2);
+  check_shape(targets, "targets", {tokens.size(0), tokens.size(1)});
+  Batch b;
+  b.batch = tokens.size(0);
+  b.seq = tokens.size(1);
+  const int64_t T = b.batch * b.seq;
+  FP8MOE_CHECK(b.seq <= m.cfg.max_position_embeddings,
+               "tokens: sequence length " << b.seq << " exceeds max_position_embeddings = " << m.cfg.max_position_embeddings);
+  b.tokens = m.be.empty(DType::i32, {T});
+  b.targets = m.be.empty(DType::i32, {T});
+  m.be.copy(b.tokens.view(), model::reshape(tokens, {T}));
+  m.be.copy(b.targets.view(), model::reshape(targets, {T}));
+  Tensor pos = Tensor::host(DType::i32, {T});
+  for (int64_t t = 0; t < T; ++t) pos.ptr<int32_t>()[t] = int32_t(t % b.seq);
+  b.positions = model::to_backend(m.ctx, pos);
+  return b;
+}
+
+Tensor Model::embed_forward(const Batch& b) {
+  auto& m = *impl_;
+  Tensor x = m.ctx.zeros({b.tokens_count(), m.cfg.hidden_size});
+  m.be.embedding_forward(b.tokens.view(), m.embed->weight.view(), x.view());
+  return x;
+}
+
+void Model::embed_backward(const Batch& b, const Tensor& dx0) {
+  impl_->be.embedding_backward(b.tokens.view(), dx0.view(), impl_->embed->grad.view());
+}
+
+Tensor Model::head_forward_backward(const Batch& b, const Tensor& h, double grad_scale, StepStats& st, bool backward) {
+  auto& m = *impl_;
+  Tensor dh = m.ctx.zeros({h.size(0), h.size(1)});
+  st.main_loss = m.head_loss(h, *m.norm, b.targets, 1.0, grad_scale, backward, dh, &m.last_logits);
+  if (m.cfg.num_nextn_predict_layers > 0) m.mtp_forward_backward(b, h, dh, backward, st);
+  return dh;
+}
+
+StepStats Model::Impl::run(Model& model, const TensorView& tokens, const TensorView& targets, double grad_scale,
+                           bool backward) {
+  Impl& m = *this;
+  Batch b = model.make_batch(tokens, targets);
+  b.grad_scale = grad_scale;
+  StepStats st;
+  st.tokens = b.tokens_count();
+  if (backward) m.memory = MemoryAccount{};
+  Tensor x = model.embed_forward(b);
+  std::vector<std::unique_ptr<Saved>> saved;
+  for (auto& layer : m.trunk) {
+    Tensor y;
+    saved.push_back(layer->forward(b, x, y));
+    x = y;
+    if (backward) m.memory.items.insert(m.memory.items.end(), saved.back()->kept.begin(), saved.back()->kept.end());
+  }
+  for (size_t i = 0; i < m.trunk.size(); ++i) {
+    st.balance_loss += m.trunk[i]->aux_loss(*saved[i]);
+    auto loads = m.trunk[i]->expert_loads(*saved[i]);
+    if (!loads.empty()) st.expert_loads.push_back(std::move(loads));
+  }
+  Tensor d = model.head_forward_backward(b, x, grad_scale, st, backward);
+  st.loss = st.main_loss + m.cfg.mtp_loss_weight * st.mtp_loss + st.balance_loss;
+  if (!backward) return st;
+  for (size_t i = m.trunk.size(); i-- > 0;) {
+    Tensor dx;
+    m.trunk[i]->backward_input(b, *saved[i], d, dx);
+    m.trunk[i]->backward_weight(b, *saved[i]);
+    saved[i].reset();
+    d = dx;
+  }
+  model.embed_backward(b, d);
+  return st;
+}
+
+StepStats Model::forward_backward(const TensorView& tokens, const TensorView& targets, double grad_scale) {
+  return impl_->run(*this, tokens, targets, grad_scale, true);
+}
+
+StepStats Model::forward(const TensorView& tokens, const TensorView& targets) {
+  return impl_->run(*this, tokens, targets, 1.0, false);
+}
+
+void Model::update_routing_bias(const std::vector<std::vector<int64_t>>& loads, double gamma) {
+  auto& m = *impl_;
+  std::vector<Parameter*> biases;
+  for (auto& p : m.params)
+    if (p.name.ends_with("mlp.gate.e_score_correction_bias")) biases.push_back(&p);
+  FP8MOE_CHECK(loads.size() == biases.size(), "update_routing_bias: loads has " << loads.size() << " layers, the model has "
+                                                                             << biases.size() << " MoE layers");
+  for (size_t l = 0; l < biases.size(); ++l) {
+    const int64_t E = biases[l]->weight.numel();
+    FP8MOE_CHECK(int64_t(loads[l].size()) == E, "update_routing_bias: loads[" << l << "] has " << loads[l].size()
+                                                                             << " experts, expected " << E);
+    double mean = 0;
+    for (int64_t v : loads[l]) mean += double(v) / double(E);
+    Tensor h = Tensor::host_like(biases[l]->weight.view());  // [E] host copy
+    m.be.copy(h.view(), biases[l]->weight.view());
+    for (int64_t e = 0; e < E; ++e) {
+      const double load = double(loads[l][size_t(e)]);
+      const double step = gamma * (load < mean ? 1.0 : load > mean ? -1.0 : 0.0);
+      if (h.dtype() == DType::f64) {
+        h.ptr<double>()[e] += step;
+      } else {
+        h.ptr<float>()[e] += float(step);
+      }
+    }
+    m.be.copy(biases[l]->weight.view(), h.view());
+  }
+}
+
+}  // namespace fp8moe

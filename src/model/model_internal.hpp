@@ -1,0 +1,114 @@
+// Internals shared by the model's layers: the execution context, the cached activation of a
+// Linear (what its Fprop consumed, kept for its Wgrad in the recipe's format), the Linear's three
+// GEMMs per recipe, and the layer classes. Not a public header: users see include/fp8moe/model.hpp.
+#pragma once
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "fp8moe/model.hpp"
+
+namespace fp8moe::model {
+
+struct Ctx {
+  Backend& be;
+  const Recipe& recipe;
+  const ModelConfig& cfg;
+  DType act() const { return recipe.act_dtype; }
+  Tensor zeros(std::initializer_list<int64_t> shape) const { return be.empty(recipe.act_dtype, shape); }
+};
+
+// A non-owning view of rows [r0, r0 + n) of a contiguous 2-D tensor.
+TensorView rows_view(const TensorView& t, int64_t r0, int64_t n);
+// The same storage seen with another shape (contiguous, same element count).
+TensorView reshape(const TensorView& t, std::initializer_list<int64_t> shape);
+// A zero tensor of the backend with t's dtype and shape; a copy of t.
+Tensor empty_like(Backend& be, const TensorView& t);
+Tensor clone(Ctx& c, const TensorView& t);
+// Rows [0, n) of t, and t with another shape, as Tensors sharing t's storage.
+Tensor prefix_rows(const Tensor& t, int64_t n);
+Tensor reshaped(const Tensor& t, std::initializer_list<int64_t> shape);
+
+// An activation cached for backward in the recipe's format:
+//   full  [T, K] act dtype (fp32/fp64 recipes)    bf16 [T, K] bf16 (bf16 recipe)
+//   fp8   q [Tp, K] 1x128 tiles (E4M3, or E5M6 for the attention-out Linear input); Tp = T rounded
+//         up to 128 when the tensor feeds a Wgrad (tokens are the Wgrad's K), zero rows past T.
+struct Cached {
+  int64_t rows = 0;
+  Tensor full;
+  QuantizedTensor q;
+  bool defined() const { return full.defined() || q.values.defined(); }
+  // The value as the GEMMs saw it, [T, K] act dtype (dequantized/converted).
+  Tensor restore(Ctx& c) const;
+  // Appends what is kept to an account (name = tensor name inside the layer).
+  void account(std::vector<MemoryItem>& items, const std::string& layer, const std::string& name) const;
+  void reset() { *this = Cached{}; }
+};
+// Caches x [T, K] (act dtype). qdtype/mode apply to FP8 recipes; pad_rows for Linear inputs.
+Cached cache_activation(Ctx& c, const TensorView& x, DType qdtype, ScaleMode mode, bool pad_rows,
+                        LinearPrecision prec);
+inline Cached linear_input(Ctx& c, const TensorView& x, ScaleMode mode = ScaleMode::fp32,
+                           DType qdtype = DType::e4m3) {
+  return cache_activation(c, x, qdtype, mode, true, c.recipe.linear);
+}
+MemoryItem account_item(const std::string& layer, const std::string& name, const TensorView& t);
+
+// The three GEMMs of a Linear y [T, N] = x [T, K] w^T (w [N, K] master), in precision `prec`
+// (the recipe's Linear precision, or bf16/full for the head and the gate).
+void linear_forward(Ctx& c, const Cached& x, Parameter& w, const Tensor& y, LinearPrecision prec);
+// dx [T, K] (+)= dy [T, N] w. dy_mode: scale mode of dy's FP8 tiles.
+void linear_backward_input(Ctx& c, const Tensor& dy, Parameter& w, const Tensor& dx, bool accumulate,
+                           LinearPrecision prec, ScaleMode dy_mode = ScaleMode::fp32);
+// w.grad [N, K] += dy^T x.
+void linear_backward_weight(Ctx& c, const Cached& x, const Tensor& dy, Parameter& w, LinearPrecision prec,
+                            ScaleMode dy_mode = ScaleMode::fp32);
+
+// Host <-> backend helpers for small index/weight vectors.
+Tensor to_backend(Ctx& c, const Tensor& host);
+Tensor act_vector(Ctx& c, const std::vector<double>& v);  // [n] act dtype on the backend
+std::vector<double> to_doubles(Ctx& c, const Tensor& t);   // any float tensor, via the host
+
+// RMSNorm helpers: y = norm(x), rstd out.
+void rmsnorm(Ctx& c, const Tensor& x, Parameter& w, const Tensor& y, const Tensor& rstd);
+
+// SwiGLU MLP (dense MLP, shared expert, one routed expert) on a cached normalized input.
+struct MlpParams {
+  Parameter* gate = nullptr;  // [F, D]
+  Parameter* up = nullptr;    // [F, D]
+  Parameter* down = nullptr;  // [D, F]
+};
+struct MlpState {
+  Cached in;        // the input as its gate/up Linears consumed it
+  Cached g, u;      // the SwiGLU input (gate and up outputs), cached for the recomputation
+  Tensor dy, dg, du;  // output gradients kept from B for W
+  Cached a;         // the recomputed SwiGLU output, kept from B for the down_proj Wgrad
+  void account(std::vector<MemoryItem>& items, const std::string& layer, const std::string& prefix) const;
+};
+// out [T, D] = down(swiglu(gate(x), up(x))); the input must be in st.in.
+void mlp_forward(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& out, ScaleMode in_mode);
+// dx [T, D] (+)= d/dx of dy [T, D]; dy_mode: scale mode of the down_proj output gradient tiles.
+// With combine_grad [T] defined, also writes rows_dot(d(swiglu out), swiglu out), which for a
+// routed expert fed w * dy is w times the gradient of its combine weight.
+void mlp_backward_input(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& dy, const Tensor& dx,
+                        bool accumulate, ScaleMode dy_mode, const Tensor* combine_grad = nullptr);
+void mlp_backward_weight(Ctx& c, const MlpParams& p, MlpState& st, ScaleMode dy_mode);
+
+// Looks up parameters by name (the model's list, filled before layers are built).
+using ParamLookup = std::function<Parameter*(const std::string&)>;
+
+std::unique_ptr<Layer> make_attention_layer(Ctx& c, int64_t layer, const ParamLookup& get);
+std::unique_ptr<Layer> make_mlp_layer(Ctx& c, int64_t layer, const ParamLookup& get);
+std::unique_ptr<Layer> make_moe_layer(Ctx& c, int64_t layer, const ParamLookup& get);
+
+// Parameter shapes by name, in model order (the model allocates them; predict_memory and
+// count_parameters use the same list).
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  enum Init { normal, ones, zeros } init = normal;
+  bool trainable = true;
+  bool decay = true;
+};
+std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg);
+
+}  // namespace fp8moe::model
