@@ -63,11 +63,11 @@ void check_row_major(const TensorView& t, const char* arg) {
                arg << ": expected a contiguous row-major 2-D tensor, got " << t.str());
 }
 
-template <int BM, int BN, bool kB1x128>
+template <int BM, int BN, bool kB1x128, bool kTmaEpi>
 void launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa, const CUtensorMap& tsb,
             const CUtensorMap& td, GemmKernelArgs args, cudaStream_t stream) {
-  using T = GemmTraits<BM, BN, kB1x128>;
-  auto kernel = sm90_fp8_gemm_kernel<BM, BN, kB1x128>;
+  using T = GemmTraits<BM, BN, kB1x128, kTmaEpi>;
+  auto kernel = sm90_fp8_gemm_kernel<BM, BN, kB1x128, kTmaEpi>;
   static std::once_flag once;
   std::call_once(once, [&] {
     FP8MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
@@ -80,11 +80,11 @@ void launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa
   FP8MOE_CUDA_CHECK_LAUNCH("sm90_fp8_gemm_kernel");
 }
 
-template <int BM, int BN, bool kB1x128>
+template <int BM, int BN, bool kB1x128, bool kTmaEpi = true>
 bool try_launch(const GemmTile& t, const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa,
                 const CUtensorMap& tsb, const CUtensorMap& td, const GemmKernelArgs& args, cudaStream_t stream) {
-  if (t.block_m != BM || t.block_n != BN) return false;
-  launch<BM, BN, kB1x128>(ta, tb, tsa, tsb, td, args, stream);
+  if (t.block_m != BM || t.block_n != BN || t.tma_epilogue != kTmaEpi) return false;
+  launch<BM, BN, kB1x128, kTmaEpi>(ta, tb, tsa, tsb, td, args, stream);
   return true;
 }
 
@@ -181,7 +181,8 @@ void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorV
          try_launch<128, 16, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
          try_launch<128, 32, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
          try_launch<128, 64, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
-         try_launch<128, 128, false>(t, ta, tb, tsa, tsb, td, args, stream);
+         try_launch<128, 128, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<128, 128, false, false>(t, ta, tb, tsa, tsb, td, args, stream);
   }
   FP8MOE_CHECK(ok, "gemm_fp8: tile " << t.block_m << "x" << t.block_n << " is not compiled for "
                                      << (b_1x128 ? "1x128" : "128x128") << " B scales");

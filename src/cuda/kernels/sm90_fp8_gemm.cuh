@@ -36,7 +36,7 @@ namespace fp8moe::cuda {
 constexpr int kBlockK = 128;
 constexpr int kMaxSmemBytes = 232448;  // sm_90 opt-in limit per block
 
-template <int BLOCK_M, int BLOCK_N, bool kB1x128>
+template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue = true>
 struct GemmTraits {
   static constexpr int kNumMathWG = BLOCK_M / 64;
   static constexpr int kNumMathThreads = kNumMathWG * 128;
@@ -49,7 +49,9 @@ struct GemmTraits {
   static constexpr bool kStageF32 = kB1x128;  // epilogue staging dtype: f32 (Wgrad) or bf16
   using Staging = StagingTile<BLOCK_N, kStageF32>;
   // TMA-store epilogue only for tiles at least one 128-byte box wide.
-  static constexpr bool kTmaStoreOk = BLOCK_N % Staging::kBoxCols == 0;
+  // NOTES: the staging tiles cost pipeline stages (128x128 1d2d: 5 instead of 6); for long K the
+  // mainloop matters more than the epilogue, so the host may pick the variant without them.
+  static constexpr bool kTmaStoreOk = kTmaEpilogue && BLOCK_N % Staging::kBoxCols == 0;
   static constexpr int kSmemStaging = kTmaStoreOk ? kNumMathWG * Staging::kBytes : 0;
   static constexpr int kStages = [] {
     int s = (kMaxSmemBytes - 1024 - 512 - kSmemStaging) / kStageBytes;
@@ -73,8 +75,8 @@ struct GemmKernelArgs {
   uint32_t M, N, K;
 };
 
-template <int BLOCK_M, int BLOCK_N, bool kB1x128>
-__global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128>::kNumThreads, 1)
+template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue>
+__global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue>::kNumThreads, 1)
     sm90_fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,   // A [M, K] e4m3, box [BLOCK_M, 128]
                          const __grid_constant__ CUtensorMap tmap_b,   // B [N, K] e4m3, box [BLOCK_N, 128]
                          const __grid_constant__ CUtensorMap tmap_sa,  // s_a [K/128, ld(M)] f32, box [1, BLOCK_M]
@@ -82,7 +84,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128>::kNumThr
                          const __grid_constant__ CUtensorMap tmap_d,   // D [M, N], box [64, 128 B], 128B swizzle
                          const GemmKernelArgs args) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using T = GemmTraits<BLOCK_M, BLOCK_N, kB1x128>;
+  using T = GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue>;
   using Mma = WgmmaFp8<BLOCK_N>;
   constexpr int STAGES = T::kStages;
   constexpr int kNumAccum = Mma::kNumAccum;  // BLOCK_N / 2 f32 per thread
