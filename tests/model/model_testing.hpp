@@ -1,0 +1,55 @@
+// Helpers of the model tests: small configs (one for FP64 finite differences, dims free; the tiny
+// FP8-capable config from configs/), random batches and host access to parameters.
+#pragma once
+#include <random>
+#include <string>
+
+#include "fp8moe/model.hpp"
+#include "testing.hpp"
+
+namespace fp8moe::testing {
+
+// A config small enough for finite differences in FP64: dims are not multiples of 128 (non-FP8).
+inline ModelConfig fd_config() {
+  ModelConfig c;
+  c.name = "fd";
+  c.vocab_size = 48;
+  c.hidden_size = 24;
+  c.num_hidden_layers = 2;
+  c.first_k_dense_replace = 1;
+  c.num_attention_heads = 2;
+  c.q_lora_rank = 20;
+  c.kv_lora_rank = 12;
+  c.qk_nope_head_dim = 6;
+  c.qk_rope_head_dim = 4;
+  c.v_head_dim = 6;
+  c.intermediate_size = 40;
+  c.moe_intermediate_size = 12;
+  c.n_routed_experts = 6;
+  c.n_shared_experts = 1;
+  c.num_experts_per_tok = 2;
+  c.n_group = 3;
+  c.topk_group = 2;
+  c.routed_scaling_factor = 1.5;
+  c.num_nextn_predict_layers = 1;
+  c.mtp_loss_weight = 0.3;
+  c.aux_loss_alpha = 0.05;  // large, so that its gradient is checked too
+  c.initializer_range = 0.2;  // large weights: a non-trivial function
+  c.seq_len = 6;
+  c.batch_size = 2;
+  return c;
+}
+
+inline ModelConfig tiny_config() { return load_config(std::string(FP8MOE_SOURCE_DIR) + "/configs/tiny.json"); }
+
+// tokens and targets [B, S] i32: targets[t] = tokens[t + 1] inside a sequence.
+inline std::pair<Tensor, Tensor> random_batch(std::mt19937_64& rng, const ModelConfig& c) {
+  const int64_t B = c.batch_size, S = c.seq_len;
+  Tensor tok = Tensor::host(DType::i32, {B, S}), tgt = Tensor::host(DType::i32, {B, S});
+  for (int64_t i = 0; i < B * S; ++i) tok.ptr<int32_t>()[i] = int32_t(rng() % uint64_t(c.vocab_size));
+  for (int64_t i = 0; i < B * S; ++i)
+    tgt.ptr<int32_t>()[i] = (i % S < S - 1) ? tok.ptr<int32_t>()[i + 1] : int32_t(rng() % uint64_t(c.vocab_size));
+  return {tok, tgt};
+}
+
+}  // namespace fp8moe::testing
