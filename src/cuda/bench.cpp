@@ -166,7 +166,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   std::printf("# fp8moe bench gemm on %s (%d SMs), seed %llu, median of %d (warm-up %d, L2 flushed)\n", prop.name,
               prop.multiProcessorCount, (unsigned long long)seed, opt.iters, opt.warmup);
   std::printf("# fprop: A 1x128 x B 128x128 -> bf16;  wgrad: A 1x128 x B 1x128 -> f32, D += A*B^T;  tile BMxBN "
-              "(/direct: epilogue without TMA-store staging)\n");
+              "(/direct: epilogue without TMA-store staging; /mc2: B multicast over 2-CTA clusters)\n");
   std::printf("# calc_diff: vs FP64 product of the unquantized bf16 inputs (%d sampled rows); kerr: rel. error vs FP64 "
               "product of the dequantized FP8 inputs (rounded to bf16 for bf16 D); vs_lt: calc_diff ours vs cuBLASLt (all of D)\n",
               opt.check_rows);
@@ -292,7 +292,8 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     auto tf = [&](double us) { return std::isnan(us) ? NAN : flops / (us * 1e-6) / 1e12; };
     const double ratio = t_lt / t_ours;
     char tile_s[32];
-    std::snprintf(tile_s, sizeof tile_s, "%dx%d%s", tile.block_m, tile.block_n, tile.tma_epilogue ? "" : "/direct");
+    std::snprintf(tile_s, sizeof tile_s, "%dx%d%s%s", tile.block_m, tile.block_n, tile.tma_epilogue ? "" : "/direct",
+                  tile.multicast > 1 ? "/mc2" : "");
     std::printf("| %s | %lld | %lld | %lld | %s | %.1f | %.0f | %.0f | %.0f | %.3f | %.2e | %.2e | %.2e |%s\n", gc.kind,
                 (long long)M, (long long)N, (long long)K, tile_s, t_ours, tf(t_ours), tf(t_lt), tf(t_bf), ratio, cd, kerr,
                 vs_lt, ok ? "" : " FAIL");

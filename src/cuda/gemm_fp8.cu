@@ -63,28 +63,45 @@ void check_row_major(const TensorView& t, const char* arg) {
                arg << ": expected a contiguous row-major 2-D tensor, got " << t.str());
 }
 
-template <int BM, int BN, bool kB1x128, bool kTmaEpi>
+template <int BM, int BN, bool kB1x128, bool kTmaEpi, int kMC>
 void launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa, const CUtensorMap& tsb,
             const CUtensorMap& td, GemmKernelArgs args, cudaStream_t stream) {
-  using T = GemmTraits<BM, BN, kB1x128, kTmaEpi>;
-  auto kernel = sm90_fp8_gemm_kernel<BM, BN, kB1x128, kTmaEpi>;
+  using T = GemmTraits<BM, BN, kB1x128, kTmaEpi, kMC>;
+  auto kernel = sm90_fp8_gemm_kernel<BM, BN, kB1x128, kTmaEpi, kMC>;
   static std::once_flag once;
   std::call_once(once, [&] {
     FP8MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
   });
-  const int64_t tiles = int64_t((args.M + BM - 1) / BM) * int64_t((args.N + BN - 1) / BN);
-  const int grid = int(std::min<int64_t>(tiles, device_props().multiProcessorCount));
+  // Units of kMC vertically adjacent tiles; one cluster of kMC CTAs per unit.
+  const int64_t units = int64_t((args.M + BM * kMC - 1) / (BM * kMC)) * int64_t((args.N + BN - 1) / BN);
+  const int grid = int(std::min<int64_t>(units, device_props().multiProcessorCount / kMC)) * kMC;
   // TMA-store epilogue only when D has the staging dtype (the caller checked alignment).
   args.epi.tma_store = args.epi.tma_store && T::kTmaStoreOk && (args.epi.d_f32 == T::kStageF32);
-  kernel<<<grid, T::kNumThreads, T::kSmemBytes, stream>>>(ta, tb, tsa, tsb, td, args);
+  if constexpr (kMC == 1) {
+    kernel<<<grid, T::kNumThreads, T::kSmemBytes, stream>>>(ta, tb, tsa, tsb, td, args);
+  } else {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(unsigned(grid));
+    cfg.blockDim = dim3(T::kNumThreads);
+    cfg.dynamicSmemBytes = T::kSmemBytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kMC;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    FP8MOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ta, tb, tsa, tsb, td, args));
+  }
   FP8MOE_CUDA_CHECK_LAUNCH("sm90_fp8_gemm_kernel");
 }
 
-template <int BM, int BN, bool kB1x128, bool kTmaEpi = true>
+template <int BM, int BN, bool kB1x128, bool kTmaEpi = true, int kMC = 1>
 bool try_launch(const GemmTile& t, const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa,
                 const CUtensorMap& tsb, const CUtensorMap& td, const GemmKernelArgs& args, cudaStream_t stream) {
-  if (t.block_m != BM || t.block_n != BN || t.tma_epilogue != kTmaEpi) return false;
-  launch<BM, BN, kB1x128, kTmaEpi>(ta, tb, tsa, tsb, td, args, stream);
+  if (t.block_m != BM || t.block_n != BN || t.tma_epilogue != kTmaEpi || t.multicast != kMC) return false;
+  launch<BM, BN, kB1x128, kTmaEpi, kMC>(ta, tb, tsa, tsb, td, args, stream);
   return true;
 }
 
@@ -134,7 +151,8 @@ void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorV
   const CUtensorMap ta = make_tmap_2d(a.values.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(K), uint64_t(M),
                                       uint64_t(K), kBlockK, uint32_t(t.block_m), CU_TENSOR_MAP_SWIZZLE_128B, "a.values");
   const CUtensorMap tb = make_tmap_2d(b.values.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(K), uint64_t(N),
-                                      uint64_t(K), kBlockK, uint32_t(t.block_n), CU_TENSOR_MAP_SWIZZLE_128B, "b.values");
+                                      uint64_t(K), kBlockK, uint32_t(t.block_n / t.multicast), CU_TENSOR_MAP_SWIZZLE_128B,
+                                      "b.values");
   const uint64_t lda = uint64_t(a.scales.size(1));
   const CUtensorMap tsa = make_tmap_2d(a.scales.data, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, lda, uint64_t(K / kBlockK),
                                        lda, uint32_t(t.block_m), 1, CU_TENSOR_MAP_SWIZZLE_NONE, "a.scales");
@@ -172,7 +190,8 @@ void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorV
     ok = try_launch<64, 64, true>(t, ta, tb, tsa, tsb, td, args, stream) ||
          try_launch<64, 128, true>(t, ta, tb, tsa, tsb, td, args, stream) ||
          try_launch<128, 64, true>(t, ta, tb, tsa, tsb, td, args, stream) ||
-         try_launch<128, 128, true>(t, ta, tb, tsa, tsb, td, args, stream);
+         try_launch<128, 128, true>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<128, 128, true, true, 2>(t, ta, tb, tsa, tsb, td, args, stream);
   } else {
     ok = try_launch<64, 16, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
          try_launch<64, 32, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
@@ -182,7 +201,9 @@ void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorV
          try_launch<128, 32, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
          try_launch<128, 64, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
          try_launch<128, 128, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
-         try_launch<128, 128, false, false>(t, ta, tb, tsa, tsb, td, args, stream);
+         try_launch<128, 128, false, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<128, 128, false, true, 2>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<128, 128, false, false, 2>(t, ta, tb, tsa, tsb, td, args, stream);
   }
   FP8MOE_CHECK(ok, "gemm_fp8: tile " << t.block_m << "x" << t.block_n << " is not compiled for "
                                      << (b_1x128 ? "1x128" : "128x128") << " B scales");

@@ -18,14 +18,17 @@ struct GemmTile {
   // compiled without it is 1d2d 128x128, chosen for K >= 4096 (measured on H200: 910 vs 1007 us
   // at 4096x7168x16384, while K <= 2048 gains 8-35% from the staged epilogue).
   bool tma_epilogue = true;
+  // CTAs per cluster that share the B tile through TMA multicast (1 or 2, 128x128 only): halves
+  // the L2 -> SM traffic of B.
+  int multicast = 1;
 };
 
 // Tile shapes compiled into the library (gemm_fp8.cu instantiates exactly these).
 inline const std::vector<GemmTile>& gemm_tiles(bool b_1x128) {
   static const std::vector<GemmTile> k1d2d{{64, 16}, {64, 32}, {64, 64}, {64, 128},
                                            {128, 16}, {128, 32}, {128, 64}, {128, 128},
-                                           {128, 128, false}};
-  static const std::vector<GemmTile> k1d1d{{64, 64}, {64, 128}, {128, 64}, {128, 128}};
+                                           {128, 128, false}, {128, 128, true, 2}, {128, 128, false, 2}};
+  static const std::vector<GemmTile> k1d1d{{64, 64}, {64, 128}, {128, 64}, {128, 128}, {128, 128, true, 2}};
   return b_1x128 ? k1d1d : k1d2d;
 }
 
@@ -42,7 +45,7 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
   GemmTile best{};
   double best_cost = -1;
   for (const GemmTile& t : gemm_tiles(b_1x128)) {
-    if (!t.tma_epilogue) continue;  // picked below by K
+    if (!t.tma_epilogue || t.multicast != 1) continue;  // variants picked below
     const double c = gemm_tile_cost(t, M, N, num_sms);
     const bool larger = t.block_m * t.block_n > best.block_m * best.block_n;
     if (best_cost < 0 || c < best_cost * 0.999 || (c <= best_cost * 1.001 && larger)) {
@@ -50,7 +53,11 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
       best_cost = c;
     }
   }
-  if (!b_1x128 && best.block_m == 128 && best.block_n == 128 && K >= 4096) best.tma_epilogue = false;
+  if (best.block_m == 128 && best.block_n == 128) {
+    if (!b_1x128 && K >= 4096) best.tma_epilogue = false;
+    // Multicast pairs vertically adjacent tiles: worth it once there are several M blocks.
+    if ((M + 127) / 128 >= 4) best.multicast = 2;
+  }
   return best;
 }
 

@@ -88,12 +88,15 @@ TEST_F(CudaGemm, SmallIntegersExactForEveryTile) {
           bool pads_ok = false;
           Tensor got = d.fetch(*be_, pads_ok);
           const int64_t mis = first_mismatch(got, ref);
-          EXPECT_EQ(mis, -1) << (b_1x128 ? "1d1d" : "1d2d") << " tile " << t.block_m << "x" << t.block_n << " M=" << c.M
+          EXPECT_EQ(mis, -1) << (b_1x128 ? "1d1d" : "1d2d") << " tile " << t.block_m << "x" << t.block_n
+                             << (t.tma_epilogue ? " tma-epilogue" : " direct-epilogue") << " multicast " << t.multicast
+                             << " M=" << c.M
                              << " N=" << c.N << " K=" << c.K << " " << dtype_name(dt) << ": first mismatch at ["
                              << (mis >= 0 ? mis / c.N : 0) << ", " << (mis >= 0 ? mis % c.N : 0) << "] got "
                              << (mis >= 0 ? load_float(got.view(), mis) : 0) << " want "
                              << (mis >= 0 ? load_float(ref.view(), mis) : 0);
-          EXPECT_TRUE(pads_ok) << "write past N (row padding changed), tile " << t.block_m << "x" << t.block_n;
+          EXPECT_TRUE(pads_ok) << "write past N (row padding changed), tile " << t.block_m << "x" << t.block_n
+                               << " multicast " << t.multicast;
         }
       }
     }

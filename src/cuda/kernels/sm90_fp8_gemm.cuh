@@ -36,8 +36,9 @@ namespace fp8moe::cuda {
 constexpr int kBlockK = 128;
 constexpr int kMaxSmemBytes = 232448;  // sm_90 opt-in limit per block
 
-template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue = true>
+template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue = true, int kMC = 1>
 struct GemmTraits {
+  static constexpr int kMulticast = kMC;  // CTAs per cluster sharing (multicasting) the B tile
   static constexpr int kNumMathWG = BLOCK_M / 64;
   static constexpr int kNumMathThreads = kNumMathWG * 128;
   static constexpr int kNumThreads = kNumMathThreads + 128;  // + producer warpgroup
@@ -67,6 +68,7 @@ struct GemmTraits {
                 "1d2d: a tile must not straddle a 128-row scale block of B partially");
   static_assert(kSmemA % 1024 == 0 && kSmemB % 1024 == 0, "swizzle-128B tiles need 1024-byte alignment");
   static_assert(kStages >= 2, "shared memory too small for two stages");
+  static_assert(kMC == 1 || (kMC == 2 && BLOCK_N % 16 == 0), "multicast: 1 or 2 CTAs, B halves of whole swizzle atoms");
 };
 
 struct GemmKernelArgs {
@@ -75,16 +77,16 @@ struct GemmKernelArgs {
   uint32_t M, N, K;
 };
 
-template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue>
-__global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue>::kNumThreads, 1)
+template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue, int kMC>
+__global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue, kMC>::kNumThreads, 1)
     sm90_fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,   // A [M, K] e4m3, box [BLOCK_M, 128]
-                         const __grid_constant__ CUtensorMap tmap_b,   // B [N, K] e4m3, box [BLOCK_N, 128]
+                         const __grid_constant__ CUtensorMap tmap_b,   // B [N, K] e4m3, box [BLOCK_N / kMC, 128]
                          const __grid_constant__ CUtensorMap tmap_sa,  // s_a [K/128, ld(M)] f32, box [1, BLOCK_M]
                          const __grid_constant__ CUtensorMap tmap_sb,  // 1d1d: s_b [K/128, ld(N)] f32, box [1, BLOCK_N]
                          const __grid_constant__ CUtensorMap tmap_d,   // D [M, N], box [64, 128 B], 128B swizzle
                          const GemmKernelArgs args) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using T = GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue>;
+  using T = GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue, kMC>;
   using Mma = WgmmaFp8<BLOCK_N>;
   constexpr int STAGES = T::kStages;
   constexpr int kNumAccum = Mma::kNumAccum;  // BLOCK_N / 2 f32 per thread
@@ -102,6 +104,8 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 
   const uint32_t warp = threadIdx.x / 32;
   const uint32_t lane = threadIdx.x % 32;
+  const uint32_t rank = kMC > 1 ? ptx::cluster_cta_rank() : 0;  // in the cluster
+  const uint32_t cluster_id = blockIdx.x / kMC, num_clusters = gridDim.x / kMC;
 
   if (threadIdx.x == T::kNumMathThreads) {
     ptx::prefetch_tmap(&tmap_a);
@@ -112,13 +116,17 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       ptx::mbar_init(&full_bar[s], 1);                         // the producer's arrive + TMA bytes
-      ptx::mbar_init(&empty_bar[s], T::kNumMathThreads / 32);  // one arrive per math warp
+      // One arrive per math warp of every CTA that writes this stage (multicast: both).
+      ptx::mbar_init(&empty_bar[s], kMC * T::kNumMathThreads / 32);
     }
     ptx::fence_barrier_init();
   }
-  __syncthreads();
+  // NOTES: with multicast the peer CTA writes into our stages and arrives on our barriers, so
+  // initialisation must be visible cluster-wide before anyone starts.
+  if constexpr (kMC > 1) ptx::cluster_sync();
+  else __syncthreads();
 
-  const TileScheduler sched(args.M, args.N, BLOCK_M, BLOCK_N);
+  const TileScheduler sched(args.M, args.N, BLOCK_M, BLOCK_N, kMC);
   const uint32_t num_k_blocks = args.K / kBlockK;
 
   if (threadIdx.x >= T::kNumMathThreads) {
@@ -128,19 +136,35 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     if constexpr (T::kNumMathWG > 1) ptx::setmaxnreg_dec<40>();
     if (threadIdx.x == T::kNumMathThreads) {
       uint32_t stage = 0, phase = 0;
-      for (uint32_t tile = blockIdx.x; tile < sched.num_tiles; tile += gridDim.x) {
+      for (uint32_t tile = cluster_id; tile < sched.num_tiles; tile += num_clusters) {
         uint32_t m_blk, n_blk;
-        sched.tile_coords(tile, m_blk, n_blk);
-        const int32_t m0 = int32_t(m_blk * BLOCK_M), n0 = int32_t(n_blk * BLOCK_N);
+        sched.tile_coords(tile, rank, m_blk, n_blk);
+        // Phantom tiles (multicast, odd M block count) load the last real A block; nothing is stored.
+        const int32_t m0 = int32_t(min(m_blk, sched.num_m_blocks - 1) * BLOCK_M), n0 = int32_t(n_blk * BLOCK_N);
         for (uint32_t kb = 0; kb < num_k_blocks; ++kb) {
           ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
           ptx::mbar_arrive_expect_tx(&full_bar[stage], T::kTxBytes);
           const int32_t k0 = int32_t(kb * kBlockK);
           ptx::tma_load_2d(&tmap_a, &full_bar[stage], smem_a + stage * T::kSmemA, k0, m0);
-          ptx::tma_load_2d(&tmap_b, &full_bar[stage], smem_b + stage * T::kSmemB, k0, n0);
+          if constexpr (kMC > 1) {
+            // Our half of the B tile goes to both CTAs; the peer sends the other half.
+            constexpr int kRows = BLOCK_N / kMC;
+            ptx::tma_load_2d_multicast(&tmap_b, &full_bar[stage], smem_b + stage * T::kSmemB + rank * kRows * kBlockK,
+                                       k0, n0 + int32_t(rank) * kRows, uint16_t((1u << kMC) - 1));
+          } else {
+            ptx::tma_load_2d(&tmap_b, &full_bar[stage], smem_b + stage * T::kSmemB, k0, n0);
+          }
           ptx::tma_load_2d(&tmap_sa, &full_bar[stage], smem_sa + stage * BLOCK_M, m0, int32_t(kb));
           if constexpr (kB1x128)
             ptx::tma_load_2d(&tmap_sb, &full_bar[stage], smem_sb + stage * BLOCK_N, n0, int32_t(kb));
+          if (++stage == STAGES) stage = 0, phase ^= 1;
+        }
+      }
+      if constexpr (kMC > 1) {
+        // NOTES: the peer's consumers arrive on our empty barriers remotely; stay alive until every
+        // stage has been released for its last use, so no arrive targets an exited CTA.
+        for (int i = 0; i < STAGES; ++i) {
+          ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
           if (++stage == STAGES) stage = 0, phase ^= 1;
         }
       }
@@ -157,10 +181,10 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     float acc[kNumAccum];
     float final_acc[kNumAccum];
 
-    for (uint32_t tile = blockIdx.x; tile < sched.num_tiles; tile += gridDim.x) {
+    for (uint32_t tile = cluster_id; tile < sched.num_tiles; tile += num_clusters) {
       uint32_t m_blk, n_blk;
-      sched.tile_coords(tile, m_blk, n_blk);
-      const uint32_t m0 = m_blk * BLOCK_M, n0 = n_blk * BLOCK_N;
+      sched.tile_coords(tile, rank, m_blk, n_blk);
+      const uint32_t m0 = m_blk * BLOCK_M, n0 = n_blk * BLOCK_N;  // phantom tiles: m0 >= M, all stores masked
 #pragma unroll
       for (int i = 0; i < kNumAccum; ++i) final_acc[i] = 0.0f;
 
@@ -206,7 +230,14 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         ptx::wgmma_wait<0>();
 
         // Shared-memory reads of this stage are complete: hand it back to the producer.
-        if (lane == 0) ptx::mbar_arrive(&empty_bar[stage]);
+        if (lane == 0) {
+          if constexpr (kMC > 1) {
+#pragma unroll
+            for (uint32_t r = 0; r < uint32_t(kMC); ++r) ptx::mbar_arrive_cluster(&empty_bar[stage], r);
+          } else {
+            ptx::mbar_arrive(&empty_bar[stage]);
+          }
+        }
         if (++stage == STAGES) stage = 0, phase ^= 1;
 
         // Promotion: final += (s_a * s_b) * acc, in FP32 on the CUDA cores.
