@@ -18,6 +18,11 @@ void dispatch_float(const TensorView& t, const char* op, const char* arg, F&& f)
     FP8MOE_CHECK(false, op << ": " << arg << " must be f32 or f64, got " << t.str());
   }
 }
+// NOTES: below this many element-operations an op runs on one thread: fork/join costs more than it
+// saves, and with more threads than free cores (a busy CI machine) OpenMP's spinning barriers make
+// many small parallel regions very slow.
+constexpr int64_t kParallelWork = 1 << 15;
+
 // Checks that `t` is a contiguous host tensor of `dtype` with ndim dims.
 void check_op_tensor(const TensorView& t, const char* op, const char* arg, DType dtype, int ndim);
 

@@ -20,7 +20,7 @@ void rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& posi
                                                                  << ") outside x " << x.str());
     const int32_t* pos = positions.ptr<const int32_t>();
     const double sign = inverse ? -1.0 : 1.0;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * H * rot > kParallelWork)
     for (int64_t t = 0; t < N; ++t) {
       for (int64_t i = 0; i < rot / 2; ++i) {
         const double freq = std::pow(theta, -2.0 * double(i) / double(rot));
@@ -67,7 +67,7 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
     const T* Q = q.ptr<const T>();
     const T* K = k.ptr<const T>();
     const T* V = v.ptr<const T>();
-#pragma omp parallel
+#pragma omp parallel if (N * S * H * (Dk + Dv) > 4 * kParallelWork)
     {
       std::vector<double> p(static_cast<size_t>(S)), acc(static_cast<size_t>(Dv));
 #pragma omp for collapse(3) schedule(dynamic, 4)
@@ -121,7 +121,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
     const T* O = out.ptr<const T>();
     const T* G = dout.ptr<const T>();
     // One (sequence, head) per task: dk and dv of a head only receive from queries of that head.
-#pragma omp parallel
+#pragma omp parallel if (N * S * H * (Dk + Dv) > 2 * kParallelWork)
     {
       std::vector<double> dkb(static_cast<size_t>(S * Dk)), dvb(static_cast<size_t>(S * Dv)), p(static_cast<size_t>(S)),
           dqa(static_cast<size_t>(Dk));

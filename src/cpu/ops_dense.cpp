@@ -35,14 +35,14 @@ void gemm_impl(const TensorView& a, const TensorView& b, const TensorView& d, bo
   if (tb) {
     bt.resize(size_t(K * N));
     const int64_t R = N, C = K;  // b is [N, K]
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * C > kParallelWork)
     for (int64_t c = 0; c < C; ++c)
       for (int64_t r = 0; r < R; ++r) bt[size_t(c * R + r)] = B[r * C + c];
     B = bt.data();
   }
   auto a_at = [&](int64_t i, int64_t k) { return ta ? A[k * M + i] : A[i * K + k]; };
   const int64_t MB = (M + 3) / 4;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (M * N * K > 4 * kParallelWork)
   for (int64_t ib = 0; ib < MB; ++ib) {
     const int64_t i0 = ib * 4, rows = std::min<int64_t>(4, M - i0);
     T* d0 = D + i0 * N;
@@ -127,7 +127,7 @@ void convert(const TensorView& src, const TensorView& dst) {
     std::memcpy(dst.data, src.data, src.nbytes());
     return;
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > kParallelWork)
   for (int64_t i = 0; i < n; ++i) store_any(dst, i, load_any(src, i));
 }
 
@@ -141,10 +141,10 @@ void axpy(double alpha, const TensorView& x, double beta, const TensorView& y) {
     const T a = T(alpha), bb = T(beta);
     const int64_t n = y.numel();
     if (beta == 1.0) {
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(static) if (n > kParallelWork)
       for (int64_t i = 0; i < n; ++i) yp[i] += a * xp[i];
     } else {
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(static) if (n > kParallelWork)
       for (int64_t i = 0; i < n; ++i) yp[i] = a * xp[i] + bb * yp[i];
     }
   });
@@ -163,13 +163,13 @@ void copy_cols(const TensorView& src, int64_t src_col, const TensorView& dst, in
   const int64_t R = src.size(0), Cs = src.size(1), Cd = dst.size(1);
   if (src.dtype == dst.dtype && !accumulate) {
     const size_t es = dtype_size(src.dtype);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * ncols > kParallelWork)
     for (int64_t r = 0; r < R; ++r)
       std::memcpy(static_cast<char*>(dst.data) + (r * Cd + dst_col) * es,
                   static_cast<const char*>(src.data) + (r * Cs + src_col) * es, size_t(ncols) * es);
     return;
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * ncols > kParallelWork)
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < ncols; ++j) {
       const int64_t di = r * Cd + dst_col + j;
@@ -187,7 +187,7 @@ void transpose(const TensorView& src, const TensorView& dst) {
   const int64_t R = src.size(0), C = src.size(1);
   const size_t es = dtype_size(src.dtype);
   constexpr int64_t kB = 32;  // cache blocking
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static) if (R * C > kParallelWork)
   for (int64_t r0 = 0; r0 < R; r0 += kB)
     for (int64_t c0 = 0; c0 < C; c0 += kB)
       for (int64_t r = r0; r < std::min(R, r0 + kB); ++r)

@@ -19,7 +19,7 @@ void embedding_forward(const TensorView& ids, const TensorView& table, const Ten
     for (int64_t t = 0; t < N; ++t)
       FP8MOE_CHECK(id[t] >= 0 && id[t] < V, "embedding_forward: ids[" << t << "] = " << id[t]
                                                                       << " outside [0, " << V << ")");
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * D > kParallelWork)
     for (int64_t t = 0; t < N; ++t)
       for (int64_t j = 0; j < D; ++j) out.ptr<T>()[t * D + j] = table.ptr<const T>()[id[t] * D + j];
   });
@@ -34,7 +34,7 @@ void embedding_backward(const TensorView& ids, const TensorView& dout, const Ten
     check_shape(dout, "embedding_backward: dout", {N, D});
     const int32_t* id = ids.ptr<const int32_t>();
     // Parallel over columns: rows of the same token never race.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * D > kParallelWork)
     for (int64_t j = 0; j < D; ++j)
       for (int64_t t = 0; t < N; ++t) dtable.ptr<T>()[id[t] * D + j] += dout.ptr<const T>()[t * D + j];
   });
@@ -58,7 +58,7 @@ void cross_entropy(const TensorView& logits, const TensorView& targets, const Te
     const int32_t* tg = targets.ptr<const int32_t>();
     for (int64_t t = 0; t < N; ++t)
       FP8MOE_CHECK(tg[t] < V, "cross_entropy: targets[" << t << "] = " << tg[t] << " >= vocab " << V);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * V > kParallelWork)
     for (int64_t t = 0; t < N; ++t) {
       const T* x = logits.ptr<const T>() + t * V;
       T* g = grad ? dlogits.ptr<T>() + t * V : nullptr;

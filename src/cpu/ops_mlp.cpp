@@ -18,7 +18,7 @@ void swiglu_forward(const TensorView& gate, const TensorView& up, const TensorVi
     const T* g = gate.ptr<const T>();
     const T* u = up.ptr<const T>();
     T* o = out.ptr<T>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > kParallelWork)
     for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (T(1) + std::exp(-g[i])) * u[i];
   });
 }
@@ -36,7 +36,7 @@ void swiglu_backward(const TensorView& gate, const TensorView& up, const TensorV
     const T* g = gate.ptr<const T>();
     const T* u = up.ptr<const T>();
     const T* d = dout.ptr<const T>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > kParallelWork)
     for (int64_t i = 0; i < n; ++i) {
       const T s = T(1) / (T(1) + std::exp(-g[i]));
       const T silu = g[i] * s;

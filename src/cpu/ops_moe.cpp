@@ -35,7 +35,7 @@ void moe_route(const TensorView& logits, const TensorView& bias, const TensorVie
     FP8MOE_CHECK(Kt > 0 && Kt <= topk_group * Gs, "moe_route: top-k = " << Kt << " exceeds the "
                                                       << topk_group * Gs << " experts of topk_group groups");
     const T* B = bias.ptr<const T>();
-#pragma omp parallel
+#pragma omp parallel if (N * E > kParallelWork / 8)
     {
       std::vector<double> choice(static_cast<size_t>(E)), gscore(static_cast<size_t>(n_group));
       std::vector<int64_t> order(size_t(std::max(E, n_group)));
@@ -103,7 +103,7 @@ void moe_route_backward(const TensorView& scores, const TensorView& idx, const T
       check_op_tensor(dscores, "moe_route_backward", "dscores", dt, 2);
       check_shape(dscores, "moe_route_backward: dscores", {N, E});
     }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * E > kParallelWork)
     for (int64_t t = 0; t < N; ++t) {
       const T* s = scores.ptr<const T>() + t * E;
       const int32_t* id = idx.ptr<const int32_t>() + t * Kt;
@@ -138,7 +138,7 @@ void gather_rows(const TensorView& src, const TensorView& idx, const TensorView&
   for (int64_t i = 0; i < N; ++i)
     FP8MOE_CHECK(id[i] >= 0 && id[i] < Rs, "gather_rows: idx[" << i << "] = " << id[i] << " outside [0, " << Rs << ")");
   if (!w.defined()) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (int64_t(row) * N > 4 * kParallelWork)
     for (int64_t i = 0; i < N; ++i)
       std::copy_n(static_cast<const char*>(src.data) + size_t(id[i]) * row, row,
                   static_cast<char*>(dst.data) + size_t(i) * row);
@@ -149,7 +149,7 @@ void gather_rows(const TensorView& src, const TensorView& idx, const TensorView&
     check_op_tensor(w, "gather_rows", "w", dst.dtype, 1);
     check_shape(w, "gather_rows: w", {N});
     const int64_t D = dst.size(1);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * D > kParallelWork)
     for (int64_t i = 0; i < N; ++i)
       for (int64_t j = 0; j < D; ++j) dst.ptr<T>()[i * D + j] = w.ptr<const T>()[i] * src.ptr<const T>()[id[i] * D + j];
   });
@@ -173,7 +173,7 @@ void scatter_add_rows(const TensorView& src, const TensorView& idx, const Tensor
       FP8MOE_CHECK(id[i] >= 0 && id[i] < R, "scatter_add_rows: idx[" << i << "] = " << id[i] << " outside [0, "
                                                                      << R << ")");
     // Parallel over columns: several i may target one row.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * D > kParallelWork)
     for (int64_t j = 0; j < D; ++j)
       for (int64_t i = 0; i < N; ++i) {
         const T wi = w.defined() ? w.ptr<const T>()[i] : T(1);
@@ -191,7 +191,7 @@ void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out) {
     const int64_t N = out.size(0), D = a.size(1);
     FP8MOE_CHECK(b.size(1) == D && a.size(0) >= N && b.size(0) >= N,
                  "rows_dot: a " << a.str() << ", b " << b.str() << " must both be [>= " << N << ", D]");
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * D > kParallelWork)
     for (int64_t i = 0; i < N; ++i) {
       double acc = 0;
       for (int64_t j = 0; j < D; ++j) acc += double(a.ptr<const T>()[i * D + j]) * double(b.ptr<const T>()[i * D + j]);

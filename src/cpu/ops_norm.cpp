@@ -21,7 +21,7 @@ void rmsnorm_forward(const TensorView& x, const TensorView& w, const TensorView&
     check_shape(y, "rmsnorm_forward: y", {N, D});
     check_op_tensor(rstd, "rmsnorm_forward", "rstd", x.dtype, 1);
     check_shape(rstd, "rmsnorm_forward: rstd", {N});
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * D > kParallelWork)
     for (int64_t t = 0; t < N; ++t) {
       const T* xr = x.ptr<const T>() + t * D;
       double ss = 0;
@@ -52,7 +52,7 @@ void rmsnorm_backward(const TensorView& x, const TensorView& w, const TensorView
       check_op_tensor(dx, "rmsnorm_backward", "dx", x.dtype, 2);
       check_shape(dx, "rmsnorm_backward: dx", {N, D});
       // dx = r * w * dy - x * r^3 / D * sum(w * dy * x)
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * D > kParallelWork)
       for (int64_t t = 0; t < N; ++t) {
         const T* xr = X + t * D;
         const T* g = DY + t * D;
@@ -70,7 +70,7 @@ void rmsnorm_backward(const TensorView& x, const TensorView& w, const TensorView
       check_op_tensor(dw, "rmsnorm_backward", "dw", x.dtype, 1);
       check_shape(dw, "rmsnorm_backward: dw", {D});
       // Parallel over columns: each thread owns its slice of dw.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * D > kParallelWork)
       for (int64_t j = 0; j < D; ++j) {
         double acc = 0;
         for (int64_t t = 0; t < N; ++t) acc += double(DY[t * D + j]) * double(X[t * D + j]) * double(R[t]);
