@@ -1,0 +1,183 @@
+"""Independent PyTorch reference of fp8moe's DeepSeek-V3-mini (the numerical oracle of issue 5).
+
+Written from the DeepSeek-V3 report (MLA, DeepSeekMoE with sigmoid affinities, group-limited
+top-k, bias-steered selection, sequence-wise balance loss, depth-1 MTP sharing embedding and head),
+not from the C++ code: it reads the config JSON and the weights from the safetensors file that
+`fp8moe model --dump` writes, runs forward and autograd backward in float64, and compares logits,
+losses and every gradient with what the C++ model wrote.
+
+  python3 compare.py DUMP_DIR CONFIG_JSON [--tol 1e-3]
+
+Conventions shared with the C++ model (and with DeepSeek-V3's Hugging Face code up to a fixed
+permutation of the RoPE dims, which leaves q.k unchanged): RoPE rotates interleaved pairs
+(x[2i], x[2i+1]) by pos * theta^(-2i/d_rope); the MTP module's eh_proj sees [enorm(emb); hnorm(h)].
+"""
+import json
+import math
+import struct
+
+import torch
+
+_DTYPES = {"F32": torch.float32, "F64": torch.float64, "I32": torch.int32, "BF16": torch.bfloat16}
+
+
+def read_safetensors(path):
+    """A minimal safetensors reader (header length, JSON header, raw little-endian data)."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = meta["data_offsets"]
+        t = torch.frombuffer(bytearray(data[a:b]), dtype=_DTYPES[meta["dtype"]]) if b > a else torch.empty(0)
+        out[name] = t.reshape(meta["shape"]).clone()
+    return out
+
+
+def rmsnorm(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x, pos, theta):
+    """x [..., T, d] (T the token axis second to last), interleaved pairs."""
+    d = x.shape[-1]
+    freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [d/2]
+    ang = pos[:, None].double() * freq[None, :]                      # [T, d/2]
+    c, s = torch.cos(ang), torch.sin(ang)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = a * c - b * s
+    out[..., 1::2] = a * s + b * c
+    return out
+
+
+class Reference:
+    def __init__(self, cfg, weights):
+        self.c = cfg
+        self.w = {k: v.double().requires_grad_(not k.endswith("e_score_correction_bias")) for k, v in weights.items()}
+
+    def W(self, name):
+        return self.w[name]
+
+    def attention(self, p, x, B, S, pos):
+        c = self.c
+        H, dn, dr, dv = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+        eps = c["rms_norm_eps"]
+        T = x.shape[0]
+        h = rmsnorm(x, self.W(p + "input_layernorm.weight"), eps)
+        if c.get("q_lora_rank", 0):
+            cq = rmsnorm(h @ self.W(p + "self_attn.q_a_proj.weight").T, self.W(p + "self_attn.q_a_layernorm.weight"), eps)
+            q = cq @ self.W(p + "self_attn.q_b_proj.weight").T
+        else:
+            q = h @ self.W(p + "self_attn.q_proj.weight").T
+        q = q.view(B, S, H, dn + dr).transpose(1, 2)                       # [B, H, S, dqk]
+        ckv = h @ self.W(p + "self_attn.kv_a_proj_with_mqa.weight").T       # [T, rkv + dr]
+        rkv = c["kv_lora_rank"]
+        latent, k_pe = ckv[:, :rkv], ckv[:, rkv:]
+        kv = rmsnorm(latent, self.W(p + "self_attn.kv_a_layernorm.weight"), eps) @ self.W(p + "self_attn.kv_b_proj.weight").T
+        kv = kv.view(B, S, H, dn + dv).transpose(1, 2)                      # [B, H, S, dn + dv]
+        k_nope, v = kv[..., :dn], kv[..., dn:]
+        q_pe = rope(q[..., dn:], pos[:S], c["rope_theta"])
+        k_pe = rope(k_pe.view(B, 1, S, dr), pos[:S], c["rope_theta"]).expand(B, H, S, dr)
+        Q = torch.cat([q[..., :dn], q_pe], -1)
+        K = torch.cat([k_nope, k_pe], -1)
+        scores = Q @ K.transpose(-1, -2) / math.sqrt(dn + dr)              # [B, H, S, S]
+        mask = torch.ones(S, S, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        o = torch.softmax(scores, -1) @ v                                   # [B, H, S, dv]
+        o = o.transpose(1, 2).reshape(T, H * dv)
+        return x + o @ self.W(p + "self_attn.o_proj.weight").T
+
+    def mlp(self, p, h):
+        g = h @ self.W(p + "gate_proj.weight").T
+        u = h @ self.W(p + "up_proj.weight").T
+        return (torch.nn.functional.silu(g) * u) @ self.W(p + "down_proj.weight").T
+
+    def moe(self, p, x, B, S, losses):
+        c = self.c
+        E, K = c["n_routed_experts"], c["num_experts_per_tok"]
+        G, TG = c["n_group"], c["topk_group"]
+        T, D = x.shape
+        h = rmsnorm(x, self.W(p + "post_attention_layernorm.weight"), c["rms_norm_eps"])
+        y = x.clone()
+        if c["n_shared_experts"] > 0:
+            y = y + self.mlp(p + "mlp.shared_experts.", h)
+        s = torch.sigmoid(h @ self.W(p + "mlp.gate.weight").T)            # [T, E]
+        choice = s.detach() + self.W(p + "mlp.gate.e_score_correction_bias")
+        gs = E // G
+        grouped = choice.view(T, G, gs)
+        gscore = grouped.topk(min(2, gs), -1).values.sum(-1)                # [T, G]
+        keep = torch.zeros(T, G, dtype=torch.bool)
+        keep.scatter_(1, gscore.topk(TG, -1).indices, True)
+        masked = choice.masked_fill(~keep.repeat_interleave(gs, 1), float("-inf"))
+        idx = masked.topk(K, -1).indices                                    # [T, K]
+        w = s.gather(1, idx)
+        if c.get("norm_topk_prob", True):
+            w = w / w.sum(-1, keepdim=True)
+        w = w * c["routed_scaling_factor"]
+        for e in range(E):
+            t, j = (idx == e).nonzero(as_tuple=True)
+            if t.numel() == 0:
+                continue
+            ye = self.mlp(p + f"mlp.experts.{e}.", h[t])
+            y = y.index_add(0, t, ye * w[t, j][:, None])
+        # Sequence-wise balance loss: alpha * sum_i f_i P_i, averaged over sequences.
+        alpha = c.get("aux_loss_alpha", 0.0)
+        if alpha > 0:
+            sn = (s / s.sum(-1, keepdim=True)).view(B, S, E)
+            onehot = torch.zeros(T, E, dtype=torch.float64).scatter_(1, idx, 1.0).view(B, S, E)
+            f = onehot.sum(1) * E / (K * S)                                  # [B, E]
+            P = sn.mean(1)                                                   # [B, E]
+            losses["balance"] = losses["balance"] + alpha * (f * P).sum(-1).mean()
+        loads = torch.bincount(idx.flatten(), minlength=E)
+        return y, loads
+
+    def block(self, layer, x, B, S, pos, losses):
+        c = self.c
+        p = f"model.layers.{layer}."
+        x = self.attention(p, x, B, S, pos)
+        moe = c["n_routed_experts"] > 0 and layer >= c["first_k_dense_replace"]
+        if moe:
+            x, _ = self.moe(p, x, B, S, losses)
+        else:
+            h = rmsnorm(x, self.W(p + "post_attention_layernorm.weight"), c["rms_norm_eps"])
+            x = x + self.mlp(p + "mlp.", h)
+        return x
+
+    def head(self, h, norm_name, targets):
+        logits = rmsnorm(h, self.W(norm_name), self.c["rms_norm_eps"]) @ self.W("lm_head.weight").T
+        loss = torch.nn.functional.cross_entropy(logits, targets.long(), ignore_index=-1)
+        return logits, loss
+
+    def forward(self, tokens, targets):
+        """tokens, targets [B, S] int32 -> (logits [T, V], losses dict)."""
+        c = self.c
+        B, S = tokens.shape
+        T = B * S
+        pos = torch.arange(S)
+        tok, tgt = tokens.reshape(T).long(), targets.reshape(T)
+        x = self.W("model.embed_tokens.weight")[tok]
+        losses = {"balance": torch.zeros((), dtype=torch.float64)}
+        L = c["num_hidden_layers"]
+        for l in range(L):
+            x = self.block(l, x, B, S, pos, losses)
+        logits, losses["main"] = self.head(x, "model.norm.weight", tgt)
+        losses["mtp"] = torch.zeros((), dtype=torch.float64)
+        if c.get("num_nextn_predict_layers", 0) > 0:
+            p = f"model.layers.{L}."
+            ids = tgt.clamp(min=0).long()
+            nxt = torch.full((T,), -1, dtype=torch.int32)
+            inside = (torch.arange(T) % S) < S - 1
+            shifted = torch.cat([tgt[1:], tgt[:1]])
+            nxt[inside] = shifted[inside]
+            nxt[tgt < 0] = -1
+            e = rmsnorm(self.W("model.embed_tokens.weight")[ids], self.W(p + "enorm.weight"), c["rms_norm_eps"])
+            hh = rmsnorm(x, self.W(p + "hnorm.weight"), c["rms_norm_eps"])
+            m = torch.cat([e, hh], -1) @ self.W(p + "eh_proj.weight").T
+            m = self.block(L, m, B, S, pos, losses)
+            _, losses["mtp"] = self.head(m, p + "shared_head.norm.weight", nxt)
+        losses["total"] = losses["main"] + c.get("mtp_loss_weight", 0.0) * losses["mtp"] + losses["balance"]
+        return logits, losses
