@@ -170,8 +170,13 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   std::printf("# calc_diff: vs FP64 product of the unquantized bf16 inputs (%d sampled rows); kerr: rel. error vs FP64 "
               "product of the dequantized FP8 inputs (rounded to bf16 for bf16 D); vs_lt: calc_diff ours vs cuBLASLt (all of D)\n",
               opt.check_rows);
-  std::printf("| kind | M | N | K | tile | ours us | ours TFLOPS | cuBLASLt-FP8 TFLOPS | cuBLASLt-BF16 TFLOPS | ours/cuBLASLt | calc_diff | kerr | vs_lt |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("# alt us: another tile timed beside the choice (256x128 -> 128x128; 128x128 -> B multicast over 2-CTA "
+              "clusters, max active clusters: fprop %d, fprop/direct %d, wgrad %d of %d SM pairs)\n",
+              gemm_fp8_sm90_max_active_clusters({128, 128, true, 2}, false),
+              gemm_fp8_sm90_max_active_clusters({128, 128, false, 2}, false),
+              gemm_fp8_sm90_max_active_clusters({128, 128, true, 2}, true), prop.multiProcessorCount / 2);
+  std::printf("| kind | M | N | K | tile | ours us | ours TFLOPS | cuBLASLt-FP8 TFLOPS | cuBLASLt-BF16 TFLOPS | ours/cuBLASLt | calc_diff | kerr | vs_lt | alt us |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);
 
   Timer timer;
@@ -217,9 +222,27 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
       err_lt = e.what();
     }
 
-    double t_ours = NAN, t_lt = NAN, t_bf = NAN;
+    double t_ours = NAN, t_lt = NAN, t_bf = NAN, t_mc = NAN;
     if (err_ours.empty())
       t_ours = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, wgrad, nullptr); }, opt.warmup, opt.iters);
+    // An alternative for large tiles, timed beside the choice: 256x128 -> 128x128 (epilogue by K),
+    // 128x128 -> its 2-CTA multicast variant (not picked by default).
+    GemmTile alt = tile;
+    bool has_alt = false;
+    if (tile.block_m == 256) {
+      alt = {128, 128, !(K >= 4096), 1};
+      has_alt = true;
+    } else if (tile.block_m == 128 && tile.block_n == 128) {
+      alt.multicast = 2;
+      has_alt = true;
+    }
+    if (err_ours.empty() && has_alt)
+      t_mc = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, wgrad, nullptr, &alt); }, opt.warmup,
+                             opt.iters);
+    char alt_s[48] = "-";
+    if (has_alt)
+      std::snprintf(alt_s, sizeof alt_s, "%dx%d%s%s %.1f", alt.block_m, alt.block_n, alt.tma_epilogue ? "" : "/direct",
+                    alt.multicast > 1 ? "/mc2" : "", t_mc);
     if (err_lt.empty())
       t_lt = timer.median_us([&] { gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, wgrad, nullptr); }, opt.warmup, opt.iters);
     try {
@@ -294,9 +317,9 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     char tile_s[32];
     std::snprintf(tile_s, sizeof tile_s, "%dx%d%s%s", tile.block_m, tile.block_n, tile.tma_epilogue ? "" : "/direct",
                   tile.multicast > 1 ? "/mc2" : "");
-    std::printf("| %s | %lld | %lld | %lld | %s | %.1f | %.0f | %.0f | %.0f | %.3f | %.2e | %.2e | %.2e |%s\n", gc.kind,
+    std::printf("| %s | %lld | %lld | %lld | %s | %.1f | %.0f | %.0f | %.0f | %.3f | %.2e | %.2e | %.2e | %s |%s\n", gc.kind,
                 (long long)M, (long long)N, (long long)K, tile_s, t_ours, tf(t_ours), tf(t_lt), tf(t_bf), ratio, cd, kerr,
-                vs_lt, ok ? "" : " FAIL");
+                vs_lt, alt_s, ok ? "" : " FAIL");
     if (!err_ours.empty()) std::printf("#   ours: %s\n", err_ours.c_str());
     if (!err_lt.empty()) std::printf("#   cuBLASLt FP8: %s\n", err_lt.c_str());
     if (!err_bf.empty()) std::printf("#   cuBLASLt BF16: %s\n", err_bf.c_str());

@@ -107,6 +107,37 @@ bool try_launch(const GemmTile& t, const CUtensorMap& ta, const CUtensorMap& tb,
 
 }  // namespace
 
+int gemm_fp8_sm90_max_active_clusters(const GemmTile& tile, bool b_1x128) {
+  if (tile.multicast == 1 || tile.block_m != 128 || tile.block_n != 128) return 1;
+  auto query = [&](auto kernel, int smem, int threads) {
+    FP8MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(unsigned(device_props().multiProcessorCount));
+    cfg.blockDim = dim3(unsigned(threads));
+    cfg.dynamicSmemBytes = size_t(smem);
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
+    return n;
+  };
+  if (b_1x128) {
+    using T = GemmTraits<128, 128, true, true, 2>;
+    return query(sm90_fp8_gemm_kernel<128, 128, true, true, 2>, T::kSmemBytes, T::kNumThreads);
+  }
+  if (tile.tma_epilogue) {
+    using T = GemmTraits<128, 128, false, true, 2>;
+    return query(sm90_fp8_gemm_kernel<128, 128, false, true, 2>, T::kSmemBytes, T::kNumThreads);
+  }
+  using T = GemmTraits<128, 128, false, false, 2>;
+  return query(sm90_fp8_gemm_kernel<128, 128, false, false, 2>, T::kSmemBytes, T::kNumThreads);
+}
+
 bool sm90_available() {
   const cudaDeviceProp& p = device_props();
   return p.major == 9 && p.minor == 0;
@@ -203,7 +234,8 @@ void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorV
          try_launch<128, 128, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
          try_launch<128, 128, false, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
          try_launch<128, 128, false, true, 2>(t, ta, tb, tsa, tsb, td, args, stream) ||
-         try_launch<128, 128, false, false, 2>(t, ta, tb, tsa, tsb, td, args, stream);
+         try_launch<128, 128, false, false, 2>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<256, 128, false, false>(t, ta, tb, tsa, tsb, td, args, stream);
   }
   FP8MOE_CHECK(ok, "gemm_fp8: tile " << t.block_m << "x" << t.block_n << " is not compiled for "
                                      << (b_1x128 ? "1x128" : "128x128") << " B scales");

@@ -39,7 +39,10 @@ constexpr int kMaxSmemBytes = 232448;  // sm_90 opt-in limit per block
 template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue = true, int kMC = 1>
 struct GemmTraits {
   static constexpr int kMulticast = kMC;  // CTAs per cluster sharing (multicasting) the B tile
-  static constexpr int kNumMathWG = BLOCK_M / 64;
+  // Up to two math warpgroups; BLOCK_M = 256 gives each of them two m64 "waves" (rows
+  // 64*wg + 128*w), sharing every B tile between four m64 WGMMA batches instead of two.
+  static constexpr int kNumMathWG = BLOCK_M / 64 > 2 ? 2 : BLOCK_M / 64;
+  static constexpr int kWaves = BLOCK_M / (64 * kNumMathWG);
   static constexpr int kNumMathThreads = kNumMathWG * 128;
   static constexpr int kNumThreads = kNumMathThreads + 128;  // + producer warpgroup
   static constexpr int kSmemA = BLOCK_M * kBlockK;            // [BLOCK_M, 128] e4m3
@@ -52,7 +55,7 @@ struct GemmTraits {
   // TMA-store epilogue only for tiles at least one 128-byte box wide.
   // NOTES: the staging tiles cost pipeline stages (128x128 1d2d: 5 instead of 6); for long K the
   // mainloop matters more than the epilogue, so the host may pick the variant without them.
-  static constexpr bool kTmaStoreOk = kTmaEpilogue && BLOCK_N % Staging::kBoxCols == 0;
+  static constexpr bool kTmaStoreOk = kTmaEpilogue && kWaves == 1 && BLOCK_N % Staging::kBoxCols == 0;
   static constexpr int kSmemStaging = kTmaStoreOk ? kNumMathWG * Staging::kBytes : 0;
   static constexpr int kStages = [] {
     int s = (kMaxSmemBytes - 1024 - 512 - kSmemStaging) / kStageBytes;
@@ -62,7 +65,9 @@ struct GemmTraits {
   static constexpr int kSmemBytes = kSmemStaging + kStages * kStageBytes + 2 * kStages * 8 + 1024;
   static constexpr uint32_t kTxBytes = kStageBytes;
 
-  static_assert(BLOCK_M == 64 || BLOCK_M == 128, "BLOCK_M: one or two math warpgroups of m64");
+  static_assert(BLOCK_M == 64 || BLOCK_M == 128 || BLOCK_M == 256, "BLOCK_M: 64, 128 or 256 (two waves)");
+  static_assert(kWaves == 1 || (!kB1x128 && !kTmaEpilogue && kMC == 1),
+                "BLOCK_M = 256: 1d2d with the direct epilogue only (registers)");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 192, "BLOCK_N: a WGMMA N");
   static_assert(kB1x128 || kBlockK % BLOCK_N == 0 || BLOCK_N % kBlockK == 0,
                 "1d2d: a tile must not straddle a 128-row scale block of B partially");
@@ -172,21 +177,24 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
   } else {
     // ---- math warpgroups ----
     if constexpr (T::kNumMathWG > 1) ptx::setmaxnreg_inc<232>();
-    const uint32_t wg = threadIdx.x / 128;                        // rows [64*wg, 64*wg + 64) of the tile
-    const uint32_t r_frag = wg * 64 + (warp % 4) * 16 + lane / 4;  // tile row of d[0]; d[2] is 8 below
+    constexpr int W = T::kWaves;
+    const uint32_t wg = threadIdx.x / 128;                        // rows 64*wg + 128*w + [0, 64) of the tile
+    const uint32_t r_frag = wg * 64 + (warp % 4) * 16 + lane / 4;  // tile row of d[0] (wave 0); d[2] is 8 below
     const uint32_t c_frag = 2 * (lane % 4);                        // tile column of d[0]
     const uint32_t sb_ld = num_k_blocks;                           // 1d2d: row stride of sb_blk
 
     uint32_t stage = 0, phase = 0;
     float acc[kNumAccum];
-    float final_acc[kNumAccum];
+    float final_acc[W][kNumAccum];
 
     for (uint32_t tile = cluster_id; tile < sched.num_tiles; tile += num_clusters) {
       uint32_t m_blk, n_blk;
       sched.tile_coords(tile, rank, m_blk, n_blk);
       const uint32_t m0 = m_blk * BLOCK_M, n0 = n_blk * BLOCK_N;  // phantom tiles: m0 >= M, all stores masked
 #pragma unroll
-      for (int i = 0; i < kNumAccum; ++i) final_acc[i] = 0.0f;
+      for (int w = 0; w < W; ++w)
+#pragma unroll
+        for (int i = 0; i < kNumAccum; ++i) final_acc[w][i] = 0.0f;
 
       // 1d2d: s_b of 128-row block n0/128 (BLOCK_N <= 128), or of n0/128 and n0/128 + 1.
       const float* sb_row = kB1x128 ? nullptr : args.sb_blk + (n0 / kBlockK) * sb_ld;
@@ -202,8 +210,12 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         ptx::mbar_wait(&full_bar[stage], phase);
 
         // Read the scales of this stage before releasing it.
-        const float sa0 = smem_sa[stage * BLOCK_M + r_frag];
-        const float sa1 = smem_sa[stage * BLOCK_M + r_frag + 8];
+        float sa0[W], sa1[W];
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+          sa0[w] = smem_sa[stage * BLOCK_M + w * 128 + r_frag];
+          sa1[w] = smem_sa[stage * BLOCK_M + w * 128 + r_frag + 8];
+        }
         float sbc[kB1x128 ? BLOCK_N / 4 : 1];  // 1d1d: s_b of columns 8j + c_frag + {0, 1}
         if constexpr (kB1x128) {
 #pragma unroll
@@ -214,51 +226,57 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
           }
         }
 
-        const uint64_t desc_a = make_smem_desc_k128b(smem_a + stage * T::kSmemA + wg * 64 * kBlockK);
         const uint64_t desc_b = make_smem_desc_k128b(smem_b + stage * T::kSmemB);
 #pragma unroll
-        for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
-        ptx::wgmma_fence();
+        for (int w = 0; w < W; ++w) {
+          const uint64_t desc_a = make_smem_desc_k128b(smem_a + stage * T::kSmemA + (w * 128 + wg * 64) * kBlockK);
 #pragma unroll
-        for (int k = 0; k < kBlockK / 32; ++k) {
-          // 32 e4m3 along K = 32 bytes = 2 descriptor address units.
-          Mma::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
-        }
-        ptx::wgmma_commit();
+          for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
+          ptx::wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
-        ptx::wgmma_wait<0>();
+          for (int k = 0; k < kBlockK / 32; ++k) {
+            // 32 e4m3 along K = 32 bytes = 2 descriptor address units.
+            Mma::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
+          }
+          ptx::wgmma_commit();
+#pragma unroll
+          for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
+          ptx::wgmma_wait<0>();
 
-        // Shared-memory reads of this stage are complete: hand it back to the producer.
-        if (lane == 0) {
-          if constexpr (kMC > 1) {
+          if (w == W - 1) {
+            // Shared-memory reads of this stage are complete: hand it back to the producer.
+            if (lane == 0) {
+              if constexpr (kMC > 1) {
 #pragma unroll
-            for (uint32_t r = 0; r < uint32_t(kMC); ++r) ptx::mbar_arrive_cluster(&empty_bar[stage], r);
+                for (uint32_t r = 0; r < uint32_t(kMC); ++r) ptx::mbar_arrive_cluster(&empty_bar[stage], r);
+              } else {
+                ptx::mbar_arrive(&empty_bar[stage]);
+              }
+            }
+            if (++stage == STAGES) stage = 0, phase ^= 1;
+          }
+
+          // Promotion: final += (s_a * s_b) * acc, in FP32 on the CUDA cores.
+          float* fa = final_acc[w];
+          if constexpr (kB1x128) {
+#pragma unroll
+            for (int j = 0; j < BLOCK_N / 8; ++j) {
+              fa[4 * j + 0] += (sa0[w] * sbc[2 * j]) * acc[4 * j + 0];
+              fa[4 * j + 1] += (sa0[w] * sbc[2 * j + 1]) * acc[4 * j + 1];
+              fa[4 * j + 2] += (sa1[w] * sbc[2 * j]) * acc[4 * j + 2];
+              fa[4 * j + 3] += (sa1[w] * sbc[2 * j + 1]) * acc[4 * j + 3];
+            }
           } else {
-            ptx::mbar_arrive(&empty_bar[stage]);
-          }
-        }
-        if (++stage == STAGES) stage = 0, phase ^= 1;
-
-        // Promotion: final += (s_a * s_b) * acc, in FP32 on the CUDA cores.
-        if constexpr (kB1x128) {
+            const float s00 = sa0[w] * sb0, s10 = sa1[w] * sb0;
+            const float s01 = sa0[w] * sb1, s11 = sa1[w] * sb1;
 #pragma unroll
-          for (int j = 0; j < BLOCK_N / 8; ++j) {
-            final_acc[4 * j + 0] += (sa0 * sbc[2 * j]) * acc[4 * j + 0];
-            final_acc[4 * j + 1] += (sa0 * sbc[2 * j + 1]) * acc[4 * j + 1];
-            final_acc[4 * j + 2] += (sa1 * sbc[2 * j]) * acc[4 * j + 2];
-            final_acc[4 * j + 3] += (sa1 * sbc[2 * j + 1]) * acc[4 * j + 3];
-          }
-        } else {
-          const float s00 = sa0 * sb0, s10 = sa1 * sb0;
-          const float s01 = sa0 * sb1, s11 = sa1 * sb1;
-#pragma unroll
-          for (int j = 0; j < BLOCK_N / 8; ++j) {
-            const bool second = kTwoSb && (8 * j >= kBlockK);
-            final_acc[4 * j + 0] += (second ? s01 : s00) * acc[4 * j + 0];
-            final_acc[4 * j + 1] += (second ? s01 : s00) * acc[4 * j + 1];
-            final_acc[4 * j + 2] += (second ? s11 : s10) * acc[4 * j + 2];
-            final_acc[4 * j + 3] += (second ? s11 : s10) * acc[4 * j + 3];
+            for (int j = 0; j < BLOCK_N / 8; ++j) {
+              const bool second = kTwoSb && (8 * j >= kBlockK);
+              fa[4 * j + 0] += (second ? s01 : s00) * acc[4 * j + 0];
+              fa[4 * j + 1] += (second ? s01 : s00) * acc[4 * j + 1];
+              fa[4 * j + 2] += (second ? s11 : s10) * acc[4 * j + 2];
+              fa[4 * j + 3] += (second ? s11 : s10) * acc[4 * j + 3];
+            }
           }
         }
       }
@@ -270,7 +288,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         // The previous tile's TMA store must have read the staging tile before it is rewritten.
         if (leader) ptx::bulk_wait_read();
         ptx::named_barrier_sync(1 + wg, 128);
-        stage_fragment<BLOCK_N, T::kStageF32>(final_acc, stg, (warp % 4) * 16 + lane / 4, c_frag);
+        stage_fragment<BLOCK_N, T::kStageF32>(final_acc[0], stg, (warp % 4) * 16 + lane / 4, c_frag);
         ptx::fence_proxy_async_smem();
         ptx::named_barrier_sync(1 + wg, 128);
         const uint32_t row0 = m0 + wg * 64;
@@ -287,7 +305,8 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
           ptx::bulk_commit();
         }
       } else {
-        store_fragment<BLOCK_N>(final_acc, args.epi, m0 + r_frag, n0 + c_frag);
+#pragma unroll
+        for (int w = 0; w < W; ++w) store_fragment<BLOCK_N>(final_acc[w], args.epi, m0 + w * 128 + r_frag, n0 + c_frag);
       }
     }
     // Outstanding TMA stores must complete before the CTA's shared memory goes away.
