@@ -1,0 +1,35 @@
+// Command-line options shared by `fp8moe train` and `fp8moe compare`.
+#pragma once
+#include <CLI/CLI.hpp>
+
+#include "fp8moe/trainer.hpp"
+
+namespace fp8moe::cli {
+
+inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
+  cmd->add_option("-c,--config", o.model_config, "model config (JSON)")->capture_default_str();
+  cmd->add_option("--data", o.data, "text file or folder (default: the fortunes corpus)");
+  cmd->add_option("-o,--out", o.out_dir, "output folder (metrics.jsonl, checkpoint.safetensors)")->capture_default_str();
+  cmd->add_option("--backend", o.backend, "auto | cpu | cuda")->capture_default_str();
+  cmd->add_option("--steps", o.steps, "optimizer steps")->capture_default_str();
+  cmd->add_option("--batch-size", o.batch_size, "sequences per micro-batch (0: the config's)");
+  cmd->add_option("--seq-len", o.seq_len, "tokens per sequence (0: the config's)");
+  cmd->add_option("--grad-accum", o.grad_accum, "micro-batches per step")->capture_default_str();
+  cmd->add_option("--lr", o.lr, "peak learning rate")->capture_default_str();
+  cmd->add_option("--min-lr-ratio", o.min_lr_ratio, "final learning rate / peak")->capture_default_str();
+  cmd->add_option("--warmup", o.warmup_frac, "warm-up fraction of the steps")->capture_default_str();
+  cmd->add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
+  cmd->add_option("--clip", o.clip, "gradient norm clip (0: off)")->capture_default_str();
+  cmd->add_option("--moments", o.moments, "AdamW moment precision: bf16 | f32")->capture_default_str();
+  cmd->add_option("--ema-decay", o.ema_decay, "decay of the CPU-memory parameter EMA")->capture_default_str();
+  cmd->add_flag("--eval-ema", o.eval_ema, "validate on the EMA weights");
+  cmd->add_option("--eval-every", o.eval_every, "steps between validations")->capture_default_str();
+  cmd->add_option("--eval-batches", o.eval_batches, "validation micro-batches")->capture_default_str();
+  cmd->add_option("--log-every", o.log_every, "steps between progress lines")->capture_default_str();
+  cmd->add_option("--ckpt-every", o.ckpt_every, "steps between checkpoints")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "seed of the initialization and the data order")->capture_default_str();
+  cmd->add_option("--stop-at", o.stop_at, "checkpoint and stop after this step (the schedule still spans --steps)");
+  cmd->add_flag("-q,--quiet", o.quiet, "no progress lines");
+}
+
+}  // namespace fp8moe::cli
