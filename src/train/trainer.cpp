@@ -46,6 +46,19 @@ int64_t resident_bytes() {
   return rss * int64_t(::sysconf(_SC_PAGESIZE));
 }
 
+// The first available backend, GPU first, that runs every op of the model and the host optimizer.
+std::string pick_backend(bool quiet) {
+  std::vector<std::string> names = available_backends();
+  for (auto it = names.rbegin(); it != names.rend(); ++it) {
+    auto be = make_backend(*it);
+    bool all = be->device() == Device::cpu;
+    for (int op = 0; all && op <= int(Op::rows_dot); ++op) all = be->supports(Op(op));
+    if (all) return *it;
+    if (!quiet) std::printf("note: backend '%s' does not run the whole training step yet; training on the CPU\n", it->c_str());
+  }
+  return "cpu";
+}
+
 bool all_finite(const TensorView& t) {
   for (int64_t i = 0; i < t.numel(); ++i)
     if (!std::isfinite(load_float(t, i))) return false;
@@ -80,7 +93,7 @@ struct Trainer::Impl {
     FP8MOE_CHECK(opt.moments == "bf16" || opt.moments == "f32", "train: moments must be bf16 or f32, got '" << opt.moments << "'");
     recipe = Recipe::from_name(opt.recipe);
     validate_config(cfg, recipe);
-    backend = make_backend(opt.backend == "auto" ? default_backend_name() : opt.backend);
+    backend = make_backend(opt.backend == "auto" ? pick_backend(opt.quiet) : opt.backend);
     FP8MOE_CHECK(backend->device() == Device::cpu,
                  "train: the optimizer runs on host parameters; backend '" << backend->name() << "' is not supported yet");
     model = std::make_unique<Model>(cfg, recipe, *backend, opt.seed);
