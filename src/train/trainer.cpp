@@ -294,6 +294,7 @@ struct Trainer::Impl {
                     (long long)step, agg.main_loss,
                     j.contains("val_loss") ? std::to_string(j["val_loss"].get<double>()).substr(0, 6).c_str() : "  -   ",
                     double(lr), norm, tok_s, flops_tok * tok_s / 1e12, double(resident_bytes()) / 1048576.0);
+      if (!opt.quiet) std::fflush(stdout);  // progress reaches logs and pipes as it happens
       if ((step + 1) % opt.log_every == 0 || last) {
         sum.final_loss = loss_acc / double(loss_n);
         loss_acc = 0;
