@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(256) quantize_1x128_kernel(const Tin* __restri
 // One CTA of 256 threads per 128x128 block; each thread keeps 64 values in registers.
 // w [R, C], q [R, C], s [ceil(R/128), ceil(C/128)].
 template <class Tin, bool kE5M2, bool kVec>
-__global__ void __launch_bounds__(256) quantize_128x128_kernel(const Tin* __restrict__ w, uint8_t* __restrict__ q,
+__global__ void __launch_bounds__(256, 3) quantize_128x128_kernel(const Tin* __restrict__ w, uint8_t* __restrict__ q,
                                                                float* __restrict__ s, int64_t R, int64_t C,
                                                                float max_finite, bool pow2, bool check) {
   constexpr int VEC = 16 / sizeof(Tin);
@@ -147,24 +147,31 @@ __global__ void __launch_bounds__(256) quantize_128x128_kernel(const Tin* __rest
   const int cc = threadIdx.x % CHUNKS, rr = threadIdx.x / CHUNKS;
   const int64_t c = c0 + cc * VEC;
 
-  float v[PASSES][VEC];
+  // NOTES: the block's values stay in registers in their input encoding (32 registers, not 64),
+  // which leaves room for more resident CTAs and so more loads in flight.
+  uint4 raw[PASSES];
   float amax = 0.0f;
 #pragma unroll
   for (int p = 0; p < PASSES; ++p) {
     const int64_t r = r0 + rr + p * ROWS_PER_PASS;
+    raw[p] = make_uint4(0, 0, 0, 0);
+    Tin* e = reinterpret_cast<Tin*>(&raw[p]);
     if (kVec && r < R && c < C) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(w + r * C + c);
-      const Tin* e = reinterpret_cast<const Tin*>(&raw);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) v[p][i] = to_f32(e[i]);
+      raw[p] = *reinterpret_cast<const uint4*>(w + r * C + c);
     } else {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) v[p][i] = (r < R && c + i < C) ? to_f32(w[r * C + c + i]) : 0.0f;
+      for (int i = 0; i < VEC; ++i)
+        if (r < R && c + i < C) e[i] = w[r * C + c + i];
     }
+  }
+#pragma unroll
+  for (int p = 0; p < PASSES; ++p) {
+    const Tin* e = reinterpret_cast<const Tin*>(&raw[p]);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      if (check) flag_if_nonfinite(v[p][i]);
-      amax = fmaxf(amax, fabsf(v[p][i]));
+      const float v = to_f32(e[i]);
+      if (check) flag_if_nonfinite(v);
+      amax = fmaxf(amax, fabsf(v));
     }
   }
   __shared__ float red[8];
@@ -183,7 +190,7 @@ __global__ void __launch_bounds__(256) quantize_128x128_kernel(const Tin* __rest
     const int64_t r = r0 + rr + p * ROWS_PER_PASS;
     uint8_t out[VEC];
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) out[i] = encode<kE5M2>(__fdiv_rn(v[p][i], sc));
+    for (int i = 0; i < VEC; ++i) out[i] = encode<kE5M2>(__fdiv_rn(to_f32(reinterpret_cast<const Tin*>(&raw[p])[i]), sc));
     if (kVec && r < R && c < C) {
       if constexpr (VEC == 8) {
         *reinterpret_cast<uint2*>(q + r * C + c) = *reinterpret_cast<const uint2*>(out);
@@ -211,46 +218,44 @@ __global__ void __launch_bounds__(256) quantize_128x1_kernel(const Tin* __restri
                                                              int64_t ld_in, uint8_t* __restrict__ q,
                                                              float* __restrict__ s, int64_t T, int64_t C, int64_t ld,
                                                              float max_finite, bool pow2, bool check) {
-  __shared__ float tile[kTT][kTC];  // [128 tokens, 64 channels] f32
+  // NOTES: the tile keeps the input's own encoding (bf16: 16 KB instead of 32 KB as f32), so more
+  // CTAs fit per SM; values are decoded when read in phase 2.
+  __shared__ __align__(16) Tin tile[kTT][kTC];  // [128 tokens, 64 channels], input dtype
+  __shared__ float s_tok[kTT];                   // requantize: input scale of each token
   __shared__ float red[4][kTC];
   constexpr bool kFp8In = sizeof(Tin) == 1;
   constexpr int VEC = 16 / sizeof(Tin);
   constexpr int CHUNKS = kTC / VEC;  // vectors per tile row
   const int64_t t0 = int64_t(blockIdx.y) * kTT, c0 = int64_t(blockIdx.x) * kTC;
+  auto dec = [](Tin e) {
+    if constexpr (kFp8In) return decode<kInE5M2>(e);
+    else return to_f32(e);
+  };
 
+  if constexpr (kFp8In) {
+    // 64-channel tiles never straddle a 128-channel scale group.
+    if (threadIdx.x < kTT) {
+      const int64_t t = t0 + threadIdx.x;
+      s_tok[threadIdx.x] = t < T ? s_in[(c0 / 128) * ld_in + t] : 0.0f;
+    }
+  }
   for (int i = threadIdx.x; i < kTT * CHUNKS; i += 256) {
     const int tt = i / CHUNKS, cc = (i % CHUNKS) * VEC;
     const int64_t t = t0 + tt, c = c0 + cc;
-    float v[VEC];
+    uint4 raw = make_uint4(0, 0, 0, 0);
+    Tin* e = reinterpret_cast<Tin*>(&raw);
     if (kVecIn && t < T && c < C) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(x + t * C + c);
-      const Tin* e = reinterpret_cast<const Tin*>(&raw);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        if constexpr (kFp8In) v[j] = decode<kInE5M2>(e[j]);
-        else v[j] = to_f32(e[j]);
-      }
+      raw = *reinterpret_cast<const uint4*>(x + t * C + c);
     } else {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        v[j] = 0.0f;
-        if (t < T && c + j < C) {
-          if constexpr (kFp8In) v[j] = decode<kInE5M2>(x[t * C + c + j]);
-          else v[j] = to_f32(x[t * C + c + j]);
-        }
-      }
+      for (int j = 0; j < VEC; ++j)
+        if (t < T && c + j < C) e[j] = x[t * C + c + j];
     }
-    if constexpr (kFp8In) {
-      // 64-channel tiles never straddle a 128-channel scale group.
-      const float sv = t < T ? s_in[(c / 128) * ld_in + t] : 0.0f;
+    if (check) {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) v[j] = v[j] * sv;
+      for (int j = 0; j < VEC; ++j) flag_if_nonfinite(dec(e[j]));
     }
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      if (check) flag_if_nonfinite(v[j]);
-      tile[tt][cc + j] = v[j];
-    }
+    *reinterpret_cast<uint4*>(&tile[tt][cc]) = raw;
   }
   __syncthreads();
 
@@ -259,7 +264,8 @@ __global__ void __launch_bounds__(256) quantize_128x1_kernel(const Tin* __restri
   float amax = 0.0f;
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
-    v[j] = tile[qd * 32 + j][cl];
+    v[j] = dec(tile[qd * 32 + j][cl]);
+    if constexpr (kFp8In) v[j] = v[j] * s_tok[qd * 32 + j];  // FP32 product, as the CPU dequantizer
     amax = fmaxf(amax, fabsf(v[j]));
   }
   red[qd][cl] = amax;

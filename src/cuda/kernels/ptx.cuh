@@ -110,7 +110,10 @@ __device__ __forceinline__ void cluster_sync() {
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(cta));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+  // NOTES: default (.release.cta) semantics: what must be ordered before the arrive are this CTA's
+  // own shared-memory reads (completed by wgmma.wait_group); a .cluster-scope release would add a
+  // cluster-wide fence to every arrive.
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
 // 2-D tile load multicast to the CTAs in `mask`: the data lands at the same shared-memory offset in

@@ -248,7 +248,10 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
             if (lane == 0) {
               if constexpr (kMC > 1) {
 #pragma unroll
-                for (uint32_t r = 0; r < uint32_t(kMC); ++r) ptx::mbar_arrive_cluster(&empty_bar[stage], r);
+                for (uint32_t r = 0; r < uint32_t(kMC); ++r) {
+                  if (r == rank) ptx::mbar_arrive(&empty_bar[stage]);
+                  else ptx::mbar_arrive_cluster(&empty_bar[stage], r);
+                }
               } else {
                 ptx::mbar_arrive(&empty_bar[stage]);
               }
