@@ -1,7 +1,8 @@
 // CPU dense ops of the model: float GEMM (all four transpose cases), dtype conversion, axpy,
-// column-block copies and transposes. The GEMM is a 4-row register-blocked row-axpy kernel with
-// OpenMP over rows: every case is reduced to d[i, :] += sum_k A(i, k) * B[k, :] with B row-major
-// [K, N] (b^T is materialized once for trans_b), so the inner loop is contiguous and vectorizes.
+// column-block copies and transposes. The GEMM computes 4x128 blocks of D, OpenMP over blocks:
+// every case is reduced to d[i, :] += sum_k A(i, k) * B[k, :] with B row-major [K, N] (b^T is
+// materialized once for trans_b), so the inner loop is contiguous and vectorizes.
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -20,8 +21,72 @@ void check_op_tensor(const TensorView& t, const char* op, const char* arg, DType
 
 namespace {
 
+constexpr int64_t kRows = 4, kCols = 128;  // the D block one kernel call computes
+
+// D rows [i0, i0 + 4) x columns [j0, j0 + 128) (clipped) (+)= A(i, k) * B [K, N] over all K;
+// A [M, K] or, with ta, [K, M].
+// NOTES: 4x16 sub-blocks are accumulated in registers over all of K (B rows stream from L1/L2),
+// and D is written once. Compiled for AVX-512, AVX2 and baseline x86-64 with
+// run-time selection (target_clones), since the build targets baseline x86-64; OpenMP stays in
+// the caller because outlined parallel regions do not inherit the clone's target.
 template <class T>
-void gemm_impl(const TensorView& a, const TensorView& b, const TensorView& d, bool ta, bool tb, bool acc) {
+[[gnu::always_inline]] inline void gemm_block(const T* A, const T* B, T* D, int64_t M, int64_t N, int64_t K, bool ta,
+                                              bool accumulate, int64_t i0, int64_t j0) {
+  auto a_at = [&](int64_t i, int64_t k) { return ta ? A[k * M + i] : A[i * K + k]; };
+  const int64_t rows = std::min(kRows, M - i0), cols = std::min(kCols, N - j0);
+  alignas(64) T acc[kRows][kCols] = {};
+  if (rows == kRows && cols == kCols) {
+    // 4 x 16 accumulators stay in vector registers over the whole K loop.
+    constexpr int64_t kW = 16;
+    for (int64_t jc = 0; jc < kCols; jc += kW) {
+      T c0[kW] = {}, c1[kW] = {}, c2[kW] = {}, c3[kW] = {};
+      for (int64_t k = 0; k < K; ++k) {
+        const T a0 = a_at(i0, k), a1 = a_at(i0 + 1, k), a2 = a_at(i0 + 2, k), a3 = a_at(i0 + 3, k);
+        const T* br = B + k * N + j0 + jc;
+#pragma GCC unroll 16
+        for (int64_t j = 0; j < kW; ++j) {
+          const T bv = br[j];
+          c0[j] += a0 * bv;
+          c1[j] += a1 * bv;
+          c2[j] += a2 * bv;
+          c3[j] += a3 * bv;
+        }
+      }
+      for (int64_t j = 0; j < kW; ++j) {
+        acc[0][jc + j] = c0[j];
+        acc[1][jc + j] = c1[j];
+        acc[2][jc + j] = c2[j];
+        acc[3][jc + j] = c3[j];
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < K; ++k) {
+      const T* br = B + k * N + j0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const T av = a_at(i0 + r, k);
+        for (int64_t j = 0; j < cols; ++j) acc[r][j] += av * br[j];
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dr = D + (i0 + r) * N + j0;
+    for (int64_t j = 0; j < cols; ++j) dr[j] = accumulate ? dr[j] + acc[r][j] : acc[r][j];
+  }
+}
+
+[[gnu::target_clones("avx512f", "avx2", "default")]]
+void gemm_block_f32(const float* A, const float* B, float* D, int64_t M, int64_t N, int64_t K, bool ta, bool acc,
+                    int64_t i0, int64_t j0) {
+  gemm_block<float>(A, B, D, M, N, K, ta, acc, i0, j0);
+}
+[[gnu::target_clones("avx512f", "avx2", "default")]]
+void gemm_block_f64(const double* A, const double* B, double* D, int64_t M, int64_t N, int64_t K, bool ta, bool acc,
+                    int64_t i0, int64_t j0) {
+  gemm_block<double>(A, B, D, M, N, K, ta, acc, i0, j0);
+}
+
+template <class T>
+void gemm_driver(const TensorView& a, const TensorView& b, const TensorView& d, bool ta, bool tb, bool accumulate) {
   const int64_t M = d.size(0), N = d.size(1);
   const int64_t K = ta ? a.size(0) : a.size(1);
   FP8MOE_CHECK((ta ? a.size(1) : a.size(0)) == M, "gemm: a " << a.str() << " does not give M = " << M);
@@ -40,41 +105,17 @@ void gemm_impl(const TensorView& a, const TensorView& b, const TensorView& d, bo
       for (int64_t r = 0; r < R; ++r) bt[size_t(c * R + r)] = B[r * C + c];
     B = bt.data();
   }
-  auto a_at = [&](int64_t i, int64_t k) { return ta ? A[k * M + i] : A[i * K + k]; };
-  const int64_t MB = (M + 3) / 4;
-#pragma omp parallel for schedule(dynamic, 1) if (M * N * K > 4 * kParallelWork)
-  for (int64_t ib = 0; ib < MB; ++ib) {
-    const int64_t i0 = ib * 4, rows = std::min<int64_t>(4, M - i0);
-    T* d0 = D + i0 * N;
-    T* d1 = rows > 1 ? d0 + N : d0;
-    T* d2 = rows > 2 ? d0 + 2 * N : d0;
-    T* d3 = rows > 3 ? d0 + 3 * N : d0;
-    if (!acc) std::memset(d0, 0, sizeof(T) * size_t(rows * N));
-    if (rows == 4) {
-      for (int64_t k = 0; k < K; ++k) {
-        const T a0 = a_at(i0, k), a1 = a_at(i0 + 1, k), a2 = a_at(i0 + 2, k), a3 = a_at(i0 + 3, k);
-        const T* br = B + k * N;
-#pragma omp simd
-        for (int64_t j = 0; j < N; ++j) {
-          const T bv = br[j];
-          d0[j] += a0 * bv;
-          d1[j] += a1 * bv;
-          d2[j] += a2 * bv;
-          d3[j] += a3 * bv;
-        }
-      }
-    } else {
-      for (int64_t r = 0; r < rows; ++r) {
-        T* dr = D + (i0 + r) * N;
-        for (int64_t k = 0; k < K; ++k) {
-          const T av = a_at(i0 + r, k);
-          const T* br = B + k * N;
-#pragma omp simd
-          for (int64_t j = 0; j < N; ++j) dr[j] += av * br[j];
-        }
+  const int64_t MB = ceil_div(M, kRows), NB = ceil_div(N, kCols);
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (M * N * K > 4 * kParallelWork)
+  // Column panels outermost: one [K, 128] panel of B stays in L2 while every row block uses it.
+  for (int64_t jb = 0; jb < NB; ++jb)
+    for (int64_t ib = 0; ib < MB; ++ib) {
+      if constexpr (sizeof(T) == 4) {
+        gemm_block_f32(A, B, D, M, N, K, ta, accumulate, ib * kRows, jb * kCols);
+      } else {
+        gemm_block_f64(A, B, D, M, N, K, ta, accumulate, ib * kRows, jb * kCols);
       }
     }
-  }
 }
 
 double load_any(const TensorView& t, int64_t i) {
@@ -113,7 +154,7 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool tr
     check_op_tensor(a, "gemm", "a", dt, 2);
     check_op_tensor(b, "gemm", "b", dt, 2);
     check_op_tensor(d, "gemm", "d", dt, 2);
-    gemm_impl<T>(a, b, d, trans_a, trans_b, accumulate);
+    gemm_driver<T>(a, b, d, trans_a, trans_b, accumulate);
   });
 }
 
