@@ -1,6 +1,7 @@
 // Shared test helpers (see testing.hpp).
 #include "testing.hpp"
 
+#include "fp8moe/error.hpp"
 #include "fp8moe/quantize.hpp"
 
 namespace fp8moe::testing {
@@ -28,6 +29,15 @@ double rel_error(const std::vector<double>& x, const std::vector<double>& y) {
     den += y[i] * y[i];
   }
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+void expect_error(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error, expected one mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
 }
 
 std::vector<double> to_doubles(const TensorView& t) {

@@ -6,7 +6,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -35,6 +37,9 @@ Tensor random_normal(std::mt19937_64& rng, DType dtype, std::initializer_list<in
 double calc_diff(const std::vector<double>& x, const std::vector<double>& y);
 // ||x - y|| / ||y||
 double rel_error(const std::vector<double>& x, const std::vector<double>& y);
+// Runs fn and expects an fp8moe::Error whose message contains `needle`.
+void expect_error(const std::function<void()>& fn, const std::string& needle);
+
 // All elements of a tensor as doubles.
 std::vector<double> to_doubles(const TensorView& t);
 

@@ -13,6 +13,7 @@
 using namespace fp8moe;
 using fp8moe::testing::make_rng;
 using fp8moe::testing::random_normal;
+using fp8moe::testing::expect_error;
 
 namespace {
 
@@ -197,14 +198,6 @@ TEST(Quantize, Both128x1PathsAgree) {
 TEST(Quantize, BadInputRaisesErrorNamingTheArgument) {
   auto q = make_quantized_host(4, 128, DType::e4m3, ScaleKind::tile_1x128);
   Tensor x = Tensor::host(DType::f32, {4, 128});
-  auto expect_error = [](auto&& fn, const std::string& needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "no error, expected one mentioning '" << needle << "'";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   x.ptr<float>()[5] = NAN;
   expect_error([&] { quantize_1x128(x, q); }, "x: non-finite value nan at [0, 5]");
   x.ptr<float>()[5] = INFINITY;

@@ -11,6 +11,7 @@
 #include "testing.hpp"
 
 using namespace fp8moe;
+using fp8moe::testing::expect_error;
 namespace fs = std::filesystem;
 
 namespace {
@@ -25,15 +26,6 @@ fs::path temp_dir() {
 std::string read_all(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-void expect_error(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error, expected one mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
 }
 
 }  // namespace
