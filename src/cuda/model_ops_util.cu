@@ -89,6 +89,9 @@ void stable_sort_by_key(const int32_t* keys, int64_t n, int64_t nkeys, int32_t* 
                                                     pos_out, int(n), 0, end_bit, cudaStream_t(nullptr)));
 }
 
+namespace {
+
+// Grid (n, ceil(D / 128)), 128 threads; blocks not at the start of a run exit at once.
 __global__ void __launch_bounds__(128) sorted_scatter_add_kernel(const int32_t* __restrict__ keys,
                                                                  const int32_t* __restrict__ pos, int64_t n,
                                                                  const float* __restrict__ w,
@@ -106,6 +109,16 @@ __global__ void __launch_bounds__(128) sorted_scatter_add_kernel(const int32_t* 
     acc = __fadd_rn(acc, v);
   }
   dst[int64_t(key) * D + j] = acc;
+}
+
+}  // namespace
+
+void sorted_scatter_add(const int32_t* keys, const int32_t* pos, int64_t n, const float* w, const float* src,
+                        float* dst, int64_t D) {
+  if (n <= 0 || D <= 0) return;
+  FP8MOE_CHECK(ceil_div(D, 128) <= 65535, "sorted_scatter_add: D = " << D << " too large");
+  sorted_scatter_add_kernel<<<dim3(unsigned(n), unsigned(ceil_div(D, 128))), 128>>>(keys, pos, n, w, src, dst, D);
+  FP8MOE_CUDA_CHECK_LAUNCH("sorted_scatter_add_kernel");
 }
 
 }  // namespace fp8moe::cuda::ops

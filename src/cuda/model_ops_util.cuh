@@ -117,12 +117,10 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 
 namespace fp8moe::cuda::ops {
 
-// dst [R, D] f32: over each run of equal keys starting at p (keys, pos from stable_sort_by_key),
-// dst[key, j] += w[i] * src[i, j] for the run's positions i in ascending order (w null: 1).
-// Grid (n, ceil(D / 128)), 128 threads; blocks not at the start of a run exit at once.
-__global__ void __launch_bounds__(128) sorted_scatter_add_kernel(const int32_t* __restrict__ keys,
-                                                                 const int32_t* __restrict__ pos, int64_t n,
-                                                                 const float* __restrict__ w,
-                                                                 const float* __restrict__ src, float* dst, int64_t D);
+// dst [R, D] f32: for each run of equal keys (keys, pos [n] from stable_sort_by_key),
+// dst[key, j] += w[i] * src[i, j] over the run's positions i in ascending order (w null: 1);
+// src [>= n, D] f32.
+void sorted_scatter_add(const int32_t* keys, const int32_t* pos, int64_t n, const float* w, const float* src,
+                        float* dst, int64_t D);
 
 }  // namespace fp8moe::cuda::ops
