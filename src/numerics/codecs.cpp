@@ -68,12 +68,26 @@ double minifloat_decode(const MiniFloatFormat& f, uint32_t code) {
   return neg ? -v : v;
 }
 
+namespace {
+// Every code of a format decoded once: decoding is a table lookup on the hot paths (GEMM
+// operands, dequantization).
+template <int kCodes>
+struct DecodeTable {
+  float v[kCodes];
+  explicit DecodeTable(const MiniFloatFormat& f) {
+    for (int c = 0; c < kCodes; ++c) v[c] = float(minifloat_decode(f, uint32_t(c)));
+  }
+};
+const DecodeTable<256> kE4M3Table(kE4M3), kE5M2Table(kE5M2);
+const DecodeTable<4096> kE5M6Table(kE5M6);
+}  // namespace
+
 uint8_t e4m3_encode(float x, Saturate sat) { return uint8_t(minifloat_encode(kE4M3, x, sat)); }
-float e4m3_decode(uint8_t code) { return float(minifloat_decode(kE4M3, code)); }
+float e4m3_decode(uint8_t code) { return kE4M3Table.v[code]; }
 uint8_t e5m2_encode(float x, Saturate sat) { return uint8_t(minifloat_encode(kE5M2, x, sat)); }
-float e5m2_decode(uint8_t code) { return float(minifloat_decode(kE5M2, code)); }
+float e5m2_decode(uint8_t code) { return kE5M2Table.v[code]; }
 uint16_t e5m6_encode(float x, Saturate sat) { return uint16_t(minifloat_encode(kE5M6, x, sat)); }
-float e5m6_decode(uint16_t code) { return float(minifloat_decode(kE5M6, code & 0xFFF)); }
+float e5m6_decode(uint16_t code) { return kE5M6Table.v[code & 0xFFF]; }
 
 uint16_t bf16_encode(float x, Saturate sat) {
   uint32_t u = std::bit_cast<uint32_t>(x);

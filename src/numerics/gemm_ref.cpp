@@ -2,6 +2,7 @@
 // emulation. Contracts: include/fp8moe/gemm_ref.hpp.
 #include "fp8moe/gemm_ref.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -20,6 +21,67 @@ std::vector<float> decode_all(const QuantizedView& q) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) out[size_t(i)] = decode_value(q.values.dtype, q.values.data, i);
   return out;
+}
+
+// Scales by row and K group: [rows, K/128] f32, row-major.
+std::vector<float> group_scales(const QuantizedView& q) {
+  const int64_t R = q.rows(), G = q.cols() / kQuantGroup;
+  std::vector<float> s(size_t(R * G));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g) s[size_t(r * G + g)] = q.scale_at(r, g * kQuantGroup);
+  return s;
+}
+
+constexpr int64_t kBlockM = 4, kBlockN = 16;
+
+// D rows [m0, m0 + 4) x columns [n0, n0 + 16) of the FP32-promotion GEMM: per 128-wide K group an
+// FP32 sum over k (products of decoded FP8 values are exact in FP32), times s_a * s_b, added to
+// the FP32 accumulator. bt is B transposed: [K, N].
+// NOTES: compiled for AVX-512, AVX2 and baseline x86-64 with run-time selection; the 4x16
+// partial sums stay in vector registers through a group.
+[[gnu::target_clones("avx512f", "avx2", "default")]]
+void fp8_block(const float* av, const float* bt, const float* sa, const float* sb, int64_t M, int64_t N, int64_t K,
+               int64_t m0, int64_t n0, float* out /* [4, 16] */) {
+  const int64_t G = K / kQuantGroup;
+  const int64_t rows = std::min(kBlockM, M - m0), cols = std::min(kBlockN, N - n0);
+  float acc[kBlockM][kBlockN] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    float c[kBlockM][kBlockN] = {};
+    for (int64_t k = g * kQuantGroup; k < (g + 1) * kQuantGroup; ++k) {
+      const float* br = bt + k * N + n0;
+      float b[kBlockN];
+      for (int64_t j = 0; j < kBlockN; ++j) b[j] = j < cols ? br[j] : 0.0f;
+      for (int64_t r = 0; r < kBlockM; ++r) {
+        const float a = r < rows ? av[(m0 + r) * K + k] : 0.0f;
+#pragma GCC unroll 16
+        for (int64_t j = 0; j < kBlockN; ++j) c[r][j] += a * b[j];
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j) acc[r][j] += c[r][j] * (sa[(m0 + r) * G + g] * sb[(n0 + j) * G + g]);
+  }
+  for (int64_t r = 0; r < kBlockM; ++r)
+    for (int64_t j = 0; j < kBlockN; ++j) out[r * kBlockN + j] = acc[r][j];
+}
+
+void gemm_fp8_fp32_accum(const float* av, const float* bv, const std::vector<float>& sa, const std::vector<float>& sb,
+                         int64_t M, int64_t N, int64_t K, const TensorView& d, bool accumulate) {
+  std::vector<float> bt(size_t(K * N));
+#pragma omp parallel for schedule(static)
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t n = 0; n < N; ++n) bt[size_t(k * N + n)] = bv[n * K + k];
+  const int64_t MB = ceil_div(M, kBlockM), NB = ceil_div(N, kBlockN);
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t nb = 0; nb < NB; ++nb)
+    for (int64_t mb = 0; mb < MB; ++mb) {
+      float out[kBlockM * kBlockN];
+      fp8_block(av, bt.data(), sa.data(), sb.data(), M, N, K, mb * kBlockM, nb * kBlockN, out);
+      for (int64_t r = 0; r < kBlockM && mb * kBlockM + r < M; ++r)
+        for (int64_t j = 0; j < kBlockN && nb * kBlockN + j < N; ++j) {
+          const int64_t i = (mb * kBlockM + r) * N + nb * kBlockN + j;
+          store_float(d, i, accumulate ? d.ptr<float>()[i] + out[r * kBlockN + j] : out[r * kBlockN + j]);
+        }
+    }
 }
 
 }  // namespace
@@ -65,37 +127,29 @@ void gemm_fp8_ref(const QuantizedView& a, const QuantizedView& b, const TensorVi
   const bool group_scaled_mma = emulate && (nc > kQuantGroup || kQuantGroup % nc != 0);
 
   const std::vector<float> av = decode_all(a), bv = decode_all(b);
-  const int64_t G = K / kQuantGroup;
+  if (!emulate) {
+    gemm_fp8_fp32_accum(av.data(), bv.data(), group_scales(a), group_scales(b), M, N, K, d, opt.accumulate);
+    return;
+  }
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) {
       const float* ar = &av[size_t(m * K)];
       const float* br = &bv[size_t(n * K)];
       float acc = 0;
-      if (!emulate) {
-        for (int64_t g = 0; g < G; ++g) {
-          // Eight partial sums: FP32 accumulation order close to a Tensor Core's, and fast.
-          float part[8] = {};
-          for (int64_t k = g * kQuantGroup; k < (g + 1) * kQuantGroup; k += 8)
-            for (int j = 0; j < 8; ++j) part[j] += ar[k + j] * br[k + j];
-          float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-          acc += sum * (a.scale_at(m, g * kQuantGroup) * b.scale_at(n, g * kQuantGroup));
+      double tc = 0;
+      double products[kMmaK];
+      for (int64_t k0 = 0; k0 < K; k0 += kMmaK) {
+        const double s = double(a.scale_at(m, k0)) * double(b.scale_at(n, k0));
+        for (int j = 0; j < kMmaK; ++j) {
+          products[j] = double(ar[k0 + j]) * double(br[k0 + j]);
+          if (group_scaled_mma) products[j] *= s;
         }
-      } else {
-        double tc = 0;
-        double products[kMmaK];
-        for (int64_t k0 = 0; k0 < K; k0 += kMmaK) {
-          const double s = double(a.scale_at(m, k0)) * double(b.scale_at(n, k0));
-          for (int j = 0; j < kMmaK; ++j) {
-            products[j] = double(ar[k0 + j]) * double(br[k0 + j]);
-            if (group_scaled_mma) products[j] *= s;
-          }
-          tc = tensor_core_accumulate(tc, products, kMmaK, acc_cfg.mantissa_bits);
-          const int64_t done = k0 + kMmaK;
-          if (done % nc == 0 || done == K) {  // promotion to FP32 on CUDA cores
-            acc += float(tc) * (group_scaled_mma ? 1.0f : float(s));
-            tc = 0;
-          }
+        tc = tensor_core_accumulate(tc, products, kMmaK, acc_cfg.mantissa_bits);
+        const int64_t done = k0 + kMmaK;
+        if (done % nc == 0 || done == K) {  // promotion to FP32 on CUDA cores
+          acc += float(tc) * (group_scaled_mma ? 1.0f : float(s));
+          tc = 0;
         }
       }
       const int64_t i = m * N + n;
