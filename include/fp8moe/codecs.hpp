@@ -42,7 +42,7 @@ constexpr MiniFloatFormat kE5M2{5, 2, 15, true, 57344.0};
 constexpr MiniFloatFormat kE5M6{5, 6, 15, true, 65024.0};
 
 // Generic encoder/decoder for the formats above (code in the low 1+E+M bits).
-uint32_t minifloat_encode(const MiniFloatFormat& f, double x, Saturate sat);
+uint32_t minifloat_encode(const MiniFloatFormat& f, float x, Saturate sat);
 double minifloat_decode(const MiniFloatFormat& f, uint32_t code);
 
 uint8_t e4m3_encode(float x, Saturate sat = Saturate::finite);

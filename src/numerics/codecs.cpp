@@ -21,33 +21,40 @@ uint32_t max_code(const MiniFloatFormat& f) {
 }
 }  // namespace
 
-uint32_t minifloat_encode(const MiniFloatFormat& f, double x, Saturate sat) {
+uint32_t minifloat_encode(const MiniFloatFormat& f, float x, Saturate sat) {
+  const uint32_t u = std::bit_cast<uint32_t>(x), a = u & 0x7FFFFFFFu;
   const int width = 1 + f.exp_bits + f.man_bits;
-  const uint32_t sign = std::signbit(x) ? 1u << (width - 1) : 0u;
-  if (std::isnan(x)) return nan_code(f);  // canonical, positive NaN (as cuda_fp8.h for float input)
-  const double a = std::fabs(x);
+  const uint32_t sign = (u >> 31) << (width - 1);
+  if (a > 0x7F800000u) return nan_code(f);  // canonical, positive NaN (as cuda_fp8.h for float input)
   const uint32_t overflow = sat == Saturate::finite ? max_code(f) : (f.has_inf ? inf_code(f) : nan_code(f));
-  if (std::isinf(a)) return sign | overflow;
-  if (a == 0) return sign;
-  const int emin = 1 - f.bias;  // exponent of the smallest normal
-  int e;
-  std::frexp(a, &e);            // a = m * 2^e, m in [0.5, 1)  ->  floor(log2 a) = e - 1
-  int exp = std::max(e - 1, emin);
-  double n = std::nearbyint(std::ldexp(a, f.man_bits - exp));  // significand in quanta, RNE
-  double r = std::ldexp(n, exp - f.man_bits);
-  if (r > f.max_finite) return sign | overflow;
+  if (a == 0x7F800000u) return sign | overflow;
+  // NOTES: float subnormals (and zero) are far below half the smallest code of every format here.
+  if ((a >> 23) == 0) return sign;
+  const int fexp = int(a >> 23) - 127;        // |x| = mant * 2^(fexp - 23)
+  const uint32_t mant = (a & 0x7FFFFFu) | 0x800000u;
+  const int emin = 1 - f.bias;                // exponent of the smallest normal
+  const int e = std::max(fexp, emin);         // binade of the result (subnormals share emin's quantum)
+  const int shift = 23 - f.man_bits + (e - fexp);
+  uint32_t n = 0;                             // |x| in quanta of 2^(e - man_bits), rounded to nearest even
+  if (shift < 32) {
+    n = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (n & 1))) ++n;
+  }
   if (n == 0) return sign;
-  if (n >= double(2u << f.man_bits)) {  // rounded up into the next binade
-    n /= 2;
-    ++exp;
+  uint32_t code;
+  if (n >= (1u << f.man_bits)) {              // normal (possibly rounded up into the next binade)
+    int field = e + f.bias;
+    if (n >= (2u << f.man_bits)) {
+      n >>= 1;
+      ++field;
+    }
+    code = (uint32_t(field) << f.man_bits) | (n - (1u << f.man_bits));
+  } else {
+    code = n;                                 // subnormal: exponent field 0
   }
-  uint32_t man = uint32_t(n);
-  uint32_t field = 0;
-  if (man >= (1u << f.man_bits)) {  // normal: drop the hidden bit
-    field = uint32_t(exp + f.bias);
-    man -= 1u << f.man_bits;
-  }
-  return sign | (field << f.man_bits) | man;
+  if (code > max_code(f)) return sign | overflow;
+  return sign | code;
 }
 
 double minifloat_decode(const MiniFloatFormat& f, uint32_t code) {

@@ -93,15 +93,27 @@ static void check_input(const TensorView& x, const char* arg) {
   FP8MOE_CHECK(x.device == Device::cpu, arg << ": the CPU quantizer needs host memory, got " << x.str());
 }
 
-// NOTES: runs before the OpenMP loops, since an exception must not leave a parallel region.
+// The source as a dense [R, C] float array, read once through `get`; NaN/Inf raise naming the
+// first offending element.
+// NOTES: the error is raised after the OpenMP loop, since an exception must not leave a parallel
+// region.
 template <class Get>
-static void check_finite(Get get, const char* arg, int64_t R, int64_t C) {
+static std::vector<float> materialize(Get get, const char* arg, int64_t R, int64_t C) {
+  std::vector<float> buf(size_t(R * C));
+  std::vector<int64_t> bad_col(size_t(R), -1);
+#pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < R; ++r)
     for (int64_t c = 0; c < C; ++c) {
-      float v = get(r, c);
-      FP8MOE_CHECK(std::isfinite(v), arg << ": non-finite value " << v << " at [" << r << ", " << c
-                                         << "] (NaN/Inf input is refused by the quantizers)");
+      const float v = get(r, c);
+      buf[size_t(r * C + c)] = v;
+      if (!std::isfinite(v) && bad_col[size_t(r)] < 0) bad_col[size_t(r)] = c;
     }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t c = bad_col[size_t(r)];
+    FP8MOE_CHECK(c < 0, arg << ": non-finite value " << buf[size_t(r * C + c)] << " at [" << r << ", " << c
+                            << "] (NaN/Inf input is refused by the quantizers)");
+  }
+  return buf;
 }
 
 // Quantizes the tile rows [r0, r1) x cols [c0, c1) of `get(r, c)` with one scale; returns it.
@@ -122,12 +134,13 @@ static float quantize_tile(Get get, int64_t r0, int64_t r1, int64_t c0, int64_t 
 template <class Get>
 static void quantize_rows_1x128(Get get, const char* arg, const QuantizedView& out, ScaleMode mode) {
   const int64_t R = out.rows(), C = out.cols(), G = ceil_div(C, kQuantGroup), ld = out.scales.size(1);
-  check_finite(get, arg, R, C);
+  const std::vector<float> src = materialize(get, arg, R, C);
+  auto at = [&](int64_t r, int64_t c) { return src[size_t(r * C + c)]; };
   float* scales = out.scales.ptr<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g)
-      scales[g * ld + r] = quantize_tile(get, r, r + 1, g * kQuantGroup,
+      scales[g * ld + r] = quantize_tile(at, r, r + 1, g * kQuantGroup,
                                          std::min(C, (g + 1) * kQuantGroup), out.values, mode);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t r = R; r < ld; ++r) scales[g * ld + r] = 1.0f;
@@ -146,14 +159,14 @@ void quantize_128x128(const TensorView& w, const QuantizedView& out, ScaleMode m
   check_quantized(out, "out", ScaleKind::block_128x128);
   check_shape(out.values, "out.values", {w.size(0), w.size(1)});
   const int64_t R = w.size(0), C = w.size(1), BR = ceil_div(R, kQuantGroup), BC = ceil_div(C, kQuantGroup);
-  auto get = [&](int64_t r, int64_t c) { return load_float(w, r * C + c); };
-  check_finite(get, "w", R, C);
+  const std::vector<float> src = materialize([&](int64_t r, int64_t c) { return load_float(w, r * C + c); }, "w", R, C);
+  auto at = [&](int64_t r, int64_t c) { return src[size_t(r * C + c)]; };
   float* scales = out.scales.ptr<float>();
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t br = 0; br < BR; ++br)
     for (int64_t bc = 0; bc < BC; ++bc)
       scales[br * BC + bc] =
-          quantize_tile(get, br * kQuantGroup, std::min(R, (br + 1) * kQuantGroup), bc * kQuantGroup,
+          quantize_tile(at, br * kQuantGroup, std::min(R, (br + 1) * kQuantGroup), bc * kQuantGroup,
                         std::min(C, (bc + 1) * kQuantGroup), out.values, mode);
 }
 
@@ -162,9 +175,8 @@ void quantize_per_tensor(const TensorView& x, const QuantizedView& out, ScaleMod
   check_quantized(out, "out", out.kind);
   check_shape(out.values, "out.values", {x.size(0), x.size(1)});
   const int64_t R = x.size(0), C = x.size(1);
-  auto get = [&](int64_t r, int64_t c) { return load_float(x, r * C + c); };
-  check_finite(get, "x", R, C);
-  const float s = quantize_tile(get, 0, R, 0, C, out.values, mode);
+  const std::vector<float> src = materialize([&](int64_t r, int64_t c) { return load_float(x, r * C + c); }, "x", R, C);
+  const float s = quantize_tile([&](int64_t r, int64_t c) { return src[size_t(r * C + c)]; }, 0, R, 0, C, out.values, mode);
   float* scales = out.scales.ptr<float>();
   for (int64_t i = 0; i < out.scales.numel(); ++i) scales[i] = s;
 }
