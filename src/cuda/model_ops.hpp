@@ -1,0 +1,69 @@
+// The model ops of the CUDA backend (contracts: include/fp8moe/backend.hpp, "Model ops"; the CPU
+// ops in src/cpu/ops_*.cpp are the specification) and the device AdamW update, as free functions
+// with the parameter lists of the Backend virtuals. CudaBackend forwards to them through
+// model_ops_overrides.inc. All tensors are device views; work runs on the legacy default stream.
+// Dtypes: "float" ops take f32 (f64 raises "f64 unsupported on cuda"); convert, copy_cols,
+// transpose and gather_rows without weights also move bf16 (and f64), as the CPU ops do; gemm
+// also takes bf16 a and b (d f32 or bf16), which the CPU op does not.
+// Index arguments (ids, targets, idx) are range-checked as on the CPU: that check reads one word
+// back, so those ops synchronize with the host.
+#pragma once
+#include <cstdint>
+
+#include "fp8moe/optimizer.hpp"
+#include "fp8moe/tensor.hpp"
+
+namespace fp8moe::cuda {
+
+// ---- dense (model_ops_gemm.cu, model_ops_elementwise.cu) ----
+void cuda_gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b,
+               bool accumulate);
+void cuda_convert(const TensorView& src, const TensorView& dst);
+void cuda_axpy(double alpha, const TensorView& x, double beta, const TensorView& y);
+void cuda_copy_cols(const TensorView& src, int64_t src_col, const TensorView& dst, int64_t dst_col, int64_t ncols,
+                    bool accumulate);
+void cuda_transpose(const TensorView& src, const TensorView& dst);
+
+// ---- embedding and loss (model_ops_elementwise.cu, model_ops_loss.cu) ----
+void cuda_embedding_forward(const TensorView& ids, const TensorView& table, const TensorView& out);
+void cuda_embedding_backward(const TensorView& ids, const TensorView& dout, const TensorView& dtable);
+void cuda_cross_entropy(const TensorView& logits, const TensorView& targets, const TensorView& losses,
+                        const TensorView& dlogits, double grad_scale);
+
+// ---- normalization, position, attention, MLP (model_ops_norm.cu, model_ops_attention.cu,
+// model_ops_elementwise.cu) ----
+void cuda_rmsnorm_forward(const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd,
+                          double eps);
+void cuda_rmsnorm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd, const TensorView& dy,
+                           const TensorView& dx, const TensorView& dw, bool accumulate_dx);
+void cuda_rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& positions, double theta,
+               bool inverse);
+void cuda_attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                            const TensorView& lse, int64_t seq_len, double scale);
+void cuda_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                             const TensorView& lse, const TensorView& dout, const TensorView& dq,
+                             const TensorView& dk, const TensorView& dv, int64_t seq_len, double scale);
+void cuda_swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out);
+void cuda_swiglu_backward(const TensorView& gate, const TensorView& up, const TensorView& dout,
+                          const TensorView& dgate, const TensorView& dup);
+
+// ---- MoE routing and row movement (model_ops_moe.cu) ----
+void cuda_moe_route(const TensorView& logits, const TensorView& bias, const TensorView& scores, const TensorView& idx,
+                    const TensorView& weights, int64_t n_group, int64_t topk_group, bool norm, double scaling);
+void cuda_moe_route_backward(const TensorView& scores, const TensorView& idx, const TensorView& dweights,
+                             const TensorView& dscores, const TensorView& dlogits, bool norm, double scaling);
+void cuda_gather_rows(const TensorView& src, const TensorView& idx, const TensorView& w, const TensorView& dst);
+void cuda_scatter_add_rows(const TensorView& src, const TensorView& idx, const TensorView& w,
+                           const TensorView& dst);
+void cuda_rows_dot(const TensorView& a, const TensorView& b, const TensorView& out);
+
+// ---- optimizer (adamw.cu) ----
+// One AdamW update of one parameter, exactly AdamW::step (src/train/optimizer.cpp) for that
+// parameter: p.value [n] f32 master weight (updated in place), p.grad [n] f32 (times grad_scale),
+// m, v [n] bf16 | f32 moments (one dtype, after cfg.moments; updated in place), `step` the 1-based
+// update count t (AdamW::steps() after its increment) for the bias corrections, p.weight_decay
+// selects cfg.weight_decay or 0. Bit-identical to the CPU update.
+void cuda_adamw_step(const ParamRef& p, const TensorView& m, const TensorView& v, const AdamWConfig& cfg,
+                     int64_t step, float lr, float grad_scale);
+
+}  // namespace fp8moe::cuda

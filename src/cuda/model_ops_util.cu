@@ -1,0 +1,124 @@
+// Host helpers of the CUDA model ops (see model_ops_util.cuh): argument checks, index range
+// checks, stream-ordered scratch, and the stable key sort (CUB radix sort) behind the
+// deterministic scatter-adds.
+#include <cub/device/device_radix_sort.cuh>
+
+#include "model_ops_util.cuh"
+
+namespace fp8moe::cuda::ops {
+
+void check_dev(const TensorView& t, const char* op, const char* arg, DType dtype, int ndim) {
+  FP8MOE_CHECK(t.data != nullptr, op << ": " << arg << " is undefined");
+  FP8MOE_CHECK(t.device == Device::cuda, op << ": " << arg << " must be a device tensor, got " << t.str());
+  FP8MOE_CHECK(t.dtype == dtype, op << ": " << arg << " must be " << dtype_name(dtype) << ", got " << t.str()
+                                    << (t.dtype == DType::f64 ? " (f64 unsupported on cuda)" : ""));
+  FP8MOE_CHECK(ndim < 0 || t.ndim == ndim, op << ": " << arg << " must have " << ndim << " dims, got " << t.str());
+  FP8MOE_CHECK(t.is_contiguous(), op << ": " << arg << " must be contiguous, got " << t.str());
+}
+
+void check_f32(const TensorView& t, const char* op, const char* arg, int ndim) {
+  FP8MOE_CHECK(!(t.data && t.dtype == DType::f64), op << ": " << arg << " " << t.str() << ": f64 unsupported on cuda");
+  check_dev(t, op, arg, DType::f32, ndim);
+}
+
+void check_2d_any(const TensorView& t, const char* op, const char* arg) {
+  FP8MOE_CHECK(t.device == Device::cuda && t.data, op << ": " << arg << " must be a defined device tensor, got "
+                                                       << t.str());
+  FP8MOE_CHECK(t.ndim == 2 && t.is_contiguous(), op << ": " << arg << " must be 2-D contiguous, got " << t.str());
+  FP8MOE_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64 || t.dtype == DType::bf16,
+               op << ": " << arg << " must be f32, f64 or bf16, got " << t.str());
+}
+
+namespace {
+
+// first [1] u64: the smallest i with idx[i] outside [lo, hi) (initialized to ~0).
+__global__ void first_out_of_range_kernel(const int32_t* __restrict__ idx, int64_t n, int64_t lo, int64_t hi,
+                                          unsigned long long* first) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t v = idx[i];
+    if (v < lo || v >= hi) atomicMin(first, static_cast<unsigned long long>(i));
+  }
+}
+
+__global__ void iota_kernel(int32_t* p, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = int32_t(i);
+}
+
+}  // namespace
+
+int64_t first_out_of_range(const int32_t* idx, int64_t n, int64_t lo, int64_t hi, int32_t* value) {
+  if (n <= 0) return -1;
+  DeviceBuffer first(sizeof(unsigned long long));
+  FP8MOE_CUDA_CHECK(cudaMemsetAsync(first.as<void>(), 0xFF, sizeof(unsigned long long), nullptr));
+  first_out_of_range_kernel<<<grid_for(n, 256, 4096), 256>>>(idx, n, lo, hi, first.as<unsigned long long>());
+  FP8MOE_CUDA_CHECK_LAUNCH("first_out_of_range_kernel");
+  unsigned long long h = 0;
+  FP8MOE_CUDA_CHECK(cudaMemcpy(&h, first.as<void>(), sizeof(h), cudaMemcpyDeviceToHost));
+  if (h == ~0ull) return -1;
+  FP8MOE_CUDA_CHECK(cudaMemcpy(value, idx + h, sizeof(int32_t), cudaMemcpyDeviceToHost));
+  return int64_t(h);
+}
+
+DeviceBuffer::DeviceBuffer(size_t bytes) {
+  if (bytes > 0) FP8MOE_CUDA_CHECK(cudaMallocAsync(&p_, bytes, nullptr));
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  // NOTES: a destructor may not throw; a failing free here means the context is already broken,
+  // and the next checked call reports it.
+  if (p_) (void)cudaFreeAsync(p_, nullptr);
+}
+
+void stable_sort_by_key(const int32_t* keys, int64_t n, int64_t nkeys, int32_t* keys_out, int32_t* pos_out) {
+  if (n <= 0) return;
+  FP8MOE_CHECK(n < (int64_t(1) << 31), "stable_sort_by_key: n = " << n << " exceeds the i32 range");
+  int end_bit = 1;
+  while (end_bit < 32 && (int64_t(1) << end_bit) < nkeys) ++end_bit;
+  DeviceBuffer pos_in(size_t(n) * sizeof(int32_t));
+  iota_kernel<<<grid_for(n, 256, 4096), 256>>>(pos_in.as<int32_t>(), n);
+  FP8MOE_CUDA_CHECK_LAUNCH("iota_kernel");
+  // Keys are in [0, nkeys): as unsigned they sort the same and only end_bit bits matter.
+  const auto* kin = reinterpret_cast<const uint32_t*>(keys);
+  auto* kout = reinterpret_cast<uint32_t*>(keys_out);
+  size_t temp_bytes = 0;
+  FP8MOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, kin, kout, pos_in.as<int32_t>(), pos_out,
+                                                    int(n), 0, end_bit, cudaStream_t(nullptr)));
+  DeviceBuffer temp(temp_bytes);
+  FP8MOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.as<void>(), temp_bytes, kin, kout, pos_in.as<int32_t>(),
+                                                    pos_out, int(n), 0, end_bit, cudaStream_t(nullptr)));
+}
+
+namespace {
+
+// Grid (n, ceil(D / 128)), 128 threads; blocks not at the start of a run exit at once.
+__global__ void __launch_bounds__(128) sorted_scatter_add_kernel(const int32_t* __restrict__ keys,
+                                                                 const int32_t* __restrict__ pos, int64_t n,
+                                                                 const float* __restrict__ w,
+                                                                 const float* __restrict__ src, float* dst, int64_t D) {
+  const int64_t p = blockIdx.x;
+  const int64_t j = int64_t(blockIdx.y) * 128 + threadIdx.x;
+  if (j >= D) return;
+  const int32_t key = keys[p];
+  if (p > 0 && keys[p - 1] == key) return;
+  float acc = dst[int64_t(key) * D + j];
+  // NOTES: mul and add stay separate roundings (no FMA), as in the CPU loop `dst += w * src`.
+  for (int64_t q = p; q < n && keys[q] == key; ++q) {
+    const int64_t i = pos[q];
+    const float v = w ? __fmul_rn(w[i], src[i * D + j]) : src[i * D + j];
+    acc = __fadd_rn(acc, v);
+  }
+  dst[int64_t(key) * D + j] = acc;
+}
+
+}  // namespace
+
+void sorted_scatter_add(const int32_t* keys, const int32_t* pos, int64_t n, const float* w, const float* src,
+                        float* dst, int64_t D) {
+  if (n <= 0 || D <= 0) return;
+  FP8MOE_CHECK(ceil_div(D, 128) <= 65535, "sorted_scatter_add: D = " << D << " too large");
+  sorted_scatter_add_kernel<<<dim3(unsigned(n), unsigned(ceil_div(D, 128))), 128>>>(keys, pos, n, w, src, dst, D);
+  FP8MOE_CUDA_CHECK_LAUNCH("sorted_scatter_add_kernel");
+}
+
+}  // namespace fp8moe::cuda::ops

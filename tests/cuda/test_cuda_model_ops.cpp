@@ -1,0 +1,529 @@
+// The CUDA model ops (src/cuda/model_ops.hpp) and the device AdamW against the CPU backend, op by
+// op, on fresh random inputs of awkward sizes (rows not a multiple of 32, several sequences and
+// heads, ragged head dims), device outputs poisoned with NaN before each run. Ops whose CUDA
+// arithmetic repeats the CPU's roundings are compared bit for bit (data movement, axpy, convert,
+// embedding and scatter-add backward, AdamW); the others within FP32 tolerances (1e-5 relative,
+// attention 1e-4, bf16 outputs per bf16 rounding). Skips without a GPU.
+// Run: build/tests/cuda/test_cuda_model_ops, or ctest -R CudaModelOps (FP8MOE_SEED=<n> replays a seed).
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "cuda/model_ops.hpp"
+#include "cuda_test_util.hpp"
+#include "fp8moe/codecs.hpp"
+#include "fp8moe/optimizer.hpp"
+
+namespace fp8moe::testing {
+namespace {
+
+using namespace fp8moe::cuda;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+Tensor host_of(DType dt, const TensorView& like) {
+  switch (like.ndim) {
+    case 1: return Tensor::host(dt, {like.shape[0]});
+    case 2: return Tensor::host(dt, {like.shape[0], like.shape[1]});
+    default: return Tensor::host(dt, {like.shape[0], like.shape[1], like.shape[2]});
+  }
+}
+
+// Host tensor of `dtype` and `shape` filled with NaN (f32, f64, bf16) or -1 (i32).
+Tensor nan_host(DType dt, std::initializer_list<int64_t> shape) {
+  Tensor t = Tensor::host(dt, shape);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (dt == DType::i32)
+      t.ptr<int32_t>()[i] = -1;
+    else
+      store_float(t.view(), i, kNaN);
+  }
+  return t;
+}
+
+Tensor ids_host(std::mt19937_64& rng, int64_t n, int32_t lo, int32_t hi) {
+  Tensor t = Tensor::host(DType::i32, {n});
+  std::uniform_int_distribution<int32_t> d(lo, hi - 1);
+  for (int64_t i = 0; i < n; ++i) t.ptr<int32_t>()[i] = d(rng);
+  return t;
+}
+
+// Host tensor with the same values in another dtype (f32 <-> bf16 <-> f64).
+Tensor as_dtype(const Tensor& x, DType dt) {
+  Tensor y = host_of(dt, x.view());
+  for (int64_t i = 0; i < x.numel(); ++i) store_float(y.view(), i, load_float(x.view(), i));
+  return y;
+}
+
+double value_at(const Tensor& t, int64_t i) {
+  if (i < 0) return 0;
+  return t.dtype() == DType::i32 ? double(t.ptr<const int32_t>()[i]) : double(load_float(t.view(), i));
+}
+
+// Bytewise equality, reporting the first mismatch.
+void expect_bits(const Tensor& got, const Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.view().nbytes(), want.view().nbytes()) << what;
+  const int64_t i = first_mismatch(got, want);
+  EXPECT_EQ(i, -1) << what << ": first mismatch at element " << i << " (got " << value_at(got, i) << ", want "
+                   << value_at(want, i) << ")";
+}
+
+// |got - want| <= rtol * |want| + atol_frac * max|want| + atol_abs elementwise; NaN or Inf in got
+// never passes where want is finite.
+void expect_close(const Tensor& got, const Tensor& want, double rtol, const std::string& what,
+                  double atol_frac = -1, double atol_abs = 0) {
+  ASSERT_EQ(got.numel(), want.numel()) << what;
+  if (atol_frac < 0) atol_frac = rtol;
+  const std::vector<double> g = to_doubles(got.view()), w = to_doubles(want.view());
+  double wmax = 0;
+  for (double v : w) wmax = std::max(wmax, std::fabs(v));
+  int64_t bad = 0, first = -1;
+  double worst = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const double err = std::fabs(g[i] - w[i]);
+    const bool ok = std::isfinite(g[i]) && err <= rtol * std::fabs(w[i]) + atol_frac * wmax + atol_abs;
+    if (!ok && std::isfinite(w[i])) {
+      if (first < 0) first = int64_t(i);
+      ++bad;
+    }
+    if (std::isfinite(err)) worst = std::max(worst, err / std::max(std::fabs(w[i]), 1e-30));
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << g.size() << " elements off, first at " << first << " (got "
+                    << (first >= 0 ? g[size_t(first)] : 0) << ", want " << (first >= 0 ? w[size_t(first)] : 0)
+                    << "), max |want| " << wmax << ", worst relative error " << worst;
+}
+
+// Expects `f` to throw fp8moe::Error whose message contains `needle`.
+template <class F>
+void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error containing '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+class CudaModelOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+    cpu_ = make_backend("cpu");
+    gpu_ = make_backend("cuda");
+    rng_ = make_rng();
+  }
+  // Device copy of a host tensor (1 to 3 dims).
+  Tensor dev(const Tensor& h) {
+    Tensor d;
+    switch (h.view().ndim) {
+      case 1: d = gpu_->empty(h.dtype(), {h.size(0)}); break;
+      case 2: d = gpu_->empty(h.dtype(), {h.size(0), h.size(1)}); break;
+      default: d = gpu_->empty(h.dtype(), {h.size(0), h.size(1), h.size(2)}); break;
+    }
+    gpu_->copy(d.view(), h.view());
+    return d;
+  }
+  // A NaN-poisoned device tensor.
+  Tensor poisoned(DType dt, std::initializer_list<int64_t> shape) { return dev(nan_host(dt, shape)); }
+  Tensor host(const Tensor& d) { return gpu_->to_host(d); }
+  Tensor randn(std::initializer_list<int64_t> shape, float stddev = 1.0f, DType dt = DType::f32) {
+    return random_normal(rng_, dt, shape, stddev);
+  }
+  // A host copy (separate storage).
+  Tensor clone(const Tensor& h) {
+    Tensor c = host_of(h.dtype(), h.view());
+    std::memcpy(c.view().data, h.view().data, h.view().nbytes());
+    return c;
+  }
+
+  std::unique_ptr<Backend> cpu_, gpu_;
+  std::mt19937_64 rng_;
+};
+
+// ---- dense ----
+
+TEST_F(CudaModelOps, GemmF32AllTransposesMatchCpu) {
+  struct Mnk {
+    int64_t m, n, k;
+  };
+  for (const Mnk s : {Mnk{37, 53, 29}, Mnk{130, 70, 257}, Mnk{1, 5, 3}, Mnk{64, 96, 128}, Mnk{33, 1, 300}})
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (bool acc : {false, true}) {
+          Tensor a = ta ? randn({s.k, s.m}) : randn({s.m, s.k});
+          Tensor b = tb ? randn({s.n, s.k}) : randn({s.k, s.n});
+          Tensor d0 = acc ? randn({s.m, s.n}) : nan_host(DType::f32, {s.m, s.n});
+          Tensor want = clone(d0);
+          cpu_->gemm(a, b, want, ta, tb, acc);
+          Tensor d = dev(d0);
+          cuda_gemm(dev(a), dev(b), d, ta, tb, acc);
+          expect_close(host(d), want, 1e-5,
+                       "gemm f32 M=" + std::to_string(s.m) + " N=" + std::to_string(s.n) + " K=" +
+                           std::to_string(s.k) + " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) +
+                           " acc=" + std::to_string(acc));
+        }
+}
+
+TEST_F(CudaModelOps, GemmBf16InputsMatchCpuOnRoundedInputs) {
+  const int64_t M = 45, N = 70, K = 131;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (DType dd : {DType::f32, DType::bf16}) {
+        Tensor a = ta ? randn({K, M}, 1.0f, DType::bf16) : randn({M, K}, 1.0f, DType::bf16);
+        Tensor b = tb ? randn({N, K}, 1.0f, DType::bf16) : randn({K, N}, 1.0f, DType::bf16);
+        Tensor want = Tensor::host(DType::f32, {M, N});
+        cpu_->gemm(as_dtype(a, DType::f32), as_dtype(b, DType::f32), want, ta, tb, false);
+        Tensor d = poisoned(dd, {M, N});
+        cuda_gemm(dev(a), dev(b), d, ta, tb, false);
+        const std::string what = "gemm bf16 ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) + " d " +
+                                  std::string(dtype_name(dd));
+        expect_close(host(d), want, dd == DType::bf16 ? 1.0 / 256 : 1e-5, what, 1e-5);
+      }
+}
+
+TEST_F(CudaModelOps, ConvertBitExact) {
+  Tensor x = randn({37, 65}, 3.0f);
+  const std::pair<DType, DType> pairs[] = {{DType::f32, DType::bf16}, {DType::bf16, DType::f32},
+                                           {DType::f32, DType::f64}, {DType::f64, DType::bf16},
+                                           {DType::f32, DType::f32}};
+  for (auto [from, to] : pairs) {
+    Tensor src = as_dtype(x, from);
+    Tensor want = nan_host(to, {37, 65});
+    cpu_->convert(src, want);
+    Tensor d = poisoned(to, {37, 65});
+    cuda_convert(dev(src), d);
+    expect_bits(host(d), want, "convert " + std::string(dtype_name(from)) + " -> " + std::string(dtype_name(to)));
+  }
+}
+
+TEST_F(CudaModelOps, AxpyBitExact) {
+  for (double beta : {1.0, 0.37, 0.0}) {
+    Tensor x = randn({1001}), y0 = randn({1001});
+    Tensor want = clone(y0);
+    cpu_->axpy(-1.7, x, beta, want);
+    Tensor y = dev(y0);
+    cuda_axpy(-1.7, dev(x), beta, y);
+    expect_bits(host(y), want, "axpy beta=" + std::to_string(beta));
+  }
+}
+
+TEST_F(CudaModelOps, CopyColsBitExact) {
+  const int64_t R = 43;
+  for (DType sd : {DType::f32, DType::bf16})
+    for (DType dd : {DType::f32, DType::bf16})
+      for (bool acc : {false, true}) {
+        Tensor src = randn({R, 50}, 1.0f, sd);
+        Tensor d0 = acc ? randn({R, 77}, 1.0f, dd) : nan_host(dd, {R, 77});
+        Tensor want = clone(d0);
+        cpu_->copy_cols(src, 7, want, 30, 33, acc);
+        Tensor d = dev(d0);
+        cuda_copy_cols(dev(src), 7, d, 30, 33, acc);
+        expect_bits(host(d), want, "copy_cols " + std::string(dtype_name(sd)) + " -> " +
+                                       std::string(dtype_name(dd)) + (acc ? " accumulate" : ""));
+      }
+}
+
+TEST_F(CudaModelOps, TransposeBitExact) {
+  for (DType dt : {DType::f32, DType::bf16, DType::f64})
+    for (auto [r, c] : {std::pair<int64_t, int64_t>{37, 65}, {1, 100}, {64, 32}, {130, 3}}) {
+      Tensor src = randn({r, c}, 1.0f, dt);
+      Tensor want = nan_host(dt, {c, r});
+      cpu_->transpose(src, want);
+      Tensor d = poisoned(dt, {c, r});
+      cuda_transpose(dev(src), d);
+      expect_bits(host(d), want, "transpose " + std::string(dtype_name(dt)) + " [" + std::to_string(r) + ", " +
+                                     std::to_string(c) + "]");
+    }
+}
+
+// ---- embedding, loss ----
+
+TEST_F(CudaModelOps, EmbeddingForwardBackwardBitExact) {
+  const int64_t V = 50, D = 70, N = 301;
+  Tensor table = randn({V, D});
+  Tensor ids = ids_host(rng_, N, 0, 12);  // many repeats: the backward's order matters
+  Tensor want = nan_host(DType::f32, {N, D});
+  cpu_->embedding_forward(ids, table, want);
+  Tensor out = poisoned(DType::f32, {N, D});
+  Tensor ids_d = dev(ids);
+  cuda_embedding_forward(ids_d, dev(table), out);
+  expect_bits(host(out), want, "embedding_forward");
+
+  Tensor dout = randn({N, D});
+  Tensor dt0 = randn({V, D});
+  Tensor dwant = clone(dt0);
+  cpu_->embedding_backward(ids, dout, dwant);
+  Tensor dt = dev(dt0);
+  cuda_embedding_backward(ids_d, dev(dout), dt);
+  expect_bits(host(dt), dwant, "embedding_backward");
+
+  ids.ptr<int32_t>()[17] = int32_t(V);
+  expect_error([&] { cuda_embedding_forward(dev(ids), dev(table), out); }, "ids[17] = 50");
+}
+
+TEST_F(CudaModelOps, CrossEntropyMatchesCpu) {
+  const int64_t N = 37, V = 1003;
+  Tensor logits = randn({N, V}, 2.0f);
+  Tensor targets = ids_host(rng_, N, 0, int32_t(V));
+  targets.ptr<int32_t>()[3] = -1;
+  targets.ptr<int32_t>()[20] = -100;
+  for (bool grad : {true, false}) {
+    Tensor lw = nan_host(DType::f32, {N}), gw = nan_host(DType::f32, {N, V});
+    cpu_->cross_entropy(logits, targets, lw, grad ? gw.view() : TensorView{}, 0.25);
+    Tensor l = poisoned(DType::f32, {N}), g = poisoned(DType::f32, {N, V});
+    cuda_cross_entropy(dev(logits), dev(targets), l, grad ? g.view() : TensorView{}, 0.25);
+    expect_close(host(l), lw, 1e-5, "cross_entropy losses");
+    if (grad) expect_close(host(g), gw, 1e-5, "cross_entropy dlogits");
+  }
+  targets.ptr<int32_t>()[5] = int32_t(V);
+  Tensor l = poisoned(DType::f32, {N});
+  expect_error([&] { cuda_cross_entropy(dev(logits), dev(targets), l, TensorView{}, 1.0); }, "targets[5]");
+}
+
+// ---- norm, rope, attention, MLP ----
+
+TEST_F(CudaModelOps, RmsnormForwardBackwardMatchCpu) {
+  for (auto [N, D] : {std::pair<int64_t, int64_t>{37, 70}, {300, 1000}, {1, 5}}) {
+    Tensor x = randn({N, D}), w = randn({D}, 0.5f);
+    Tensor yw = nan_host(DType::f32, {N, D}), rw = nan_host(DType::f32, {N});
+    cpu_->rmsnorm_forward(x, w, yw, rw, 1e-6);
+    Tensor y = poisoned(DType::f32, {N, D}), r = poisoned(DType::f32, {N});
+    Tensor xd = dev(x), wd = dev(w);
+    cuda_rmsnorm_forward(xd, wd, y, r, 1e-6);
+    const std::string shape = " [" + std::to_string(N) + ", " + std::to_string(D) + "]";
+    expect_close(host(y), yw, 1e-6, "rmsnorm_forward y" + shape);
+    expect_close(host(r), rw, 1e-6, "rmsnorm_forward rstd" + shape);
+
+    Tensor dy = randn({N, D});
+    for (bool acc : {false, true}) {
+      Tensor dx0 = acc ? randn({N, D}) : nan_host(DType::f32, {N, D});
+      Tensor dw0 = randn({D});
+      Tensor dxw = clone(dx0), dww = clone(dw0);
+      cpu_->rmsnorm_backward(x, w, rw, dy, dxw, dww, acc);
+      Tensor dx = dev(dx0), dwt = dev(dw0);
+      cuda_rmsnorm_backward(xd, wd, dev(rw), dev(dy), dx, dwt, acc);
+      expect_close(host(dx), dxw, 1e-5, "rmsnorm_backward dx" + shape + (acc ? " accumulate" : ""));
+      expect_close(host(dwt), dww, 1e-5, "rmsnorm_backward dw" + shape);
+    }
+    // Either output undefined: skipped.
+    Tensor dx = poisoned(DType::f32, {N, D});
+    cuda_rmsnorm_backward(xd, wd, dev(rw), dev(dy), dx, TensorView{}, false);
+    Tensor dxw = nan_host(DType::f32, {N, D});
+    cpu_->rmsnorm_backward(x, w, rw, dy, dxw, TensorView{}, false);
+    expect_close(host(dx), dxw, 1e-5, "rmsnorm_backward dx only" + shape);
+    Tensor dw0 = randn({D});
+    Tensor dwt = dev(dw0);
+    cuda_rmsnorm_backward(xd, wd, dev(rw), dev(dy), TensorView{}, dwt, false);
+    Tensor dww = clone(dw0);
+    cpu_->rmsnorm_backward(x, w, rw, dy, TensorView{}, dww, false);
+    expect_close(host(dwt), dww, 1e-5, "rmsnorm_backward dw only" + shape);
+  }
+}
+
+TEST_F(CudaModelOps, RopeForwardInverseMatchCpu) {
+  const int64_t N = 75, H = 3, C = 40;
+  Tensor pos = ids_host(rng_, N, 0, 4096);
+  for (bool inverse : {false, true})
+    for (auto [col0, rot] : {std::pair<int64_t, int64_t>{8, 32}, {0, 40}, {38, 2}}) {
+      Tensor x0 = randn({N, H, C});
+      Tensor want = clone(x0);
+      cpu_->rope(want, col0, rot, pos, 10000.0, inverse);
+      Tensor x = dev(x0);
+      cuda_rope(x, col0, rot, dev(pos), 10000.0, inverse);
+      expect_close(host(x), want, 1e-5,
+                   "rope col0=" + std::to_string(col0) + " rot=" + std::to_string(rot) + (inverse ? " inverse" : ""));
+    }
+}
+
+struct AttnCase {
+  int64_t B, S, H, Dk, Dv;
+};
+
+TEST_F(CudaModelOps, AttentionForwardBackwardMatchCpu) {
+  for (const AttnCase c : {AttnCase{3, 37, 3, 40, 24}, AttnCase{2, 70, 2, 96, 64}, AttnCase{1, 33, 1, 256, 200},
+                           AttnCase{4, 1, 2, 8, 8}, AttnCase{2, 64, 1, 17, 129}}) {
+    const int64_t T = c.B * c.S;
+    const double scale = 1.0 / std::sqrt(double(c.Dk));
+    const std::string what = " B=" + std::to_string(c.B) + " S=" + std::to_string(c.S) + " H=" + std::to_string(c.H) +
+                             " Dk=" + std::to_string(c.Dk) + " Dv=" + std::to_string(c.Dv);
+    Tensor q = randn({T, c.H, c.Dk}), k = randn({T, c.H, c.Dk}), v = randn({T, c.H, c.Dv});
+    Tensor ow = nan_host(DType::f32, {T, c.H, c.Dv}), lw = nan_host(DType::f32, {c.H, T});
+    cpu_->attention_forward(q, k, v, ow, lw, c.S, scale);
+    Tensor qd = dev(q), kd = dev(k), vd = dev(v);
+    Tensor o = poisoned(DType::f32, {T, c.H, c.Dv}), l = poisoned(DType::f32, {c.H, T});
+    cuda_attention_forward(qd, kd, vd, o, l, c.S, scale);
+    expect_close(host(o), ow, 1e-4, "attention_forward out" + what);
+    expect_close(host(l), lw, 1e-4, "attention_forward lse" + what);
+
+    Tensor dout = randn({T, c.H, c.Dv});
+    Tensor dqw = nan_host(DType::f32, {T, c.H, c.Dk}), dkw = nan_host(DType::f32, {T, c.H, c.Dk}),
+           dvw = nan_host(DType::f32, {T, c.H, c.Dv});
+    cpu_->attention_backward(q, k, v, ow, lw, dout, dqw, dkw, dvw, c.S, scale);
+    Tensor dq = poisoned(DType::f32, {T, c.H, c.Dk}), dk = poisoned(DType::f32, {T, c.H, c.Dk}),
+           dv = poisoned(DType::f32, {T, c.H, c.Dv});
+    // The backward takes the CPU's out and lse, so it is checked on its own.
+    cuda_attention_backward(qd, kd, vd, dev(ow), dev(lw), dev(dout), dq, dk, dv, c.S, scale);
+    // NOTES: with S = 1 the exact dq, dk are 0 (p = 1, out = v, so dout.v - rowsum(dout*out) = 0),
+    // which FP32 gives as ~1e-8 roundoff of two O(1) sums: an absolute floor of 1e-6 covers it.
+    expect_close(host(dq), dqw, 1e-4, "attention_backward dq" + what, 1e-4, 1e-6);
+    expect_close(host(dk), dkw, 1e-4, "attention_backward dk" + what, 1e-4, 1e-6);
+    expect_close(host(dv), dvw, 1e-4, "attention_backward dv" + what, 1e-4, 1e-6);
+  }
+}
+
+TEST_F(CudaModelOps, AttentionRejectsBadArguments) {
+  Tensor q = poisoned(DType::f32, {10, 2, 8}), v = poisoned(DType::f32, {10, 2, 8});
+  Tensor l = poisoned(DType::f32, {2, 10});
+  expect_error([&] { cuda_attention_forward(q, q, v, v, l, 3, 1.0); }, "seq_len = 3");
+  Tensor lbad = poisoned(DType::f32, {10, 2});
+  expect_error([&] { cuda_attention_forward(q, q, v, v, lbad, 5, 1.0); }, "lse");
+}
+
+TEST_F(CudaModelOps, SwigluForwardBackwardMatchCpu) {
+  const int64_t T = 37, F = 130;
+  Tensor g = randn({T, F}, 3.0f), u = randn({T, F}), dout = randn({T, F});
+  Tensor ow = nan_host(DType::f32, {T, F});
+  cpu_->swiglu_forward(g, u, ow);
+  Tensor o = poisoned(DType::f32, {T, F});
+  Tensor gd = dev(g), ud = dev(u);
+  cuda_swiglu_forward(gd, ud, o);
+  expect_close(host(o), ow, 1e-5, "swiglu_forward", 1e-7);
+  Tensor dgw = nan_host(DType::f32, {T, F}), duw = nan_host(DType::f32, {T, F});
+  cpu_->swiglu_backward(g, u, dout, dgw, duw);
+  Tensor dg = poisoned(DType::f32, {T, F}), du = poisoned(DType::f32, {T, F});
+  cuda_swiglu_backward(gd, ud, dev(dout), dg, du);
+  expect_close(host(dg), dgw, 1e-5, "swiglu_backward dgate", 1e-7);
+  expect_close(host(du), duw, 1e-5, "swiglu_backward dup", 1e-7);
+}
+
+// ---- MoE ----
+
+struct RouteCase {
+  int64_t N, E, n_group, topk_group, k;
+  bool norm;
+  double scaling;
+};
+
+TEST_F(CudaModelOps, MoeRouteAndBackwardMatchCpu) {
+  for (const RouteCase c : {RouteCase{101, 64, 8, 3, 6, true, 2.5}, RouteCase{37, 16, 1, 1, 4, false, 1.0},
+                            RouteCase{70, 8, 8, 4, 3, true, 1.0}, RouteCase{5, 256, 8, 4, 8, true, 2.5}}) {
+    const std::string what = " N=" + std::to_string(c.N) + " E=" + std::to_string(c.E) + " groups=" +
+                             std::to_string(c.n_group) + "/" + std::to_string(c.topk_group) + " k=" +
+                             std::to_string(c.k) + (c.norm ? " norm" : "");
+    Tensor logits = randn({c.N, c.E}, 2.0f), bias = randn({c.E}, 0.1f);
+    Tensor sw = nan_host(DType::f32, {c.N, c.E}), iw = nan_host(DType::i32, {c.N, c.k}),
+           ww = nan_host(DType::f32, {c.N, c.k});
+    cpu_->moe_route(logits, bias, sw, iw, ww, c.n_group, c.topk_group, c.norm, c.scaling);
+    Tensor s = poisoned(DType::f32, {c.N, c.E}), id = poisoned(DType::i32, {c.N, c.k}),
+           w = poisoned(DType::f32, {c.N, c.k});
+    cuda_moe_route(dev(logits), dev(bias), s, id, w, c.n_group, c.topk_group, c.norm, c.scaling);
+    expect_close(host(s), sw, 1e-6, "moe_route scores" + what);
+    expect_bits(host(id), iw, "moe_route idx" + what);
+    expect_close(host(w), ww, 1e-5, "moe_route weights" + what);
+
+    Tensor dweights = randn({c.N, c.k});
+    for (bool with_ds : {false, true}) {
+      Tensor ds = randn({c.N, c.E});
+      Tensor dlw = nan_host(DType::f32, {c.N, c.E});
+      cpu_->moe_route_backward(sw, iw, dweights, with_ds ? ds.view() : TensorView{}, dlw, c.norm, c.scaling);
+      Tensor dl = poisoned(DType::f32, {c.N, c.E});
+      cuda_moe_route_backward(dev(sw), dev(iw), dev(dweights), with_ds ? dev(ds).view() : TensorView{}, dl, c.norm,
+                              c.scaling);
+      expect_close(host(dl), dlw, 1e-5, "moe_route_backward" + what + (with_ds ? " dscores" : ""));
+    }
+  }
+}
+
+TEST_F(CudaModelOps, GatherScatterRowsDotMatchCpu) {
+  const int64_t T = 41, D = 70, N = 97, Np = 103;
+  Tensor src = randn({T, D});
+  Tensor idx = ids_host(rng_, N, 0, int32_t(T));
+  Tensor w = randn({N});
+  for (bool weighted : {false, true}) {
+    Tensor want = nan_host(DType::f32, {Np, D});
+    cpu_->gather_rows(src, idx, weighted ? w.view() : TensorView{}, want);
+    Tensor dst = poisoned(DType::f32, {Np, D});
+    cuda_gather_rows(dev(src), dev(idx), weighted ? dev(w).view() : TensorView{}, dst);
+    expect_bits(host(dst), want, std::string("gather_rows") + (weighted ? " weighted" : ""));  // rows >= N stay NaN
+  }
+  {
+    Tensor s16 = as_dtype(src, DType::bf16);
+    Tensor want = nan_host(DType::bf16, {Np, D});
+    cpu_->gather_rows(s16, idx, TensorView{}, want);
+    Tensor dst = poisoned(DType::bf16, {Np, D});
+    cuda_gather_rows(dev(s16), dev(idx), TensorView{}, dst);
+    expect_bits(host(dst), want, "gather_rows bf16");
+  }
+  Tensor rows = randn({Np, D});
+  for (bool weighted : {false, true}) {
+    Tensor d0 = randn({T, D});
+    Tensor want = clone(d0);
+    cpu_->scatter_add_rows(rows, idx, weighted ? w.view() : TensorView{}, want);
+    Tensor dst = dev(d0);
+    cuda_scatter_add_rows(dev(rows), dev(idx), weighted ? dev(w).view() : TensorView{}, dst);
+    expect_bits(host(dst), want, std::string("scatter_add_rows") + (weighted ? " weighted" : ""));
+  }
+  Tensor b = randn({Np + 2, D});
+  Tensor want = nan_host(DType::f32, {N});
+  cpu_->rows_dot(rows, b, want);
+  Tensor out = poisoned(DType::f32, {N});
+  cuda_rows_dot(dev(rows), dev(b), out);
+  expect_close(host(out), want, 1e-6, "rows_dot");
+
+  idx.ptr<int32_t>()[9] = -2;
+  Tensor dst = poisoned(DType::f32, {Np, D});
+  expect_error([&] { cuda_gather_rows(dev(src), dev(idx), TensorView{}, dst); }, "idx[9] = -2");
+  Tensor dd = dev(randn({T, D}));
+  expect_error([&] { cuda_scatter_add_rows(dev(rows), dev(idx), TensorView{}, dd); }, "idx[9] = -2");
+}
+
+// ---- optimizer ----
+
+TEST_F(CudaModelOps, AdamWMatchesCpuBitExact) {
+  for (MomentPrecision mp : {MomentPrecision::bf16, MomentPrecision::f32}) {
+    AdamWConfig cfg;
+    cfg.moments = mp;
+    Tensor w1 = randn({37, 29}), w2 = randn({1001}, 0.02f);
+    Tensor g1 = Tensor::host(DType::f32, {37, 29}), g2 = Tensor::host(DType::f32, {1001});
+    std::vector<ParamRef> params{{"w1", w1.view(), g1.view(), true}, {"w2", w2.view(), g2.view(), false}};
+    Tensor dw1 = dev(w1), dw2 = dev(w2);
+    Tensor dg1 = dev(g1), dg2 = dev(g2);
+    const DType md = mp == MomentPrecision::bf16 ? DType::bf16 : DType::f32;
+    Tensor m1 = gpu_->empty(md, {37, 29}), v1 = gpu_->empty(md, {37, 29});
+    Tensor m2 = gpu_->empty(md, {1001}), v2 = gpu_->empty(md, {1001});
+    AdamW opt(params, cfg);
+    for (int step = 0; step < 4; ++step) {
+      Tensor ng1 = randn({37, 29}, 0.1f), ng2 = randn({1001}, 1e-3f);
+      std::memcpy(g1.view().data, ng1.view().data, ng1.view().nbytes());
+      std::memcpy(g2.view().data, ng2.view().data, ng2.view().nbytes());
+      gpu_->copy(dg1.view(), g1.view());
+      gpu_->copy(dg2.view(), g2.view());
+      const float lr = 3e-4f * float(step + 1), gs = step == 2 ? 0.5f : 1.0f;
+      opt.step(lr, gs);
+      cuda_adamw_step({"w1", dw1.view(), dg1.view(), true}, m1, v1, cfg, opt.steps(), lr, gs);
+      cuda_adamw_step({"w2", dw2.view(), dg2.view(), false}, m2, v2, cfg, opt.steps(), lr, gs);
+    }
+    const std::string what = std::string(" moments ") + (mp == MomentPrecision::bf16 ? "bf16" : "f32");
+    expect_bits(host(dw1), w1, "adamw w1" + what);
+    expect_bits(host(dw2), w2, "adamw w2" + what);
+    expect_bits(host(m1), opt.first_moments()[0], "adamw m1" + what);
+    expect_bits(host(v1), opt.second_moments()[0], "adamw v1" + what);
+    expect_bits(host(m2), opt.first_moments()[1], "adamw m2" + what);
+    expect_bits(host(v2), opt.second_moments()[1], "adamw v2" + what);
+  }
+}
+
+// ---- dtype policy ----
+
+TEST_F(CudaModelOps, F64IsRejectedByName) {
+  Tensor x = poisoned(DType::f64, {4, 8}), w = poisoned(DType::f64, {8}), r = poisoned(DType::f64, {4});
+  expect_error([&] { cuda_rmsnorm_forward(x, w, x, r, 1e-6); }, "f64 unsupported on cuda");
+  expect_error([&] { cuda_gemm(x, x, x, false, true, false); }, "f64 unsupported on cuda");
+  expect_error([&] { cuda_swiglu_forward(x, x, x); }, "f64 unsupported on cuda");
+  Tensor h = Tensor::host(DType::f32, {4, 8});
+  expect_error([&] { cuda_swiglu_forward(h, h, h); }, "device tensor");
+}
+
+}  // namespace
+}  // namespace fp8moe::testing
