@@ -36,6 +36,8 @@ std::string_view op_name(Op op) {
     case Op::gather_rows: return "gather_rows";
     case Op::scatter_add_rows: return "scatter_add_rows";
     case Op::rows_dot: return "rows_dot";
+    case Op::adamw_step: return "adamw_step";
+    case Op::sum_squares: return "sum_squares";
   }
   return "?";
 }
@@ -100,6 +102,13 @@ void Backend::scatter_add_rows(const TensorView&, const TensorView&, const Tenso
   FP8MOE_UNSUPPORTED(scatter_add_rows);
 }
 void Backend::rows_dot(const TensorView&, const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(rows_dot); }
+void Backend::adamw_step(const TensorView&, const TensorView&, const TensorView&, const TensorView&, const AdamWStep&) {
+  FP8MOE_UNSUPPORTED(adamw_step);
+}
+double Backend::sum_squares(const TensorView&) {
+  FP8MOE_UNSUPPORTED(sum_squares);
+  return 0;
+}
 #undef FP8MOE_UNSUPPORTED
 
 Tensor Backend::to_host(const Tensor& t) {
@@ -117,6 +126,10 @@ std::unique_ptr<Backend> make_backend(std::string_view name) {
     FP8MOE_CHECK(cuda_device_available(), "backend 'cuda': no usable CUDA device");
     return make_cuda_backend();
   }
+  if (name == "cublaslt") {
+    FP8MOE_CHECK(cuda_device_available(), "backend 'cublaslt': no usable CUDA device");
+    return make_cublaslt_backend();
+  }
 #endif
   FP8MOE_CHECK(false, "unknown or unavailable backend '" << name << "' (available: "
                           << [] {
@@ -129,11 +142,14 @@ std::unique_ptr<Backend> make_backend(std::string_view name) {
 std::vector<std::string> available_backends() {
   std::vector<std::string> names{"cpu"};
 #ifdef FP8MOE_HAVE_CUDA
-  if (cuda_device_available()) names.push_back("cuda");
+  if (cuda_device_available()) {
+    names.push_back("cuda");
+    names.push_back("cublaslt");  // the CUDA backend with gemm_fp8 through cuBLASLt: the baseline
+  }
 #endif
   return names;
 }
 
-std::string default_backend_name() { return available_backends().back(); }
+std::string default_backend_name() { return available_backends().size() > 1 ? "cuda" : "cpu"; }
 
 }  // namespace fp8moe

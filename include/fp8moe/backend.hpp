@@ -44,6 +44,9 @@ enum class Op : uint8_t {
   gather_rows,
   scatter_add_rows,
   rows_dot,
+  // Optimizer ops (the trainer).
+  adamw_step,
+  sum_squares,
 };
 std::string_view op_name(Op op);
 
@@ -139,9 +142,22 @@ class Backend {
                                 const TensorView& dst);
   // out [N] = sum_j a[i, j] * b[i, j] for i < N (a, b [N', D], N = out size).
   virtual void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out);
+
+  // ---- Optimizer ops (src/train). One AdamW update of one parameter: w [n] f32 master weight,
+  // g [n] f32 gradient (times grad_scale), m, v [n] bf16 | f32 moments (updated in place),
+  // step = the 1-based update count for the bias corrections; decoupled weight decay.
+  struct AdamWStep {
+    float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0, grad_scale = 1;
+    int64_t step = 1;
+  };
+  virtual void adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
+                          const AdamWStep& p);
+  // sum of x^2 over a float tensor (f32 | f64), accumulated in FP64; NaN/Inf propagate.
+  virtual double sum_squares(const TensorView& x);
 };
 
-// "cpu" or "cuda" (the CUDA backend exists when built with CUDA and a GPU is present).
+// "cpu", "cuda" (our kernels) or "cublaslt" (the CUDA backend with gemm_fp8 through cuBLASLt); the
+// CUDA ones exist when built with CUDA and a GPU is present.
 std::unique_ptr<Backend> make_backend(std::string_view name);
 std::vector<std::string> available_backends();
 // "cuda" when a GPU is usable, else "cpu".

@@ -1,12 +1,13 @@
 // AdamW with the report's precision policy (§3.3.3): FP32 master weights and FP32 gradients, first
 // and second moments stored in BF16 (MomentPrecision::f32 for comparison); a warm-up + cosine
 // learning-rate schedule and clipping by the global gradient norm.
-// Parameters are host (CPU) tensors here; a device version keeps the same state layout, so
-// checkpoints move between the two.
+// The update runs through the Backend (adamw_step, sum_squares) where the parameters live; the CPU
+// and CUDA updates are bit-identical, so checkpoints move between the two.
 #pragma once
 #include <string>
 #include <vector>
 
+#include "fp8moe/backend.hpp"
 #include "fp8moe/tensor.hpp"
 
 namespace fp8moe {
@@ -33,7 +34,8 @@ struct LrSchedule {
 
 class AdamW {
  public:
-  AdamW(std::vector<ParamRef> params, AdamWConfig cfg);
+  // Moments are allocated (zero) on `backend`, next to the parameters.
+  AdamW(Backend& backend, std::vector<ParamRef> params, AdamWConfig cfg);
   // One update with learning rate `lr`; gradients are multiplied by `grad_scale` first (clipping).
   void step(float lr, float grad_scale = 1.0f);
   int64_t steps() const { return t_; }
@@ -45,6 +47,7 @@ class AdamW {
   const AdamWConfig& config() const { return cfg_; }
 
  private:
+  Backend& backend_;
   std::vector<ParamRef> params_;
   AdamWConfig cfg_;
   std::vector<Tensor> m_, v_;
@@ -52,7 +55,7 @@ class AdamW {
 };
 
 // sqrt(sum of squares) over all gradients (FP64 accumulation).
-double global_grad_norm(const std::vector<ParamRef>& params);
+double global_grad_norm(Backend& backend, const std::vector<ParamRef>& params);
 // The factor that brings the norm to at most max_norm (1 when already below, or max_norm <= 0).
 float clip_scale(double norm, float max_norm);
 

@@ -137,6 +137,11 @@ class CpuBackend final : public Backend {
     cpu::scatter_add_rows(src, idx, w, dst);
   }
   void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out) override { cpu::rows_dot(a, b, out); }
+  void adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
+                  const AdamWStep& p) override {
+    cpu::adamw_step(w, g, m, v, p);
+  }
+  double sum_squares(const TensorView& x) override { return cpu::sum_squares(x); }
 };
 
 }  // namespace

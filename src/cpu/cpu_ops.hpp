@@ -62,4 +62,8 @@ void gather_rows(const TensorView& src, const TensorView& idx, const TensorView&
 void scatter_add_rows(const TensorView& src, const TensorView& idx, const TensorView& w, const TensorView& dst);
 void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out);
 
+void adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
+                const Backend::AdamWStep& p);
+double sum_squares(const TensorView& x);
+
 }  // namespace fp8moe::cpu

@@ -1,7 +1,7 @@
-// Device AdamW update of one parameter: the per-element arithmetic of AdamW::step
-// (src/train/optimizer.cpp) operation for operation, so the GPU and CPU optimizers produce the
+// Device AdamW update of one parameter: the per-element arithmetic of the CPU op
+// (src/cpu/ops_optim.cpp) operation for operation, so the GPU and CPU optimizers produce the
 // same bits and their states (FP32 master weights, BF16 or FP32 moments) are interchangeable.
-// The trainer calls it once per parameter with the step count and bias corrections of AdamW.
+// AdamW (src/train/optimizer.cpp) calls it once per parameter through Backend::adamw_step.
 #include <cmath>
 
 #include "model_ops.hpp"
@@ -51,34 +51,29 @@ __global__ void adamw_kernel(float* __restrict__ w, const float* __restrict__ g,
 
 }  // namespace
 
-void cuda_adamw_step(const ParamRef& p, const TensorView& m, const TensorView& v, const AdamWConfig& cfg,
-                     int64_t step, float lr, float grad_scale) {
-  const std::string value_name = p.name + ".value", grad_name = p.name + ".grad";
-  check_f32(p.value, "adamw", value_name.c_str(), -1);
-  check_f32(p.grad, "adamw", grad_name.c_str(), -1);
-  FP8MOE_CHECK(p.value.numel() == p.grad.numel(),
-               "adamw: " << p.name << ": gradient " << p.grad.str() << " does not match " << p.value.str());
-  const DType md = cfg.moments == MomentPrecision::bf16 ? DType::bf16 : DType::f32;
-  const std::string m_name = p.name + " first moment", v_name = p.name + " second moment";
-  check_dev(m, "adamw", m_name.c_str(), md, -1);
-  check_dev(v, "adamw", v_name.c_str(), md, -1);
-  FP8MOE_CHECK(m.numel() == p.value.numel() && v.numel() == p.value.numel(),
-               "adamw: " << p.name << ": moments " << m.str() << ", " << v.str() << " do not match " << p.value.str());
-  FP8MOE_CHECK(step >= 1, "adamw: step = " << step << " must be the 1-based update count");
-  // The bias corrections exactly as AdamW::step computes them (host std::pow).
-  const double bc1 = 1.0 - std::pow(double(cfg.beta1), double(step));
-  const double bc2 = 1.0 - std::pow(double(cfg.beta2), double(step));
-  const float wd = p.weight_decay ? cfg.weight_decay : 0.0f;
-  const int64_t n = p.value.numel();
+void cuda_adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
+                     const Backend::AdamWStep& p) {
+  check_f32(w, "adamw_step", "w", -1);
+  check_f32(g, "adamw_step", "g", -1);
+  const DType md = m.dtype == DType::bf16 ? DType::bf16 : DType::f32;
+  check_dev(m, "adamw_step", "m", md, -1);
+  check_dev(v, "adamw_step", "v", md, -1);
+  const int64_t n = w.numel();
+  FP8MOE_CHECK(g.numel() == n && m.numel() == n && v.numel() == n,
+               "adamw_step: w " << w.str() << ", g " << g.str() << ", m " << m.str() << ", v " << v.str() << " differ in size");
+  FP8MOE_CHECK(p.step >= 1, "adamw_step: step = " << p.step << " must be the 1-based update count");
+  // The bias corrections exactly as the CPU op computes them (host std::pow).
+  const double bc1 = 1.0 - std::pow(double(p.beta1), double(p.step));
+  const double bc2 = 1.0 - std::pow(double(p.beta2), double(p.step));
   if (n == 0) return;
   constexpr int kThreads = 256;
   const unsigned grid = grid_for(n, kThreads, 65536);
   if (md == DType::bf16)
-    adamw_kernel<true><<<grid, kThreads>>>(p.value.ptr<float>(), p.grad.ptr<const float>(), m.data, v.data, n,
-                                           cfg.beta1, cfg.beta2, cfg.eps, wd, lr, grad_scale, bc1, bc2);
+    adamw_kernel<true><<<grid, kThreads>>>(w.ptr<float>(), g.ptr<const float>(), m.data, v.data, n, p.beta1, p.beta2,
+                                           p.eps, p.weight_decay, p.lr, p.grad_scale, bc1, bc2);
   else
-    adamw_kernel<false><<<grid, kThreads>>>(p.value.ptr<float>(), p.grad.ptr<const float>(), m.data, v.data, n,
-                                            cfg.beta1, cfg.beta2, cfg.eps, wd, lr, grad_scale, bc1, bc2);
+    adamw_kernel<false><<<grid, kThreads>>>(w.ptr<float>(), g.ptr<const float>(), m.data, v.data, n, p.beta1, p.beta2,
+                                            p.eps, p.weight_decay, p.lr, p.grad_scale, bc1, bc2);
   FP8MOE_CUDA_CHECK_LAUNCH("adamw_kernel");
 }
 

@@ -6,6 +6,7 @@
 
 #include "cuda_check.hpp"
 #include "kernel_api.hpp"
+#include "model_ops.hpp"
 
 namespace fp8moe {
 
@@ -91,6 +92,84 @@ class CudaBackend final : public Backend {
   void gemm_bf16(const TensorView& a, const TensorView& b, const TensorView& d, bool accumulate) override {
     cuda::gemm_bf16_cublaslt(a, b, d, accumulate, nullptr);
   }
+
+  // ---- Model ops: src/cuda/model_ops_*.cu (the CPU ops are their specification).
+  void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b,
+            bool accumulate) override {
+    cuda::cuda_gemm(a, b, d, trans_a, trans_b, accumulate);
+  }
+  void convert(const TensorView& src, const TensorView& dst) override { cuda::cuda_convert(src, dst); }
+  void axpy(double alpha, const TensorView& x, double beta, const TensorView& y) override {
+    cuda::cuda_axpy(alpha, x, beta, y);
+  }
+  void copy_cols(const TensorView& src, int64_t src_col, const TensorView& dst, int64_t dst_col, int64_t ncols,
+                 bool accumulate) override {
+    cuda::cuda_copy_cols(src, src_col, dst, dst_col, ncols, accumulate);
+  }
+  void transpose(const TensorView& src, const TensorView& dst) override { cuda::cuda_transpose(src, dst); }
+  void embedding_forward(const TensorView& ids, const TensorView& table, const TensorView& out) override {
+    cuda::cuda_embedding_forward(ids, table, out);
+  }
+  void embedding_backward(const TensorView& ids, const TensorView& dout, const TensorView& dtable) override {
+    cuda::cuda_embedding_backward(ids, dout, dtable);
+  }
+  void rmsnorm_forward(const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd,
+                       double eps) override {
+    cuda::cuda_rmsnorm_forward(x, w, y, rstd, eps);
+  }
+  void rmsnorm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd, const TensorView& dy,
+                        const TensorView& dx, const TensorView& dw, bool accumulate_dx) override {
+    cuda::cuda_rmsnorm_backward(x, w, rstd, dy, dx, dw, accumulate_dx);
+  }
+  void rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& positions, double theta,
+            bool inverse) override {
+    cuda::cuda_rope(x, col0, rot, positions, theta, inverse);
+  }
+  void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                         const TensorView& lse, int64_t seq_len, double scale) override {
+    cuda::cuda_attention_forward(q, k, v, out, lse, seq_len, scale);
+  }
+  void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                          const TensorView& lse, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                          const TensorView& dv, int64_t seq_len, double scale) override {
+    cuda::cuda_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, seq_len, scale);
+  }
+  void swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out) override {
+    cuda::cuda_swiglu_forward(gate, up, out);
+  }
+  void swiglu_backward(const TensorView& gate, const TensorView& up, const TensorView& dout, const TensorView& dgate,
+                       const TensorView& dup) override {
+    cuda::cuda_swiglu_backward(gate, up, dout, dgate, dup);
+  }
+  void cross_entropy(const TensorView& logits, const TensorView& targets, const TensorView& losses,
+                     const TensorView& dlogits, double grad_scale) override {
+    cuda::cuda_cross_entropy(logits, targets, losses, dlogits, grad_scale);
+  }
+  void moe_route(const TensorView& logits, const TensorView& bias, const TensorView& scores, const TensorView& idx,
+                 const TensorView& weights, int64_t n_group, int64_t topk_group, bool norm, double scaling) override {
+    cuda::cuda_moe_route(logits, bias, scores, idx, weights, n_group, topk_group, norm, scaling);
+  }
+  void moe_route_backward(const TensorView& scores, const TensorView& idx, const TensorView& dweights,
+                          const TensorView& dscores, const TensorView& dlogits, bool norm, double scaling) override {
+    cuda::cuda_moe_route_backward(scores, idx, dweights, dscores, dlogits, norm, scaling);
+  }
+  void gather_rows(const TensorView& src, const TensorView& idx, const TensorView& w, const TensorView& dst) override {
+    cuda::cuda_gather_rows(src, idx, w, dst);
+  }
+  void scatter_add_rows(const TensorView& src, const TensorView& idx, const TensorView& w,
+                        const TensorView& dst) override {
+    cuda::cuda_scatter_add_rows(src, idx, w, dst);
+  }
+  void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out) override {
+    cuda::cuda_rows_dot(a, b, out);
+  }
+
+  // ---- Optimizer ops.
+  void adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
+                  const AdamWStep& p) override {
+    cuda::cuda_adamw_step(w, g, m, v, p);
+  }
+  double sum_squares(const TensorView& x) override { return cuda::cuda_sum_squares(x); }
 
  private:
   bool cublaslt_;

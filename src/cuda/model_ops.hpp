@@ -10,7 +10,7 @@
 #pragma once
 #include <cstdint>
 
-#include "fp8moe/optimizer.hpp"
+#include "fp8moe/backend.hpp"
 #include "fp8moe/tensor.hpp"
 
 namespace fp8moe::cuda {
@@ -57,13 +57,11 @@ void cuda_scatter_add_rows(const TensorView& src, const TensorView& idx, const T
                            const TensorView& dst);
 void cuda_rows_dot(const TensorView& a, const TensorView& b, const TensorView& out);
 
-// ---- optimizer (adamw.cu) ----
-// One AdamW update of one parameter, exactly AdamW::step (src/train/optimizer.cpp) for that
-// parameter: p.value [n] f32 master weight (updated in place), p.grad [n] f32 (times grad_scale),
-// m, v [n] bf16 | f32 moments (one dtype, after cfg.moments; updated in place), `step` the 1-based
-// update count t (AdamW::steps() after its increment) for the bias corrections, p.weight_decay
-// selects cfg.weight_decay or 0. Bit-identical to the CPU update.
-void cuda_adamw_step(const ParamRef& p, const TensorView& m, const TensorView& v, const AdamWConfig& cfg,
-                     int64_t step, float lr, float grad_scale);
+// ---- optimizer (adamw.cu, reduce.cu) ----
+// Backend::adamw_step: bit-identical to the CPU op (src/cpu/ops_optim.cpp).
+void cuda_adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
+                     const Backend::AdamWStep& p);
+// Backend::sum_squares of an f32 tensor, FP64 accumulation in a fixed order (deterministic).
+double cuda_sum_squares(const TensorView& x);
 
 }  // namespace fp8moe::cuda

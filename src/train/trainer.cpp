@@ -48,21 +48,14 @@ int64_t resident_bytes() {
 
 // The first available backend, GPU first, that runs every op of the model and the host optimizer.
 std::string pick_backend(bool quiet) {
-  std::vector<std::string> names = available_backends();
-  for (auto it = names.rbegin(); it != names.rend(); ++it) {
-    auto be = make_backend(*it);
-    bool all = be->device() == Device::cpu;
-    for (int op = 0; all && op <= int(Op::rows_dot); ++op) all = be->supports(Op(op));
-    if (all) return *it;
-    if (!quiet) std::printf("note: backend '%s' does not run the whole training step yet; training on the CPU\n", it->c_str());
-  }
+  const std::string preferred = default_backend_name();
+  if (preferred == "cpu") return preferred;
+  auto be = make_backend(preferred);
+  bool all = true;
+  for (int op = 0; all && op <= int(Op::sum_squares); ++op) all = be->supports(Op(op));
+  if (all) return preferred;
+  if (!quiet) std::printf("note: backend '%s' does not run the whole training step yet; training on the CPU\n", preferred.c_str());
   return "cpu";
-}
-
-bool all_finite(const TensorView& t) {
-  for (int64_t i = 0; i < t.numel(); ++i)
-    if (!std::isfinite(load_float(t, i))) return false;
-  return true;
 }
 
 }  // namespace
@@ -94,8 +87,6 @@ struct Trainer::Impl {
     recipe = Recipe::from_name(opt.recipe);
     validate_config(cfg, recipe);
     backend = make_backend(opt.backend == "auto" ? pick_backend(opt.quiet) : opt.backend);
-    FP8MOE_CHECK(backend->device() == Device::cpu,
-                 "train: the optimizer runs on host parameters; backend '" << backend->name() << "' is not supported yet");
     model = std::make_unique<Model>(cfg, recipe, *backend, opt.seed);
     corpus = std::make_unique<TextCorpus>(opt.data);
     sampler = std::make_unique<WindowSampler>(corpus->train(), int(cfg.seq_len + 1), opt.seed);
@@ -108,10 +99,12 @@ struct Trainer::Impl {
     ac.beta2 = opt.beta2;
     ac.weight_decay = opt.weight_decay;
     ac.moments = opt.moments == "bf16" ? MomentPrecision::bf16 : MomentPrecision::f32;
-    adamw = std::make_unique<AdamW>(refs, ac);
+    adamw = std::make_unique<AdamW>(*backend, refs, ac);
     std::vector<ParamRef> ema_refs;
     for (Parameter* p : all) ema_refs.push_back({p->name, p->weight.view(), p->grad.view(), false});
-    ema = std::make_unique<ParameterEma>(ema_refs, opt.ema_decay);
+    // The EMA lives in host memory whatever the device: one device-to-host copy per step.
+    ema = std::make_unique<ParameterEma>(ema_refs, opt.ema_decay,
+                                         [this](const TensorView& dst, const TensorView& src) { backend->copy(dst, src); });
     schedule = {opt.lr, opt.lr * opt.min_lr_ratio, std::max<int64_t>(1, int64_t(opt.warmup_frac * float(opt.steps))), opt.steps};
     fs::create_directories(opt.out_dir);
     ckpt_path = (fs::path(opt.out_dir) / "checkpoint.safetensors").string();
@@ -121,13 +114,18 @@ struct Trainer::Impl {
   void save_checkpoint() {
     ema->wait();
     std::map<std::string, TensorView> tensors;
+    std::vector<Tensor> host;  // keeps the host copies of device tensors alive until written
+    auto add = [&](const std::string& name, const Tensor& t) {
+      host.push_back(backend->to_host(t));
+      tensors[name] = host.back().view();
+    };
     for (size_t i = 0; i < all.size(); ++i) {
-      tensors[all[i]->name] = all[i]->weight.view();
+      add(all[i]->name, all[i]->weight);
       tensors["ema." + all[i]->name] = ema->averages()[i].view();
     }
     for (size_t i = 0; i < refs.size(); ++i) {
-      tensors["optimizer.exp_avg." + refs[i].name] = adamw->first_moments()[i].view();
-      tensors["optimizer.exp_avg_sq." + refs[i].name] = adamw->second_moments()[i].view();
+      add("optimizer.exp_avg." + refs[i].name, adamw->first_moments()[i]);
+      add("optimizer.exp_avg_sq." + refs[i].name, adamw->second_moments()[i]);
     }
     const auto ss = sampler->state();
     save_safetensors(ckpt_path, tensors,
@@ -177,8 +175,8 @@ struct Trainer::Impl {
   // First parameter whose weight or gradient holds a NaN/Inf, for the error message.
   std::string first_non_finite() const {
     for (Parameter* p : all) {
-      if (!all_finite(p->grad.view())) return p->name + ".grad";
-      if (!all_finite(p->weight.view())) return p->name;
+      if (!std::isfinite(backend->sum_squares(p->grad.view()))) return p->name + ".grad";
+      if (!std::isfinite(backend->sum_squares(p->weight.view()))) return p->name;
     }
     return "(none among the parameters and gradients: the loss itself)";
   }
@@ -262,7 +260,7 @@ struct Trainer::Impl {
           for (size_t e = 0; e < st.expert_loads[l].size(); ++e) loads[l][e] += st.expert_loads[l][e];
         }
       }
-      const double norm = global_grad_norm(refs);
+      const double norm = global_grad_norm(*backend, refs);
       FP8MOE_CHECK(std::isfinite(agg.loss) && std::isfinite(norm),
                    "step " << step << ": non-finite " << (std::isfinite(agg.loss) ? "gradient norm" : "loss") << " (loss "
                            << agg.loss << ", grad norm " << norm << "); first non-finite tensor: " << first_non_finite()

@@ -189,6 +189,8 @@ TEST(Codecs, E5M6MatchesNearestValueOracle) {
 TEST(Codecs, E5M6RoundTripsEveryFiniteCode) {
   for (uint16_t c = 0; c < 4096; ++c) {
     float v = e5m6_decode(c);
-    if (std::isfinite(v)) EXPECT_EQ(e5m6_encode(v), c) << "code " << c;
+    if (std::isfinite(v)) {
+      EXPECT_EQ(e5m6_encode(v), c) << "code " << c;
+    }
   }
 }

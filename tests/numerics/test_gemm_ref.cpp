@@ -96,7 +96,9 @@ TEST_P(GemmRefShapes, FpropMatchesReferences) {
     EXPECT_LT(rel_error(got, dequantized_product(qa, qb)), out == DType::f32 ? 1e-6 : 4e-3);
     // Recipe error: against the product of the unquantized inputs. calc_diff is a statistic: with
     // a handful of outputs one unlucky element dominates it, so it is judged on 1024 or more.
-    if (M * N >= 1024) EXPECT_LT(calc_diff(got, plain_product(a, b)), 1e-3);
+    if (M * N >= 1024) {
+      EXPECT_LT(calc_diff(got, plain_product(a, b)), 1e-3);
+    }
   }
 }
 

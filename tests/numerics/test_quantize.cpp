@@ -120,8 +120,11 @@ TEST(Quantize, OutlierChangesOnlyItsOwnTile) {
         bool same_tile = c / 128 == ocol / 128 && (kind == ScaleKind::tile_1x128 ? r == orow : r / 128 == orow / 128);
         bool same = clean.values.ptr<uint8_t>()[r * C + c] == dirty.values.ptr<uint8_t>()[r * C + c] &&
                     clean.view().scale_at(r, c) == dirty.view().scale_at(r, c);
-        if (!same_tile) ASSERT_TRUE(same) << "element [" << r << ", " << c << "] changed";
-        else if (!(r == orow && c == ocol)) EXPECT_NE(clean.view().scale_at(r, c), dirty.view().scale_at(r, c));
+        if (!same_tile) {
+          ASSERT_TRUE(same) << "element [" << r << ", " << c << "] changed";
+        } else if (!(r == orow && c == ocol)) {
+          EXPECT_NE(clean.view().scale_at(r, c), dirty.view().scale_at(r, c));
+        }
       }
   }
 }
@@ -135,7 +138,9 @@ TEST(Quantize, AllZeroTileGivesFiniteScaleAndExactZeros) {
     for (int64_t c = 0; c < 256; ++c) {
       float s = q.view().scale_at(r, c);
       EXPECT_TRUE(std::isfinite(s) && s > 0);
-      if (!(r == 2 && c == 200)) EXPECT_EQ(q.values.ptr<uint8_t>()[r * 256 + c], 0);
+      if (!(r == 2 && c == 200)) {
+        EXPECT_EQ(q.values.ptr<uint8_t>()[r * 256 + c], 0);
+      }
     }
   EXPECT_EQ(q.view().scale_at(0, 0), 1.0f);
   EXPECT_EQ(e4m3_decode(q.values.ptr<uint8_t>()[2 * 256 + 200]) * q.view().scale_at(2, 200), 5.0f);
