@@ -26,10 +26,11 @@ run() {  # run <name> <seconds> <cmd...>
   timeout --signal=KILL "$limit" "$@" >"$OUT/$name.log" 2>&1
   echo "[$name] rc=$?"
 }
-find_bin() { for d in "$T" "$T/cuda" "$T/cpu"; do [ -x "$d/$1" ] && { echo "$d/$1"; return; }; done; }
+find_bin() { for d in "$T" "$T/cuda" "$T/cpu" "$T/model"; do [ -x "$d/$1" ] && { echo "$d/$1"; return; }; done; }
 
 run model_ops 120 "$(find_bin test_cuda_model_ops)"
 run backend_ops 120 "$(find_bin test_backend_ops)" --gtest_filter='*cuda*:*cublaslt*'
+run model_cuda 180 "$(find_bin test_model_cuda)"
 common=(-c "$CFG" --data "$DATA" --log-every 10 --eval-every 30 --eval-batches 4 --seed 7)
 for r in bf16 fp8; do
   run "train_gpu_$r" 200 "$CLI" train --backend "$GPU" --recipe "$r" "${common[@]}" --steps "$STEPS" -o "$OUT/gpu_$r"
@@ -41,6 +42,7 @@ run resume_b2 120 "$CLI" train --backend "$GPU" --recipe fp8 "${common[@]}" --st
 
 echo "== model ops ==";   grep -E "^\[  (PASSED|FAILED|SKIPPED) \]|Failure" "$OUT/model_ops.log" | head -20
 echo "== backend ops =="; grep -E "^\[  (PASSED|FAILED|SKIPPED) \]|Failure" "$OUT/backend_ops.log" | head -20
+echo "== model cuda vs cpu =="; grep -E "^\[  (PASSED|FAILED) \]|Failure|cuda/cpu|Expected|actual|Which" "$OUT/model_cuda.log" | head -30
 for r in bf16 fp8; do echo "== gpu $r =="; grep -E "^step|done|error" "$OUT/train_gpu_$r.log" | tail -8; done
 echo "== cpu fp8 (first steps) =="; grep -E "^step|error" "$OUT/train_cpu_fp8.log" | head -4
 echo "== gpu fp8 (first steps) =="; head -3 "$OUT/gpu_fp8/metrics.jsonl" | cut -c1-160
