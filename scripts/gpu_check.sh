@@ -7,6 +7,7 @@
 #   scripts/gpu_check.sh                      # configure + build in build-gpu/, then check
 #   FP8MOE_BIN=<dir> scripts/gpu_check.sh     # use <dir>/{fp8moe,test_cuda_quantize,test_cuda_gemm}
 #   FP8MOE_BENCH_SET=m4096 FP8MOE_ITERS=20 ... # bench subset / timed runs per case
+#   FP8MOE_BENCH_TILES=128x128,256x128/direct ... # also time these tiles on every GEMM case (D checked bit for bit)
 # Every step has a time limit, so a hung kernel shows up as a TIMEOUT row instead of a stuck run.
 set -u
 OUT=${OUT:-$PWD/gpu_check_out}

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -157,6 +158,36 @@ std::vector<GemmCase> gemm_cases(const std::string& set) {
   return v;
 }
 
+// FP8MOE_BENCH_TILES="128x192,128x128/pipe,128x160/direct,...": extra tiles timed on every case
+// (where compiled for its kind), each checked bit for bit against the chosen tile's D.
+std::vector<GemmTile> extra_tiles_from_env() {
+  std::vector<GemmTile> v;
+  const char* env = std::getenv("FP8MOE_BENCH_TILES");
+  if (!env) return v;
+  std::string s(env);
+  size_t pos = 0;
+  while (pos < s.size()) {
+    size_t end = s.find(',', pos);
+    if (end == std::string::npos) end = s.size();
+    const std::string item = s.substr(pos, end - pos);
+    pos = end + 1;
+    GemmTile t{};
+    if (std::sscanf(item.c_str(), "%dx%d", &t.block_m, &t.block_n) != 2) continue;
+    t.tma_epilogue = item.find("/direct") == std::string::npos;
+    t.pipelined = item.find("/pipe") != std::string::npos;
+    t.multicast = item.find("/mc2") != std::string::npos ? 2 : 1;
+    v.push_back(t);
+  }
+  return v;
+}
+
+std::string tile_name(const GemmTile& t) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%dx%d%s%s%s", t.block_m, t.block_n, t.tma_epilogue ? "" : "/direct",
+                t.multicast > 1 ? "/mc2" : "", t.pipelined ? "/pipe" : "");
+  return b;
+}
+
 }  // namespace
 
 int run_gemm_bench(const GemmBenchOptions& opt) {
@@ -181,6 +212,8 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
 
   Timer timer;
   bool all_ok = true;
+  const std::vector<GemmTile> extra = extra_tiles_from_env();
+  std::vector<std::vector<double>> extra_speedup(extra.size());  // chosen time / extra time, M=4096 fprop
   std::vector<double> r_m4096, r_small, r_wgrad, r_all;
   int case_id = 0;
   for (const GemmCase& gc : gemm_cases(opt.set)) {
@@ -234,6 +267,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
       has_alt = true;
     } else if (tile.block_m == 128 && tile.block_n == 128) {
       alt.multicast = 2;
+      alt.pipelined = false;  // multicast is compiled for the plain mainloop
       has_alt = true;
     }
     if (err_ours.empty() && has_alt)
@@ -243,6 +277,36 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     if (has_alt)
       std::snprintf(alt_s, sizeof alt_s, "%dx%d%s%s %.1f", alt.block_m, alt.block_n, alt.tma_epilogue ? "" : "/direct",
                     alt.multicast > 1 ? "/mc2" : "", t_mc);
+    // Extra tiles: time, then D bit for bit against the chosen tile's D (same inputs, zeroed/poisoned D).
+    std::vector<std::string> extra_rows;
+    if (err_ours.empty() && !extra.empty()) {
+      FP8MOE_CUDA_CHECK(cudaMemset(d_ours.p, wgrad ? 0x00 : 0xFF, dbytes));
+      gemm_fp8_sm90(aq.view, bq.view, dv_ours, wgrad, nullptr);
+      FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto want = to_host<uint8_t>(d_ours.p, dbytes);
+      for (size_t e = 0; e < extra.size(); ++e) {
+        const GemmTile& xt = extra[e];
+        double tx = NAN;
+        bool same = false;
+        try {
+          FP8MOE_CUDA_CHECK(cudaMemset(d_lt.p, wgrad ? 0x00 : 0xFF, dbytes));
+          gemm_fp8_sm90(aq.view, bq.view, dview(d_lt.p, ddt, M, N), wgrad, nullptr, &xt);
+          FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+          same = to_host<uint8_t>(d_lt.p, dbytes) == want;
+          tx = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dview(d_lt.p, ddt, M, N), wgrad, nullptr, &xt); },
+                               opt.warmup, opt.iters);
+        } catch (const std::exception&) {
+          continue;  // not compiled for this kind
+        }
+        char row[160];
+        std::snprintf(row, sizeof row, "#   tile %s: %.1f us, %.0f TFLOPS, %.3fx the chosen tile, D %s", tile_name(xt).c_str(),
+                      tx, 2.0 * double(M) * double(N) * double(K) / (tx * 1e-6) / 1e12, t_ours / tx,
+                      same ? "bit-identical" : "DIFFERS");
+        extra_rows.push_back(row);
+        if (!same) all_ok = false;
+        if (!wgrad && M == 4096 && N % 128 == 0) extra_speedup[e].push_back(t_ours / tx);
+      }
+    }
     if (err_lt.empty())
       t_lt = timer.median_us([&] { gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, wgrad, nullptr); }, opt.warmup, opt.iters);
     try {
@@ -320,6 +384,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     std::printf("| %s | %lld | %lld | %lld | %s | %.1f | %.0f | %.0f | %.0f | %.3f | %.2e | %.2e | %.2e | %s |%s\n", gc.kind,
                 (long long)M, (long long)N, (long long)K, tile_s, t_ours, tf(t_ours), tf(t_lt), tf(t_bf), ratio, cd, kerr,
                 vs_lt, alt_s, ok ? "" : " FAIL");
+    for (const std::string& r : extra_rows) std::printf("%s\n", r.c_str());
     if (!err_ours.empty()) std::printf("#   ours: %s\n", err_ours.c_str());
     if (!err_lt.empty()) std::printf("#   cuBLASLt FP8: %s\n", err_lt.c_str());
     if (!err_bf.empty()) std::printf("#   cuBLASLt BF16: %s\n", err_bf.c_str());
@@ -340,6 +405,10 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   std::printf("# geomean ours/cuBLASLt-FP8: M=4096 fprop %.3f (%zu) | M<=128 fprop %.3f (%zu) | wgrad %.3f (%zu) | all %.3f (%zu)\n",
               geo(r_m4096), r_m4096.size(), geo(r_small), r_small.size(), geo(r_wgrad), r_wgrad.size(), geo(r_all),
               r_all.size());
+  for (size_t e = 0; e < extra.size(); ++e)
+    if (!extra_speedup[e].empty())
+      std::printf("# geomean tile %s / chosen tile, M=4096 fprop: %.3fx (%zu)\n", tile_name(extra[e]).c_str(),
+                  geo(extra_speedup[e]), extra_speedup[e].size());
   std::printf("# correctness: %s\n", all_ok ? "all passed" : "FAILURES (see FAIL rows)");
   return all_ok ? 0 : 1;
 }

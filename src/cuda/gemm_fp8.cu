@@ -63,11 +63,11 @@ void check_row_major(const TensorView& t, const char* arg) {
                arg << ": expected a contiguous row-major 2-D tensor, got " << t.str());
 }
 
-template <int BM, int BN, bool kB1x128, bool kTmaEpi, int kMC>
+template <int BM, int BN, bool kB1x128, bool kTmaEpi, int kMC, bool kPipe>
 void launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa, const CUtensorMap& tsb,
             const CUtensorMap& td, GemmKernelArgs args, cudaStream_t stream) {
-  using T = GemmTraits<BM, BN, kB1x128, kTmaEpi, kMC>;
-  auto kernel = sm90_fp8_gemm_kernel<BM, BN, kB1x128, kTmaEpi, kMC>;
+  using T = GemmTraits<BM, BN, kB1x128, kTmaEpi, kMC, kPipe>;
+  auto kernel = sm90_fp8_gemm_kernel<BM, BN, kB1x128, kTmaEpi, kMC, kPipe>;
   static std::once_flag once;
   std::call_once(once, [&] {
     FP8MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
@@ -97,11 +97,12 @@ void launch(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa
   FP8MOE_CUDA_CHECK_LAUNCH("sm90_fp8_gemm_kernel");
 }
 
-template <int BM, int BN, bool kB1x128, bool kTmaEpi = true, int kMC = 1>
+template <int BM, int BN, bool kB1x128, bool kTmaEpi = true, int kMC = 1, bool kPipe = false>
 bool try_launch(const GemmTile& t, const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tsa,
                 const CUtensorMap& tsb, const CUtensorMap& td, const GemmKernelArgs& args, cudaStream_t stream) {
-  if (t.block_m != BM || t.block_n != BN || t.tma_epilogue != kTmaEpi || t.multicast != kMC) return false;
-  launch<BM, BN, kB1x128, kTmaEpi, kMC>(ta, tb, tsa, tsb, td, args, stream);
+  if (t.block_m != BM || t.block_n != BN || t.tma_epilogue != kTmaEpi || t.multicast != kMC || t.pipelined != kPipe)
+    return false;
+  launch<BM, BN, kB1x128, kTmaEpi, kMC, kPipe>(ta, tb, tsa, tsb, td, args, stream);
   return true;
 }
 
@@ -128,14 +129,14 @@ int gemm_fp8_sm90_max_active_clusters(const GemmTile& tile, bool b_1x128) {
   };
   if (b_1x128) {
     using T = GemmTraits<128, 128, true, true, 2>;
-    return query(sm90_fp8_gemm_kernel<128, 128, true, true, 2>, T::kSmemBytes, T::kNumThreads);
+    return query(sm90_fp8_gemm_kernel<128, 128, true, true, 2, false>, T::kSmemBytes, T::kNumThreads);
   }
   if (tile.tma_epilogue) {
     using T = GemmTraits<128, 128, false, true, 2>;
-    return query(sm90_fp8_gemm_kernel<128, 128, false, true, 2>, T::kSmemBytes, T::kNumThreads);
+    return query(sm90_fp8_gemm_kernel<128, 128, false, true, 2, false>, T::kSmemBytes, T::kNumThreads);
   }
   using T = GemmTraits<128, 128, false, false, 2>;
-  return query(sm90_fp8_gemm_kernel<128, 128, false, false, 2>, T::kSmemBytes, T::kNumThreads);
+  return query(sm90_fp8_gemm_kernel<128, 128, false, false, 2, false>, T::kSmemBytes, T::kNumThreads);
 }
 
 bool sm90_available() {
@@ -233,6 +234,11 @@ void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorV
          try_launch<128, 64, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
          try_launch<128, 128, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
          try_launch<128, 128, false, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<128, 128, false, true, 1, true>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<128, 128, false, false, 1, true>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<128, 160, false, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<128, 192, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
+         try_launch<128, 192, false, false>(t, ta, tb, tsa, tsb, td, args, stream) ||
          try_launch<128, 128, false, true, 2>(t, ta, tb, tsa, tsb, td, args, stream) ||
          try_launch<128, 128, false, false, 2>(t, ta, tb, tsa, tsb, td, args, stream) ||
          try_launch<256, 128, false, false>(t, ta, tb, tsa, tsb, td, args, stream);

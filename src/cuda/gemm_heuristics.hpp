@@ -4,7 +4,9 @@
 // the larger of its WGMMA time (bm*bn*128*2 FLOP at 8192 FLOP/clk/SM, derated for narrow N) and its
 // load time ((bm + bn) * 128 bytes at ~48 B/clk/SM from L2). Cost = waves * per-block time; ties
 // go to the larger tile (less global traffic). Small M thus gets narrow N tiles that spread B over
-// all SMs; large M gets 128x128 or 256x128.
+// all SMs. Tiles of 128 rows and up then go through a wave model calibrated on measured times
+// (choose_gemm_tile): the pipelined 128x128, 128x192 (fewer waves for N = 2112, fewer epilogues
+// for short K) or 256x128.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -21,6 +23,9 @@ struct GemmTile {
   // CTAs per cluster that share the B tile through TMA multicast (1 or 2, 128x128 only): halves
   // the L2 -> SM traffic of B.
   int multicast = 1;
+  // Pipelined mainloop (1d2d, 128-row tiles): each math warpgroup queues the WGMMAs of K block
+  // k+1 before it promotes block k, holding two accumulator sets.
+  bool pipelined = false;
 };
 
 // Tile shapes compiled into the library (gemm_fp8.cu instantiates exactly these).
@@ -28,6 +33,8 @@ inline const std::vector<GemmTile>& gemm_tiles(bool b_1x128) {
   static const std::vector<GemmTile> k1d2d{{64, 16}, {64, 32}, {64, 64}, {64, 128},
                                            {128, 16}, {128, 32}, {128, 64}, {128, 128},
                                            {128, 128, false}, {128, 128, true, 2}, {128, 128, false, 2},
+                                           {128, 128, true, 1, true}, {128, 128, false, 1, true},
+                                           {128, 160, false}, {128, 192}, {128, 192, false},
                                            {256, 128, false}};
   static const std::vector<GemmTile> k1d1d{{64, 64}, {64, 128}, {128, 64}, {128, 128}, {128, 128, true, 2}};
   return b_1x128 ? k1d1d : k1d2d;
@@ -53,6 +60,7 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
   double best_cost = -1;
   for (const GemmTile& t : gemm_tiles(b_1x128)) {
     if ((!t.tma_epilogue && t.block_m != 256) || t.multicast != 1) continue;  // variants picked below
+    if (t.pipelined || t.block_n > 128) continue;  // chosen below
     // 256-row tiles only pay off with long K (measured: for K <= 2048 the staged 128x128 epilogue
     // wins) and many rows.
     if (t.block_m == 256 && (M < 1024 || K < 4096)) continue;
@@ -68,7 +76,25 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     // NOTES: the multicast variant is correct (tested) but measured 2x slower on H200 (it looked
     // like only half the clusters were resident), so it is not picked; `fp8moe bench gemm` times it
     // beside the chosen tile and prints the cluster occupancy.
-    (void)M;
+  }
+  // NOTES: the pipelined mainloop is not used for 1x128 B (Wgrad): reading the per-column s_b from
+  // shared memory during the promotion made it 13-17% slower than the plain 128x128 (H200).
+  // 128x128 B (Fprop/Dgrad), 128-row tiles and up: a calibrated wave model over the three fastest
+  // kernels (H200, 2026-11-29, M = 4096). Per wave: num_k_blocks * c_k + c_e (the epilogue), in
+  // units of one pipelined 128x128 K block (~0.45 us): 128x128/pipe 1 + 1.9, 128x192 1.415 + 3.1,
+  // 256x128/direct 2.02 + 6.4 (K >= 4096 only).
+  if (!b_1x128 && best.block_m >= 128 && best.block_n == 128) {
+    const double kb = double(K / 128);
+    auto waves = [&](int bm, int bn) {
+      const int64_t tiles = ((M + bm - 1) / bm) * ((N + bn - 1) / bn);
+      return double((tiles + num_sms - 1) / num_sms);
+    };
+    const double c128 = waves(128, 128) * (kb * 1.0 + 1.9);
+    const double c192 = waves(128, 192) * (kb * 1.415 + 3.1);
+    const double c256 = K >= 4096 && M >= 1024 ? waves(256, 128) * (kb * 2.02 + 6.4) : 1e300;
+    if (c128 <= c192 && c128 <= c256) best = {128, 128, true, 1, true};
+    else if (c192 <= c256) best = {128, 192, true, 1, false};
+    else best = {256, 128, false, 1, false};
   }
   return best;
 }

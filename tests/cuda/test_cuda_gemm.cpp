@@ -71,7 +71,7 @@ struct Case {
 
 TEST_F(CudaGemm, SmallIntegersExactForEveryTile) {
   auto rng = make_rng();
-  const Case cases[] = {{128, 128, 128}, {200, 136, 384}, {64, 16, 256}, {1, 40, 128}, {300, 520, 1024}, {129, 250, 256}};
+  const Case cases[] = {{128, 128, 128}, {200, 136, 384}, {64, 16, 256}, {1, 40, 128}, {300, 520, 1024}, {129, 250, 256}, {256, 704, 512}};
   for (bool b_1x128 : {false, true}) {
     const ScaleKind bkind = b_1x128 ? ScaleKind::tile_1x128 : ScaleKind::block_128x128;
     for (const Case& c : cases) {
@@ -90,7 +90,7 @@ TEST_F(CudaGemm, SmallIntegersExactForEveryTile) {
           const int64_t mis = first_mismatch(got, ref);
           EXPECT_EQ(mis, -1) << (b_1x128 ? "1d1d" : "1d2d") << " tile " << t.block_m << "x" << t.block_n
                              << (t.tma_epilogue ? " tma-epilogue" : " direct-epilogue") << " multicast " << t.multicast
-                             << " M=" << c.M
+                             << (t.pipelined ? " pipelined" : "") << " M=" << c.M
                              << " N=" << c.N << " K=" << c.K << " " << dtype_name(dt) << ": first mismatch at ["
                              << (mis >= 0 ? mis / c.N : 0) << ", " << (mis >= 0 ? mis % c.N : 0) << "] got "
                              << (mis >= 0 ? load_float(got.view(), mis) : 0) << " want "

@@ -9,8 +9,11 @@
 // BLOCK_M x BLOCK_N tile. Per 128-wide K block it issues four m64nNk32 WGMMAs into `acc` (Tensor
 // Core accumulation, restarted from zero at each block), waits, releases the stage, and promotes:
 // final += (s_a * s_b) * acc in FP32 registers on the CUDA cores. Two math warpgroups alternate
-// naturally: while one promotes, the other's WGMMAs run. The grid is persistent (one CTA per SM),
-// tiles come from TileScheduler.
+// naturally: while one promotes, the other's WGMMAs run. The pipelined variant (kPipe, 1d2d)
+// keeps two accumulator sets per warpgroup and queues block k+1's WGMMAs before promoting block k
+// (wgmma.wait_group 1), so the Tensor Cores never wait for a promotion. 1d2d tiles of BLOCK_N
+// 160/192 meet two 128-row scale blocks of B; the promotion picks s_b per column group through a
+// compile-time boundary. The grid is persistent (one CTA per SM), tiles come from TileScheduler.
 //
 // Shared memory: per math warpgroup a staging tile for the epilogue (bf16 for 1d2d, f32 for
 // 1d1d; StagingTile in epilogue.cuh), then per stage: A tile [BLOCK_M, 128] e4m3 (128B-swizzled,
@@ -36,8 +39,10 @@ namespace fp8moe::cuda {
 constexpr int kBlockK = 128;
 constexpr int kMaxSmemBytes = 232448;  // sm_90 opt-in limit per block
 
-template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue = true, int kMC = 1>
+template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue = true, int kMC = 1, bool kPipe = false>
 struct GemmTraits {
+  // kPipe: the WGMMAs of K block k+1 are issued before block k is promoted (two accumulator sets).
+  static constexpr bool kPipelined = kPipe;
   static constexpr int kMulticast = kMC;  // CTAs per cluster sharing (multicasting) the B tile
   // Up to two math warpgroups; BLOCK_M = 256 gives each of them two m64 "waves" (rows
   // 64*wg + 128*w), sharing every B tile between four m64 WGMMA batches instead of two.
@@ -69,12 +74,40 @@ struct GemmTraits {
   static_assert(kWaves == 1 || (!kB1x128 && !kTmaEpilogue && kMC == 1),
                 "BLOCK_M = 256: 1d2d with the direct epilogue only (registers)");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 192, "BLOCK_N: a WGMMA N");
-  static_assert(kB1x128 || kBlockK % BLOCK_N == 0 || BLOCK_N % kBlockK == 0,
-                "1d2d: a tile must not straddle a 128-row scale block of B partially");
+  // 1d2d: n0 % 128 is a multiple of kSbAlign, so a tile meets at most two 128-row scale blocks of B
+  // when BLOCK_N + (128 - kSbAlign) <= 256 (16..128 | 144, 160, 192, 256 yes; 176 no).
+  static constexpr int kSbAlign = BLOCK_N % kBlockK == 0 ? kBlockK : (BLOCK_N & -BLOCK_N);
+  static_assert(kB1x128 || BLOCK_N + kBlockK - kSbAlign <= 2 * kBlockK,
+                "1d2d: a tile must not meet three 128-row scale blocks of B");
+  static_assert(!kPipe || kWaves == 1, "pipelined mainloop: one wave per warpgroup (registers)");
   static_assert(kSmemA % 1024 == 0 && kSmemB % 1024 == 0, "swizzle-128B tiles need 1024-byte alignment");
   static_assert(kStages >= 2, "shared memory too small for two stages");
   static_assert(kMC == 1 || (kMC == 2 && BLOCK_N % 16 == 0), "multicast: 1 or 2 CTAs, B halves of whole swizzle atoms");
 };
+
+// 1d2d promotion of one m64 fragment: fa += (s_a * s_b) * acc, with s_b = sb0 for tile columns
+// < bnd and sb1 from there on; s00 = s_a(row) * sb0, s10 = s_a(row + 8) * sb0, s01/s11 with sb1.
+// bnd (a multiple of kStep) is made a compile-time kBnd by uniform branches, a few per K block;
+// kBnd = BLOCK_N: the whole tile uses sb0.
+template <int BLOCK_N, int kStep, int kBnd = BLOCK_N>
+__device__ __forceinline__ void promote_1d2d(uint32_t bnd, float (&fa)[BLOCK_N / 2], const float (&acc)[BLOCK_N / 2],
+                                             float s00, float s10, float s01, float s11) {
+  if constexpr (kBnd > kStep) {
+    if (bnd < uint32_t(kBnd)) {
+      promote_1d2d<BLOCK_N, kStep, kBnd - kStep>(bnd, fa, acc, s00, s10, s01, s11);
+      return;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < BLOCK_N / 8; ++j) {
+    const bool second = 8 * j >= kBnd;
+    // NOTES: written as fmaf so that the promotion is one FFMA per accumulator.
+    fa[4 * j + 0] = fmaf(second ? s01 : s00, acc[4 * j + 0], fa[4 * j + 0]);
+    fa[4 * j + 1] = fmaf(second ? s01 : s00, acc[4 * j + 1], fa[4 * j + 1]);
+    fa[4 * j + 2] = fmaf(second ? s11 : s10, acc[4 * j + 2], fa[4 * j + 2]);
+    fa[4 * j + 3] = fmaf(second ? s11 : s10, acc[4 * j + 3], fa[4 * j + 3]);
+  }
+}
 
 struct GemmKernelArgs {
   const float* sb_blk;  // 1d2d: B scales [ceil(N/128), K/128] f32 row-major
@@ -82,8 +115,8 @@ struct GemmKernelArgs {
   uint32_t M, N, K;
 };
 
-template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue, int kMC>
-__global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue, kMC>::kNumThreads, 1)
+template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue, int kMC, bool kPipe>
+__global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue, kMC, kPipe>::kNumThreads, 1)
     sm90_fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,   // A [M, K] e4m3, box [BLOCK_M, 128]
                          const __grid_constant__ CUtensorMap tmap_b,   // B [N, K] e4m3, box [BLOCK_N / kMC, 128]
                          const __grid_constant__ CUtensorMap tmap_sa,  // s_a [K/128, ld(M)] f32, box [1, BLOCK_M]
@@ -91,7 +124,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
                          const __grid_constant__ CUtensorMap tmap_d,   // D [M, N], box [64, 128 B], 128B swizzle
                          const GemmKernelArgs args) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using T = GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue, kMC>;
+  using T = GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue, kMC, kPipe>;
   using Mma = WgmmaFp8<BLOCK_N>;
   constexpr int STAGES = T::kStages;
   constexpr int kNumAccum = Mma::kNumAccum;  // BLOCK_N / 2 f32 per thread
@@ -182,10 +215,50 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     const uint32_t r_frag = wg * 64 + (warp % 4) * 16 + lane / 4;  // tile row of d[0] (wave 0); d[2] is 8 below
     const uint32_t c_frag = 2 * (lane % 4);                        // tile column of d[0]
     const uint32_t sb_ld = num_k_blocks;                           // 1d2d: row stride of sb_blk
+    // 1d2d: the tile may meet two 128-row scale blocks of B; columns >= bnd use the second.
+    constexpr bool kTwoSb = !kB1x128 && BLOCK_N > T::kSbAlign;
 
     uint32_t stage = 0, phase = 0;
-    float acc[kNumAccum];
     float final_acc[W][kNumAccum];
+
+    // Hands stage `s` back to the producer(s): its shared-memory reads are complete.
+    auto release = [&](uint32_t s) {
+      if (lane == 0) {
+        if constexpr (kMC > 1) {
+#pragma unroll
+          for (uint32_t r = 0; r < uint32_t(kMC); ++r) {
+            if (r == rank) ptx::mbar_arrive(&empty_bar[s]);
+            else ptx::mbar_arrive_cluster(&empty_bar[s], r);
+          }
+        } else {
+          ptx::mbar_arrive(&empty_bar[s]);
+        }
+      }
+    };
+    // Four m64nNk32 WGMMAs over the 128-wide K block of stage `s`, wave `w`, into `acc` (one commit group).
+    auto issue = [&](uint32_t s, int w, float (&acc)[kNumAccum]) {
+      const uint64_t desc_b = make_smem_desc_k128b(smem_b + s * T::kSmemB);
+      const uint64_t desc_a = make_smem_desc_k128b(smem_a + s * T::kSmemA + (w * 128 + wg * 64) * kBlockK);
+#pragma unroll
+      for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBlockK / 32; ++k) {
+        // 32 e4m3 along K = 32 bytes = 2 descriptor address units.
+        Mma::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
+      }
+      ptx::wgmma_commit();
+#pragma unroll
+      for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
+    };
+    auto promote_1d2d_at = [&](uint32_t bnd, float (&fa)[kNumAccum], const float (&acc)[kNumAccum], float sa0,
+                               float sa1, float sb0, float sb1) {
+      constexpr int kStep = kTwoSb ? T::kSbAlign : BLOCK_N;
+      promote_1d2d<BLOCK_N, kStep>(bnd, fa, acc, sa0 * sb0, sa1 * sb0, sa0 * sb1, sa1 * sb1);
+    };
+
+    float acc[kNumAccum];
+    float acc2[T::kPipelined ? kNumAccum : 1];  // second accumulator set of the pipelined mainloop
 
     for (uint32_t tile = cluster_id; tile < sched.num_tiles; tile += num_clusters) {
       uint32_t m_blk, n_blk;
@@ -196,89 +269,131 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 #pragma unroll
         for (int i = 0; i < kNumAccum; ++i) final_acc[w][i] = 0.0f;
 
-      // 1d2d: s_b of 128-row block n0/128 (BLOCK_N <= 128), or of n0/128 and n0/128 + 1.
+      // 1d2d: s_b of 128-row block n0/128, and of the next one from tile column bnd on.
       const float* sb_row = kB1x128 ? nullptr : args.sb_blk + (n0 / kBlockK) * sb_ld;
-      constexpr bool kTwoSb = !kB1x128 && BLOCK_N > kBlockK;
-      const bool has_second_sb = kTwoSb && (n0 + kBlockK < args.N);
+      const uint32_t bnd = kBlockK - n0 % kBlockK;
+      const bool has_second_sb = kTwoSb && (n0 + bnd < args.N);
+      auto load_sb = [&](uint32_t kb, float& sb0, float& sb1) {
+        sb0 = __ldg(sb_row + kb);
+        sb1 = 0.0f;
+        if constexpr (kTwoSb) sb1 = has_second_sb ? __ldg(sb_row + sb_ld + kb) : 0.0f;
+      };
 
-      for (uint32_t kb = 0; kb < num_k_blocks; ++kb) {
-        float sb0 = 0.0f, sb1 = 0.0f;
-        if constexpr (!kB1x128) {
-          sb0 = __ldg(sb_row + kb);
-          if constexpr (kTwoSb) sb1 = has_second_sb ? __ldg(sb_row + sb_ld + kb) : 0.0f;
-        }
-        ptx::mbar_wait(&full_bar[stage], phase);
-
-        // Read the scales of this stage before releasing it.
-        float sa0[W], sa1[W];
+      if constexpr (T::kPipelined) {
+        // NOTES: pipelined mainloop: the WGMMAs of block k+1 are queued before block k is promoted,
+        // so the Tensor Cores never wait for this warpgroup's promotion, its barrier waits or its
+        // stage release (wgmma groups complete in order: wait_group 1 = block k done).
+        // Each point of the loop has one known set of WGMMAs in flight (ptxas serialises the
+        // WGMMAs when it cannot tell), hence the explicit two-way unrolling.
+        float sa0c, sa1c, sb0c, sb1c;  // scales of the block in flight
+        float sa0n, sa1n, sb0n, sb1n;  // scales of the block issued next
+        // Waits for the stage of block kb, reads its scales and queues its WGMMAs into `dst`.
+        auto start = [&](uint32_t kb, float (&dst)[kNumAccum], float& sa0, float& sa1, float& sb0, float& sb1) {
+          sb0 = sb1 = 0.0f;
+          if constexpr (!kB1x128) load_sb(kb, sb0, sb1);
+          ptx::mbar_wait(&full_bar[stage], phase);
+          sa0 = smem_sa[stage * BLOCK_M + r_frag];
+          sa1 = smem_sa[stage * BLOCK_M + r_frag + 8];
+          issue(stage, 0, dst);
+          if (++stage == STAGES) stage = 0, phase ^= 1;
+        };
+        // The block in `src` is complete: release its stage, promote it.
+        auto finish = [&](uint32_t s, float (&src)[kNumAccum]) {
 #pragma unroll
-        for (int w = 0; w < W; ++w) {
-          sa0[w] = smem_sa[stage * BLOCK_M + w * 128 + r_frag];
-          sa1[w] = smem_sa[stage * BLOCK_M + w * 128 + r_frag + 8];
-        }
-        float sbc[kB1x128 ? BLOCK_N / 4 : 1];  // 1d1d: s_b of columns 8j + c_frag + {0, 1}
-        if constexpr (kB1x128) {
+          for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(src[i]);
+          if constexpr (kB1x128) {
+            // NOTES: 1d1d reads the per-column s_b straight from the stage (holding them would
+            // cost BLOCK_N / 4 registers next to two accumulator sets), so it releases afterwards.
+            float(&fa)[kNumAccum] = final_acc[0];
 #pragma unroll
-          for (int j = 0; j < BLOCK_N / 8; ++j) {
-            const float2 v = *reinterpret_cast<const float2*>(&smem_sb[stage * BLOCK_N + 8 * j + c_frag]);
-            sbc[2 * j] = v.x;
-            sbc[2 * j + 1] = v.y;
-          }
-        }
-
-        const uint64_t desc_b = make_smem_desc_k128b(smem_b + stage * T::kSmemB);
-#pragma unroll
-        for (int w = 0; w < W; ++w) {
-          const uint64_t desc_a = make_smem_desc_k128b(smem_a + stage * T::kSmemA + (w * 128 + wg * 64) * kBlockK);
-#pragma unroll
-          for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
-          ptx::wgmma_fence();
-#pragma unroll
-          for (int k = 0; k < kBlockK / 32; ++k) {
-            // 32 e4m3 along K = 32 bytes = 2 descriptor address units.
-            Mma::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
-          }
-          ptx::wgmma_commit();
-#pragma unroll
-          for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
-          ptx::wgmma_wait<0>();
-
-          if (w == W - 1) {
-            // Shared-memory reads of this stage are complete: hand it back to the producer.
-            if (lane == 0) {
-              if constexpr (kMC > 1) {
-#pragma unroll
-                for (uint32_t r = 0; r < uint32_t(kMC); ++r) {
-                  if (r == rank) ptx::mbar_arrive(&empty_bar[stage]);
-                  else ptx::mbar_arrive_cluster(&empty_bar[stage], r);
-                }
-              } else {
-                ptx::mbar_arrive(&empty_bar[stage]);
-              }
+            for (int j = 0; j < BLOCK_N / 8; ++j) {
+              const float2 sb = *reinterpret_cast<const float2*>(&smem_sb[s * BLOCK_N + 8 * j + c_frag]);
+              fa[4 * j + 0] = fmaf(sa0c * sb.x, src[4 * j + 0], fa[4 * j + 0]);
+              fa[4 * j + 1] = fmaf(sa0c * sb.y, src[4 * j + 1], fa[4 * j + 1]);
+              fa[4 * j + 2] = fmaf(sa1c * sb.x, src[4 * j + 2], fa[4 * j + 2]);
+              fa[4 * j + 3] = fmaf(sa1c * sb.y, src[4 * j + 3], fa[4 * j + 3]);
             }
-            if (++stage == STAGES) stage = 0, phase ^= 1;
+            release(s);
+          } else {
+            release(s);
+            promote_1d2d_at(bnd, final_acc[0], src, sa0c, sa1c, sb0c, sb1c);
           }
+        };
+        uint32_t cur_stage = stage;
+        start(0, acc, sa0c, sa1c, sb0c, sb1c);
+        for (uint32_t kb = 0;;) {
+          // acc holds block kb in flight.
+          if (kb + 1 == num_k_blocks) {
+            ptx::wgmma_wait<0>();
+            finish(cur_stage, acc);
+            break;
+          }
+          uint32_t nxt_stage = stage;
+          start(kb + 1, acc2, sa0n, sa1n, sb0n, sb1n);
+          ptx::wgmma_wait<1>();
+          finish(cur_stage, acc);
+          cur_stage = nxt_stage, sa0c = sa0n, sa1c = sa1n, sb0c = sb0n, sb1c = sb1n;
+          ++kb;
+          // acc2 holds block kb in flight.
+          if (kb + 1 == num_k_blocks) {
+            ptx::wgmma_wait<0>();
+            finish(cur_stage, acc2);
+            break;
+          }
+          nxt_stage = stage;
+          start(kb + 1, acc, sa0n, sa1n, sb0n, sb1n);
+          ptx::wgmma_wait<1>();
+          finish(cur_stage, acc2);
+          cur_stage = nxt_stage, sa0c = sa0n, sa1c = sa1n, sb0c = sb0n, sb1c = sb1n;
+          ++kb;
+        }
+      } else {
+        for (uint32_t kb = 0; kb < num_k_blocks; ++kb) {
+          float sb0 = 0.0f, sb1 = 0.0f;
+          if constexpr (!kB1x128) load_sb(kb, sb0, sb1);
+          ptx::mbar_wait(&full_bar[stage], phase);
 
-          // Promotion: final += (s_a * s_b) * acc, in FP32 on the CUDA cores.
-          float* fa = final_acc[w];
+          // Read the scales of this stage before releasing it.
+          float sa0[W], sa1[W];
+#pragma unroll
+          for (int w = 0; w < W; ++w) {
+            sa0[w] = smem_sa[stage * BLOCK_M + w * 128 + r_frag];
+            sa1[w] = smem_sa[stage * BLOCK_M + w * 128 + r_frag + 8];
+          }
+          float sbc[kB1x128 ? BLOCK_N / 4 : 1];  // 1d1d: s_b of columns 8j + c_frag + {0, 1}
           if constexpr (kB1x128) {
 #pragma unroll
             for (int j = 0; j < BLOCK_N / 8; ++j) {
-              fa[4 * j + 0] += (sa0[w] * sbc[2 * j]) * acc[4 * j + 0];
-              fa[4 * j + 1] += (sa0[w] * sbc[2 * j + 1]) * acc[4 * j + 1];
-              fa[4 * j + 2] += (sa1[w] * sbc[2 * j]) * acc[4 * j + 2];
-              fa[4 * j + 3] += (sa1[w] * sbc[2 * j + 1]) * acc[4 * j + 3];
+              const float2 v = *reinterpret_cast<const float2*>(&smem_sb[stage * BLOCK_N + 8 * j + c_frag]);
+              sbc[2 * j] = v.x;
+              sbc[2 * j + 1] = v.y;
             }
-          } else {
-            const float s00 = sa0[w] * sb0, s10 = sa1[w] * sb0;
-            const float s01 = sa0[w] * sb1, s11 = sa1[w] * sb1;
+          }
+
 #pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j) {
-              const bool second = kTwoSb && (8 * j >= kBlockK);
-              fa[4 * j + 0] += (second ? s01 : s00) * acc[4 * j + 0];
-              fa[4 * j + 1] += (second ? s01 : s00) * acc[4 * j + 1];
-              fa[4 * j + 2] += (second ? s11 : s10) * acc[4 * j + 2];
-              fa[4 * j + 3] += (second ? s11 : s10) * acc[4 * j + 3];
+          for (int w = 0; w < W; ++w) {
+            issue(stage, w, acc);
+            ptx::wgmma_wait<0>();
+#pragma unroll
+            for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
+
+            if (w == W - 1) {
+              release(stage);
+              if (++stage == STAGES) stage = 0, phase ^= 1;
+            }
+
+            // Promotion: final += (s_a * s_b) * acc, in FP32 on the CUDA cores.
+            float(&fa)[kNumAccum] = final_acc[w];
+            if constexpr (kB1x128) {
+#pragma unroll
+              for (int j = 0; j < BLOCK_N / 8; ++j) {
+                fa[4 * j + 0] = fmaf(sa0[w] * sbc[2 * j], acc[4 * j + 0], fa[4 * j + 0]);
+                fa[4 * j + 1] = fmaf(sa0[w] * sbc[2 * j + 1], acc[4 * j + 1], fa[4 * j + 1]);
+                fa[4 * j + 2] = fmaf(sa1[w] * sbc[2 * j], acc[4 * j + 2], fa[4 * j + 2]);
+                fa[4 * j + 3] = fmaf(sa1[w] * sbc[2 * j + 1], acc[4 * j + 3], fa[4 * j + 3]);
+              }
+            } else {
+              promote_1d2d_at(bnd, fa, acc, sa0[w], sa1[w], sb0, sb1);
             }
           }
         }
