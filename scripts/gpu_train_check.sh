@@ -18,6 +18,7 @@ CFG=${FP8MOE_CONFIG:-configs/small.json}
 STEPS=${FP8MOE_STEPS:-60}
 GPU=${FP8MOE_GPU_BACKEND:-cuda}  # cpu: a dry run of this script without a GPU
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}
+export FP8MOE_SOURCE_DIR=$PWD  # configs/ for test binaries built elsewhere
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 run() {  # run <name> <seconds> <cmd...>

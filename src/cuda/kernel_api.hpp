@@ -34,6 +34,9 @@ void quantize_128x1_cuda(const TensorView& x, const QuantizedView& out, ScaleMod
                          bool check_finite);
 void requantize_128x1_cuda(const QuantizedView& in, const QuantizedView& out, ScaleMode mode, cudaStream_t stream);
 void dequantize_cuda(const QuantizedView& in, const TensorView& out, cudaStream_t stream);
+// E5M6 (quantize_e5m6.cu): 1x128 only, the attention-out cache; bit-exact with the CPU codecs.
+void quantize_1x128_e5m6_cuda(const TensorView& x, const QuantizedView& out, ScaleMode mode, cudaStream_t stream);
+void dequantize_e5m6_cuda(const QuantizedView& in, const TensorView& out, cudaStream_t stream);
 
 // ---- cuBLASLt (cublaslt.cu) ----
 // FP8 block-scaled GEMM through cuBLASLt (VEC128_32F x BLK128x128_32F, or VEC128 x VEC128 for a

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "fp8moe/error.hpp"
+#include "fp8moe/minifloat_encode.hpp"
 
 namespace fp8moe {
 
@@ -15,46 +16,11 @@ namespace {
 uint32_t nan_code(const MiniFloatFormat& f) {
   return (1u << (f.exp_bits + f.man_bits)) - 1;  // exponent and mantissa all ones
 }
-uint32_t inf_code(const MiniFloatFormat& f) { return ((1u << f.exp_bits) - 1) << f.man_bits; }
-uint32_t max_code(const MiniFloatFormat& f) {
-  return f.has_inf ? inf_code(f) - 1 : nan_code(f) - 1;
-}
 }  // namespace
 
 uint32_t minifloat_encode(const MiniFloatFormat& f, float x, Saturate sat) {
-  const uint32_t u = std::bit_cast<uint32_t>(x), a = u & 0x7FFFFFFFu;
-  const int width = 1 + f.exp_bits + f.man_bits;
-  const uint32_t sign = (u >> 31) << (width - 1);
-  if (a > 0x7F800000u) return nan_code(f);  // canonical, positive NaN (as cuda_fp8.h for float input)
-  const uint32_t overflow = sat == Saturate::finite ? max_code(f) : (f.has_inf ? inf_code(f) : nan_code(f));
-  if (a == 0x7F800000u) return sign | overflow;
-  // NOTES: float subnormals (and zero) are far below half the smallest code of every format here.
-  if ((a >> 23) == 0) return sign;
-  const int fexp = int(a >> 23) - 127;        // |x| = mant * 2^(fexp - 23)
-  const uint32_t mant = (a & 0x7FFFFFu) | 0x800000u;
-  const int emin = 1 - f.bias;                // exponent of the smallest normal
-  const int e = std::max(fexp, emin);         // binade of the result (subnormals share emin's quantum)
-  const int shift = 23 - f.man_bits + (e - fexp);
-  uint32_t n = 0;                             // |x| in quanta of 2^(e - man_bits), rounded to nearest even
-  if (shift < 32) {
-    n = mant >> shift;
-    const uint32_t rem = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (n & 1))) ++n;
-  }
-  if (n == 0) return sign;
-  uint32_t code;
-  if (n >= (1u << f.man_bits)) {              // normal (possibly rounded up into the next binade)
-    int field = e + f.bias;
-    if (n >= (2u << f.man_bits)) {
-      n >>= 1;
-      ++field;
-    }
-    code = (uint32_t(field) << f.man_bits) | (n - (1u << f.man_bits));
-  } else {
-    code = n;                                 // subnormal: exponent field 0
-  }
-  if (code > max_code(f)) return sign | overflow;
-  return sign | code;
+  return minifloat_encode_bits(std::bit_cast<uint32_t>(x), f.exp_bits, f.man_bits, f.bias, f.has_inf,
+                               sat == Saturate::finite);
 }
 
 double minifloat_decode(const MiniFloatFormat& f, uint32_t code) {

@@ -76,8 +76,10 @@ TEST_P(BackendOps, MatchesCpu) {
       case Op::quantize_1x128:
       case Op::quantize_128x1: {
         const bool t = c.op == Op::quantize_128x1;
-        auto want = make_quantized_host(t ? K : M, t ? M : K, DType::e4m3, ScaleKind::tile_1x128);
-        auto got = be->empty_quantized(t ? K : M, t ? M : K, DType::e4m3, ScaleKind::tile_1x128);
+        // E5M6 (the attention-out cache, power-of-two scales) through the 1x128 quantizer.
+        const DType qt = !t && mode == ScaleMode::pow2 ? DType::e5m6 : DType::e4m3;
+        auto want = make_quantized_host(t ? K : M, t ? M : K, qt, ScaleKind::tile_1x128);
+        auto got = be->empty_quantized(t ? K : M, t ? M : K, qt, ScaleKind::tile_1x128);
         poison(*be, got.values);
         poison(*be, got.scales);
         Tensor dx = upload(*be, x);
@@ -115,7 +117,7 @@ TEST_P(BackendOps, MatchesCpu) {
         break;
       }
       case Op::dequantize: {
-        auto q = make_quantized_host(M, K, DType::e4m3, ScaleKind::tile_1x128);
+        auto q = make_quantized_host(M, K, mode == ScaleMode::pow2 ? DType::e5m6 : DType::e4m3, ScaleKind::tile_1x128);
         cpu->quantize_1x128(x, q, mode);
         Tensor want = Tensor::host(DType::f32, {M, K});
         Tensor got = be->empty(DType::f32, {M, K});
@@ -138,7 +140,10 @@ TEST_P(BackendOps, MatchesCpu) {
           be->gemm_fp8(upload(*be, qa), upload(*be, qb), got, {});
           std::vector<double> g = to_doubles(be->to_host(got)), wv = to_doubles(want);
           for (double v : g) ASSERT_TRUE(std::isfinite(v)) << "unwritten or non-finite output";
-          EXPECT_LT(rel_error(g, wv), out == DType::f32 ? 1e-5 : 8e-3) << dtype_name(out);
+          // The CPU sums each 128-wide K block in FP32; Tensor Cores keep fewer bits inside a block
+          // (about 1e-4 relative on random data), so a GPU is held to that.
+          const double tol = be->device() == Device::cpu ? 1e-5 : 5e-4;
+          EXPECT_LT(rel_error(g, wv), out == DType::f32 ? tol : 8e-3) << dtype_name(out);
         }
         break;
       }

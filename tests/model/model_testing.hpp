@@ -1,6 +1,7 @@
 // Helpers of the model tests: small configs (one for FP64 finite differences, dims free; the tiny
 // FP8-capable config from configs/), random batches and host access to parameters.
 #pragma once
+#include <cstdlib>
 #include <random>
 #include <string>
 
@@ -40,7 +41,13 @@ inline ModelConfig fd_config() {
   return c;
 }
 
-inline ModelConfig tiny_config() { return load_config(std::string(FP8MOE_SOURCE_DIR) + "/configs/tiny.json"); }
+// configs/ of the source tree; FP8MOE_SOURCE_DIR in the environment overrides the build's path
+// (binaries built on one machine and run from a checkout on another).
+inline std::string source_dir() {
+  const char* env = std::getenv("FP8MOE_SOURCE_DIR");
+  return env ? env : FP8MOE_SOURCE_DIR;
+}
+inline ModelConfig tiny_config() { return load_config(source_dir() + "/configs/tiny.json"); }
 
 // tokens and targets [B, S] i32: targets[t] = tokens[t + 1] inside a sequence.
 inline std::pair<Tensor, Tensor> random_batch(std::mt19937_64& rng, const ModelConfig& c) {
