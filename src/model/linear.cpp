@@ -101,8 +101,10 @@ void quant_tokens(Ctx& c, const TensorView& x, const QuantizedView& out, ScaleMo
   }
 }
 void requant_tokens(Ctx& c, const QuantizedView& in, const QuantizedView& out) {  // [T, C] -> [C, T]
-  if (c.recipe.per_tensor) {
-    require_cpu_for_per_tensor(c);
+  // Per tensor, or from a cache wider than the GEMM's E4M3 (the E5M6 attention-out input): the
+  // same dequantize-transpose-quantize, spelled out.
+  if (c.recipe.per_tensor || in.values.dtype != DType::e4m3) {
+    if (c.recipe.per_tensor) require_cpu_for_per_tensor(c);
     Tensor x = c.be.empty(DType::f32, {in.rows(), in.cols()});
     c.be.dequantize(in, x.view());
     quant_tokens(c, x.view(), out, c.recipe.scale_mode);
@@ -201,11 +203,20 @@ void linear_forward(Ctx& c, const Cached& x, Parameter& w, const Tensor& y, Line
       FP8MOE_CHECK(K % kQuantGroup == 0, w.name << ": FP8 Fprop needs in features (" << K << ") % 128 == 0");
       QuantizedTensor wq = c.be.empty_quantized(N, K, DType::e4m3, ScaleKind::block_128x128);
       quant_weight(c, W, wq);
+      // The Tensor Cores read E4M3: an input cached wider (E5M6) is requantized for the GEMM.
+      QuantizedTensor xe4;
+      if (x.q.values.dtype() != DType::e4m3) {
+        Tensor xf = c.be.empty(DType::f32, {Tp, K});
+        c.be.dequantize(x.q, xf.view());
+        xe4 = c.be.empty_quantized(Tp, K, DType::e4m3, ScaleKind::tile_1x128);
+        quant_act(c, xf.view(), xe4, c.recipe.pow2_mode);
+      }
+      const QuantizedView xa = xe4.values.defined() ? xe4.view() : x.q.view();
       if (Tp == x.rows) {
-        c.be.gemm_fp8(x.q, wq, y.view(), gemm_options(c, false));
+        c.be.gemm_fp8(xa, wq, y.view(), gemm_options(c, false));
       } else {
         Tensor d = c.be.empty(DType::f32, {Tp, N});
-        c.be.gemm_fp8(x.q, wq, d.view(), gemm_options(c, false));
+        c.be.gemm_fp8(xa, wq, d.view(), gemm_options(c, false));
         c.be.copy(y.view(), rows_view(d.view(), 0, x.rows));
       }
       return;
