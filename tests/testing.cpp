@@ -13,24 +13,6 @@ Tensor random_normal(std::mt19937_64& rng, DType dtype, std::initializer_list<in
   return t;
 }
 
-double calc_diff(const std::vector<double>& x, const std::vector<double>& y) {
-  double xy = 0, xx = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    xy += x[i] * y[i];
-    xx += x[i] * x[i] + y[i] * y[i];
-  }
-  return xx == 0 ? 0.0 : 1.0 - 2.0 * xy / xx;
-}
-
-double rel_error(const std::vector<double>& x, const std::vector<double>& y) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    num += (x[i] - y[i]) * (x[i] - y[i]);
-    den += y[i] * y[i];
-  }
-  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
-}
-
 void expect_error(const std::function<void()>& fn, const std::string& needle) {
   try {
     fn();

@@ -1,5 +1,5 @@
 // Shared test helpers: seeded random inputs (fresh each run, seed printed, FP8MOE_SEED=<n> to
-// replay), calc_diff, and the GPU skip guard.
+// replay), the similarity measures (fp8moe/similarity.hpp) and error expectations.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "fp8moe/similarity.hpp"
 #include "fp8moe/tensor.hpp"
 
 namespace fp8moe::testing {
@@ -33,10 +34,8 @@ inline std::mt19937_64 make_rng() {
 // Host tensor filled with N(0, stddev) (f32, or bf16 rounded).
 Tensor random_normal(std::mt19937_64& rng, DType dtype, std::initializer_list<int64_t> shape, float stddev = 1.0f);
 
-// DeepGEMM's similarity measure: 1 - 2*sum(xy) / sum(x^2 + y^2); 0 means identical.
-double calc_diff(const std::vector<double>& x, const std::vector<double>& y);
-// ||x - y|| / ||y||
-double rel_error(const std::vector<double>& x, const std::vector<double>& y);
+using fp8moe::calc_diff;  // fp8moe/similarity.hpp
+using fp8moe::rel_error;
 // Runs fn and expects an fp8moe::Error whose message contains `needle`.
 void expect_error(const std::function<void()>& fn, const std::string& needle);
 

@@ -22,6 +22,7 @@
 
 #include "bench.hpp"
 #include "cuda_check.hpp"
+#include "fp8moe/similarity.hpp"
 #include "fp8moe/codecs.hpp"
 #include "kernel_api.hpp"
 
@@ -107,24 +108,6 @@ std::vector<double> d_to_doubles(const void* dev, int64_t M, int64_t N, bool f32
     for (size_t i = 0; i < h.size(); ++i) out[i] = bf16_bits_to_float(h[i]);
   }
   return out;
-}
-
-double calc_diff(const std::vector<double>& x, const std::vector<double>& y) {
-  double xy = 0, xx = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    xy += x[i] * y[i];
-    xx += x[i] * x[i] + y[i] * y[i];
-  }
-  return xx == 0 ? 0.0 : 1.0 - 2.0 * xy / xx;
-}
-
-double rel_error(const std::vector<double>& x, const std::vector<double>& y) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    num += (x[i] - y[i]) * (x[i] - y[i]);
-    den += y[i] * y[i];
-  }
-  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
 
 bool has_nan(const std::vector<double>& x) {

@@ -26,11 +26,6 @@ BackendRun run_on(Backend& be, const std::string& recipe, uint64_t seed, const T
   return r;
 }
 
-bool routing_sensitive(const std::string& name) {
-  return name.find(".experts.") != std::string::npos || name.find("mlp.gate.") != std::string::npos ||
-         name.find("post_attention_layernorm") != std::string::npos;
-}
-
 class ModelCuda : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ModelCuda, MatchesCpuPerTensor) {

@@ -34,13 +34,6 @@ RecipeRun run_recipe(const std::string& recipe, uint64_t seed, const Tensor& tok
   return r;
 }
 
-// Gradients that move when a token's top-k choice flips between recipes (the router, the norm
-// feeding it, the experts): a discontinuity, not precision error, so they are bounded only in bulk.
-bool routing_sensitive(const std::string& name) {
-  return name.find(".experts.") != std::string::npos || name.find("mlp.gate.") != std::string::npos ||
-         name.find("post_attention_layernorm") != std::string::npos;
-}
-
 struct Bounds {
   double logits, grads, all_grads, loss_rel;
 };
