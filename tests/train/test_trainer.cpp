@@ -89,7 +89,9 @@ TEST(Trainer, LossFallsAndResumeIsBitIdentical) {
   for (size_t i = 0; i < ma.size(); ++i) {
     EXPECT_EQ(ma[i]["loss"].get<double>(), mb[i]["loss"].get<double>()) << "step " << i;
     EXPECT_EQ(ma[i].contains("val_loss"), mb[i].contains("val_loss"));
-    if (ma[i].contains("val_loss")) EXPECT_EQ(ma[i]["val_loss"].get<double>(), mb[i]["val_loss"].get<double>());
+    if (ma[i].contains("val_loss")) {
+      EXPECT_EQ(ma[i]["val_loss"].get<double>(), mb[i]["val_loss"].get<double>());
+    }
   }
   // The checkpoints of the two runs hold the same weights.
   auto ca = load_safetensors((fs::path(a.out_dir) / "checkpoint.safetensors").string());
