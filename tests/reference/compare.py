@@ -4,7 +4,9 @@
 
 Relative error per tensor ||ours - ref|| / ||ref|| for the logits, the four losses and every
 gradient, plus calc_diff = 1 - 2 sum(xy) / sum(x^2 + y^2). Fails (exit 1) when any relative error
-exceeds --tol (use it with the fp32 recipe; for bf16/fp8 dumps pass --report-only).
+exceeds --tol: the fp32 recipe against the exact reference, the bf16 recipe with --bf16 (the
+reference then rounds every Linear's operands to BF16 as the recipe does); for fp8 dumps pass
+--report-only (their distance is the FP8 recipe's error).
 """
 import argparse
 import json
@@ -36,12 +38,13 @@ def main():
     ap.add_argument("--weights", default=None, help="folder with weights.safetensors (default: DUMP)")
     ap.add_argument("--tol", type=float, default=1e-3)
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--bf16", action="store_true", help="model the bf16 recipe's BF16 GEMM operands")
     a = ap.parse_args()
     cfg = json.load(open(a.config))
     weights = read_safetensors(os.path.join(a.weights or a.dump, "weights.safetensors"))
     batch = read_safetensors(os.path.join(a.dump, "batch.safetensors"))
     ours = read_safetensors(os.path.join(a.dump, "outputs.safetensors"))
-    ref = Reference(cfg, weights)
+    ref = Reference(cfg, weights, bf16=a.bf16)
     logits, losses = ref.forward(batch["tokens"], batch["targets"])
     losses["total"].backward()
     rows = [("logits", rel(ours["logits"], logits.detach()), calc_diff(ours["logits"], logits.detach()))]

@@ -54,13 +54,36 @@ def rope(x, pos, theta):
     return out
 
 
+class Bf16Linear(torch.autograd.Function):
+    """y = x W^T with both operands rounded to BF16, as the bf16 recipe's GEMMs read them; the
+    backward rounds dy, W and the cached x the same way (Dgrad dy W, Wgrad dy^T x). Products and
+    sums stay in float64: only the recipe's roundings are modelled, not the accumulation order."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        xb, wb = x.to(torch.bfloat16).double(), w.to(torch.bfloat16).double()
+        ctx.save_for_backward(xb, wb)
+        return xb @ wb.T
+
+    @staticmethod
+    def backward(ctx, dy):
+        xb, wb = ctx.saved_tensors
+        dyb = dy.to(torch.bfloat16).double()
+        return dyb @ wb, dyb.T @ xb
+
+
 class Reference:
-    def __init__(self, cfg, weights):
+    def __init__(self, cfg, weights, bf16=False):
         self.c = cfg
+        self.bf16 = bf16  # the bf16 recipe: every Linear (not the router, not the embedding) in BF16
         self.w = {k: v.double().requires_grad_(not k.endswith("e_score_correction_bias")) for k, v in weights.items()}
 
     def W(self, name):
         return self.w[name]
+
+    def lin(self, x, name):
+        """A Linear: x [T, in] @ W^T, in the recipe's GEMM precision."""
+        return Bf16Linear.apply(x, self.W(name)) if self.bf16 else x @ self.W(name).T
 
     def attention(self, p, x, B, S, pos):
         c = self.c
@@ -69,15 +92,15 @@ class Reference:
         T = x.shape[0]
         h = rmsnorm(x, self.W(p + "input_layernorm.weight"), eps)
         if c.get("q_lora_rank", 0):
-            cq = rmsnorm(h @ self.W(p + "self_attn.q_a_proj.weight").T, self.W(p + "self_attn.q_a_layernorm.weight"), eps)
-            q = cq @ self.W(p + "self_attn.q_b_proj.weight").T
+            cq = rmsnorm(self.lin(h, p + "self_attn.q_a_proj.weight"), self.W(p + "self_attn.q_a_layernorm.weight"), eps)
+            q = self.lin(cq, p + "self_attn.q_b_proj.weight")
         else:
-            q = h @ self.W(p + "self_attn.q_proj.weight").T
+            q = self.lin(h, p + "self_attn.q_proj.weight")
         q = q.view(B, S, H, dn + dr).transpose(1, 2)                       # [B, H, S, dqk]
-        ckv = h @ self.W(p + "self_attn.kv_a_proj_with_mqa.weight").T       # [T, rkv + dr]
+        ckv = self.lin(h, p + "self_attn.kv_a_proj_with_mqa.weight")      # [T, rkv + dr]
         rkv = c["kv_lora_rank"]
         latent, k_pe = ckv[:, :rkv], ckv[:, rkv:]
-        kv = rmsnorm(latent, self.W(p + "self_attn.kv_a_layernorm.weight"), eps) @ self.W(p + "self_attn.kv_b_proj.weight").T
+        kv = self.lin(rmsnorm(latent, self.W(p + "self_attn.kv_a_layernorm.weight"), eps), p + "self_attn.kv_b_proj.weight")
         kv = kv.view(B, S, H, dn + dv).transpose(1, 2)                      # [B, H, S, dn + dv]
         k_nope, v = kv[..., :dn], kv[..., dn:]
         q_pe = rope(q[..., dn:], pos[:S], c["rope_theta"])
@@ -89,12 +112,12 @@ class Reference:
         scores = scores.masked_fill(~mask, float("-inf"))
         o = torch.softmax(scores, -1) @ v                                   # [B, H, S, dv]
         o = o.transpose(1, 2).reshape(T, H * dv)
-        return x + o @ self.W(p + "self_attn.o_proj.weight").T
+        return x + self.lin(o, p + "self_attn.o_proj.weight")
 
     def mlp(self, p, h):
-        g = h @ self.W(p + "gate_proj.weight").T
-        u = h @ self.W(p + "up_proj.weight").T
-        return (torch.nn.functional.silu(g) * u) @ self.W(p + "down_proj.weight").T
+        g = self.lin(h, p + "gate_proj.weight")
+        u = self.lin(h, p + "up_proj.weight")
+        return self.lin(torch.nn.functional.silu(g) * u, p + "down_proj.weight")
 
     def moe(self, p, x, B, S, losses):
         c = self.c
@@ -148,7 +171,7 @@ class Reference:
         return x
 
     def head(self, h, norm_name, targets):
-        logits = rmsnorm(h, self.W(norm_name), self.c["rms_norm_eps"]) @ self.W("lm_head.weight").T
+        logits = self.lin(rmsnorm(h, self.W(norm_name), self.c["rms_norm_eps"]), "lm_head.weight")
         loss = torch.nn.functional.cross_entropy(logits, targets.long(), ignore_index=-1)
         return logits, loss
 
@@ -176,7 +199,7 @@ class Reference:
             nxt[tgt < 0] = -1
             e = rmsnorm(self.W("model.embed_tokens.weight")[ids], self.W(p + "enorm.weight"), c["rms_norm_eps"])
             hh = rmsnorm(x, self.W(p + "hnorm.weight"), c["rms_norm_eps"])
-            m = torch.cat([e, hh], -1) @ self.W(p + "eh_proj.weight").T
+            m = self.lin(torch.cat([e, hh], -1), p + "eh_proj.weight")
             m = self.block(L, m, B, S, pos, losses)
             _, losses["mtp"] = self.head(m, p + "shared_head.norm.weight", nxt)
         losses["total"] = losses["main"] + c.get("mtp_loss_weight", 0.0) * losses["mtp"] + losses["balance"]
