@@ -72,6 +72,38 @@ class Bf16Linear(torch.autograd.Function):
         return dyb @ wb, dyb.T @ xb
 
 
+def bf16(t):
+    return t.to(torch.bfloat16).double()
+
+
+class Bf16SwiGLU(torch.autograd.Function):
+    """w[:, None] * down(silu(gate(h)) * up(h)) as the bf16 recipe computes it and its gradient
+    (src/model/mlp.cpp, moe.cpp): BF16 GEMM operands; the gate/up outputs are cached in BF16 and the
+    backward recomputes the SwiGLU from them (the forward used the unrounded values); the output
+    gradient enters the down projection's Dgrad as bf16(w * dy); the routing-weight gradient is
+    (da . a) / w with a the recomputed SwiGLU output."""
+
+    @staticmethod
+    def forward(ctx, h, wg, wu, wd, w):
+        hb, wgb, wub, wdb = bf16(h), bf16(wg), bf16(wu), bf16(wd)
+        g, u = hb @ wgb.T, hb @ wub.T
+        a = torch.nn.functional.silu(g) * u
+        ctx.save_for_backward(hb, wgb, wub, wdb, bf16(g), bf16(u), w)
+        return w[:, None] * (bf16(a) @ wdb.T)
+
+    @staticmethod
+    def backward(ctx, dout):
+        hb, wgb, wub, wdb, gr, ur, w = ctx.saved_tensors
+        dye = bf16(w[:, None] * dout)
+        da = dye @ wdb
+        sg = torch.sigmoid(gr)
+        a = gr * sg * ur
+        dw = (da * a).sum(-1) / w
+        dg = bf16(da * ur * sg * (1 + gr * (1 - sg)))
+        du = bf16(da * gr * sg)
+        return dg @ wgb + du @ wub, dg.T @ hb, du.T @ hb, dye.T @ bf16(a), dw
+
+
 class Reference:
     def __init__(self, cfg, weights, bf16=False):
         self.c = cfg
@@ -114,7 +146,16 @@ class Reference:
         o = o.transpose(1, 2).reshape(T, H * dv)
         return x + self.lin(o, p + "self_attn.o_proj.weight")
 
-    def mlp(self, p, h):
+    def mlp(self, p, h, w=None):
+        """SwiGLU MLP; w [n] scales each row's output (the routing weights of an expert)."""
+        if self.bf16:
+            ones = torch.ones(h.shape[0], dtype=torch.float64)
+            return Bf16SwiGLU.apply(h, self.W(p + "gate_proj.weight"), self.W(p + "up_proj.weight"),
+                                    self.W(p + "down_proj.weight"), ones if w is None else w)
+        y = self.mlp_plain(p, h)
+        return y if w is None else y * w[:, None]
+
+    def mlp_plain(self, p, h):
         g = self.lin(h, p + "gate_proj.weight")
         u = self.lin(h, p + "up_proj.weight")
         return self.lin(torch.nn.functional.silu(g) * u, p + "down_proj.weight")
@@ -145,8 +186,7 @@ class Reference:
             t, j = (idx == e).nonzero(as_tuple=True)
             if t.numel() == 0:
                 continue
-            ye = self.mlp(p + f"mlp.experts.{e}.", h[t])
-            y = y.index_add(0, t, ye * w[t, j][:, None])
+            y = y.index_add(0, t, self.mlp(p + f"mlp.experts.{e}.", h[t], w[t, j]))
         # Sequence-wise balance loss: alpha * sum_i f_i P_i, averaged over sequences.
         alpha = c.get("aux_loss_alpha", 0.0)
         if alpha > 0:
