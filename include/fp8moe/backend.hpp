@@ -61,6 +61,9 @@ class Backend {
   virtual Tensor empty(DType dtype, std::initializer_list<int64_t> shape) = 0;
   virtual void copy(const TensorView& dst, const TensorView& src) = 0;
   virtual void synchronize() {}
+  // Bytes of device memory in use on this backend's device (all allocations, not only ours), or
+  // -1 where the backend cannot tell (the CPU: its tensors are host memory).
+  virtual int64_t device_memory_in_use() const { return -1; }
   QuantizedTensor empty_quantized(int64_t rows, int64_t cols, DType dtype, ScaleKind kind);
   // A host copy of `t` (or `t` itself when it is already on the host).
   Tensor to_host(const Tensor& t);

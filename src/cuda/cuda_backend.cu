@@ -60,6 +60,11 @@ class CudaBackend final : public Backend {
   }
 
   void synchronize() override { FP8MOE_CUDA_CHECK(cudaDeviceSynchronize()); }
+  int64_t device_memory_in_use() const override {
+    size_t free = 0, total = 0;
+    FP8MOE_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return int64_t(total - free);
+  }
 
   void quantize_1x128(const TensorView& x, const QuantizedView& out, ScaleMode mode) override {
     if (out.values.dtype == DType::e5m6) return cuda::quantize_1x128_e5m6_cuda(x, out, mode, nullptr);

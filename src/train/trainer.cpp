@@ -213,8 +213,28 @@ struct Trainer::Impl {
       }
   }
 
+  // What the training state takes, itemized, after the first step (activations as the model
+  // measured them for that step's micro-batch): printed once and added to that metrics line.
+  void report_memory(nlohmann::json& j) const {
+    int64_t params = 0, moments = 0;
+    for (Parameter* p : all) params += int64_t(p->weight.view().nbytes());
+    for (size_t i = 0; i < refs.size(); ++i)
+      moments += int64_t(adamw->first_moments()[i].view().nbytes() + adamw->second_moments()[i].view().nbytes());
+    const int64_t acts = model->saved_memory().total_bytes(), dev = backend->device_memory_in_use();
+    j["memory"] = {{"master_weights", params}, {"gradients", params}, {"adam_moments", moments},
+                   {"activations_kept", acts}, {"ema_host", params}, {"device_in_use", dev}};
+    if (opt.quiet) return;
+    const double mib = 1048576.0;
+    std::printf("memory (%s, %s): master weights %.1f MiB, gradients %.1f MiB, AdamW moments %.1f MiB (%s), "
+                "activations kept for backward %.1f MiB per micro-batch, EMA %.1f MiB in host memory%s\n",
+                backend->name().c_str(), recipe.name.c_str(), double(params) / mib, double(params) / mib,
+                double(moments) / mib, opt.moments.c_str(), double(acts) / mib, double(params) / mib,
+                dev >= 0 ? (", device in use " + std::to_string(dev / 1048576) + " MiB").c_str() : "");
+  }
+
   TrainSummary run() {
     const int64_t B = cfg.batch_size, S = cfg.seq_len;
+    const int64_t start_step = step;
     const double flops_tok = train_flops_per_token(cfg, S);
     std::ofstream metrics(fs::path(opt.out_dir) / "metrics.jsonl", opt.resume ? std::ios::app : std::ios::trunc);
     if (!opt.quiet)
@@ -285,6 +305,7 @@ struct Trainer::Impl {
         j["val_loss"] = v;
         sum.final_val_loss = v;
       }
+      if (step == start_step) report_memory(j);
       metrics << j.dump() << "\n";
       metrics.flush();
       if (!opt.quiet && ((step + 1) % opt.log_every == 0 || last || step == 0))
