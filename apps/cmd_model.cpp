@@ -119,7 +119,7 @@ void dump(const Args& a) {
 void add_model(CLI::App& app) {
   auto args = std::make_shared<Args>();
   auto* cmd = app.add_subcommand("model", "DeepSeek-V3-mini: parameter counts, activation memory per recipe, dumps");
-  cmd->add_option("--config", args->config, "model config (JSON)")->required();
+  cmd->add_option("-c,--config", args->config, "model config (JSON)")->required();
   cmd->add_option("--tokens", args->tokens, "tokens per micro-batch (default batch_size * seq_len)");
   cmd->add_option("--recipes", args->recipes, "comma-separated recipes for the memory table");
   cmd->add_option("--dump", args->dump, "run one forward_backward and write safetensors files to this folder");
