@@ -104,6 +104,31 @@ class Bf16SwiGLU(torch.autograd.Function):
         return dg @ wgb + du @ wub, dg.T @ hb, du.T @ hb, dye.T @ bf16(a), dw
 
 
+class Bf16CausalAttention(torch.autograd.Function):
+    """softmax(Q K^T * scale, causal) V [B, H, S, dv], with the bf16 recipe's backward: the
+    attention output is cached in BF16 (it is the o_proj input) and the softmax backward's
+    rowsum(dO * O) reads that cached copy (src/model/attention.cpp)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        S = q.shape[-2]
+        scores = (q @ k.transpose(-1, -2)) * scale
+        mask = torch.ones(S, S, dtype=torch.bool).tril()
+        p = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+        o = p @ v
+        ctx.save_for_backward(q, k, v, p, bf16(o))
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, p, o_cached = ctx.saved_tensors
+        dv = p.transpose(-1, -2) @ do
+        dp = do @ v.transpose(-1, -2)
+        ds = p * (dp - (do * o_cached).sum(-1, keepdim=True)) * ctx.scale
+        return ds @ k, ds.transpose(-1, -2) @ q, dv, None
+
+
 class Reference:
     def __init__(self, cfg, weights, bf16=False):
         self.c = cfg
@@ -139,10 +164,13 @@ class Reference:
         k_pe = rope(k_pe.view(B, 1, S, dr), pos[:S], c["rope_theta"]).expand(B, H, S, dr)
         Q = torch.cat([q[..., :dn], q_pe], -1)
         K = torch.cat([k_nope, k_pe], -1)
-        scores = Q @ K.transpose(-1, -2) / math.sqrt(dn + dr)              # [B, H, S, S]
-        mask = torch.ones(S, S, dtype=torch.bool).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
-        o = torch.softmax(scores, -1) @ v                                   # [B, H, S, dv]
+        if self.bf16:
+            o = Bf16CausalAttention.apply(Q, K, v, 1.0 / math.sqrt(dn + dr))  # [B, H, S, dv]
+        else:
+            scores = Q @ K.transpose(-1, -2) / math.sqrt(dn + dr)          # [B, H, S, S]
+            mask = torch.ones(S, S, dtype=torch.bool).tril()
+            scores = scores.masked_fill(~mask, float("-inf"))
+            o = torch.softmax(scores, -1) @ v                               # [B, H, S, dv]
         o = o.transpose(1, 2).reshape(T, H * dv)
         return x + self.lin(o, p + "self_attn.o_proj.weight")
 
