@@ -41,6 +41,8 @@ struct TensorView {
 void check_tensor(const TensorView& t, const char* arg, DType dtype, int ndim);
 void check_tensor(const TensorView& t, const char* arg, std::initializer_list<DType> dtypes, int ndim);
 void check_shape(const TensorView& t, const char* arg, std::initializer_list<int64_t> shape);
+// Columns [col, col + ncols) of the 2-D t exist; the message names op and arg.
+void check_column_range(const TensorView& t, const char* op, const char* arg, int64_t col, int64_t ncols);
 
 class Tensor {
  public:

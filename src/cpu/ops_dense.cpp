@@ -197,10 +197,8 @@ void copy_cols(const TensorView& src, int64_t src_col, const TensorView& dst, in
   check_2d_any(dst, "copy_cols", "dst");
   FP8MOE_CHECK(src.size(0) == dst.size(0), "copy_cols: src " << src.str() << " and dst " << dst.str()
                                                              << " differ in rows");
-  FP8MOE_CHECK(src_col >= 0 && ncols >= 0 && src_col + ncols <= src.size(1),
-               "copy_cols: columns [" << src_col << ", " << src_col + ncols << ") outside src " << src.str());
-  FP8MOE_CHECK(dst_col >= 0 && dst_col + ncols <= dst.size(1),
-               "copy_cols: columns [" << dst_col << ", " << dst_col + ncols << ") outside dst " << dst.str());
+  check_column_range(src, "copy_cols", "src", src_col, ncols);
+  check_column_range(dst, "copy_cols", "dst", dst_col, ncols);
   const int64_t R = src.size(0), Cs = src.size(1), Cd = dst.size(1);
   if (src.dtype == dst.dtype && !accumulate) {
     const size_t es = dtype_size(src.dtype);

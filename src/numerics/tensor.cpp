@@ -82,6 +82,11 @@ void check_shape(const TensorView& t, const char* arg, std::initializer_list<int
   FP8MOE_CHECK(ok, arg << ": expected shape " << want.str() << ", got " << t.str());
 }
 
+void check_column_range(const TensorView& t, const char* op, const char* arg, int64_t col, int64_t ncols) {
+  FP8MOE_CHECK(col >= 0 && ncols >= 0 && col + ncols <= t.size(1),
+               op << ": columns [" << col << ", " << col + ncols << ") outside " << arg << " " << t.str());
+}
+
 Tensor::Tensor(std::shared_ptr<void> storage, DType t, std::initializer_list<int64_t> dims, Device dev)
     : storage_(std::move(storage)), view_(storage_.get(), t, dims, dev) {}
 
