@@ -36,6 +36,14 @@ std::string_view op_name(Op op) {
     case Op::gather_rows: return "gather_rows";
     case Op::scatter_add_rows: return "scatter_add_rows";
     case Op::rows_dot: return "rows_dot";
+    case Op::moe_layout: return "moe_layout";
+    case Op::moe_permute: return "moe_permute";
+    case Op::moe_permute_quantize: return "moe_permute_quantize";
+    case Op::moe_combine: return "moe_combine";
+    case Op::moe_combine_weight_grad: return "moe_combine_weight_grad";
+    case Op::grouped_gemm_fp8_contiguous: return "grouped_gemm_fp8_contiguous";
+    case Op::grouped_gemm_fp8_masked: return "grouped_gemm_fp8_masked";
+    case Op::grouped_wgrad_fp8: return "grouped_wgrad_fp8";
     case Op::adamw_step: return "adamw_step";
     case Op::sum_squares: return "sum_squares";
   }
@@ -102,6 +110,35 @@ void Backend::scatter_add_rows(const TensorView&, const TensorView&, const Tenso
   FP8MOE_UNSUPPORTED(scatter_add_rows);
 }
 void Backend::rows_dot(const TensorView&, const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(rows_dot); }
+void Backend::moe_layout(const TensorView&, int64_t, const TensorView&, const TensorView&, const TensorView&,
+                         const TensorView&) {
+  FP8MOE_UNSUPPORTED(moe_layout);
+}
+void Backend::moe_permute(const TensorView&, const TensorView&, int64_t, const TensorView&, const TensorView&) {
+  FP8MOE_UNSUPPORTED(moe_permute);
+}
+void Backend::moe_permute_quantize(const TensorView&, const TensorView&, int64_t, const TensorView&,
+                                   const QuantizedView&, ScaleMode) {
+  FP8MOE_UNSUPPORTED(moe_permute_quantize);
+}
+void Backend::moe_combine(const TensorView&, const TensorView&, const TensorView&, const TensorView&, bool) {
+  FP8MOE_UNSUPPORTED(moe_combine);
+}
+void Backend::moe_combine_weight_grad(const TensorView&, const TensorView&, const TensorView&, const TensorView&) {
+  FP8MOE_UNSUPPORTED(moe_combine_weight_grad);
+}
+void Backend::grouped_gemm_fp8_contiguous(const QuantizedView&, const QuantizedView&, const TensorView&, int64_t,
+                                          const TensorView&, const GemmOptions&) {
+  FP8MOE_UNSUPPORTED(grouped_gemm_fp8_contiguous);
+}
+void Backend::grouped_gemm_fp8_masked(const QuantizedView&, const QuantizedView&, const TensorView&, int64_t,
+                                      const TensorView&, const GemmOptions&) {
+  FP8MOE_UNSUPPORTED(grouped_gemm_fp8_masked);
+}
+void Backend::grouped_wgrad_fp8(const QuantizedView&, const QuantizedView&, const TensorView&, const TensorView&,
+                                const GemmOptions&) {
+  FP8MOE_UNSUPPORTED(grouped_wgrad_fp8);
+}
 void Backend::adamw_step(const TensorView&, const TensorView&, const TensorView&, const TensorView&, const AdamWStep&) {
   FP8MOE_UNSUPPORTED(adamw_step);
 }

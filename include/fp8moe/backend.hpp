@@ -44,6 +44,15 @@ enum class Op : uint8_t {
   gather_rows,
   scatter_add_rows,
   rows_dot,
+  // MoE dispatch and grouped GEMMs (moe_grouped.hpp).
+  moe_layout,
+  moe_permute,
+  moe_permute_quantize,
+  moe_combine,
+  moe_combine_weight_grad,
+  grouped_gemm_fp8_contiguous,
+  grouped_gemm_fp8_masked,
+  grouped_wgrad_fp8,
   // Optimizer ops (the trainer).
   adamw_step,
   sum_squares,
@@ -146,6 +155,48 @@ class Backend {
   // out [N] = sum_j a[i, j] * b[i, j] for i < N (a, b [N', D], N = out size).
   virtual void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out);
 
+  // ---- MoE dispatch and grouped GEMMs, all on the device with no host synchronization (layout
+  // and CPU references: moe_grouped.hpp). T tokens, k = topk, G experts, R rows of the expert-sorted
+  // layout (R >= moe_layout_rows(T * k, G, align), the bound the caller allocates).
+  // expert_ids [T, k] i32 (-1: dropped slot) -> row_slot [R] i32 (t * k + j of each row, -1 for
+  // padding and for rows past the end), row_group [R] i32 (expert of each row, -1 likewise),
+  // slot_row [T, k] i32 (row of each slot, -1 if dropped), offsets [G + 1] i32 (segment starts,
+  // each a multiple of align; offsets[G] = rows used). Tokens ascending inside a segment.
+  virtual void moe_layout(const TensorView& expert_ids, int64_t align, const TensorView& row_slot,
+                          const TensorView& row_group, const TensorView& slot_row, const TensorView& offsets);
+  // out [R, D] = w[slot] * x[slot / k] for slot = row_slot[r] (zero rows where slot < 0); x [T, D]
+  // f32 | bf16, w [T, k] f32 or undefined (1), out f32 | bf16.
+  virtual void moe_permute(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
+                           const TensorView& out);
+  // The same rows quantized to 1x128 E4M3 tiles (out.values [R, D], D % 128 == 0; zero rows get
+  // scale 1), one pass: bit-identical to moe_permute followed by quantize_1x128.
+  virtual void moe_permute_quantize(const TensorView& x, const TensorView& row_slot, int64_t topk,
+                                    const TensorView& w, const QuantizedView& out, ScaleMode mode);
+  // out [T, N] f32 (+)= sum_j w[t, j] * y[slot_row[t, j]] (w undefined: 1; dropped slots skipped),
+  // each product rounded to f32 and summed in slot order j = 0..k-1 onto 0 (or onto out when
+  // accumulate); y [R, N] f32 | bf16.
+  virtual void moe_combine(const TensorView& y, const TensorView& slot_row, const TensorView& w,
+                           const TensorView& out, bool accumulate);
+  // dw [T, k] f32 = v[slot_row[t, j]] / w[t, j] (0 for dropped slots); v [R] f32, w [T, k] f32 > 0.
+  // With v = rows_dot(d expert_out, expert_out) of experts fed w * dy this is dy . expert_out.
+  virtual void moe_combine_weight_grad(const TensorView& v, const TensorView& slot_row, const TensorView& w,
+                                       const TensorView& dw);
+  // Contiguous grouped FP8 GEMM: d [R, N] = a [R, K] (1x128) * b[g]^T for g = row_group[r] (zero
+  // rows where g < 0); b [G * N, K] 128x128-scaled (the G weights stacked, N % 128 == 0). Rows of
+  // one align-block share a group. opt.accumulate adds into d (padding rows untouched then).
+  virtual void grouped_gemm_fp8_contiguous(const QuantizedView& a, const QuantizedView& b,
+                                           const TensorView& row_group, int64_t groups, const TensorView& d,
+                                           const GemmOptions& opt);
+  // Masked grouped FP8 GEMM: a [G * M_max, K], counts [G] i32 on the device; d [G * M_max, N]: rows
+  // of group g below counts[g] = a * b[g]^T, the rest zero (no accumulate: a decode output).
+  virtual void grouped_gemm_fp8_masked(const QuantizedView& a, const QuantizedView& b, const TensorView& counts,
+                                       int64_t groups, const TensorView& d, const GemmOptions& opt);
+  // K-grouped Wgrad: d[g] [N, K] f32 (+)= dy_t[:, seg g] * x_t[:, seg g]^T, dy_t [N, R], x_t [K, R]
+  // 1x128-scaled along R (tokens); offsets [G + 1] i32 on the device as moe_layout writes them
+  // (columns past offsets[G] ignored); d [G * N, K]. An empty segment leaves d[g] (or zeroes it).
+  virtual void grouped_wgrad_fp8(const QuantizedView& dy_t, const QuantizedView& x_t, const TensorView& offsets,
+                                 const TensorView& d, const GemmOptions& opt);
+
   // ---- Optimizer ops (src/train). One AdamW update of one parameter: w [n] f32 master weight,
   // g [n] f32 gradient (times grad_scale), m, v [n] bf16 | f32 moments (updated in place),
   // step = the 1-based update count for the bias corrections; decoupled weight decay.
@@ -158,6 +209,11 @@ class Backend {
   // sum of x^2 over a float tensor (f32 | f64), accumulated in FP64; NaN/Inf propagate.
   virtual double sum_squares(const TensorView& x);
 };
+
+// Rows of the expert-sorted layout that always suffice: every segment padded to align.
+inline int64_t moe_layout_rows(int64_t slots, int64_t groups, int64_t align) {
+  return (slots + groups * (align - 1) + align - 1) / align * align;
+}
 
 // "cpu", "cuda" (our kernels) or "cublaslt" (the CUDA backend with gemm_fp8 through cuBLASLt); the
 // CUDA ones exist when built with CUDA and a GPU is present.

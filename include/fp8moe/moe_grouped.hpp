@@ -50,7 +50,7 @@ void grouped_gemm_fp8_contiguous_ref(const QuantizedView& a, const QuantizedView
 void grouped_gemm_fp8_masked_ref(const QuantizedView& a, const QuantizedView& b, const std::vector<int64_t>& counts,
                                  int64_t groups, const TensorView& d, const GemmOptions& opt = {});
 // dy_t [N, M_pad] and x_t [K, M_pad] 1x128-scaled along M (segments aligned to 128 rows);
-// d [G*N, K] f32, accumulate per opt.
+// d [G*N, K] f32, accumulate per opt; token columns past offsets.back() are ignored.
 void grouped_wgrad_fp8_ref(const QuantizedView& dy_t, const QuantizedView& x_t, const std::vector<int64_t>& offsets,
                            const TensorView& d, const GemmOptions& opt = {});
 

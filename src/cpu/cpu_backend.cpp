@@ -137,6 +137,38 @@ class CpuBackend final : public Backend {
     cpu::scatter_add_rows(src, idx, w, dst);
   }
   void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out) override { cpu::rows_dot(a, b, out); }
+  void moe_layout(const TensorView& expert_ids, int64_t align, const TensorView& row_slot, const TensorView& row_group,
+                  const TensorView& slot_row, const TensorView& offsets) override {
+    cpu::moe_layout(expert_ids, align, row_slot, row_group, slot_row, offsets);
+  }
+  void moe_permute(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
+                   const TensorView& out) override {
+    cpu::moe_permute(x, row_slot, topk, w, out);
+  }
+  void moe_permute_quantize(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
+                            const QuantizedView& out, ScaleMode mode) override {
+    cpu::moe_permute_quantize(x, row_slot, topk, w, out, mode);
+  }
+  void moe_combine(const TensorView& y, const TensorView& slot_row, const TensorView& w, const TensorView& out,
+                   bool accumulate) override {
+    cpu::moe_combine(y, slot_row, w, out, accumulate);
+  }
+  void moe_combine_weight_grad(const TensorView& v, const TensorView& slot_row, const TensorView& w,
+                               const TensorView& dw) override {
+    cpu::moe_combine_weight_grad(v, slot_row, w, dw);
+  }
+  void grouped_gemm_fp8_contiguous(const QuantizedView& a, const QuantizedView& b, const TensorView& row_group,
+                                   int64_t groups, const TensorView& d, const GemmOptions& opt) override {
+    cpu::grouped_gemm_fp8_contiguous(a, b, row_group, groups, d, opt);
+  }
+  void grouped_gemm_fp8_masked(const QuantizedView& a, const QuantizedView& b, const TensorView& counts,
+                               int64_t groups, const TensorView& d, const GemmOptions& opt) override {
+    cpu::grouped_gemm_fp8_masked(a, b, counts, groups, d, opt);
+  }
+  void grouped_wgrad_fp8(const QuantizedView& dy_t, const QuantizedView& x_t, const TensorView& offsets,
+                         const TensorView& d, const GemmOptions& opt) override {
+    cpu::grouped_wgrad_fp8(dy_t, x_t, offsets, d, opt);
+  }
   void adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
                   const AdamWStep& p) override {
     cpu::adamw_step(w, g, m, v, p);

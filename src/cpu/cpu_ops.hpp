@@ -62,6 +62,24 @@ void gather_rows(const TensorView& src, const TensorView& idx, const TensorView&
 void scatter_add_rows(const TensorView& src, const TensorView& idx, const TensorView& w, const TensorView& dst);
 void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out);
 
+// MoE dispatch (ops_moe_dispatch.cpp) and grouped GEMMs (ops_grouped_gemm.cpp).
+void moe_layout(const TensorView& expert_ids, int64_t align, const TensorView& row_slot, const TensorView& row_group,
+                const TensorView& slot_row, const TensorView& offsets);
+void moe_permute(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
+                 const TensorView& out);
+void moe_permute_quantize(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
+                          const QuantizedView& out, ScaleMode mode);
+void moe_combine(const TensorView& y, const TensorView& slot_row, const TensorView& w, const TensorView& out,
+                 bool accumulate);
+void moe_combine_weight_grad(const TensorView& v, const TensorView& slot_row, const TensorView& w,
+                             const TensorView& dw);
+void grouped_gemm_fp8_contiguous(const QuantizedView& a, const QuantizedView& b, const TensorView& row_group,
+                                 int64_t groups, const TensorView& d, const GemmOptions& opt);
+void grouped_gemm_fp8_masked(const QuantizedView& a, const QuantizedView& b, const TensorView& counts,
+                             int64_t groups, const TensorView& d, const GemmOptions& opt);
+void grouped_wgrad_fp8(const QuantizedView& dy_t, const QuantizedView& x_t, const TensorView& offsets,
+                       const TensorView& d, const GemmOptions& opt);
+
 void adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
                 const Backend::AdamWStep& p);
 double sum_squares(const TensorView& x);

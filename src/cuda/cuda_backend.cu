@@ -7,6 +7,7 @@
 #include "cuda_check.hpp"
 #include "kernel_api.hpp"
 #include "model_ops.hpp"
+#include "moe_api.hpp"
 
 namespace fp8moe {
 
@@ -88,10 +89,7 @@ class CudaBackend final : public Backend {
     // The hardware accumulates each 128-wide K block in the Tensor Cores and promotes to FP32:
     // AccumMode::fp32 (ideal promotion) up to Tensor Core rounding inside a block, and exactly the
     // tensor_core emulation's N_c = 128. Other accumulation settings exist only in the emulation.
-    const AccumConfig& ac = opt.accum;
-    FP8MOE_CHECK(ac.mode == AccumMode::fp32 || ac.promote_every == 128,
-                 "gemm_fp8 on " << name() << ": accum.promote_every = " << ac.promote_every
-                                << " unsupported (the kernels promote every 128 K elements; use the cpu backend's emulation)");
+    check_promotion("gemm_fp8", opt);
     // NOTES: cuBLASLt's block-scaled FP8 GEMM returned results 14% off on M = 200, N = 136,
     // K = 384 (H200, CUDA 13.0), while tile-aligned shapes agree; the cublaslt backend sends only
     // shapes with M and N multiples of 128 to it.
@@ -177,6 +175,43 @@ class CudaBackend final : public Backend {
     cuda::cuda_rows_dot(a, b, out);
   }
 
+  // ---- MoE dispatch and grouped GEMMs: src/cuda/moe_dispatch.cu, grouped_gemm.cu.
+  void moe_layout(const TensorView& expert_ids, int64_t align, const TensorView& row_slot, const TensorView& row_group,
+                  const TensorView& slot_row, const TensorView& offsets) override {
+    cuda::moe_layout_cuda(expert_ids, align, row_slot, row_group, slot_row, offsets, nullptr);
+  }
+  void moe_permute(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
+                   const TensorView& out) override {
+    cuda::moe_permute_cuda(x, row_slot, topk, w, out, nullptr);
+  }
+  void moe_permute_quantize(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
+                            const QuantizedView& out, ScaleMode mode) override {
+    cuda::moe_permute_quantize_cuda(x, row_slot, topk, w, out, mode, nullptr);
+  }
+  void moe_combine(const TensorView& y, const TensorView& slot_row, const TensorView& w, const TensorView& out,
+                   bool accumulate) override {
+    cuda::moe_combine_cuda(y, slot_row, w, out, accumulate, nullptr);
+  }
+  void moe_combine_weight_grad(const TensorView& v, const TensorView& slot_row, const TensorView& w,
+                               const TensorView& dw) override {
+    cuda::moe_combine_weight_grad_cuda(v, slot_row, w, dw, nullptr);
+  }
+  void grouped_gemm_fp8_contiguous(const QuantizedView& a, const QuantizedView& b, const TensorView& row_group,
+                                   int64_t groups, const TensorView& d, const GemmOptions& opt) override {
+    check_promotion("grouped_gemm_fp8_contiguous", opt);
+    cuda::grouped_gemm_fp8_contiguous_cuda(a, b, row_group, groups, d, opt.accumulate, nullptr);
+  }
+  void grouped_gemm_fp8_masked(const QuantizedView& a, const QuantizedView& b, const TensorView& counts,
+                               int64_t groups, const TensorView& d, const GemmOptions& opt) override {
+    check_promotion("grouped_gemm_fp8_masked", opt);
+    cuda::grouped_gemm_fp8_masked_cuda(a, b, counts, groups, d, opt.accumulate, nullptr);
+  }
+  void grouped_wgrad_fp8(const QuantizedView& dy_t, const QuantizedView& x_t, const TensorView& offsets,
+                         const TensorView& d, const GemmOptions& opt) override {
+    check_promotion("grouped_wgrad_fp8", opt);
+    cuda::grouped_wgrad_fp8_cuda(dy_t, x_t, offsets, d, opt.accumulate, nullptr);
+  }
+
   // ---- Optimizer ops.
   void adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
                   const AdamWStep& p) override {
@@ -185,6 +220,13 @@ class CudaBackend final : public Backend {
   double sum_squares(const TensorView& x) override { return cuda::cuda_sum_squares(x); }
 
  private:
+  void check_promotion(const char* op, const GemmOptions& opt) const {
+    const AccumConfig& ac = opt.accum;
+    FP8MOE_CHECK(ac.mode == AccumMode::fp32 || ac.promote_every == 128,
+                 op << " on " << name() << ": accum.promote_every = " << ac.promote_every
+                    << " unsupported (the kernels promote every 128 K elements; use the cpu backend's emulation)");
+  }
+
   bool cublaslt_;
 };
 
