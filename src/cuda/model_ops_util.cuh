@@ -21,8 +21,11 @@ void check_f32(const TensorView& t, const char* op, const char* arg, int ndim);
 void check_2d_any(const TensorView& t, const char* op, const char* arg);
 
 // First i < n with idx[i] outside [lo, hi), or -1 (then *value is untouched); *value = idx[i].
-// idx [n] i32 device. Synchronizes: it reads the answer back.
-int64_t first_out_of_range(const int32_t* idx, int64_t n, int64_t lo, int64_t hi, int32_t* value);
+// idx [n] i32 device; `what` names it in messages ("gather_rows: idx"). Immediate checks
+// synchronize (they read the answer back); deferred ones (device_checks.hpp) return -1 and report
+// a failure at the next synchronize. Kernels after a check must still skip out-of-range indices.
+// Defined in device_checks.cu.
+int64_t first_out_of_range(const int32_t* idx, int64_t n, int64_t lo, int64_t hi, int32_t* value, const char* what);
 
 // A stream-ordered device allocation (cudaMallocAsync on the legacy stream), freed the same way.
 class DeviceBuffer {
@@ -119,8 +122,8 @@ namespace fp8moe::cuda::ops {
 
 // dst [R, D] f32: for each run of equal keys (keys, pos [n] from stable_sort_by_key),
 // dst[key, j] += w[i] * src[i, j] over the run's positions i in ascending order (w null: 1);
-// src [>= n, D] f32.
+// src [>= n, D] f32. Keys outside [0, R) are skipped (a deferred range check reports them).
 void sorted_scatter_add(const int32_t* keys, const int32_t* pos, int64_t n, const float* w, const float* src,
-                        float* dst, int64_t D);
+                        float* dst, int64_t D, int64_t R);
 
 }  // namespace fp8moe::cuda::ops

@@ -14,6 +14,7 @@
 #include <cfloat>
 
 #include "cuda_check.hpp"
+#include "device_checks.hpp"
 #include "fp8moe/codecs.hpp"
 #include "kernel_api.hpp"
 
@@ -317,18 +318,22 @@ void check_out_dtype(const QuantizedView& out, const char* arg) {
                arg << ": the CUDA quantizers write e4m3 or e5m2, got " << dtype_name(out.values.dtype));
 }
 
+int* nonfinite_flag() {
+  static int* flag = [] {
+    int* p = nullptr;
+    FP8MOE_CUDA_CHECK(cudaGetSymbolAddress(reinterpret_cast<void**>(&p), g_nonfinite));
+    return p;
+  }();
+  return flag;
+}
+
 void reset_flag(cudaStream_t stream, bool check) {
-  if (!check) return;
-  int zero = 0;
-  FP8MOE_CUDA_CHECK(cudaMemcpyToSymbolAsync(g_nonfinite, &zero, sizeof(int), 0, cudaMemcpyHostToDevice, stream));
+  if (check) clear_flag(nonfinite_flag(), stream);
 }
 
 void raise_if_flagged(cudaStream_t stream, bool check, const char* arg) {
-  if (!check) return;
-  int flag = 0;
-  FP8MOE_CUDA_CHECK(cudaMemcpyFromSymbolAsync(&flag, g_nonfinite, sizeof(int), 0, cudaMemcpyDeviceToHost, stream));
-  FP8MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  FP8MOE_CHECK(flag == 0, arg << ": non-finite value (NaN/Inf input is refused by the quantizers)");
+  if (check)
+    raise_if_flag_set(nonfinite_flag(), stream, arg, "non-finite value (NaN/Inf input is refused by the quantizers)");
 }
 
 void fill_padding(const TensorView& scales, int64_t R, cudaStream_t stream) {
