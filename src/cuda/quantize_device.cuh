@@ -40,6 +40,12 @@ __device__ __forceinline__ uint8_t encode(float v) {
   return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, kE5M2 ? __NV_E5M2 : __NV_E4M3));
 }
 
+// encode(lo) | encode(hi) << 8 with one paired conversion (the same rounding per element).
+template <bool kE5M2>
+__device__ __forceinline__ uint16_t encode2(float lo, float hi) {
+  return uint16_t(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, kE5M2 ? __NV_E5M2 : __NV_E4M3));
+}
+
 template <bool kE5M2>
 __device__ __forceinline__ float decode(uint8_t q) {
   const __half_raw h = __nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(q), kE5M2 ? __NV_E5M2 : __NV_E4M3);
