@@ -29,15 +29,17 @@ using namespace ops;
 
 namespace {
 
-// ---- element access: f32 as float, bf16 as its uint16_t bits ----
-__device__ __forceinline__ float as_float(float v) { return v; }
-__device__ __forceinline__ float as_float(uint16_t b) { return bf16_to_f32(b); }
+// ---- element stores (loads: to_f32 of quantize_device.cuh); bf16 rounds as the CPU's codec ----
 template <class T>
 __device__ __forceinline__ T from_float(float v);
 template <>
 __device__ __forceinline__ float from_float<float>(float v) { return v; }
 template <>
-__device__ __forceinline__ uint16_t from_float<uint16_t>(float v) { return f32_to_bf16(v); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  __nv_bfloat16_raw r;
+  r.x = f32_to_bf16(v);
+  return r;
+}
 
 // Columns [c0, c0 + kCols) of a row as floats; columns at or past `limit` read as 0 (limit 0: a
 // zero row, nothing read). kVec: the row is 16-byte aligned and limit a multiple of the vector
@@ -53,10 +55,10 @@ __device__ __forceinline__ void load_cols(const T* __restrict__ row, int64_t c0,
       if (c < limit) raw = *reinterpret_cast<const uint4*>(row + c);
       const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) v[h * VEC + i] = as_float(e[i]);
+      for (int i = 0; i < VEC; ++i) v[h * VEC + i] = to_f32(e[i]);
     } else {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) v[h * VEC + i] = c + i < limit ? as_float(row[c + i]) : 0.0f;
+      for (int i = 0; i < VEC; ++i) v[h * VEC + i] = c + i < limit ? to_f32(row[c + i]) : 0.0f;
     }
   }
 }
@@ -332,9 +334,9 @@ void moe_permute_cuda(const TensorView& x, const TensorView& row_slot, int64_t t
         static_cast<Tout*>(out.data), R, D);
   };
   auto go_out = [&](auto tin, auto kvec) {
-    out.dtype == DType::bf16 ? go(tin, uint16_t{}, kvec) : go(tin, float{}, kvec);
+    out.dtype == DType::bf16 ? go(tin, __nv_bfloat16{}, kvec) : go(tin, float{}, kvec);
   };
-  auto go_vec = [&](auto kvec) { x.dtype == DType::bf16 ? go_out(uint16_t{}, kvec) : go_out(float{}, kvec); };
+  auto go_vec = [&](auto kvec) { x.dtype == DType::bf16 ? go_out(__nv_bfloat16{}, kvec) : go_out(float{}, kvec); };
   vec ? go_vec(std::true_type{}) : go_vec(std::false_type{});
   FP8MOE_CUDA_CHECK_LAUNCH("moe_permute_kernel");
 }
@@ -361,7 +363,7 @@ void moe_permute_quantize_cuda(const TensorView& x, const TensorView& row_slot, 
   auto go_out = [&](auto tin) {
     out.values.dtype == DType::e5m2 ? go_mode(tin, std::true_type{}) : go_mode(tin, std::false_type{});
   };
-  x.dtype == DType::bf16 ? go_out(uint16_t{}) : go_out(float{});
+  x.dtype == DType::bf16 ? go_out(__nv_bfloat16{}) : go_out(float{});
   FP8MOE_CUDA_CHECK_LAUNCH("moe_permute_quantize_kernel");
 }
 
@@ -379,7 +381,7 @@ void moe_combine_cuda(const TensorView& y, const TensorView& slot_row, const Ten
         static_cast<const Ty*>(y.data), slot_row.ptr<const int32_t>(), wp, out.ptr<float>(), T, d.topk, d.rows, N,
         accumulate);
   };
-  auto go_vec = [&](auto kvec) { y.dtype == DType::bf16 ? go(uint16_t{}, kvec) : go(float{}, kvec); };
+  auto go_vec = [&](auto kvec) { y.dtype == DType::bf16 ? go(__nv_bfloat16{}, kvec) : go(float{}, kvec); };
   vec ? go_vec(std::true_type{}) : go_vec(std::false_type{});
   FP8MOE_CUDA_CHECK_LAUNCH("moe_combine_kernel");
 }

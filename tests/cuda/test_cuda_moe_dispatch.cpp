@@ -108,16 +108,11 @@ struct HostLayout {
 class CudaMoeDispatch : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
-    cpu_ = make_backend("cpu");
+    FP8MOE_REQUIRE_GPU();
     gpu_ = make_backend("cuda");
     rng_ = make_rng();
   }
-  Tensor dev(const Tensor& h) {
-    Tensor d = h.view().ndim == 1 ? gpu_->empty(h.dtype(), {h.size(0)}) : gpu_->empty(h.dtype(), {h.size(0), h.size(1)});
-    gpu_->copy(d.view(), h.view());
-    return d;
-  }
+  Tensor dev(const Tensor& h) { return to_device(*gpu_, h); }
   HostLayout cpu_layout(const Tensor& ids, int64_t groups, int64_t align, int64_t rows) {
     HostLayout L{Tensor::host(DType::i32, {rows}), Tensor::host(DType::i32, {rows}),
                  Tensor::host(DType::i32, {ids.size(0), ids.size(1)}), Tensor::host(DType::i32, {groups + 1})};
@@ -155,7 +150,7 @@ class CudaMoeDispatch : public ::testing::Test {
     return w;
   }
 
-  std::unique_ptr<Backend> cpu_, gpu_;
+  std::unique_ptr<Backend> cpu_ = make_backend("cpu"), gpu_;
   std::mt19937_64 rng_;
 };
 
