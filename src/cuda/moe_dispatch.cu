@@ -11,7 +11,8 @@
 //   moe_permute_quantize     gather and 1x128 quantization in one pass: the 8 threads of a
 //                            128-column tile each hold 16 values, amax by shuffles, scale and E4M3
 //                            bytes as quantize_1x128 (quantize_device.cuh); the same grid writes
-//                            the scale padding rows [R, round_up(R, 4)).
+//                            the scale padding rows [R, round_up(R, 4)). NaN/Inf inputs, which the
+//                            CPU op refuses, are not looked for (that would need a host check).
 //   moe_combine              one thread per 8 columns of a token: the k source rows loaded four at a
 //                            time, then added in slot order in FP32 (separate mul and add roundings).
 //   moe_combine_weight_grad  one thread per slot.
@@ -86,9 +87,17 @@ __device__ __forceinline__ void store_cols(T* __restrict__ row, int64_t c0, int6
 }
 
 // Row-parallel kernels run 256-thread blocks of blockDim.x threads along a row (a multiple of 32,
-// so a warp never spans two rows) times blockDim.y rows; grid (row blocks, column blocks).
-__device__ __forceinline__ int64_t grid_row() { return int64_t(blockIdx.x) * blockDim.y + threadIdx.y; }
-__device__ __forceinline__ int64_t grid_col_thread() { return int64_t(blockIdx.y) * blockDim.x + threadIdx.x; }
+// so a warp never spans two rows) times blockDim.y rows, numbered row-major on a 1-D grid: block b
+// covers row block b / col_blocks and column block b % col_blocks.
+// NOTES: row-major order makes consecutive blocks stream along whole rows (row blocks in grid.x
+// and column blocks in grid.y would sweep the tensor once per column block instead).
+struct RowThread {
+  int64_t row, col_thread;  // the thread's row, and its index along the row
+};
+__device__ __forceinline__ RowThread row_thread(uint32_t col_blocks) {
+  const uint32_t rb = blockIdx.x / col_blocks, cb = blockIdx.x - rb * col_blocks;
+  return {int64_t(rb) * blockDim.y + threadIdx.y, int64_t(cb) * blockDim.x + threadIdx.x};
+}
 
 // ---- moe_layout ----
 
@@ -159,8 +168,10 @@ constexpr int kPermuteCols = 16;
 template <class Tin, class Tout, bool kVec>
 __global__ void __launch_bounds__(256) moe_permute_kernel(const Tin* __restrict__ x, const int32_t* __restrict__ row_slot,
                                                           const float* __restrict__ w, int64_t topk, int64_t slots,
-                                                          Tout* __restrict__ out, int64_t R, int64_t D) {
-  const int64_t r = grid_row(), c0 = grid_col_thread() * kPermuteCols;
+                                                          Tout* __restrict__ out, int64_t R, int64_t D,
+                                                          uint32_t col_blocks) {
+  const RowThread p = row_thread(col_blocks);
+  const int64_t r = p.row, c0 = p.col_thread * kPermuteCols;
   if (r >= R || c0 >= D) return;
   const int32_t slot = row_slot[r];
   const bool valid = slot >= 0 && slot < slots;
@@ -185,8 +196,10 @@ constexpr int kTileThreads = kQuantGroup / kPermuteCols;  // 8 threads per 128-c
 template <class Tin, bool kE5M2, bool kPow2>
 __global__ void __launch_bounds__(256) moe_permute_quantize_kernel(
     const Tin* __restrict__ x, const int32_t* __restrict__ row_slot, const float* __restrict__ w, int64_t topk,
-    int64_t slots, uint8_t* __restrict__ q, float* __restrict__ s, int64_t R, int64_t D, int64_t ld, float max_finite) {
-  const int64_t r = grid_row(), c0 = grid_col_thread() * kPermuteCols;
+    int64_t slots, uint8_t* __restrict__ q, float* __restrict__ s, int64_t R, int64_t D, int64_t ld, float max_finite,
+    uint32_t col_blocks) {
+  const RowThread p = row_thread(col_blocks);
+  const int64_t r = p.row, c0 = p.col_thread * kPermuteCols;
   // Whole warps share r, so these exits leave every tile's shuffle group complete.
   if (r >= ld) return;
   const bool active = c0 < D, lead = threadIdx.x % kTileThreads == 0;
@@ -227,8 +240,10 @@ constexpr int kCombineCols = 8, kCombineBatch = 4;
 template <class Ty, bool kVec>
 __global__ void __launch_bounds__(256) moe_combine_kernel(const Ty* __restrict__ y, const int32_t* __restrict__ slot_row,
                                                           const float* __restrict__ w, float* __restrict__ out,
-                                                          int64_t T, int64_t k, int64_t R, int64_t N, bool accumulate) {
-  const int64_t t = grid_row(), c0 = grid_col_thread() * kCombineCols;
+                                                          int64_t T, int64_t k, int64_t R, int64_t N, bool accumulate,
+                                                          uint32_t col_blocks) {
+  const RowThread p = row_thread(col_blocks);
+  const int64_t t = p.row, c0 = p.col_thread * kCombineCols;
   if (t >= T || c0 >= N) return;
   float acc[kCombineCols];
   load_cols<kCombineCols, kVec>(out + t * N, c0, accumulate ? N : 0, acc);
@@ -269,20 +284,21 @@ __global__ void moe_combine_weight_grad_kernel(const float* __restrict__ v, cons
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-// Launch shape of a row-parallel kernel over `rows` rows of `threads_per_row` threads: 256-thread
-// blocks, blockDim.x in {128, 64, 32} leaving the fewest idle threads at the row's end (ties: the
-// widest), blockDim.y = 256 / blockDim.x rows.
+// Launch shape of a row-parallel kernel (row_thread) over `rows` rows of `threads_per_row`
+// threads: 256-thread blocks, blockDim.x in {128, 64, 32} leaving the fewest idle threads at the
+// row's end (ties: the widest), blockDim.y = 256 / blockDim.x rows.
 struct RowGrid {
   dim3 grid, block;
+  uint32_t col_blocks;
 };
 RowGrid row_grid(int64_t rows, int64_t threads_per_row, const char* op) {
   int64_t bx = 128;
   for (int64_t cand : {64, 32})
     if (round_up(threads_per_row, cand) < round_up(threads_per_row, bx)) bx = cand;
-  const int64_t by = 256 / bx, gx = ceil_div(rows, by), gy = ceil_div(threads_per_row, bx);
-  FP8MOE_CHECK(gx < (int64_t(1) << 31) && gy <= 65535, op << ": " << rows << " rows of " << threads_per_row
-                                                              << " threads exceed the launch limits");
-  return {dim3(unsigned(gx), unsigned(gy)), dim3(unsigned(bx), unsigned(by))};
+  const int64_t by = 256 / bx, row_blocks = ceil_div(rows, by), col_blocks = ceil_div(threads_per_row, bx);
+  FP8MOE_CHECK(row_blocks * col_blocks < (int64_t(1) << 31),
+               op << ": " << rows << " rows of " << threads_per_row << " threads exceed the launch limits");
+  return {dim3(unsigned(row_blocks * col_blocks)), dim3(unsigned(bx), unsigned(by)), uint32_t(col_blocks)};
 }
 
 }  // namespace
@@ -331,7 +347,7 @@ void moe_permute_cuda(const TensorView& x, const TensorView& row_slot, int64_t t
     using Tout = decltype(tout);
     moe_permute_kernel<Tin, Tout, decltype(kvec)::value><<<g.grid, g.block, 0, stream>>>(
         static_cast<const Tin*>(x.data), row_slot.ptr<const int32_t>(), wp, topk, d.tokens * topk,
-        static_cast<Tout*>(out.data), R, D);
+        static_cast<Tout*>(out.data), R, D, g.col_blocks);
   };
   auto go_out = [&](auto tin, auto kvec) {
     out.dtype == DType::bf16 ? go(tin, __nv_bfloat16{}, kvec) : go(tin, float{}, kvec);
@@ -355,7 +371,7 @@ void moe_permute_quantize_cuda(const TensorView& x, const TensorView& row_slot, 
     using Tin = decltype(tin);
     moe_permute_quantize_kernel<Tin, decltype(e5m2)::value, decltype(pow2)::value><<<g.grid, g.block, 0, stream>>>(
         static_cast<const Tin*>(x.data), row_slot.ptr<const int32_t>(), wp, topk, d.tokens * topk,
-        out.values.ptr<uint8_t>(), out.scales.ptr<float>(), R, D, ld, mf);
+        out.values.ptr<uint8_t>(), out.scales.ptr<float>(), R, D, ld, mf, g.col_blocks);
   };
   auto go_mode = [&](auto tin, auto e5m2) {
     mode == ScaleMode::pow2 ? go(tin, e5m2, std::true_type{}) : go(tin, e5m2, std::false_type{});
@@ -379,7 +395,7 @@ void moe_combine_cuda(const TensorView& y, const TensorView& slot_row, const Ten
     using Ty = decltype(ty);
     moe_combine_kernel<Ty, decltype(kvec)::value><<<g.grid, g.block, 0, stream>>>(
         static_cast<const Ty*>(y.data), slot_row.ptr<const int32_t>(), wp, out.ptr<float>(), T, d.topk, d.rows, N,
-        accumulate);
+        accumulate, g.col_blocks);
   };
   auto go_vec = [&](auto kvec) { y.dtype == DType::bf16 ? go(__nv_bfloat16{}, kvec) : go(float{}, kvec); };
   vec ? go_vec(std::true_type{}) : go_vec(std::false_type{});

@@ -81,8 +81,9 @@ MoeDispatchDims check_moe_layout_args(Device device, const TensorView& expert_id
   d.topk = expert_ids.size(1);
   d.rows = row_slot.size(0);
   d.groups = offsets.size(0) - 1;
-  FP8MOE_CHECK(align >= 1, "moe_layout: align must be >= 1, got " << align);
+  FP8MOE_CHECK(align >= 1 && align <= kMaxI32, "moe_layout: align must be in [1, 2^31), got " << align);
   FP8MOE_CHECK(d.groups >= 1, "moe_layout: offsets must hold G + 1 >= 2 entries (G experts), got " << offsets.str());
+  FP8MOE_CHECK(d.groups < kMaxI32, "moe_layout: G = " << d.groups << " experts exceed the i32 expert ids");
   c.shape(row_group, "row_group", {d.rows});
   c.shape(slot_row, "slot_row", {d.tokens, d.topk});
   const int64_t slots = d.tokens * d.topk, need = moe_layout_rows(slots, d.groups, align);

@@ -136,7 +136,7 @@ TEST_F(MoeDispatchCpu, LayoutRejectsBadArguments) {
   expect_error([&] { run(i32_tensor({2, 2}, {0, 1, -2, -1}), 4, rs, sr, off); }, "value -2 at [1, 0]");
   expect_error([&] { cpu_->moe_layout(ids, 4, head_rows(rs, R - 1), head_rows(rg, R - 1), sr, off); },
                "moe_layout: row_slot has 15 rows, fewer than moe_layout_rows(T * k = 4, G = 3, align = 4) = 16");
-  expect_error([&] { run(ids, 0, rs, sr, off); }, "moe_layout: align must be >= 1");
+  expect_error([&] { run(ids, 0, rs, sr, off); }, "moe_layout: align must be in [1, 2^31)");
   expect_error([&] { run(ids, 4, rs, sr, head_rows(off, 1)); }, "moe_layout: offsets must hold G + 1 >= 2");
   expect_error([&] { run(ids, 4, rs, Tensor::host(DType::i32, {2, 3}), off); }, "moe_layout: slot_row");
   expect_error([&] { run(ids, 4, Tensor::host(DType::f32, {R}), sr, off); }, "moe_layout: row_slot");
