@@ -14,32 +14,8 @@ OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 ITERS=${FP8MOE_ITERS:-30}
 SET=${FP8MOE_BENCH_SET:-all}
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}
-
-if [ -z "${FP8MOE_BIN:-}" ]; then
-  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
-    cmake --build build-gpu -j"$(nproc)" --target fp8moe_cli test_cuda_quantize test_cuda_gemm >>"$OUT/build.log" 2>&1 ||
-    { echo "build failed, see $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
-  BIN_CLI=build-gpu/bin/fp8moe
-  BIN_T=build-gpu/tests/cuda
-else
-  BIN_CLI=$FP8MOE_BIN/fp8moe
-  BIN_T=$FP8MOE_BIN
-fi
-
-declare -a ROWS
-step() {  # step <name> <seconds> <log> <cmd...>: runs, records "name | rc | seconds"
-  local name=$1 limit=$2 log=$3
-  shift 3
-  local t0=$SECONDS
-  timeout --signal=KILL "$limit" "$@" >>"$log" 2>&1
-  local rc=$?
-  local st="ok"
-  [ $rc -ne 0 ] && st="FAIL(rc=$rc)"
-  [ $rc -eq 137 ] && st="TIMEOUT(${limit}s)"
-  ROWS+=("| $name | $st | $((SECONDS - t0)) s |")
-  echo "[gpu_check] $name: $st ($((SECONDS - t0)) s)"
-}
+source "$(dirname "$0")/gpu_common.sh"
+gpu_bins fp8moe_cli test_cuda_quantize test_cuda_gemm
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
@@ -67,7 +43,4 @@ echo "== bench quant =="
 cat "$OUT/bench_quant.md"
 echo "== bench gemm =="
 cat "$OUT/bench_gemm.md"
-echo
-echo "| step | result | time |"
-echo "|---|---|---|"
-printf '%s\n' "${ROWS[@]}"
+print_steps

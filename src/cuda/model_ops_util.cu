@@ -37,33 +37,34 @@ __global__ void iota_kernel(int32_t* p, int64_t n) {
 
 }  // namespace
 
-DeviceBuffer::DeviceBuffer(size_t bytes) {
-  if (bytes > 0) FP8MOE_CUDA_CHECK(cudaMallocAsync(&p_, bytes, nullptr));
+DeviceBuffer::DeviceBuffer(size_t bytes, cudaStream_t stream) : stream_(stream) {
+  if (bytes > 0) FP8MOE_CUDA_CHECK(cudaMallocAsync(&p_, bytes, stream));
 }
 
 DeviceBuffer::~DeviceBuffer() {
   // NOTES: a destructor may not throw; a failing free here means the context is already broken,
   // and the next checked call reports it.
-  if (p_) (void)cudaFreeAsync(p_, nullptr);
+  if (p_) (void)cudaFreeAsync(p_, stream_);
 }
 
-void stable_sort_by_key(const int32_t* keys, int64_t n, int64_t nkeys, int32_t* keys_out, int32_t* pos_out) {
+void stable_sort_by_key(const int32_t* keys, int64_t n, int64_t nkeys, int32_t* keys_out, int32_t* pos_out,
+                        cudaStream_t stream) {
   if (n <= 0) return;
   FP8MOE_CHECK(n < (int64_t(1) << 31), "stable_sort_by_key: n = " << n << " exceeds the i32 range");
   int end_bit = 1;
   while (end_bit < 32 && (int64_t(1) << end_bit) < nkeys) ++end_bit;
-  DeviceBuffer pos_in(size_t(n) * sizeof(int32_t));
-  iota_kernel<<<grid_for(n, 256, 4096), 256>>>(pos_in.as<int32_t>(), n);
+  DeviceBuffer pos_in(size_t(n) * sizeof(int32_t), stream);
+  iota_kernel<<<grid_for(n, 256, 4096), 256, 0, stream>>>(pos_in.as<int32_t>(), n);
   FP8MOE_CUDA_CHECK_LAUNCH("iota_kernel");
   // Keys are in [0, nkeys): as unsigned they sort the same and only end_bit bits matter.
   const auto* kin = reinterpret_cast<const uint32_t*>(keys);
   auto* kout = reinterpret_cast<uint32_t*>(keys_out);
   size_t temp_bytes = 0;
   FP8MOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, kin, kout, pos_in.as<int32_t>(), pos_out,
-                                                    int(n), 0, end_bit, cudaStream_t(nullptr)));
-  DeviceBuffer temp(temp_bytes);
+                                                    int(n), 0, end_bit, stream));
+  DeviceBuffer temp(temp_bytes, stream);
   FP8MOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.as<void>(), temp_bytes, kin, kout, pos_in.as<int32_t>(),
-                                                    pos_out, int(n), 0, end_bit, cudaStream_t(nullptr)));
+                                                    pos_out, int(n), 0, end_bit, stream));
 }
 
 namespace {
