@@ -1,7 +1,7 @@
 // Argument checks of the MoE dispatch ops (backend.hpp: moe_layout, moe_permute,
 // moe_permute_quantize, moe_combine, moe_combine_weight_grad), shared by the backends so that all
 // refuse the same calls with the same messages: every tensor defined, contiguous and on the
-// backend's `device`, dtypes, ranks, shapes and the i32 range of row and slot indices. Index
+// backend's `device`, dtypes (where f32 is named, the cpu also takes f64: the fp64 recipe), ranks, shapes and the i32 range of row and slot indices. Index
 // values are each backend's business: the CPU ops check them, the CUDA ops (which never
 // synchronize with the host) skip entries out of range.
 #pragma once

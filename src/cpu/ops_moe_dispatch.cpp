@@ -3,7 +3,8 @@
 //   moe_layout               build_moe_layout (moe_grouped.hpp) written out as the device tables:
 //                            row_slot (t * k + j), row_group, slot_row, offsets; rows past
 //                            offsets[G] are -1.
-//   moe_permute              out[r] = w[slot] * x[slot / k] (FP32 product), zero rows for slot < 0.
+//   moe_permute              out[r] = w[slot] * x[slot / k] (FP32 product; FP64 for f64), zero rows
+//                            for slot < 0.
 //   moe_permute_quantize     moe_permute into FP32, then quantize_1x128: the definition the fused
 //                            CUDA kernel reproduces bit for bit.
 //   moe_combine              out[t] (+)= sum_j w[t, j] * y[slot_row[t, j]], products rounded to FP32
@@ -51,19 +52,36 @@ void moe_layout(const TensorView& expert_ids, int64_t align, const TensorView& r
 
 namespace {
 
-// out[r] = w[slot] * x[slot / k] for slot = row_slot[r] >= 0, else zeros (arguments checked).
+// Element i of an f32 | f64 | bf16 tensor as double, and its store (via float unless f64).
+double load_d(const TensorView& t, int64_t i) {
+  return t.dtype == DType::f64 ? t.ptr<const double>()[i] : double(load_float(t, i));
+}
+void store_d(const TensorView& t, int64_t i, double v) {
+  if (t.dtype == DType::f64) t.ptr<double>()[i] = v;
+  else store_float(t, i, float(v));
+}
+
+// out[r] = w[slot] * x[slot / k] for slot = row_slot[r] >= 0, else zeros (arguments checked); the
+// product in FP32, or FP64 when out is f64.
 void permute_rows(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
                   const TensorView& out, const MoeDispatchDims& d) {
   const int64_t D = d.cols;
+  const bool f64 = out.dtype == DType::f64;
   const int32_t* rs = row_slot.ptr<const int32_t>();
 #pragma omp parallel for schedule(static) if (d.rows * D > kParallelWork)
   for (int64_t r = 0; r < d.rows; ++r) {
     const int32_t slot = rs[r];
     const int64_t src = slot < 0 ? 0 : slot / topk * D;
     for (int64_t c = 0; c < D; ++c) {
-      float v = slot < 0 ? 0.0f : load_float(x, src + c);
-      if (slot >= 0 && w.defined()) v = w.ptr<const float>()[slot] * v;
-      store_float(out, r * D + c, v);
+      if (f64) {
+        double v = slot < 0 ? 0.0 : load_d(x, src + c);
+        if (slot >= 0 && w.defined()) v = load_d(w, slot) * v;
+        store_d(out, r * D + c, v);
+      } else {
+        float v = slot < 0 ? 0.0f : load_float(x, src + c);
+        if (slot >= 0 && w.defined()) v = float(load_d(w, slot)) * v;
+        store_float(out, r * D + c, v);
+      }
     }
   }
 }
@@ -92,18 +110,23 @@ void moe_combine(const TensorView& y, const TensorView& slot_row, const TensorVi
   check_indices(slot_row, d.rows, "moe_combine", "slot_row", "R");
   const int64_t N = d.cols, k = d.topk;
   const int32_t* sr = slot_row.ptr<const int32_t>();
-  // Row by row, slot by slot: every element still sums its products in slot order.
+  // Row by row, slot by slot: every element still sums its products in slot order (in FP32, or
+  // FP64 when out is f64).
+  const auto run = [&](auto zero) {
+    using T = decltype(zero);
 #pragma omp parallel for schedule(static) if (d.tokens * k * N > kParallelWork)
-  for (int64_t t = 0; t < d.tokens; ++t) {
-    float* o = out.ptr<float>() + t * N;
-    if (!accumulate) std::fill_n(o, N, 0.0f);
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t row = sr[t * k + j];
-      if (row < 0) continue;
-      const float wj = w.defined() ? w.ptr<const float>()[t * k + j] : 1.0f;
-      for (int64_t n = 0; n < N; ++n) o[n] += wj * load_float(y, row * N + n);
+    for (int64_t t = 0; t < d.tokens; ++t) {
+      T* o = out.ptr<T>() + t * N;
+      if (!accumulate) std::fill_n(o, N, T(0));
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t row = sr[t * k + j];
+        if (row < 0) continue;
+        const T wj = w.defined() ? T(load_d(w, t * k + j)) : T(1);
+        for (int64_t n = 0; n < N; ++n) o[n] += wj * T(load_d(y, row * N + n));
+      }
     }
-  }
+  };
+  out.dtype == DType::f64 ? run(0.0) : run(0.0f);
 }
 
 void moe_combine_weight_grad(const TensorView& v, const TensorView& slot_row, const TensorView& w,
@@ -111,8 +134,12 @@ void moe_combine_weight_grad(const TensorView& v, const TensorView& slot_row, co
   const MoeDispatchDims d = check_moe_combine_weight_grad_args(Device::cpu, v, slot_row, w, dw);
   check_indices(slot_row, d.rows, "moe_combine_weight_grad", "slot_row", "R");
   const int32_t* sr = slot_row.ptr<const int32_t>();
-  for (int64_t i = 0; i < d.tokens * d.topk; ++i)
-    dw.ptr<float>()[i] = sr[i] < 0 ? 0.0f : v.ptr<const float>()[sr[i]] / w.ptr<const float>()[i];
+  for (int64_t i = 0; i < d.tokens * d.topk; ++i) {
+    if (dw.dtype == DType::f64)
+      dw.ptr<double>()[i] = sr[i] < 0 ? 0.0 : load_d(v, sr[i]) / load_d(w, i);
+    else
+      dw.ptr<float>()[i] = sr[i] < 0 ? 0.0f : float(load_d(v, sr[i])) / float(load_d(w, i));
+  }
 }
 
 }  // namespace fp8moe::cpu

@@ -27,13 +27,20 @@ struct ArgChecker {
     check_tensor(t, name(arg).c_str(), dtypes, ndim);
     on_device(t, arg);
   }
+  // f32 (or bf16 where allowed); f64 too on the cpu, for the fp64 recipe.
+  void floats(const TensorView& t, const char* arg, bool bf16, int ndim) const {
+    if (device == Device::cpu)
+      bf16 ? tensor(t, arg, {DType::f32, DType::bf16, DType::f64}, ndim) : tensor(t, arg, {DType::f32, DType::f64}, ndim);
+    else
+      bf16 ? tensor(t, arg, {DType::f32, DType::bf16}, ndim) : tensor(t, arg, {DType::f32}, ndim);
+  }
   void shape(const TensorView& t, const char* arg, std::initializer_list<int64_t> dims) const {
     check_shape(t, name(arg).c_str(), dims);
   }
-  // Optional per-slot weights: undefined, or [T, k] f32.
+  // Optional per-slot weights: undefined, or [T, k] f32 (f64 on the cpu).
   void weights(const TensorView& w, int64_t tokens, int64_t topk) const {
     if (!w.defined()) return;
-    tensor(w, "w", {DType::f32}, 2);
+    floats(w, "w", false, 2);
     shape(w, "w", {tokens, topk});
   }
 };
@@ -41,7 +48,7 @@ struct ArgChecker {
 // The inputs moe_permute and moe_permute_quantize share: x [T, D], row_slot [R], w.
 MoeDispatchDims check_permute_inputs(const ArgChecker& c, const TensorView& x, const TensorView& row_slot,
                                      int64_t topk, const TensorView& w) {
-  c.tensor(x, "x", {DType::f32, DType::bf16}, 2);
+  c.floats(x, "x", true, 2);
   c.tensor(row_slot, "row_slot", {DType::i32}, 1);
   FP8MOE_CHECK(topk >= 1, c.op << ": topk must be >= 1, got " << topk);
   MoeDispatchDims d;
@@ -101,7 +108,7 @@ MoeDispatchDims check_moe_permute_args(Device device, const TensorView& x, const
                                        const TensorView& w, const TensorView& out) {
   const ArgChecker c{device, "moe_permute"};
   const MoeDispatchDims d = check_permute_inputs(c, x, row_slot, topk, w);
-  c.tensor(out, "out", {DType::f32, DType::bf16}, 2);
+  c.floats(out, "out", true, 2);
   c.shape(out, "out", {d.rows, d.cols});
   return d;
 }
@@ -122,11 +129,11 @@ MoeDispatchDims check_moe_permute_quantize_args(Device device, const TensorView&
 MoeDispatchDims check_moe_combine_args(Device device, const TensorView& y, const TensorView& slot_row,
                                        const TensorView& w, const TensorView& out) {
   const ArgChecker c{device, "moe_combine"};
-  c.tensor(y, "y", {DType::f32, DType::bf16}, 2);
+  c.floats(y, "y", true, 2);
   MoeDispatchDims d = check_slot_table(c, slot_row, w);
   d.rows = y.size(0);
   d.cols = y.size(1);
-  c.tensor(out, "out", {DType::f32}, 2);
+  c.floats(out, "out", false, 2);
   c.shape(out, "out", {d.tokens, d.cols});
   return d;
 }
@@ -134,11 +141,11 @@ MoeDispatchDims check_moe_combine_args(Device device, const TensorView& y, const
 MoeDispatchDims check_moe_combine_weight_grad_args(Device device, const TensorView& v, const TensorView& slot_row,
                                                    const TensorView& w, const TensorView& dw) {
   const ArgChecker c{device, "moe_combine_weight_grad"};
-  c.tensor(v, "v", {DType::f32}, 1);
+  c.floats(v, "v", false, 1);
   FP8MOE_CHECK(w.defined(), "moe_combine_weight_grad: w is undefined (the weights divide v)");
   MoeDispatchDims d = check_slot_table(c, slot_row, w);
   d.rows = v.size(0);
-  c.tensor(dw, "dw", {DType::f32}, 2);
+  c.floats(dw, "dw", false, 2);
   c.shape(dw, "dw", {d.tokens, d.topk});
   return d;
 }

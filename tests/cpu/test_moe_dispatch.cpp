@@ -328,7 +328,7 @@ TEST_F(MoeDispatchCpu, CombineRejectsBadArguments) {
   expect_error([&] { cpu_->moe_combine(y, sr, w, Tensor::host(DType::bf16, {2, 8}), false); }, "moe_combine: out");
   expect_error([&] { cpu_->moe_combine(y, sr, w, Tensor::host(DType::f32, {3, 8}), false); }, "moe_combine: out");
   expect_error([&] { cpu_->moe_combine(y, sr, Tensor::host(DType::f32, {2, 3}), out, false); }, "moe_combine: w");
-  expect_error([&] { cpu_->moe_combine(Tensor::host(DType::f64, {3, 8}), sr, w, out, false); }, "moe_combine: y");
+  expect_error([&] { cpu_->moe_combine(Tensor::host(DType::i32, {3, 8}), sr, w, out, false); }, "moe_combine: y");
   const Tensor v = Tensor::host(DType::f32, {3});
   Tensor dw = Tensor::host(DType::f32, {2, 2});
   expect_error([&] { cpu_->moe_combine_weight_grad(v, sr, TensorView{}, dw); }, "moe_combine_weight_grad: w is undefined");
