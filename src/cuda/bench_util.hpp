@@ -1,0 +1,144 @@
+// Helpers of the CUDA benchmarks (bench.cpp, bench_grouped.cpp): device buffers, timing with the
+// L2 flushed, device -> host copies, extra tiles from FP8MOE_BENCH_TILES, geometric means.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cuda_check.hpp"
+#include "fp8moe/quantize.hpp"
+#include "gemm_heuristics.hpp"
+
+namespace fp8moe::cuda::bench {
+
+// ---- device buffers and random data ----
+struct DeviceBuffer {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) : bytes(n) {
+    if (n) FP8MOE_CUDA_CHECK(cudaMalloc(&p, n));
+  }
+  ~DeviceBuffer() {
+    if (p) cudaFree(p);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+inline TensorView dview(void* p, DType t, int64_t r, int64_t c) { return TensorView(p, t, {r, c}, Device::cuda); }
+
+struct DeviceQuantized {
+  DeviceBuffer values, scales;
+  QuantizedView view;
+  DeviceQuantized(int64_t rows, int64_t cols, ScaleKind kind)
+      : values(size_t(rows * cols)),
+        scales(size_t(scale_shape(kind, rows, cols)[0] * scale_shape(kind, rows, cols)[1]) * 4) {
+    const auto ss = scale_shape(kind, rows, cols);
+    view = {dview(values.p, DType::e4m3, rows, cols), dview(scales.p, DType::f32, ss[0], ss[1]), kind};
+  }
+};
+
+// ---- timing ----
+struct Timer {
+  DeviceBuffer flush{size_t(512) << 20};
+  double median_us(const std::function<void()>& fn, int warmup, int iters) {
+    for (int i = 0; i < warmup; ++i) fn();
+    FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<cudaEvent_t> ev(size_t(2 * iters));
+    for (auto& e : ev) FP8MOE_CUDA_CHECK(cudaEventCreate(&e));
+    for (int i = 0; i < iters; ++i) {
+      FP8MOE_CUDA_CHECK(cudaMemsetAsync(flush.p, i & 0xFF, flush.bytes, nullptr));
+      FP8MOE_CUDA_CHECK(cudaEventRecord(ev[size_t(2 * i)], nullptr));
+      fn();
+      FP8MOE_CUDA_CHECK(cudaEventRecord(ev[size_t(2 * i + 1)], nullptr));
+    }
+    FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<double> us(static_cast<size_t>(iters));
+    for (int i = 0; i < iters; ++i) {
+      float ms = 0;
+      FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[size_t(2 * i)], ev[size_t(2 * i + 1)]));
+      us[size_t(i)] = double(ms) * 1e3;
+    }
+    for (auto& e : ev) cudaEventDestroy(e);
+    std::sort(us.begin(), us.end());
+    return us[us.size() / 2];
+  }
+};
+
+template <class T>
+std::vector<T> to_host(const void* p, size_t n) {
+  std::vector<T> h(n);
+  if (n) FP8MOE_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+inline float bf16_bits_to_float(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline std::vector<double> d_to_doubles(const void* dev, int64_t M, int64_t N, bool f32) {
+  std::vector<double> out(size_t(M * N));
+  if (f32) {
+    auto h = to_host<float>(dev, size_t(M * N));
+    for (size_t i = 0; i < h.size(); ++i) out[i] = h[i];
+  } else {
+    auto h = to_host<uint16_t>(dev, size_t(M * N));
+    for (size_t i = 0; i < h.size(); ++i) out[i] = bf16_bits_to_float(h[i]);
+  }
+  return out;
+}
+
+inline bool has_nan(const std::vector<double>& x) {
+  for (double v : x)
+    if (!std::isfinite(v)) return true;
+  return false;
+}
+
+// FP8MOE_BENCH_TILES="128x192,128x128/pipe,128x160/direct,...": extra tiles timed on every case
+// (where compiled for its kind), each checked bit for bit against the chosen tile's D.
+inline std::vector<GemmTile> extra_tiles_from_env() {
+  std::vector<GemmTile> v;
+  const char* env = std::getenv("FP8MOE_BENCH_TILES");
+  if (!env) return v;
+  std::string s(env);
+  size_t pos = 0;
+  while (pos < s.size()) {
+    size_t end = s.find(',', pos);
+    if (end == std::string::npos) end = s.size();
+    const std::string item = s.substr(pos, end - pos);
+    pos = end + 1;
+    GemmTile t{};
+    if (std::sscanf(item.c_str(), "%dx%d", &t.block_m, &t.block_n) != 2) continue;
+    t.tma_epilogue = item.find("/direct") == std::string::npos;
+    t.pipelined = item.find("/pipe") != std::string::npos;
+    t.multicast = item.find("/mc2") != std::string::npos ? 2 : 1;
+    v.push_back(t);
+  }
+  return v;
+}
+
+inline std::string tile_name(const GemmTile& t) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%dx%d%s%s%s", t.block_m, t.block_n, t.tma_epilogue ? "" : "/direct",
+                t.multicast > 1 ? "/mc2" : "", t.pipelined ? "/pipe" : "");
+  return b;
+}
+
+inline double geomean(const std::vector<double>& v) {
+  if (v.empty()) return double(NAN);
+  double s = 0;
+  for (double x : v) s += std::log(x);
+  return std::exp(s / double(v.size()));
+}
+
+}  // namespace fp8moe::cuda::bench
