@@ -98,37 +98,52 @@ __device__ __forceinline__ TileWork resolve_tile(uint32_t m_blk, uint32_t n_blk,
   return w;
 }
 
-// Epilogue of a grouped tile, for one thread's two fragment rows (tile rows r_frag and r_frag + 8,
-// D rows d_row + those; acc in the layout of mma.cuh): rows without a product (padding, past the
-// group's count, an empty segment) are zeroed in `acc`, or, when accumulating, not written at all.
-// Returns bit i set when row r_frag + 8*i may be written; all_ok: both rows may be written or lie
-// past D's M rows (where a TMA store clips).
-template <Grouping kG, int BLOCK_N>
-__device__ __forceinline__ uint32_t mask_group_rows(float (&acc)[BLOCK_N / 2], const TileWork& w, const GroupArgs& ga,
-                                                    uint32_t d_row, uint32_t r_frag, uint32_t M, bool accumulate,
-                                                    bool& all_ok) {
-  uint32_t rows = 0;
-  all_ok = true;
+// The epilogue's view of one thread's two fragment rows (tile rows r_frag and r_frag + 8, D rows
+// d_row + those), resolved when the tile starts so that the table loads overlap the mainloop.
+// Bit i of each mask is row r_frag + 8*i.
+struct RowMask {
+  uint32_t product;  // the row gets the product (else zeros, or nothing when accumulating)
+  uint32_t own;      // the row belongs to the tile's group (rows of other groups are never written)
+  uint32_t clipped;  // the row lies past D's M rows (a TMA store clips it, direct stores skip it)
+};
+
+template <Grouping kG>
+__device__ __forceinline__ RowMask group_rows(const TileWork& w, const GroupArgs& ga, uint32_t d_row, uint32_t r_frag,
+                                              uint32_t M) {
+  RowMask m{0, 0, 0};
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (uint32_t i = 0; i < 2; ++i) {
     const uint32_t r = r_frag + 8 * i, row = d_row + r;
-    bool product, write;
+    bool product, own;
     if constexpr (kG == Grouping::contiguous) {
       const int32_t g = row < M ? __ldg(ga.table + row) : -1;
       product = g >= 0 && uint32_t(g) < ga.groups;
-      write = true;
+      own = true;
     } else {
       product = r < w.valid_rows;
-      write = r < w.write_rows;
+      own = r < w.write_rows;
     }
-    if (!product) {
-      write = write && !accumulate;
+    m.product |= uint32_t(product) << i;
+    m.own |= uint32_t(own) << i;
+    m.clipped |= uint32_t(row >= M) << i;
+  }
+  return m;
+}
+
+// Epilogue of a grouped tile: rows without a product are zeroed in `acc` (layout of mma.cuh).
+// Returns the rows that may be written (bit i: row r_frag + 8*i): the group's rows, less those
+// without a product when accumulating (D is left alone there). all_ok: both rows may be written or
+// are clipped.
+template <int BLOCK_N>
+__device__ __forceinline__ uint32_t apply_row_mask(float (&acc)[BLOCK_N / 2], const RowMask& m, bool accumulate,
+                                                   bool& all_ok) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+    if (!((m.product >> i) & 1))
 #pragma unroll
       for (int j = 0; j < BLOCK_N / 8; ++j) acc[4 * j + 2 * i] = acc[4 * j + 2 * i + 1] = 0.0f;
-    }
-    if (write) rows |= 1u << i;
-    all_ok = all_ok && (write || row >= M);
-  }
+  const uint32_t rows = m.own & (accumulate ? m.product : 3u);
+  all_ok = ((rows | m.clipped) & 3u) == 3u;
   return rows;
 }
 

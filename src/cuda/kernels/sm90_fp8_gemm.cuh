@@ -270,12 +270,24 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     float acc[kNumAccum];
     float acc2[T::kPipelined ? kNumAccum : 1];  // second accumulator set of the pipelined mainloop
 
+    auto resolve = [&](uint32_t t) {
+      uint32_t m_blk, n_blk;
+      sched.tile_coords(t, rank, m_blk, n_blk);
+      return resolve_tile<kG, BLOCK_M, BLOCK_N>(m_blk, n_blk, sched.num_m_blocks, num_k_blocks, args.group);
+    };
+    // NOTES: grouped kernels resolve the next tile before this tile's epilogue, so that the group
+    // table loads overlap it instead of stalling the next tile's first WGMMAs.
+    TileWork next_work{};
+    if constexpr (kG != Grouping::none)
+      if (cluster_id < sched.num_tiles) next_work = resolve(cluster_id);
+
     for (uint32_t tile = cluster_id; tile < sched.num_tiles; tile += num_clusters) {
       uint32_t m_blk, n_blk;
       sched.tile_coords(tile, rank, m_blk, n_blk);
-      const TileWork work =
-          resolve_tile<kG, BLOCK_M, BLOCK_N>(m_blk, n_blk, sched.num_m_blocks, num_k_blocks, args.group);
+      const TileWork work = kG == Grouping::none ? resolve(tile) : next_work;
       const uint32_t m0 = work.d_row, n0 = n_blk * BLOCK_N;  // phantom tiles: m0 >= M, all stores masked
+      RowMask row_mask{};
+      if constexpr (kG != Grouping::none) row_mask = group_rows<kG>(work, args.group, m0, r_frag, args.M);
 #pragma unroll
       for (int w = 0; w < W; ++w)
 #pragma unroll
@@ -419,9 +431,9 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
       uint32_t rows_ok = 3;  // bit i: this thread's row r_frag + 8*i may be written
       bool box_ok = true;
       if constexpr (kG != Grouping::none) {
+        if (tile + num_clusters < sched.num_tiles) next_work = resolve(tile + num_clusters);
         bool mine_ok = true;
-        rows_ok = mask_group_rows<kG, BLOCK_N>(final_acc[0], work, args.group, m0, r_frag, args.M,
-                                               args.epi.accumulate, mine_ok);
+        rows_ok = apply_row_mask<BLOCK_N>(final_acc[0], row_mask, args.epi.accumulate, mine_ok);
         if (T::kTmaStoreOk && args.epi.tma_store) box_ok = ptx::named_barrier_and(1 + wg, 128, mine_ok);
       }
 
