@@ -1,6 +1,5 @@
-// `fp8moe bench gemm`, `fp8moe bench quant` and `fp8moe bench permute`: our CUDA kernels against
-// cuBLASLt and the copy bandwidth, side by side (src/cuda/bench.hpp).
-// Example:  fp8moe bench gemm --iters 30 --set m4096
+// `fp8moe bench gemm`, `quant`, `grouped` and `permute`: our CUDA kernels against cuBLASLt and the
+// copy bandwidth, side by side (src/cuda/bench.hpp). Example:  fp8moe bench gemm --iters 30 --set m4096
 #include <memory>
 
 #include "commands.hpp"
@@ -45,6 +44,20 @@ void add_bench(CLI::App& app) {
     require_gpu();
     if (fp8moe::cuda::run_quant_bench(*q) != 0) throw CLI::RuntimeError("bench quant: bit-exactness check failed", 2);
   });
+  auto gr = std::make_shared<fp8moe::cuda::GroupedBenchOptions>();
+  auto* grouped = bench->add_subcommand("grouped", "Grouped FP8 GEMMs of the MoE experts: ours vs a cuBLASLt loop");
+  grouped->add_option("--iters", gr->iters, "timed runs per case (median)");
+  grouped->add_option("--warmup", gr->warmup, "untimed runs per case");
+  grouped->add_option("--set", gr->set, "all | contiguous | masked | wgrad");
+  grouped->add_option("--check-rows", gr->check_rows, "rows of D checked against the FP64 reference");
+  auto grouped_no_check = std::make_shared<bool>(false);
+  grouped->add_flag("--no-check", *grouped_no_check, "skip the correctness columns");
+  grouped->add_option("--seed", gr->seed, "random seed (0: fresh)");
+  grouped->callback([gr, grouped_no_check] {
+    require_gpu();
+    gr->check = !*grouped_no_check;
+    if (fp8moe::cuda::run_grouped_bench(*gr) != 0) throw CLI::RuntimeError("bench grouped: correctness check failed", 2);
+  });
   auto p = std::make_shared<fp8moe::cuda::PermuteBenchOptions>();
   auto* permute = bench->add_subcommand("permute", "MoE dispatch ops (layout, permute, permute + quantize, combine): "
                                                    "GB/s against the device copy bandwidth");
@@ -64,7 +77,7 @@ void add_bench(CLI::App& app) {
       throw CLI::RuntimeError("bench permute: bit-exactness check failed", 2);
   });
 #else
-  for (const char* name : {"gemm", "quant", "permute"})
+  for (const char* name : {"gemm", "quant", "grouped", "permute"})
     bench->add_subcommand(name, "needs the CUDA backend")->callback([] {
       throw fp8moe::Error("bench: this build has no CUDA backend");
     });

@@ -29,34 +29,11 @@
 
 namespace fp8moe::cuda {
 
+using namespace bench;
+
 namespace {
 
 using namespace bench;
-
-float bf16_bits_to_float(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-std::vector<double> d_to_doubles(const void* dev, int64_t M, int64_t N, bool f32) {
-  std::vector<double> out(size_t(M * N));
-  if (f32) {
-    auto h = to_host<float>(dev, size_t(M * N));
-    for (size_t i = 0; i < h.size(); ++i) out[i] = h[i];
-  } else {
-    auto h = to_host<uint16_t>(dev, size_t(M * N));
-    for (size_t i = 0; i < h.size(); ++i) out[i] = bf16_bits_to_float(h[i]);
-  }
-  return out;
-}
-
-bool has_nan(const std::vector<double>& x) {
-  for (double v : x)
-    if (!std::isfinite(v)) return true;
-  return false;
-}
 
 struct GemmCase {
   const char* kind;  // "fprop" (B 128x128, bf16 out) | "wgrad" (B 1x128, f32 out, accumulate)
@@ -81,36 +58,6 @@ std::vector<GemmCase> gemm_cases(const std::string& set) {
     v.push_back({"wgrad", 1000, 520, 4224});
   }
   return v;
-}
-
-// FP8MOE_BENCH_TILES="128x192,128x128/pipe,128x160/direct,...": extra tiles timed on every case
-// (where compiled for its kind), each checked bit for bit against the chosen tile's D.
-std::vector<GemmTile> extra_tiles_from_env() {
-  std::vector<GemmTile> v;
-  const char* env = std::getenv("FP8MOE_BENCH_TILES");
-  if (!env) return v;
-  std::string s(env);
-  size_t pos = 0;
-  while (pos < s.size()) {
-    size_t end = s.find(',', pos);
-    if (end == std::string::npos) end = s.size();
-    const std::string item = s.substr(pos, end - pos);
-    pos = end + 1;
-    GemmTile t{};
-    if (std::sscanf(item.c_str(), "%dx%d", &t.block_m, &t.block_n) != 2) continue;
-    t.tma_epilogue = item.find("/direct") == std::string::npos;
-    t.pipelined = item.find("/pipe") != std::string::npos;
-    t.multicast = item.find("/mc2") != std::string::npos ? 2 : 1;
-    v.push_back(t);
-  }
-  return v;
-}
-
-std::string tile_name(const GemmTile& t) {
-  char b[64];
-  std::snprintf(b, sizeof b, "%dx%d%s%s%s", t.block_m, t.block_n, t.tma_epilogue ? "" : "/direct",
-                t.multicast > 1 ? "/mc2" : "", t.pipelined ? "/pipe" : "");
-  return b;
 }
 
 }  // namespace
@@ -321,19 +268,13 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
       else if (M <= 128) r_small.push_back(ratio);
     }
   }
-  auto geo = [](const std::vector<double>& v) {
-    if (v.empty()) return double(NAN);
-    double s = 0;
-    for (double x : v) s += std::log(x);
-    return std::exp(s / double(v.size()));
-  };
   std::printf("# geomean ours/cuBLASLt-FP8: M=4096 fprop %.3f (%zu) | M<=128 fprop %.3f (%zu) | wgrad %.3f (%zu) | all %.3f (%zu)\n",
-              geo(r_m4096), r_m4096.size(), geo(r_small), r_small.size(), geo(r_wgrad), r_wgrad.size(), geo(r_all),
+              geomean(r_m4096), r_m4096.size(), geomean(r_small), r_small.size(), geomean(r_wgrad), r_wgrad.size(), geomean(r_all),
               r_all.size());
   for (size_t e = 0; e < extra.size(); ++e)
     if (!extra_speedup[e].empty())
       std::printf("# geomean tile %s / chosen tile, M=4096 fprop: %.3fx (%zu)\n", tile_name(extra[e]).c_str(),
-                  geo(extra_speedup[e]), extra_speedup[e].size());
+                  geomean(extra_speedup[e]), extra_speedup[e].size());
   std::printf("# correctness: %s\n", all_ok ? "all passed" : "FAILURES (see FAIL rows)");
   return all_ok ? 0 : 1;
 }

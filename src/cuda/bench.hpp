@@ -1,5 +1,5 @@
-// Benchmarks of the CUDA kernels (`fp8moe bench gemm`, `fp8moe bench quant` against cuBLASLt and
-// the copy bandwidth, `fp8moe bench permute` for the MoE dispatch ops).
+// Benchmarks of the CUDA kernels (`fp8moe bench gemm`, `quant`, `grouped` against cuBLASLt and the
+// copy bandwidth, `fp8moe bench permute` for the MoE dispatch ops).
 // Each prints one table row per case, measured side by side in one run (warm-up, L2 flushed
 // before every timed launch, median of `iters`), and a geometric mean last. Plain C++ header: the
 // app includes it without CUDA headers.
@@ -38,10 +38,21 @@ struct PermuteBenchOptions {
   uint64_t seed = 0;     // 0: fresh random seed (printed)
 };
 
+// The grouped FP8 GEMMs of the MoE experts (bench_grouped.cpp) against a loop of cuBLASLt GEMMs.
+struct GroupedBenchOptions {
+  int iters = 30;
+  int warmup = 5;
+  bool check = true;         // correctness columns (host FP64 reference on sampled rows)
+  int check_rows = 16;       // rows of D compared against the FP64 references (over 4 groups)
+  std::string set = "all";   // all | contiguous | masked | wgrad
+  uint64_t seed = 0;         // 0: fresh random seed (printed)
+};
+
 // Return 0 when every correctness check passed (calc_diff < 1e-3 and no NaN; bit-exact for the
 // quantizers and the dispatch ops), 1 otherwise.
 int run_gemm_bench(const GemmBenchOptions& opt);
 int run_quant_bench(const QuantBenchOptions& opt);
+int run_grouped_bench(const GroupedBenchOptions& opt);
 int run_permute_bench(const PermuteBenchOptions& opt);
 
 }  // namespace fp8moe::cuda

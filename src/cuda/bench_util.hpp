@@ -1,19 +1,26 @@
-// Shared pieces of the kernel benchmarks (bench.cpp, bench_moe_dispatch.cpp): device buffers,
-// device views, and the timer (warm-up, then each timed launch after a 512 MiB memset that flushes
-// L2 and gives the host time to enqueue it, so the event pair measures GPU time; median of iters).
+// Shared pieces of the kernel benchmarks (bench.cpp, bench_grouped.cpp, bench_moe_dispatch.cpp):
+// device buffers and views, the timer (warm-up, then each timed launch after a 512 MiB memset that
+// flushes L2 and gives the host time to enqueue it; median of iters), device -> host copies, extra
+// tiles from FP8MOE_BENCH_TILES, geometric means.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "cuda_check.hpp"
 #include "fp8moe/quantize.hpp"
+#include "gemm_heuristics.hpp"
 
 namespace fp8moe::cuda::bench {
 
-// ---- device buffers ----
+// ---- device buffers and random data ----
 struct DeviceBuffer {
   void* p = nullptr;
   size_t bytes = 0;
@@ -72,6 +79,68 @@ inline std::vector<T> to_host(const void* p, size_t n) {
   std::vector<T> h(n);
   if (n) FP8MOE_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
   return h;
+}
+
+inline float bf16_bits_to_float(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline std::vector<double> d_to_doubles(const void* dev, int64_t M, int64_t N, bool f32) {
+  std::vector<double> out(size_t(M * N));
+  if (f32) {
+    auto h = to_host<float>(dev, size_t(M * N));
+    for (size_t i = 0; i < h.size(); ++i) out[i] = h[i];
+  } else {
+    auto h = to_host<uint16_t>(dev, size_t(M * N));
+    for (size_t i = 0; i < h.size(); ++i) out[i] = bf16_bits_to_float(h[i]);
+  }
+  return out;
+}
+
+inline bool has_nan(const std::vector<double>& x) {
+  for (double v : x)
+    if (!std::isfinite(v)) return true;
+  return false;
+}
+
+// FP8MOE_BENCH_TILES="128x192,128x128/pipe,128x160/direct,...": extra tiles timed on every case
+// (where compiled for its kind), each checked bit for bit against the chosen tile's D.
+inline std::vector<GemmTile> extra_tiles_from_env() {
+  std::vector<GemmTile> v;
+  const char* env = std::getenv("FP8MOE_BENCH_TILES");
+  if (!env) return v;
+  std::string s(env);
+  size_t pos = 0;
+  while (pos < s.size()) {
+    size_t end = s.find(',', pos);
+    if (end == std::string::npos) end = s.size();
+    const std::string item = s.substr(pos, end - pos);
+    pos = end + 1;
+    GemmTile t{};
+    if (std::sscanf(item.c_str(), "%dx%d", &t.block_m, &t.block_n) != 2) continue;
+    t.tma_epilogue = item.find("/direct") == std::string::npos;
+    t.pipelined = item.find("/pipe") != std::string::npos;
+    t.multicast = item.find("/mc2") != std::string::npos ? 2 : 1;
+    v.push_back(t);
+  }
+  return v;
+}
+
+inline std::string tile_name(const GemmTile& t) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%dx%d%s%s%s", t.block_m, t.block_n, t.tma_epilogue ? "" : "/direct",
+                t.multicast > 1 ? "/mc2" : "", t.pipelined ? "/pipe" : "");
+  return b;
+}
+
+inline double geomean(const std::vector<double>& v) {
+  if (v.empty()) return double(NAN);
+  double s = 0;
+  for (double x : v) s += std::log(x);
+  return std::exp(s / double(v.size()));
 }
 
 }  // namespace fp8moe::cuda::bench

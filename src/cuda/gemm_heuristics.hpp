@@ -9,6 +9,7 @@
 // for short K) or 256x128.
 #pragma once
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace fp8moe::cuda {
@@ -28,17 +29,36 @@ struct GemmTile {
   bool pipelined = false;
 };
 
-// Tile shapes compiled into the library (gemm_fp8.cu instantiates exactly these).
+// A compiled tile as a type: gemm_launch.cuh instantiates the kernel for each entry of the lists
+// below, and gemm_tiles() lists the same shapes at run time.
+template <int BM, int BN, bool kTmaEpi = true, int kMC = 1, bool kPipe = false>
+struct TileConfig {
+  static constexpr GemmTile tile() { return {BM, BN, kTmaEpi, kMC, kPipe}; }
+};
+using Tiles1d2d = std::tuple<TileConfig<64, 16>, TileConfig<64, 32>, TileConfig<64, 64>, TileConfig<64, 128>,
+                             TileConfig<128, 16>, TileConfig<128, 32>, TileConfig<128, 64>, TileConfig<128, 128>,
+                             TileConfig<128, 128, false>, TileConfig<128, 128, true, 2>, TileConfig<128, 128, false, 2>,
+                             TileConfig<128, 128, true, 1, true>, TileConfig<128, 128, false, 1, true>,
+                             TileConfig<128, 160, false>, TileConfig<128, 192>, TileConfig<128, 192, false>,
+                             TileConfig<256, 128, false>>;
+using Tiles1d1d = std::tuple<TileConfig<64, 64>, TileConfig<64, 128>, TileConfig<128, 64>, TileConfig<128, 128>,
+                             TileConfig<128, 128, true, 2>>;
+
+template <class... C>
+std::vector<GemmTile> tile_list(std::tuple<C...>*) {
+  return {C::tile()...};
+}
+
+// Tile shapes compiled into the library.
 inline const std::vector<GemmTile>& gemm_tiles(bool b_1x128) {
-  static const std::vector<GemmTile> k1d2d{{64, 16}, {64, 32}, {64, 64}, {64, 128},
-                                           {128, 16}, {128, 32}, {128, 64}, {128, 128},
-                                           {128, 128, false}, {128, 128, true, 2}, {128, 128, false, 2},
-                                           {128, 128, true, 1, true}, {128, 128, false, 1, true},
-                                           {128, 160, false}, {128, 192}, {128, 192, false},
-                                           {256, 128, false}};
-  static const std::vector<GemmTile> k1d1d{{64, 64}, {64, 128}, {128, 64}, {128, 128}, {128, 128, true, 2}};
+  static const std::vector<GemmTile> k1d2d = tile_list(static_cast<Tiles1d2d*>(nullptr));
+  static const std::vector<GemmTile> k1d1d = tile_list(static_cast<Tiles1d1d*>(nullptr));
   return b_1x128 ? k1d1d : k1d2d;
 }
+
+// Tiles of the grouped GEMMs: at most 128 rows (one expert block) and no multicast, since the
+// tiles of a cluster or the halves of a 256-row tile may belong to different groups.
+constexpr bool grouped_tile_ok(const GemmTile& t) { return t.block_m <= 128 && t.multicast == 1; }
 
 inline double gemm_tile_cost(const GemmTile& t, int64_t M, int64_t N, int num_sms) {
   const int64_t tiles = ((M + t.block_m - 1) / t.block_m) * ((N + t.block_n - 1) / t.block_n);
@@ -55,7 +75,8 @@ inline double gemm_tile_cost(const GemmTile& t, int64_t M, int64_t N, int num_sm
   return double(waves) * per_block;
 }
 
-inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, int num_sms) {
+// grouped: only tiles with grouped_tile_ok (M = the rows of all groups together).
+inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, int num_sms, bool grouped = false) {
   GemmTile best{};
   double best_cost = -1;
   for (const GemmTile& t : gemm_tiles(b_1x128)) {
@@ -63,7 +84,7 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     if (t.pipelined || t.block_n > 128) continue;  // chosen below
     // 256-row tiles only pay off with long K (measured: for K <= 2048 the staged 128x128 epilogue
     // wins) and many rows.
-    if (t.block_m == 256 && (M < 1024 || K < 4096)) continue;
+    if (t.block_m == 256 && (grouped || M < 1024 || K < 4096)) continue;
     const double c = gemm_tile_cost(t, M, N, num_sms);
     const bool larger = t.block_m * t.block_n > best.block_m * best.block_n;
     if (best_cost < 0 || c < best_cost * 0.999 || (c <= best_cost * 1.001 && larger)) {
@@ -91,7 +112,7 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     };
     const double c128 = waves(128, 128) * (kb * 1.0 + 1.9);
     const double c192 = waves(128, 192) * (kb * 1.415 + 3.1);
-    const double c256 = K >= 4096 && M >= 1024 ? waves(256, 128) * (kb * 2.02 + 6.4) : 1e300;
+    const double c256 = !grouped && K >= 4096 && M >= 1024 ? waves(256, 128) * (kb * 2.02 + 6.4) : 1e300;
     if (c128 <= c192 && c128 <= c256) best = {128, 128, true, 1, true};
     else if (c192 <= c256) best = {128, 192, true, 1, false};
     else best = {256, 128, false, 1, false};

@@ -24,12 +24,23 @@ void moe_combine_cuda(const TensorView& y, const TensorView& slot_row, const Ten
 void moe_combine_weight_grad_cuda(const TensorView& v, const TensorView& slot_row, const TensorView& w,
                                   const TensorView& dw, cudaStream_t stream);
 
-// ---- grouped FP8 GEMMs (grouped_gemm.cu) ----
+// ---- grouped FP8 GEMMs (grouped_gemm.cu, grouped_wgrad.cu) ----
+// The sm_90a kernel of gemm_fp8_sm90 with the group of each tile resolved on the device
+// (kernels/grouping.cuh). `tile` overrides the heuristic when non-null (grouped_tile_ok tiles).
+// Group tables hold valid values as the Backend contracts say (they cannot be checked without
+// reading them back); out-of-range values are clamped so that nothing is read or written outside
+// the tensors: a row_group value outside [0, G) is padding, counts are clamped to [0, M_max],
+// offsets to [0, R].
 void grouped_gemm_fp8_contiguous_cuda(const QuantizedView& a, const QuantizedView& b, const TensorView& row_group,
-                                      int64_t groups, const TensorView& d, bool accumulate, cudaStream_t stream);
+                                      int64_t groups, const TensorView& d, bool accumulate, cudaStream_t stream,
+                                      const GemmTile* tile = nullptr);
 void grouped_gemm_fp8_masked_cuda(const QuantizedView& a, const QuantizedView& b, const TensorView& counts,
-                                  int64_t groups, const TensorView& d, bool accumulate, cudaStream_t stream);
+                                  int64_t groups, const TensorView& d, bool accumulate, cudaStream_t stream,
+                                  const GemmTile* tile = nullptr);
 void grouped_wgrad_fp8_cuda(const QuantizedView& dy_t, const QuantizedView& x_t, const TensorView& offsets,
-                            const TensorView& d, bool accumulate, cudaStream_t stream);
+                            const TensorView& d, bool accumulate, cudaStream_t stream, const GemmTile* tile = nullptr);
+// The tile the heuristic picks for `rows` output rows of all groups together (the rows of the
+// contiguous layout, G * M_max, or G * N for the Wgrad), N columns and K (Wgrad: tokens per group).
+GemmTile grouped_gemm_tile(int64_t rows, int64_t N, int64_t K, bool b_1x128);
 
 }  // namespace fp8moe::cuda

@@ -182,9 +182,12 @@ void grouped_wgrad_fp8_ref(const QuantizedView& dy_t, const QuantizedView& x_t, 
   const int64_t G = int64_t(offsets.size()) - 1, N = dy_t.rows(), K = x_t.rows();
   check_tensor(d, "d", DType::f32, 2);
   check_shape(d, "d", {G * N, K});
+  for (int64_t g = 1; g <= G; ++g)
+    FP8MOE_CHECK(offsets[size_t(g)] % kQuantGroup == 0 && offsets[size_t(g)] >= offsets[size_t(g - 1)],
+                 "offsets[" << g << "] = " << offsets[size_t(g)]
+                            << ": segments must start on 128-token boundaries, in ascending order");
   for (int64_t g = 0; g < G; ++g) {
     const int64_t c0 = offsets[size_t(g)], c1 = offsets[size_t(g + 1)];
-    FP8MOE_CHECK(c0 % kQuantGroup == 0 && c1 >= c0, "offsets[" << g << "] = " << c0 << ": segments must start on 128-token boundaries");
     TensorView dg = d;
     dg.data = d.ptr<float>() + g * N * K;
     dg.shape[0] = N;

@@ -3,12 +3,15 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <memory>
+#include <random>
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/kernel_api.hpp"
 #include "fp8moe/backend.hpp"
+#include "fp8moe/codecs.hpp"
 #include "testing.hpp"
 
 #define FP8MOE_REQUIRE_GPU()                                                         \
@@ -37,6 +40,18 @@ inline QuantizedTensor to_device(Backend& be, const QuantizedTensor& h) {
 
 inline QuantizedTensor to_host(Backend& be, const QuantizedTensor& d) {
   return {be.to_host(d.values), be.to_host(d.scales), d.kind};
+}
+
+// Quantized tensor with small-integer values in [-6, 6] and scales in {1/2, 1, 2}: with K <= 1024
+// every partial sum needs at most 20 significant bits, so FP32 and the Tensor Cores are exact.
+inline QuantizedTensor small_int_quantized(std::mt19937_64& rng, int64_t R, int64_t C, ScaleKind kind) {
+  QuantizedTensor q = make_quantized_host(R, C, DType::e4m3, kind);
+  std::uniform_int_distribution<int> v(-6, 6), e(-1, 1);
+  auto* vals = q.values.ptr<uint8_t>();
+  for (int64_t i = 0; i < R * C; ++i) vals[i] = e4m3_encode(float(v(rng)));
+  auto* s = q.scales.ptr<float>();
+  for (int64_t i = 0; i < q.scales.numel(); ++i) s[i] = std::ldexp(1.0f, e(rng));
+  return q;
 }
 
 inline bool bytes_equal(const Tensor& x, const Tensor& y) {

@@ -14,18 +14,6 @@
 namespace fp8moe::testing {
 namespace {
 
-// Quantized tensor with small-integer values in [-6, 6] and scales in {1/2, 1, 2}: with K <= 1024
-// every partial sum needs at most 20 significant bits, so FP32 and the Tensor Cores are exact.
-QuantizedTensor small_int_quantized(std::mt19937_64& rng, int64_t R, int64_t C, ScaleKind kind) {
-  QuantizedTensor q = make_quantized_host(R, C, DType::e4m3, kind);
-  std::uniform_int_distribution<int> v(-6, 6), e(-1, 1);
-  auto* vals = q.values.ptr<uint8_t>();
-  for (int64_t i = 0; i < R * C; ++i) vals[i] = e4m3_encode(float(v(rng)));
-  auto* s = q.scales.ptr<float>();
-  for (int64_t i = 0; i < q.scales.numel(); ++i) s[i] = std::ldexp(1.0f, e(rng));
-  return q;
-}
-
 // A device D [M, N] view over a buffer with row stride N + pad, pad columns set to a sentinel.
 struct PaddedD {
   Tensor buf;

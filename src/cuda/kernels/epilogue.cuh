@@ -22,14 +22,15 @@ struct EpilogueArgs {
 };
 
 // acc: this thread's fragment; row0: global row of d[0] (= tile row + 16*warp + lane/4);
-// col0: global column of d[0] (= tile column + 2*(lane%4)).
+// col0: global column of d[0] (= tile column + 2*(lane%4)); rows: bit i set = row row0 + 8*i may
+// be written (the grouped kernels mask rows of other groups and padding).
 template <int BLOCK_N>
 __device__ __forceinline__ void store_fragment(const float (&acc)[BLOCK_N / 2], const EpilogueArgs& e,
-                                               uint32_t row0, uint32_t col0) {
+                                               uint32_t row0, uint32_t col0, uint32_t rows = 3) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const uint32_t r = row0 + 8 * i;
-    if (r >= e.M) continue;
+    if (r >= e.M || !((rows >> i) & 1)) continue;
     if (e.d_f32) {
       float* row = static_cast<float*>(e.d) + int64_t(r) * e.ldd;
 #pragma unroll

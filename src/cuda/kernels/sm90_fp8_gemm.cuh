@@ -22,7 +22,11 @@
 // warpgroup writes its 64 x BLOCK_N result into its staging tile and one thread issues TMA stores
 // (TMA reduce-add for D += ...) that run while the next tile's WGMMAs start; otherwise direct
 // masked global stores.
-// Launch: gemm_fp8.cu (tensor maps, heuristics in gemm_heuristics.hpp).
+// Grouped GEMMs (MoE experts, grouping.cuh) are the same kernel with kG != none: each tile
+// resolves its group's A/B rows, K blocks and D rows on the device, and the epilogue leaves rows of
+// other groups alone and writes zeros for padding rows.
+// Launch: gemm_launch.cuh (tensor maps, kernel launch; heuristics in gemm_heuristics.hpp), called
+// by gemm_fp8.cu and grouped_gemm*.cu.
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -30,6 +34,7 @@
 #include <cstdint>
 
 #include "epilogue.cuh"
+#include "grouping.cuh"
 #include "mma.cuh"
 #include "ptx.cuh"
 #include "scheduler.cuh"
@@ -110,12 +115,13 @@ __device__ __forceinline__ void promote_1d2d(uint32_t bnd, float (&fa)[BLOCK_N /
 }
 
 struct GemmKernelArgs {
-  const float* sb_blk;  // 1d2d: B scales [ceil(N/128), K/128] f32 row-major
+  const float* sb_blk;  // 1d2d: B scales [ceil(N/128), K/128] f32 row-major (grouped: [G*N/128, K/128])
   EpilogueArgs epi;
-  uint32_t M, N, K;
+  uint32_t M, N, K;     // D rows, D columns (per group), K of the operands (k_grouped: R tokens)
+  GroupArgs group;      // grouped kernels only
 };
 
-template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue, int kMC, bool kPipe>
+template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue, int kMC, bool kPipe, Grouping kG>
 __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue, kMC, kPipe>::kNumThreads, 1)
     sm90_fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,   // A [M, K] e4m3, box [BLOCK_M, 128]
                          const __grid_constant__ CUtensorMap tmap_b,   // B [N, K] e4m3, box [BLOCK_N / kMC, 128]
@@ -128,6 +134,9 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
   using Mma = WgmmaFp8<BLOCK_N>;
   constexpr int STAGES = T::kStages;
   constexpr int kNumAccum = Mma::kNumAccum;  // BLOCK_N / 2 f32 per thread
+  // NOTES: the two CTAs of a multicast cluster share one B tile, and the two 128-row halves of a
+  // 256-row tile share it too: neither fits tiles that may belong to different groups.
+  static_assert(kG == Grouping::none || (kMC == 1 && T::kWaves == 1), "grouped: 64/128-row tiles, no multicast");
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // NOTES: the runtime only guarantees 16-byte alignment of dynamic shared memory; align by hand.
@@ -164,7 +173,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
   if constexpr (kMC > 1) ptx::cluster_sync();
   else __syncthreads();
 
-  const TileScheduler sched(args.M, args.N, BLOCK_M, BLOCK_N, kMC);
+  const TileScheduler sched(sched_rows<kG, BLOCK_M>(args.M, args.group), args.N, BLOCK_M, BLOCK_N, kMC);
   const uint32_t num_k_blocks = args.K / kBlockK;
 
   if (threadIdx.x >= T::kNumMathThreads) {
@@ -177,9 +186,10 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
       for (uint32_t tile = cluster_id; tile < sched.num_tiles; tile += num_clusters) {
         uint32_t m_blk, n_blk;
         sched.tile_coords(tile, rank, m_blk, n_blk);
-        // Phantom tiles (multicast, odd M block count) load the last real A block; nothing is stored.
-        const int32_t m0 = int32_t(min(m_blk, sched.num_m_blocks - 1) * BLOCK_M), n0 = int32_t(n_blk * BLOCK_N);
-        for (uint32_t kb = 0; kb < num_k_blocks; ++kb) {
+        const TileWork work =
+            resolve_tile<kG, BLOCK_M, BLOCK_N>(m_blk, n_blk, sched.num_m_blocks, num_k_blocks, args.group);
+        const int32_t m0 = int32_t(work.a_row), n0 = int32_t(work.b_row);
+        for (uint32_t kb = work.kb_begin; kb < work.kb_end; ++kb) {
           ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
           ptx::mbar_arrive_expect_tx(&full_bar[stage], T::kTxBytes);
           const int32_t k0 = int32_t(kb * kBlockK);
@@ -260,17 +270,31 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     float acc[kNumAccum];
     float acc2[T::kPipelined ? kNumAccum : 1];  // second accumulator set of the pipelined mainloop
 
+    auto resolve = [&](uint32_t t) {
+      uint32_t m_blk, n_blk;
+      sched.tile_coords(t, rank, m_blk, n_blk);
+      return resolve_tile<kG, BLOCK_M, BLOCK_N>(m_blk, n_blk, sched.num_m_blocks, num_k_blocks, args.group);
+    };
+    // NOTES: grouped kernels resolve the next tile before this tile's epilogue, so that the group
+    // table loads overlap it instead of stalling the next tile's first WGMMAs.
+    TileWork next_work{};
+    if constexpr (kG != Grouping::none)
+      if (cluster_id < sched.num_tiles) next_work = resolve(cluster_id);
+
     for (uint32_t tile = cluster_id; tile < sched.num_tiles; tile += num_clusters) {
       uint32_t m_blk, n_blk;
       sched.tile_coords(tile, rank, m_blk, n_blk);
-      const uint32_t m0 = m_blk * BLOCK_M, n0 = n_blk * BLOCK_N;  // phantom tiles: m0 >= M, all stores masked
+      const TileWork work = kG == Grouping::none ? resolve(tile) : next_work;
+      const uint32_t m0 = work.d_row, n0 = n_blk * BLOCK_N;  // phantom tiles: m0 >= M, all stores masked
+      RowMask row_mask{};
+      if constexpr (kG != Grouping::none) row_mask = group_rows<kG>(work, args.group, m0, r_frag, args.M);
 #pragma unroll
       for (int w = 0; w < W; ++w)
 #pragma unroll
         for (int i = 0; i < kNumAccum; ++i) final_acc[w][i] = 0.0f;
 
       // 1d2d: s_b of 128-row block n0/128, and of the next one from tile column bnd on.
-      const float* sb_row = kB1x128 ? nullptr : args.sb_blk + (n0 / kBlockK) * sb_ld;
+      const float* sb_row = kB1x128 ? nullptr : args.sb_blk + work.sb_blk * sb_ld;
       const uint32_t bnd = kBlockK - n0 % kBlockK;
       const bool has_second_sb = kTwoSb && (n0 + bnd < args.N);
       auto load_sb = [&](uint32_t kb, float& sb0, float& sb1) {
@@ -319,36 +343,39 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
             promote_1d2d_at(bnd, final_acc[0], src, sa0c, sa1c, sb0c, sb1c);
           }
         };
-        uint32_t cur_stage = stage;
-        start(0, acc, sa0c, sa1c, sb0c, sb1c);
-        for (uint32_t kb = 0;;) {
-          // acc holds block kb in flight.
-          if (kb + 1 == num_k_blocks) {
-            ptx::wgmma_wait<0>();
+        // A grouped tile may have no K block (padding, empty group): nothing to start then.
+        if (kG == Grouping::none || work.kb_end > work.kb_begin) {
+          uint32_t cur_stage = stage;
+          start(work.kb_begin, acc, sa0c, sa1c, sb0c, sb1c);
+          for (uint32_t kb = work.kb_begin;;) {
+            // acc holds block kb in flight.
+            if (kb + 1 == work.kb_end) {
+              ptx::wgmma_wait<0>();
+              finish(cur_stage, acc);
+              break;
+            }
+            uint32_t nxt_stage = stage;
+            start(kb + 1, acc2, sa0n, sa1n, sb0n, sb1n);
+            ptx::wgmma_wait<1>();
             finish(cur_stage, acc);
-            break;
-          }
-          uint32_t nxt_stage = stage;
-          start(kb + 1, acc2, sa0n, sa1n, sb0n, sb1n);
-          ptx::wgmma_wait<1>();
-          finish(cur_stage, acc);
-          cur_stage = nxt_stage, sa0c = sa0n, sa1c = sa1n, sb0c = sb0n, sb1c = sb1n;
-          ++kb;
-          // acc2 holds block kb in flight.
-          if (kb + 1 == num_k_blocks) {
-            ptx::wgmma_wait<0>();
+            cur_stage = nxt_stage, sa0c = sa0n, sa1c = sa1n, sb0c = sb0n, sb1c = sb1n;
+            ++kb;
+            // acc2 holds block kb in flight.
+            if (kb + 1 == work.kb_end) {
+              ptx::wgmma_wait<0>();
+              finish(cur_stage, acc2);
+              break;
+            }
+            nxt_stage = stage;
+            start(kb + 1, acc, sa0n, sa1n, sb0n, sb1n);
+            ptx::wgmma_wait<1>();
             finish(cur_stage, acc2);
-            break;
+            cur_stage = nxt_stage, sa0c = sa0n, sa1c = sa1n, sb0c = sb0n, sb1c = sb1n;
+            ++kb;
           }
-          nxt_stage = stage;
-          start(kb + 1, acc, sa0n, sa1n, sb0n, sb1n);
-          ptx::wgmma_wait<1>();
-          finish(cur_stage, acc2);
-          cur_stage = nxt_stage, sa0c = sa0n, sa1c = sa1n, sb0c = sb0n, sb1c = sb1n;
-          ++kb;
         }
       } else {
-        for (uint32_t kb = 0; kb < num_k_blocks; ++kb) {
+        for (uint32_t kb = work.kb_begin; kb < work.kb_end; ++kb) {
           float sb0 = 0.0f, sb1 = 0.0f;
           if constexpr (!kB1x128) load_sb(kb, sb0, sb1);
           ptx::mbar_wait(&full_bar[stage], phase);
@@ -399,7 +426,18 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         }
       }
 
-      if (T::kTmaStoreOk && args.epi.tma_store) {
+      // Grouped: rows without a product get zeros (or stay untouched when accumulating), rows of
+      // other groups are never written; a 64-row TMA store box is used only when all its rows may be.
+      uint32_t rows_ok = 3;  // bit i: this thread's row r_frag + 8*i may be written
+      bool box_ok = true;
+      if constexpr (kG != Grouping::none) {
+        if (tile + num_clusters < sched.num_tiles) next_work = resolve(tile + num_clusters);
+        bool mine_ok = true;
+        rows_ok = apply_row_mask<BLOCK_N>(final_acc[0], row_mask, args.epi.accumulate, mine_ok);
+        if (T::kTmaStoreOk && args.epi.tma_store) box_ok = ptx::named_barrier_and(1 + wg, 128, mine_ok);
+      }
+
+      if (T::kTmaStoreOk && args.epi.tma_store && box_ok) {
         using S = typename T::Staging;
         uint8_t* stg = smem_stg + wg * S::kBytes;
         const bool leader = threadIdx.x % 128 == 0;
@@ -424,7 +462,8 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         }
       } else {
 #pragma unroll
-        for (int w = 0; w < W; ++w) store_fragment<BLOCK_N>(final_acc[w], args.epi, m0 + w * 128 + r_frag, n0 + c_frag);
+        for (int w = 0; w < W; ++w)
+          store_fragment<BLOCK_N>(final_acc[w], args.epi, m0 + w * 128 + r_frag, n0 + c_frag, rows_ok);
       }
     }
     // Outstanding TMA stores must complete before the CTA's shared memory goes away.

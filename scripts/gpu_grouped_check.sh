@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# GPU check of the grouped FP8 GEMMs (contiguous, masked, K-grouped Wgrad), for a machine with an
+# NVIDIA Hopper GPU: builds the targets (or takes prebuilt binaries), runs test_cuda_grouped_gemm,
+# the dense test_cuda_gemm (the grouped GEMMs are the same kernel), compute-sanitizer memcheck on a
+# small set of the grouped tests, a SASS sanity check (FP8 WGMMA = QGMMA present) and
+# `fp8moe bench grouped`; writes the logs to $OUT (default ./gpu_grouped_out) and prints a short
+# summary last.
+#
+#   scripts/gpu_grouped_check.sh                       # configure + build in build-gpu/, then check
+#   FP8MOE_BIN=<dir> scripts/gpu_grouped_check.sh      # use <dir>/{fp8moe,test_cuda_grouped_gemm,test_cuda_gemm}
+#   FP8MOE_STEPS=tests,memcheck ...                    # a subset of: tests,dense,memcheck,bench (default all)
+#   FP8MOE_BENCH_SET=contiguous FP8MOE_ITERS=20 ...     # bench subset (all|contiguous|masked|wgrad) / timed runs
+#   FP8MOE_BENCH_TILES=128x128/pipe,128x192,128x128 ... # also time these grouped tiles on every case (D checked bit for bit)
+# Every step has a time limit (together under 10 minutes), so a hung kernel shows up as a TIMEOUT
+# row instead of a stuck run.
+set -u
+OUT=${OUT:-$PWD/gpu_grouped_out}
+mkdir -p "$OUT"
+ITERS=${FP8MOE_ITERS:-20}
+SET=${FP8MOE_BENCH_SET:-all}
+STEPS=${FP8MOE_STEPS:-tests,dense,memcheck,bench}
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}
+
+if [ -z "${FP8MOE_BIN:-}" ]; then
+  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
+    cmake --build build-gpu -j"$(nproc)" --target fp8moe_cli test_cuda_grouped_gemm test_cuda_gemm >>"$OUT/build.log" 2>&1 ||
+    { echo "build failed, see $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
+  BIN_CLI=build-gpu/bin/fp8moe
+  BIN_T=build-gpu/tests/cuda
+else
+  BIN_CLI=$FP8MOE_BIN/fp8moe
+  BIN_T=$FP8MOE_BIN
+fi
+
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
+
+declare -a ROWS
+step() {  # step <name> <seconds> <log> <cmd...>: runs, records "name | result | seconds"
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local t0=$SECONDS
+  timeout --signal=KILL "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  local st="ok"
+  [ $rc -ne 0 ] && st="FAIL(rc=$rc)"
+  [ $rc -eq 137 ] && st="TIMEOUT(${limit}s)"
+  ROWS+=("| $name | $st | $((SECONDS - t0)) s |")
+  echo "[gpu_grouped_check] $name: $st ($((SECONDS - t0)) s)"
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+
+want tests && step "test_cuda_grouped_gemm" 150 "$OUT/tests.log" "$BIN_T/test_cuda_grouped_gemm"
+want dense && step "test_cuda_gemm" 90 "$OUT/tests.log" "$BIN_T/test_cuda_gemm"
+HUNG=$(printf '%s\n' "${ROWS[@]:-}" | grep -c "TIMEOUT")
+# The exact tests cover every grouped tile at group boundaries (M_max and N not multiples of the
+# tile, trailing padding rows, empty groups): out-of-bounds or cross-group accesses show here.
+if want memcheck && [ "$HUNG" = 0 ]; then
+  step "memcheck grouped" 150 "$OUT/memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
+    "$BIN_T/test_cuda_grouped_gemm" \
+    --gtest_filter='CudaGroupedGemm.MaskedSmallIntegers*:CudaGroupedGemm.WgradSmallIntegers*:CudaGroupedGemm.ContiguousAccumulates*:CudaGroupedGemm.RejectsBad*'
+fi
+{ cuobjdump --dump-sass "$BIN_T/test_cuda_grouped_gemm" 2>/dev/null | grep -c QGMMA; } >"$OUT/sass.txt" 2>&1
+if want bench && [ "$HUNG" = 0 ]; then
+  step "bench grouped" 240 "$OUT/bench_grouped.md" "$BIN_CLI" bench grouped --iters "$ITERS" --set "$SET"
+fi
+
+echo
+echo "== tests =="
+grep -E "^\[  (PASSED|FAILED|SKIPPED) \]|Failure|error:|info     \]" "$OUT/tests.log" 2>/dev/null | head -60
+echo "== memcheck =="
+grep -E "ERROR SUMMARY" "$OUT/memcheck.log" 2>/dev/null
+echo "== QGMMA instructions in test_cuda_grouped_gemm SASS: $(cat "$OUT/sass.txt") =="
+echo "== bench grouped =="
+cat "$OUT/bench_grouped.md" 2>/dev/null
+echo
+echo "| step | result | time |"
+echo "|---|---|---|"
+printf '%s\n' "${ROWS[@]:-}"

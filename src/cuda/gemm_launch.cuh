@@ -1,0 +1,202 @@
+// Host side shared by the dense and the grouped sm_90a FP8 GEMMs (gemm_fp8.cu, grouped_gemm.cu,
+// grouped_wgrad.cu): TMA tensor maps of the operands, the epilogue arguments of D, and the
+// persistent launch of sm90_fp8_gemm_kernel for a tile chosen at run time among the compiled ones
+// (Tiles1d2d / Tiles1d1d in gemm_heuristics.hpp). Include from .cu files only.
+#pragma once
+#include <cuda.h>
+
+#include <algorithm>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <type_traits>
+
+#include "cuda_check.hpp"
+#include "fp8moe/quantize.hpp"
+#include "gemm_heuristics.hpp"
+#include "kernels/sm90_fp8_gemm.cuh"
+
+namespace fp8moe::cuda {
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// NOTES: the driver function is fetched through the runtime so that the library does not link
+// libcuda.so directly: binaries then still load (and GPU tests skip) on machines without a driver.
+inline EncodeTiledFn encode_tiled_fn() {
+  static EncodeTiledFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    FP8MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+    FP8MOE_CHECK(q == cudaDriverEntryPointSuccess && p != nullptr,
+                 "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled): symbol not found");
+    return reinterpret_cast<EncodeTiledFn>(p);
+  }();
+  return fn;
+}
+
+// 2-D tensor map of a row-major [outer, inner] tensor; box [box_outer, box_inner].
+inline CUtensorMap make_tmap_2d(const void* ptr, CUtensorMapDataType dtype, int elem_bytes, uint64_t inner,
+                                uint64_t outer, uint64_t row_stride_elems, uint32_t box_inner, uint32_t box_outer,
+                                CUtensorMapSwizzle swizzle, const char* what) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {row_stride_elems * uint64_t(elem_bytes)};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode_tiled_fn()(&map, dtype, 2, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+                                       CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  // The error string would need the driver API too; the code is enough to look up.
+  if (r != CUDA_SUCCESS)
+    throw Error(std::string("cuTensorMapEncodeTiled(") + what + ") failed with CUresult " + std::to_string(int(r)));
+  return map;
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+inline void check_row_major(const TensorView& t, const char* arg) {
+  FP8MOE_CHECK(t.ndim == 2 && t.strides[1] == 1 && t.strides[0] == t.shape[1],
+               arg << ": expected a contiguous row-major 2-D tensor, got " << t.str());
+}
+
+// Checks of an operand of the sm_90a kernels (`op` names the caller): e4m3 values with `kind`
+// scales, both contiguous, on the GPU and 16-byte aligned (the TMA's requirements).
+inline void check_operand(const QuantizedView& q, const char* op, const char* arg, ScaleKind kind) {
+  check_quantized(q, arg, kind);
+  FP8MOE_CHECK(q.values.dtype == DType::e4m3, arg << ": the sm90 kernel takes e4m3 values, got " << q.values.str());
+  FP8MOE_CHECK(q.values.device == Device::cuda && q.scales.device == Device::cuda,
+               op << ": " << arg << " must be on the GPU, got " << q.values.str());
+  const std::string values = std::string(arg) + ".values", scales = std::string(arg) + ".scales";
+  check_row_major(q.values, values.c_str());
+  check_row_major(q.scales, scales.c_str());
+  FP8MOE_CHECK(aligned16(q.values.data) && aligned16(q.scales.data),
+               op << ": " << values << " and " << scales << " must be 16-byte aligned");
+}
+
+// D [M, N] f32 | bf16 with row-major rows (the row stride may exceed N).
+inline void check_output(const TensorView& d, const char* op, int64_t M, int64_t N, bool accumulate) {
+  FP8MOE_CHECK(d.data != nullptr && d.ndim == 2, "d: expected a 2-D tensor, got " << d.str());
+  FP8MOE_CHECK(d.device == Device::cuda, op << ": d must be on the GPU, got " << d.str());
+  FP8MOE_CHECK(d.dtype == DType::f32 || d.dtype == DType::bf16, "d: expected f32 or bf16, got " << d.str());
+  FP8MOE_CHECK(d.shape[0] == M && d.shape[1] == N, "d: expected shape [" << M << ", " << N << "], got " << d.str());
+  FP8MOE_CHECK(!accumulate || d.dtype == DType::f32, "d: accumulate needs an f32 output, got " << d.str());
+  FP8MOE_CHECK(d.strides[1] == 1 && d.strides[0] >= N, "d: expected row-major rows (stride 1 along N), got " << d.str());
+}
+
+// A group table (row_group, counts, offsets): i32 [n] on the GPU.
+inline void check_group_table(const TensorView& t, const char* op, const char* arg, int64_t n) {
+  FP8MOE_CHECK(t.data != nullptr && t.ndim == 1 && t.dtype == DType::i32 && t.strides[0] == 1,
+               op << ": " << arg << " must be a contiguous 1-D i32 tensor, got " << t.str());
+  FP8MOE_CHECK(t.device == Device::cuda, op << ": " << arg << " must be on the GPU, got " << t.str());
+  FP8MOE_CHECK(t.shape[0] == n, op << ": " << arg << " must have " << n << " entries, got " << t.str());
+}
+
+// Tensor maps of one launch; unused ones are copies of `a` (the kernel never touches them).
+struct GemmMaps {
+  CUtensorMap a, b, sa, sb, d;
+};
+
+// Values [rows, K] e4m3, boxes [box_rows, 128] 128B-swizzled (K-major tiles for WGMMA).
+inline CUtensorMap make_values_map(const TensorView& v, uint32_t box_rows, const char* what) {
+  return make_tmap_2d(v.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(v.size(1)), uint64_t(v.size(0)),
+                      uint64_t(v.size(1)), kBlockK, box_rows, CU_TENSOR_MAP_SWIZZLE_128B, what);
+}
+
+// 1x128 scales [K/128, ld(rows)] f32, boxes [1, box_rows].
+inline CUtensorMap make_scales_map(const TensorView& s, uint32_t box_rows, const char* what) {
+  const uint64_t ld = uint64_t(s.size(1));
+  return make_tmap_2d(s.data, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, ld, uint64_t(s.size(0)), ld, box_rows, 1,
+                      CU_TENSOR_MAP_SWIZZLE_NONE, what);
+}
+
+// Epilogue arguments of D (rows: d.size(0), columns: d.size(1)) and, when its rows are 16-byte
+// aligned, the TMA-store map in maps.d (boxes [64, 128 bytes], 128B-swizzled).
+inline EpilogueArgs make_epilogue(const TensorView& d, bool accumulate, GemmMaps& maps) {
+  EpilogueArgs e{};
+  e.d = d.data;
+  e.ldd = d.strides[0];
+  e.M = uint32_t(d.size(0));
+  e.N = uint32_t(d.size(1));
+  e.d_f32 = d.dtype == DType::f32;
+  e.accumulate = accumulate;
+  const uintptr_t pair_align = e.d_f32 ? 8 : 4;
+  e.pair_ok = (d.strides[0] % 2 == 0) && (reinterpret_cast<uintptr_t>(d.data) % pair_align == 0);
+  // TMA-store epilogue: 16-byte aligned rows (the kernel also needs D's dtype = its staging dtype).
+  const int esize = int(dtype_size(d.dtype));
+  e.tma_store = aligned16(d.data) && (d.strides[0] * esize) % 16 == 0;
+  if (e.tma_store)
+    maps.d = make_tmap_2d(d.data, e.d_f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, esize,
+                          uint64_t(d.size(1)), uint64_t(d.size(0)), uint64_t(d.strides[0]), uint32_t(128 / esize), 64,
+                          CU_TENSOR_MAP_SWIZZLE_128B, "d");
+  return e;
+}
+
+template <int BM, int BN, bool kB1x128, bool kTmaEpi, int kMC, bool kPipe, Grouping kG>
+void launch_kernel(const GemmMaps& maps, GemmKernelArgs args, cudaStream_t stream) {
+  using T = GemmTraits<BM, BN, kB1x128, kTmaEpi, kMC, kPipe>;
+  auto kernel = sm90_fp8_gemm_kernel<BM, BN, kB1x128, kTmaEpi, kMC, kPipe, kG>;
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    FP8MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
+  });
+  // Units of kMC vertically adjacent tiles; one cluster of kMC CTAs per unit.
+  const int64_t rows = sched_rows<kG, BM>(args.M, args.group);
+  const int64_t units = int64_t((rows + BM * kMC - 1) / (BM * kMC)) * int64_t((args.N + BN - 1) / BN);
+  const int grid = int(std::min<int64_t>(units, device_props().multiProcessorCount / kMC)) * kMC;
+  // TMA-store epilogue only when D has the staging dtype (the caller checked alignment).
+  args.epi.tma_store = args.epi.tma_store && T::kTmaStoreOk && (args.epi.d_f32 == T::kStageF32);
+  if constexpr (kMC == 1) {
+    kernel<<<grid, T::kNumThreads, T::kSmemBytes, stream>>>(maps.a, maps.b, maps.sa, maps.sb, maps.d, args);
+  } else {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(unsigned(grid));
+    cfg.blockDim = dim3(T::kNumThreads);
+    cfg.dynamicSmemBytes = T::kSmemBytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kMC;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    FP8MOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, maps.a, maps.b, maps.sa, maps.sb, maps.d, args));
+  }
+  FP8MOE_CUDA_CHECK_LAUNCH("sm90_fp8_gemm_kernel");
+}
+
+// Launches the instantiation of TileConfig C when it is tile t (and compiled for grouping kG).
+template <bool kB1x128, Grouping kG, int BM, int BN, bool kTmaEpi, int kMC, bool kPipe>
+bool try_launch(TileConfig<BM, BN, kTmaEpi, kMC, kPipe>, const GemmTile& t, const GemmMaps& maps,
+                const GemmKernelArgs& args, cudaStream_t stream) {
+  if constexpr (kG != Grouping::none && !grouped_tile_ok(TileConfig<BM, BN, kTmaEpi, kMC, kPipe>::tile())) {
+    return false;
+  } else {
+    if (t.block_m != BM || t.block_n != BN || t.tma_epilogue != kTmaEpi || t.multicast != kMC || t.pipelined != kPipe)
+      return false;
+    launch_kernel<BM, BN, kB1x128, kTmaEpi, kMC, kPipe, kG>(maps, args, stream);
+    return true;
+  }
+}
+
+template <bool kB1x128, Grouping kG, class... C>
+bool launch_tile(const GemmTile& t, const GemmMaps& maps, const GemmKernelArgs& args, cudaStream_t stream,
+                 std::tuple<C...>*) {
+  return (try_launch<kB1x128, kG>(C{}, t, maps, args, stream) || ...);
+}
+
+// Runs the kernel with tile t; throws when t is not compiled for this kind of B and grouping.
+template <bool kB1x128, Grouping kG>
+void launch_gemm(const GemmTile& t, const GemmMaps& maps, const GemmKernelArgs& args, cudaStream_t stream,
+                 const char* op) {
+  using Tiles = std::conditional_t<kB1x128, Tiles1d1d, Tiles1d2d>;
+  const bool ok = launch_tile<kB1x128, kG>(t, maps, args, stream, static_cast<Tiles*>(nullptr));
+  FP8MOE_CHECK(ok, op << ": tile " << t.block_m << "x" << t.block_n << (t.tma_epilogue ? "" : "/direct")
+                      << (t.multicast > 1 ? "/mc2" : "") << (t.pipelined ? "/pipe" : "") << " is not compiled for "
+                      << (kB1x128 ? "1x128" : "128x128") << " B scales"
+                      << (kG == Grouping::none ? "" : " in the grouped kernels"));
+}
+
+}  // namespace fp8moe::cuda
