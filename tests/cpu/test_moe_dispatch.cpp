@@ -235,6 +235,42 @@ TEST_F(MoeDispatchCpu, PermuteRejectsBadArguments) {
   expect_error([&] { cpu_->moe_permute_quantize(x, rs, 2, w, q_rows, ScaleMode::pow2); }, "out.values");
 }
 
+// ---- f64 (the finite-difference checks) ----
+
+std::vector<double> f64s(const Tensor& t) { return {t.ptr<const double>(), t.ptr<const double>() + t.numel()}; }
+
+// Any f64 tensor makes an op compute in FP64: 1 + 2^-40 survives (FP32 would round it to 1).
+TEST_F(MoeDispatchCpu, F64ComputesInDouble) {
+  const double v = 1.0 + std::ldexp(1.0, -40);
+  Tensor x = Tensor::host(DType::f64, {2, 1}), w = Tensor::host(DType::f64, {2, 1});
+  x.ptr<double>()[0] = 3.0;
+  x.ptr<double>()[1] = v;
+  w.ptr<double>()[0] = 0.5;
+  w.ptr<double>()[1] = 1.0;
+  const Tensor rs = i32_tensor({3}, {1, -1, 0});
+  Tensor out = Tensor::host(DType::f64, {3, 1});
+  cpu_->moe_permute(x, rs, 1, w, out);
+  EXPECT_EQ(f64s(out), (std::vector<double>{v, 0, 1.5}));
+  Tensor out32 = Tensor::host(DType::f32, {3, 1});
+  cpu_->moe_permute(x, rs, 1, TensorView{}, out32);
+  EXPECT_EQ(to_doubles(out32), (std::vector<double>{1, 0, 3}));
+
+  const Tensor sr = i32_tensor({2, 1}, {2, 0});
+  Tensor y = Tensor::host(DType::f64, {3, 1});
+  y.ptr<double>()[0] = v;
+  y.ptr<double>()[2] = 4.0;
+  Tensor comb = Tensor::host(DType::f64, {2, 1});
+  comb.ptr<double>()[0] = 1.0;
+  cpu_->moe_combine(y, sr, w, comb, true);
+  EXPECT_EQ(f64s(comb), (std::vector<double>{3.0, v}));
+
+  TensorView v1 = y.view();  // y as v [R = 3]
+  v1.ndim = 1;
+  Tensor dw = Tensor::host(DType::f64, {2, 1});
+  cpu_->moe_combine_weight_grad(v1, sr, w, dw);
+  EXPECT_EQ(f64s(dw), (std::vector<double>{8.0, v}));
+}
+
 // ---- moe_combine, moe_combine_weight_grad ----
 
 // y rows [1, 2], [3, 4], [5, 6]; slot_row [[2, 0], [-1, 1]], w [[0.5, 2], [7, 0.25]].

@@ -428,6 +428,10 @@ TEST_F(CudaMoeDispatch, RejectsBadArguments) {
   expect_error([&] { gpu_->moe_permute_quantize(x_off, rs, 2, TensorView{}, q, ScaleMode::pow2); }, "16-byte aligned");
   Tensor out = gpu_->empty(DType::f32, {11, 256});
   expect_error([&] { gpu_->moe_combine(x, sr, TensorView{}, out, false); }, "moe_combine: out: expected shape");
+  // f64, which the CPU ops accept for the finite-difference checks, is refused on the device.
+  const Tensor x64 = dev(Tensor::host(DType::f64, {10, 256}));
+  Tensor p64 = gpu_->empty(DType::f64, {R, 256});
+  expect_error([&] { gpu_->moe_permute(x64, rs, 2, TensorView{}, p64); }, "moe_permute: x: expected dtype f32|bf16");
 }
 
 }  // namespace
