@@ -91,6 +91,9 @@ __device__ int g_e5m6_nonfinite;
 void quantize_1x128_e5m6_cuda(const TensorView& x, const QuantizedView& out, ScaleMode mode, cudaStream_t stream) {
   FP8MOE_CHECK(x.device == Device::cuda && out.values.device == Device::cuda, "x, out: expected GPU tensors");
   FP8MOE_CHECK(x.dtype == DType::f32 || x.dtype == DType::bf16, "x: expected dtype f32|bf16, got " << x.str());
+  check_tensor(x, "x", {DType::f32, DType::bf16}, 2);
+  check_quantized(out, "out", ScaleKind::tile_1x128);
+  check_shape(out.values, "out.values", {x.size(0), x.size(1)});
   const int64_t R = x.size(0), C = x.size(1), ld = out.scales.size(1), G = (C + 127) / 128;
   int* flag = nullptr;
   FP8MOE_CUDA_CHECK(cudaGetSymbolAddress(reinterpret_cast<void**>(&flag), g_e5m6_nonfinite));

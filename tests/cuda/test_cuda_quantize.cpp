@@ -148,8 +148,8 @@ TEST_F(CudaQuantize, RejectsBadArguments) {
   EXPECT_THROW(be_->quantize_1x128(x.view(), q2.view(), ScaleMode::fp32), Error);
   Tensor xh = Tensor::host(DType::bf16, {64, 256});
   EXPECT_THROW(be_->quantize_1x128(xh.view(), q.view(), ScaleMode::fp32), Error);
-  // e5m6 has no device encoder.
-  QuantizedTensor q56 = be_->empty_quantized(64, 256, DType::e5m6, ScaleKind::tile_1x128);
+  // e5m6 (the attention-out cache) comes only with 1x128 tiles.
+  QuantizedTensor q56 = be_->empty_quantized(64, 256, DType::e5m6, ScaleKind::block_128x128);
   EXPECT_THROW(be_->quantize_1x128(x.view(), q56.view(), ScaleMode::fp32), Error);
 }
 
