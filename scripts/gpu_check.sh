@@ -27,22 +27,10 @@ else
   BIN_T=$FP8MOE_BIN
 fi
 
-declare -a ROWS
-step() {  # step <name> <seconds> <log> <cmd...>: runs, records "name | rc | seconds"
-  local name=$1 limit=$2 log=$3
-  shift 3
-  local t0=$SECONDS
-  timeout --signal=KILL "$limit" "$@" >>"$log" 2>&1
-  local rc=$?
-  local st="ok"
-  [ $rc -ne 0 ] && st="FAIL(rc=$rc)"
-  [ $rc -eq 137 ] && st="TIMEOUT(${limit}s)"
-  ROWS+=("| $name | $st | $((SECONDS - t0)) s |")
-  echo "[gpu_check] $name: $st ($((SECONDS - t0)) s)"
-}
-
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
-cat "$OUT/gpu.txt"
+STEP_TAG=gpu_check
+# shellcheck source=scripts/gpu_steps.sh
+source "$(dirname "$0")/gpu_steps.sh"
+record_gpu
 
 step "test_cuda_quantize" 60 "$OUT/tests.log" "$BIN_T/test_cuda_quantize"
 step "test_cuda_gemm" 90 "$OUT/tests.log" "$BIN_T/test_cuda_gemm"
@@ -68,6 +56,4 @@ cat "$OUT/bench_quant.md"
 echo "== bench gemm =="
 cat "$OUT/bench_gemm.md"
 echo
-echo "| step | result | time |"
-echo "|---|---|---|"
-printf '%s\n' "${ROWS[@]}"
+print_steps

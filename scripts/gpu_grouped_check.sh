@@ -34,22 +34,10 @@ fi
 
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 
-declare -a ROWS
-step() {  # step <name> <seconds> <log> <cmd...>: runs, records "name | result | seconds"
-  local name=$1 limit=$2 log=$3
-  shift 3
-  local t0=$SECONDS
-  timeout --signal=KILL "$limit" "$@" >>"$log" 2>&1
-  local rc=$?
-  local st="ok"
-  [ $rc -ne 0 ] && st="FAIL(rc=$rc)"
-  [ $rc -eq 137 ] && st="TIMEOUT(${limit}s)"
-  ROWS+=("| $name | $st | $((SECONDS - t0)) s |")
-  echo "[gpu_grouped_check] $name: $st ($((SECONDS - t0)) s)"
-}
-
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
-cat "$OUT/gpu.txt"
+STEP_TAG=gpu_grouped_check
+# shellcheck source=scripts/gpu_steps.sh
+source "$(dirname "$0")/gpu_steps.sh"
+record_gpu
 
 want tests && step "test_cuda_grouped_gemm" 150 "$OUT/tests.log" "$BIN_T/test_cuda_grouped_gemm"
 want dense && step "test_cuda_gemm" 90 "$OUT/tests.log" "$BIN_T/test_cuda_gemm"
@@ -75,6 +63,4 @@ echo "== QGMMA instructions in test_cuda_grouped_gemm SASS: $(cat "$OUT/sass.txt
 echo "== bench grouped =="
 cat "$OUT/bench_grouped.md" 2>/dev/null
 echo
-echo "| step | result | time |"
-echo "|---|---|---|"
-printf '%s\n' "${ROWS[@]:-}"
+print_steps
