@@ -19,25 +19,12 @@ mkdir -p "$OUT"
 ITERS=${FP8MOE_ITERS:-20}
 SET=${FP8MOE_BENCH_SET:-all}
 STEPS=${FP8MOE_STEPS:-tests,dense,memcheck,bench}
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}
-
-if [ -z "${FP8MOE_BIN:-}" ]; then
-  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
-    cmake --build build-gpu -j"$(nproc)" --target fp8moe_cli test_cuda_grouped_gemm test_cuda_gemm >>"$OUT/build.log" 2>&1 ||
-    { echo "build failed, see $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
-  BIN_CLI=build-gpu/bin/fp8moe
-  BIN_T=build-gpu/tests/cuda
-else
-  BIN_CLI=$FP8MOE_BIN/fp8moe
-  BIN_T=$FP8MOE_BIN
-fi
-
-want() { [[ ",$STEPS," == *",$1,"* ]]; }
-
 STEP_TAG=gpu_grouped_check
 # shellcheck source=scripts/gpu_steps.sh
 source "$(dirname "$0")/gpu_steps.sh"
+gpu_binaries test_cuda_grouped_gemm test_cuda_gemm
 record_gpu
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
 
 want tests && step "test_cuda_grouped_gemm" 150 "$OUT/tests.log" "$BIN_T/test_cuda_grouped_gemm"
 want dense && step "test_cuda_gemm" 90 "$OUT/tests.log" "$BIN_T/test_cuda_gemm"
