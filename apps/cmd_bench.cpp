@@ -1,5 +1,5 @@
-// `fp8moe bench gemm`, `fp8moe bench quant` and `fp8moe bench grouped`: our CUDA kernels against
-// cuBLASLt, side by side (src/cuda/bench.hpp). Example:  fp8moe bench gemm --iters 30 --set m4096
+// `fp8moe bench gemm`, `quant`, `grouped` and `permute`: our CUDA kernels against cuBLASLt and the
+// copy bandwidth, side by side (src/cuda/bench.hpp). Example:  fp8moe bench gemm --iters 30 --set m4096
 #include <memory>
 
 #include "commands.hpp"
@@ -58,8 +58,26 @@ void add_bench(CLI::App& app) {
     gr->check = !*grouped_no_check;
     if (fp8moe::cuda::run_grouped_bench(*gr) != 0) throw CLI::RuntimeError("bench grouped: correctness check failed", 2);
   });
+  auto p = std::make_shared<fp8moe::cuda::PermuteBenchOptions>();
+  auto* permute = bench->add_subcommand("permute", "MoE dispatch ops (layout, permute, permute + quantize, combine): "
+                                                   "GB/s against the device copy bandwidth");
+  permute->add_option("--iters", p->iters, "timed runs per op (median)");
+  permute->add_option("--tokens", p->tokens, "tokens T");
+  permute->add_option("--topk", p->topk, "experts per token k");
+  permute->add_option("--experts", p->experts, "routed experts G");
+  permute->add_option("--hidden", p->hidden, "hidden size D (a multiple of 128)");
+  permute->add_option("--align", p->align, "segment padding of the layout");
+  permute->add_option("--seed", p->seed, "random seed (0: fresh)");
+  auto permute_no_check = std::make_shared<bool>(false);
+  permute->add_flag("--no-check", *permute_no_check, "skip the comparison with the CPU backend");
+  permute->callback([p, permute_no_check] {
+    require_gpu();
+    p->check = !*permute_no_check;
+    if (fp8moe::cuda::run_permute_bench(*p) != 0)
+      throw CLI::RuntimeError("bench permute: bit-exactness check failed", 2);
+  });
 #else
-  for (const char* name : {"gemm", "quant", "grouped"})
+  for (const char* name : {"gemm", "quant", "grouped", "permute"})
     bench->add_subcommand(name, "needs the CUDA backend")->callback([] {
       throw fp8moe::Error("bench: this build has no CUDA backend");
     });

@@ -14,11 +14,11 @@ OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 ITERS=${FP8MOE_ITERS:-30}
 SET=${FP8MOE_BENCH_SET:-all}
-STEP_TAG=gpu_check
-# shellcheck source=scripts/gpu_steps.sh
-source "$(dirname "$0")/gpu_steps.sh"
-gpu_binaries test_cuda_quantize test_cuda_gemm
-record_gpu
+source "$(dirname "$0")/gpu_common.sh"
+gpu_bins fp8moe_cli test_cuda_quantize test_cuda_gemm
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
 
 step "test_cuda_quantize" 60 "$OUT/tests.log" "$BIN_T/test_cuda_quantize"
 step "test_cuda_gemm" 90 "$OUT/tests.log" "$BIN_T/test_cuda_gemm"
@@ -43,5 +43,4 @@ echo "== bench quant =="
 cat "$OUT/bench_quant.md"
 echo "== bench gemm =="
 cat "$OUT/bench_gemm.md"
-echo
 print_steps

@@ -19,12 +19,12 @@ mkdir -p "$OUT"
 ITERS=${FP8MOE_ITERS:-20}
 SET=${FP8MOE_BENCH_SET:-all}
 STEPS=${FP8MOE_STEPS:-tests,dense,memcheck,bench}
-STEP_TAG=gpu_grouped_check
-# shellcheck source=scripts/gpu_steps.sh
-source "$(dirname "$0")/gpu_steps.sh"
-gpu_binaries test_cuda_grouped_gemm test_cuda_gemm
-record_gpu
-want() { [[ ",$STEPS," == *",$1,"* ]]; }
+source "$(dirname "$0")/gpu_common.sh"
+gpu_bins fp8moe_cli test_cuda_grouped_gemm test_cuda_gemm
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+want() { [[ ",$STEPS," == *",$1,"* ]]; }  # want <step>: the step is in FP8MOE_STEPS
 
 want tests && step "test_cuda_grouped_gemm" 150 "$OUT/tests.log" "$BIN_T/test_cuda_grouped_gemm"
 want dense && step "test_cuda_gemm" 90 "$OUT/tests.log" "$BIN_T/test_cuda_gemm"
@@ -49,5 +49,4 @@ grep -E "ERROR SUMMARY" "$OUT/memcheck.log" 2>/dev/null
 echo "== QGMMA instructions in test_cuda_grouped_gemm SASS: $(cat "$OUT/sass.txt") =="
 echo "== bench grouped =="
 cat "$OUT/bench_grouped.md" 2>/dev/null
-echo
 print_steps

@@ -148,6 +148,12 @@ double Backend::sum_squares(const TensorView&) {
 }
 #undef FP8MOE_UNSUPPORTED
 
+double Backend::sum_squares_all(const std::vector<TensorView>& xs) {
+  double s = 0;
+  for (const TensorView& x : xs) s += sum_squares(x);
+  return s;
+}
+
 Tensor Backend::to_host(const Tensor& t) {
   if (t.device() == Device::cpu) return t;
   Tensor h = Tensor::host_like(t.view());

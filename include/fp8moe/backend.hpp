@@ -69,7 +69,15 @@ class Backend {
   // Memory: a zero-filled tensor on this backend's device; copies between any two devices.
   virtual Tensor empty(DType dtype, std::initializer_list<int64_t> shape) = 0;
   virtual void copy(const TensorView& dst, const TensorView& src) = 0;
+  // Waits for the device's queued work; raises the first failed deferred check (set_checks).
   virtual void synchronize() {}
+  // Checks whose answer is computed on the device (index ranges, NaN/Inf reaching a quantizer).
+  // immediate (the default): the op reads the answer back and raises at once, one host
+  // synchronization per op. deferred: the op records a failure on the device and goes on (never
+  // touching memory out of bounds); the next synchronize() raises it. The trainer defers and
+  // synchronizes once per step. Backends whose checks cost nothing ignore it.
+  enum class Checks { immediate, deferred };
+  virtual void set_checks(Checks) {}
   // Bytes of device memory in use on this backend's device (all allocations, not only ours), or
   // -1 where the backend cannot tell (the CPU: its tensors are host memory).
   virtual int64_t device_memory_in_use() const { return -1; }
@@ -208,6 +216,8 @@ class Backend {
                           const AdamWStep& p);
   // sum of x^2 over a float tensor (f32 | f64), accumulated in FP64; NaN/Inf propagate.
   virtual double sum_squares(const TensorView& x);
+  // The sum over all of xs (in order), with one host synchronization where the backend can.
+  virtual double sum_squares_all(const std::vector<TensorView>& xs);
 };
 
 // Rows of the expert-sorted layout that always suffice: every segment padded to align.

@@ -33,6 +33,8 @@ using namespace bench;
 
 namespace {
 
+using namespace bench;
+
 struct GemmCase {
   const char* kind;  // "fprop" (B 128x128, bf16 out) | "wgrad" (B 1x128, f32 out, accumulate)
   int64_t M, N, K;

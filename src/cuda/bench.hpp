@@ -1,5 +1,5 @@
-// Benchmarks of the CUDA kernels against cuBLASLt (`fp8moe bench gemm`, `fp8moe bench quant`,
-// `fp8moe bench grouped`).
+// Benchmarks of the CUDA kernels (`fp8moe bench gemm`, `quant`, `grouped` against cuBLASLt and the
+// copy bandwidth, `fp8moe bench permute` for the MoE dispatch ops).
 // Each prints one table row per case, measured side by side in one run (warm-up, L2 flushed
 // before every timed launch, median of `iters`), and a geometric mean last. Plain C++ header: the
 // app includes it without CUDA headers.
@@ -25,6 +25,19 @@ struct QuantBenchOptions {
   int64_t channels = 7168;
 };
 
+// MoE dispatch at DeepSeek-V3 routing: T tokens, top-k of G experts, hidden size D.
+struct PermuteBenchOptions {
+  int iters = 30;
+  int warmup = 5;
+  int64_t tokens = 8192;
+  int64_t topk = 8;
+  int64_t experts = 256;
+  int64_t hidden = 7168;
+  int64_t align = 128;   // segment padding of the layout (the grouped GEMM's M tile)
+  bool check = true;     // byte-exact comparison with the CPU backend
+  uint64_t seed = 0;     // 0: fresh random seed (printed)
+};
+
 // The grouped FP8 GEMMs of the MoE experts (bench_grouped.cpp) against a loop of cuBLASLt GEMMs.
 struct GroupedBenchOptions {
   int iters = 30;
@@ -35,9 +48,11 @@ struct GroupedBenchOptions {
   uint64_t seed = 0;         // 0: fresh random seed (printed)
 };
 
-// Return 0 when every correctness check passed (calc_diff < 1e-3 and no NaN), 1 otherwise.
+// Return 0 when every correctness check passed (calc_diff < 1e-3 and no NaN; bit-exact for the
+// quantizers and the dispatch ops), 1 otherwise.
 int run_gemm_bench(const GemmBenchOptions& opt);
 int run_quant_bench(const QuantBenchOptions& opt);
 int run_grouped_bench(const GroupedBenchOptions& opt);
+int run_permute_bench(const PermuteBenchOptions& opt);
 
 }  // namespace fp8moe::cuda

@@ -1,5 +1,7 @@
-// Helpers of the CUDA benchmarks (bench.cpp, bench_grouped.cpp): device buffers, timing with the
-// L2 flushed, device -> host copies, extra tiles from FP8MOE_BENCH_TILES, geometric means.
+// Shared pieces of the kernel benchmarks (bench.cpp, bench_grouped.cpp, bench_moe_dispatch.cpp):
+// device buffers and views, the timer (warm-up, then each timed launch after a 512 MiB memset that
+// flushes L2 and gives the host time to enqueue it; median of iters), device -> host copies, extra
+// tiles from FP8MOE_BENCH_TILES, geometric means.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -73,7 +75,7 @@ struct Timer {
 };
 
 template <class T>
-std::vector<T> to_host(const void* p, size_t n) {
+inline std::vector<T> to_host(const void* p, size_t n) {
   std::vector<T> h(n);
   if (n) FP8MOE_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
   return h;

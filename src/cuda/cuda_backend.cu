@@ -6,6 +6,7 @@
 
 #include "cuda_check.hpp"
 #include "kernel_api.hpp"
+#include "device_checks.hpp"
 #include "model_ops.hpp"
 #include "moe_api.hpp"
 
@@ -26,6 +27,14 @@ class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(bool gemm_via_cublaslt) : cublaslt_(gemm_via_cublaslt) {
     FP8MOE_CUDA_CHECK(cudaFree(nullptr));  // create the context now, not inside the first timed call
+    // Tensors come from the device's default memory pool, stream-ordered on the legacy stream
+    // that every op uses: no allocation or free synchronizes the host. The pool keeps freed memory
+    // for reuse instead of returning it to the driver at each synchronization.
+    int dev = 0;
+    FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
+    FP8MOE_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool_, dev));
+    uint64_t keep = UINT64_MAX;
+    FP8MOE_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep));
   }
 
   std::string name() const override { return cublaslt_ ? "cublaslt" : "cuda"; }
@@ -41,13 +50,15 @@ class CudaBackend final : public Backend {
     const size_t bytes = size_t(n) * dtype_size(dtype);
     void* p = nullptr;
     if (bytes > 0) {
-      FP8MOE_CUDA_CHECK(cudaMalloc(&p, bytes));
-      const cudaError_t e = cudaMemset(p, 0, bytes);
-      if (e != cudaSuccess) cudaFree(p);
+      FP8MOE_CUDA_CHECK(cudaMallocAsync(&p, bytes, nullptr));
+      const cudaError_t e = cudaMemsetAsync(p, 0, bytes, nullptr);
+      if (e != cudaSuccess) cudaFreeAsync(p, nullptr);
       FP8MOE_CUDA_CHECK(e);
     }
+    // NOTES: a deleter may not throw; a failing free means a broken context, which the next
+    // checked call reports.
     std::shared_ptr<void> storage(p, [](void* q) {
-      if (q) cudaFree(q);
+      if (q) (void)cudaFreeAsync(q, nullptr);
     });
     return Tensor(std::move(storage), dtype, shape, Device::cuda);
   }
@@ -60,11 +71,19 @@ class CudaBackend final : public Backend {
     FP8MOE_CUDA_CHECK(cudaMemcpy(dst.data, src.data, src.nbytes(), cudaMemcpyDefault));
   }
 
-  void synchronize() override { FP8MOE_CUDA_CHECK(cudaDeviceSynchronize()); }
+  void synchronize() override {
+    FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    cuda::raise_deferred_checks();
+  }
+  void set_checks(Checks c) override { cuda::set_checks_deferred(c == Checks::deferred); }
+  // Memory the driver holds for this process minus what the pool keeps free for reuse.
   int64_t device_memory_in_use() const override {
     size_t free = 0, total = 0;
     FP8MOE_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-    return int64_t(total - free);
+    uint64_t reserved = 0, used = 0;
+    FP8MOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemCurrent, &reserved));
+    FP8MOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrUsedMemCurrent, &used));
+    return int64_t(total - free) - int64_t(reserved - used);
   }
 
   void quantize_1x128(const TensorView& x, const QuantizedView& out, ScaleMode mode) override {
@@ -217,7 +236,8 @@ class CudaBackend final : public Backend {
                   const AdamWStep& p) override {
     cuda::cuda_adamw_step(w, g, m, v, p);
   }
-  double sum_squares(const TensorView& x) override { return cuda::cuda_sum_squares(x); }
+  double sum_squares(const TensorView& x) override { return cuda::cuda_sum_squares({x}); }
+  double sum_squares_all(const std::vector<TensorView>& xs) override { return cuda::cuda_sum_squares(xs); }
 
  private:
   void check_promotion(const char* op, const GemmOptions& opt) const {
@@ -228,6 +248,7 @@ class CudaBackend final : public Backend {
   }
 
   bool cublaslt_;
+  cudaMemPool_t pool_ = nullptr;
 };
 
 }  // namespace

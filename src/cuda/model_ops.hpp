@@ -62,6 +62,7 @@ void cuda_rows_dot(const TensorView& a, const TensorView& b, const TensorView& o
 void cuda_adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
                      const Backend::AdamWStep& p);
 // Backend::sum_squares of an f32 tensor, FP64 accumulation in a fixed order (deterministic).
-double cuda_sum_squares(const TensorView& x);
+// Over all of xs in order; one kernel pass per 65535 tensors and one read back.
+double cuda_sum_squares(const std::vector<TensorView>& xs);
 
 }  // namespace fp8moe::cuda

@@ -61,12 +61,13 @@ __global__ void transpose_kernel(const E* __restrict__ src, E* __restrict__ dst,
   }
 }
 
-// out [N, D] = table [V, D] rows ids [N] (checked in range before).
+// out [N, D] = table [V, D] rows ids [N] (NaN rows for ids outside [0, V): a deferred range check
+// reports them).
 __global__ void embedding_forward_kernel(const int32_t* __restrict__ ids, const float* __restrict__ table,
-                                         float* __restrict__ out, int64_t N, int64_t D) {
+                                         float* __restrict__ out, int64_t N, int64_t D, int64_t V) {
   FP8MOE_GRID_STRIDE(i, N * D) {
-    const int64_t t = i / D, j = i - t * D;
-    out[i] = table[int64_t(ids[t]) * D + j];
+    const int64_t t = i / D, j = i - t * D, id = ids[t];
+    out[i] = id >= 0 && id < V ? table[id * D + j] : NAN;
   }
 }
 
@@ -194,11 +195,11 @@ void cuda_embedding_forward(const TensorView& ids, const TensorView& table, cons
   const int64_t N = ids.size(0), V = table.size(0), D = table.size(1);
   check_shape(out, "embedding_forward: out", {N, D});
   int32_t bad = 0;
-  const int64_t t = first_out_of_range(ids.ptr<const int32_t>(), N, 0, V, &bad);
+  const int64_t t = first_out_of_range(ids.ptr<const int32_t>(), N, 0, V, &bad, "embedding_forward: ids");
   FP8MOE_CHECK(t < 0, "embedding_forward: ids[" << t << "] = " << bad << " outside [0, " << V << ")");
   if (N * D == 0) return;
   embedding_forward_kernel<<<grid_for(N * D, kThreads), kThreads>>>(ids.ptr<const int32_t>(), table.ptr<const float>(),
-                                                                    out.ptr<float>(), N, D);
+                                                                    out.ptr<float>(), N, D, V);
   FP8MOE_CUDA_CHECK_LAUNCH("embedding_forward_kernel");
 }
 
@@ -211,12 +212,13 @@ void cuda_embedding_backward(const TensorView& ids, const TensorView& dout, cons
   // NOTES: the CPU op does not check ids here (the forward did); an id outside the table would
   // write outside dtable on the device, so the range is checked again.
   int32_t bad = 0;
-  const int64_t t = first_out_of_range(ids.ptr<const int32_t>(), N, 0, V, &bad);
+  const int64_t t = first_out_of_range(ids.ptr<const int32_t>(), N, 0, V, &bad, "embedding_backward: ids");
   FP8MOE_CHECK(t < 0, "embedding_backward: ids[" << t << "] = " << bad << " outside [0, " << V << ")");
   if (N == 0 || D == 0) return;
   DeviceBuffer keys(size_t(N) * sizeof(int32_t)), pos(size_t(N) * sizeof(int32_t));
   stable_sort_by_key(ids.ptr<const int32_t>(), N, V, keys.as<int32_t>(), pos.as<int32_t>());
-  sorted_scatter_add(keys.as<int32_t>(), pos.as<int32_t>(), N, nullptr, dout.ptr<const float>(), dtable.ptr<float>(), D);
+  sorted_scatter_add(keys.as<int32_t>(), pos.as<int32_t>(), N, nullptr, dout.ptr<const float>(), dtable.ptr<float>(), D,
+                     V);
 }
 
 void cuda_swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out) {

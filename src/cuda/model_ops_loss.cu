@@ -24,8 +24,8 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(const float* __
   const int32_t tg = targets[t];
   const float* x = logits + t * V;
   float* g = dlogits ? dlogits + t * V : nullptr;
-  if (tg < 0) {
-    if (threadIdx.x == 0) losses[t] = 0.0f;
+  if (tg < 0 || tg >= V) {  // ignored row; a target >= V (a deferred range check reports it): NaN loss
+    if (threadIdx.x == 0) losses[t] = tg < 0 ? 0.0f : NAN;
     if (g)
       for (int64_t v = threadIdx.x; v < V; v += kThreads) g[v] = 0.0f;
     return;
@@ -64,7 +64,7 @@ void cuda_cross_entropy(const TensorView& logits, const TensorView& targets, con
     check_shape(dlogits, "cross_entropy: dlogits", {N, V});
   }
   int32_t bad = 0;
-  const int64_t t = first_out_of_range(targets.ptr<const int32_t>(), N, INT32_MIN, V, &bad);
+  const int64_t t = first_out_of_range(targets.ptr<const int32_t>(), N, INT32_MIN, V, &bad, "cross_entropy: targets");
   FP8MOE_CHECK(t < 0, "cross_entropy: targets[" << t << "] = " << bad << " >= vocab " << V);
   if (N == 0) return;
   cross_entropy_kernel<<<unsigned(N), kThreads>>>(logits.ptr<const float>(), targets.ptr<const int32_t>(),

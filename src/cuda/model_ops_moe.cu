@@ -117,23 +117,24 @@ __global__ void moe_route_backward_kernel(const float* __restrict__ scores, cons
   }
 }
 
-// dst [N', D] rows i < N = src [R, D] rows idx[i], element type E (a copy of any dtype).
+// dst [N', D] rows i < N = src [R, D] rows idx[i], element type E (a copy of any dtype); rows of
+// indices outside [0, R) are left alone (a deferred range check reports them).
 template <class Elem>
 __global__ void gather_rows_kernel(const Elem* __restrict__ src, const int32_t* __restrict__ idx,
-                                   Elem* __restrict__ dst, int64_t N, int64_t D) {
+                                   Elem* __restrict__ dst, int64_t N, int64_t D, int64_t R) {
   for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < N * D; k += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t i = k / D, j = k - i * D;
-    dst[k] = src[int64_t(idx[i]) * D + j];
+    const int64_t i = k / D, j = k - i * D, r = idx[i];
+    if (r >= 0 && r < R) dst[k] = src[r * D + j];
   }
 }
 
 // dst [N', D] rows i < N = w[i] * src [R, D] rows idx[i] (f32).
 __global__ void gather_rows_weighted_kernel(const float* __restrict__ src, const int32_t* __restrict__ idx,
                                             const float* __restrict__ w, float* __restrict__ dst, int64_t N,
-                                            int64_t D) {
+                                            int64_t D, int64_t R) {
   for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < N * D; k += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t i = k / D, j = k - i * D;
-    dst[k] = __fmul_rn(w[i], src[int64_t(idx[i]) * D + j]);
+    const int64_t i = k / D, j = k - i * D, r = idx[i];
+    if (r >= 0 && r < R) dst[k] = __fmul_rn(w[i], src[r * D + j]);
   }
 }
 
@@ -214,7 +215,7 @@ void cuda_gather_rows(const TensorView& src, const TensorView& idx, const Tensor
                                                                << idx.str());
   const int64_t N = idx.size(0), Rs = src.size(0), D = src.size(1);
   int32_t bad = 0;
-  const int64_t i = first_out_of_range(idx.ptr<const int32_t>(), N, 0, Rs, &bad);
+  const int64_t i = first_out_of_range(idx.ptr<const int32_t>(), N, 0, Rs, &bad, "gather_rows: idx");
   FP8MOE_CHECK(i < 0, "gather_rows: idx[" << i << "] = " << bad << " outside [0, " << Rs << ")");
   if (w.defined()) {
     check_f32(dst, "gather_rows", "dst", 2);
@@ -226,13 +227,13 @@ void cuda_gather_rows(const TensorView& src, const TensorView& idx, const Tensor
   const int32_t* id = idx.ptr<const int32_t>();
   if (w.defined()) {
     gather_rows_weighted_kernel<<<grid, 256>>>(src.ptr<const float>(), id, w.ptr<const float>(), dst.ptr<float>(), N,
-                                               D);
+                                               D, Rs);
   } else {
     switch (dtype_size(src.dtype)) {
-      case 1: gather_rows_kernel<<<grid, 256>>>(src.ptr<const uint8_t>(), id, dst.ptr<uint8_t>(), N, D); break;
-      case 2: gather_rows_kernel<<<grid, 256>>>(src.ptr<const uint16_t>(), id, dst.ptr<uint16_t>(), N, D); break;
-      case 4: gather_rows_kernel<<<grid, 256>>>(src.ptr<const uint32_t>(), id, dst.ptr<uint32_t>(), N, D); break;
-      default: gather_rows_kernel<<<grid, 256>>>(src.ptr<const uint64_t>(), id, dst.ptr<uint64_t>(), N, D); break;
+      case 1: gather_rows_kernel<<<grid, 256>>>(src.ptr<const uint8_t>(), id, dst.ptr<uint8_t>(), N, D, Rs); break;
+      case 2: gather_rows_kernel<<<grid, 256>>>(src.ptr<const uint16_t>(), id, dst.ptr<uint16_t>(), N, D, Rs); break;
+      case 4: gather_rows_kernel<<<grid, 256>>>(src.ptr<const uint32_t>(), id, dst.ptr<uint32_t>(), N, D, Rs); break;
+      default: gather_rows_kernel<<<grid, 256>>>(src.ptr<const uint64_t>(), id, dst.ptr<uint64_t>(), N, D, Rs); break;
     }
   }
   FP8MOE_CUDA_CHECK_LAUNCH("gather_rows_kernel");
@@ -251,13 +252,13 @@ void cuda_scatter_add_rows(const TensorView& src, const TensorView& idx, const T
     check_shape(w, "scatter_add_rows: w", {N});
   }
   int32_t bad = 0;
-  const int64_t i = first_out_of_range(idx.ptr<const int32_t>(), N, 0, R, &bad);
+  const int64_t i = first_out_of_range(idx.ptr<const int32_t>(), N, 0, R, &bad, "scatter_add_rows: idx");
   FP8MOE_CHECK(i < 0, "scatter_add_rows: idx[" << i << "] = " << bad << " outside [0, " << R << ")");
   if (N == 0 || D == 0) return;
   DeviceBuffer keys(size_t(N) * sizeof(int32_t)), pos(size_t(N) * sizeof(int32_t));
   stable_sort_by_key(idx.ptr<const int32_t>(), N, R, keys.as<int32_t>(), pos.as<int32_t>());
   sorted_scatter_add(keys.as<int32_t>(), pos.as<int32_t>(), N, w.defined() ? w.ptr<const float>() : nullptr,
-                     src.ptr<const float>(), dst.ptr<float>(), D);
+                     src.ptr<const float>(), dst.ptr<float>(), D, R);
 }
 
 void cuda_rows_dot(const TensorView& a, const TensorView& b, const TensorView& out) {

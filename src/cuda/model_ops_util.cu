@@ -1,5 +1,4 @@
-// Host helpers of the CUDA model ops (see model_ops_util.cuh): argument checks, index range
-// checks, stream-ordered scratch, and the stable key sort (CUB radix sort) behind the
+// Host helpers of the CUDA model ops (see model_ops_util.cuh): argument checks, stream-ordered scratch, and the stable key sort (CUB radix sort) behind the
 // deterministic scatter-adds.
 #include <cub/device/device_radix_sort.cuh>
 
@@ -31,15 +30,6 @@ void check_2d_any(const TensorView& t, const char* op, const char* arg) {
 
 namespace {
 
-// first [1] u64: the smallest i with idx[i] outside [lo, hi) (initialized to ~0).
-__global__ void first_out_of_range_kernel(const int32_t* __restrict__ idx, int64_t n, int64_t lo, int64_t hi,
-                                          unsigned long long* first) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t v = idx[i];
-    if (v < lo || v >= hi) atomicMin(first, static_cast<unsigned long long>(i));
-  }
-}
-
 __global__ void iota_kernel(int32_t* p, int64_t n) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     p[i] = int32_t(i);
@@ -47,46 +37,34 @@ __global__ void iota_kernel(int32_t* p, int64_t n) {
 
 }  // namespace
 
-int64_t first_out_of_range(const int32_t* idx, int64_t n, int64_t lo, int64_t hi, int32_t* value) {
-  if (n <= 0) return -1;
-  DeviceBuffer first(sizeof(unsigned long long));
-  FP8MOE_CUDA_CHECK(cudaMemsetAsync(first.as<void>(), 0xFF, sizeof(unsigned long long), nullptr));
-  first_out_of_range_kernel<<<grid_for(n, 256, 4096), 256>>>(idx, n, lo, hi, first.as<unsigned long long>());
-  FP8MOE_CUDA_CHECK_LAUNCH("first_out_of_range_kernel");
-  unsigned long long h = 0;
-  FP8MOE_CUDA_CHECK(cudaMemcpy(&h, first.as<void>(), sizeof(h), cudaMemcpyDeviceToHost));
-  if (h == ~0ull) return -1;
-  FP8MOE_CUDA_CHECK(cudaMemcpy(value, idx + h, sizeof(int32_t), cudaMemcpyDeviceToHost));
-  return int64_t(h);
-}
-
-DeviceBuffer::DeviceBuffer(size_t bytes) {
-  if (bytes > 0) FP8MOE_CUDA_CHECK(cudaMallocAsync(&p_, bytes, nullptr));
+DeviceBuffer::DeviceBuffer(size_t bytes, cudaStream_t stream) : stream_(stream) {
+  if (bytes > 0) FP8MOE_CUDA_CHECK(cudaMallocAsync(&p_, bytes, stream));
 }
 
 DeviceBuffer::~DeviceBuffer() {
   // NOTES: a destructor may not throw; a failing free here means the context is already broken,
   // and the next checked call reports it.
-  if (p_) (void)cudaFreeAsync(p_, nullptr);
+  if (p_) (void)cudaFreeAsync(p_, stream_);
 }
 
-void stable_sort_by_key(const int32_t* keys, int64_t n, int64_t nkeys, int32_t* keys_out, int32_t* pos_out) {
+void stable_sort_by_key(const int32_t* keys, int64_t n, int64_t nkeys, int32_t* keys_out, int32_t* pos_out,
+                        cudaStream_t stream) {
   if (n <= 0) return;
   FP8MOE_CHECK(n < (int64_t(1) << 31), "stable_sort_by_key: n = " << n << " exceeds the i32 range");
   int end_bit = 1;
   while (end_bit < 32 && (int64_t(1) << end_bit) < nkeys) ++end_bit;
-  DeviceBuffer pos_in(size_t(n) * sizeof(int32_t));
-  iota_kernel<<<grid_for(n, 256, 4096), 256>>>(pos_in.as<int32_t>(), n);
+  DeviceBuffer pos_in(size_t(n) * sizeof(int32_t), stream);
+  iota_kernel<<<grid_for(n, 256, 4096), 256, 0, stream>>>(pos_in.as<int32_t>(), n);
   FP8MOE_CUDA_CHECK_LAUNCH("iota_kernel");
   // Keys are in [0, nkeys): as unsigned they sort the same and only end_bit bits matter.
   const auto* kin = reinterpret_cast<const uint32_t*>(keys);
   auto* kout = reinterpret_cast<uint32_t*>(keys_out);
   size_t temp_bytes = 0;
   FP8MOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, kin, kout, pos_in.as<int32_t>(), pos_out,
-                                                    int(n), 0, end_bit, cudaStream_t(nullptr)));
-  DeviceBuffer temp(temp_bytes);
+                                                    int(n), 0, end_bit, stream));
+  DeviceBuffer temp(temp_bytes, stream);
   FP8MOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.as<void>(), temp_bytes, kin, kout, pos_in.as<int32_t>(),
-                                                    pos_out, int(n), 0, end_bit, cudaStream_t(nullptr)));
+                                                    pos_out, int(n), 0, end_bit, stream));
 }
 
 namespace {
@@ -95,12 +73,13 @@ namespace {
 __global__ void __launch_bounds__(128) sorted_scatter_add_kernel(const int32_t* __restrict__ keys,
                                                                  const int32_t* __restrict__ pos, int64_t n,
                                                                  const float* __restrict__ w,
-                                                                 const float* __restrict__ src, float* dst, int64_t D) {
+                                                                 const float* __restrict__ src, float* dst, int64_t D,
+                                                                 int64_t R) {
   const int64_t p = blockIdx.x;
   const int64_t j = int64_t(blockIdx.y) * 128 + threadIdx.x;
   if (j >= D) return;
   const int32_t key = keys[p];
-  if (p > 0 && keys[p - 1] == key) return;
+  if (key < 0 || key >= R || (p > 0 && keys[p - 1] == key)) return;
   float acc = dst[int64_t(key) * D + j];
   // NOTES: mul and add stay separate roundings (no FMA), as in the CPU loop `dst += w * src`.
   for (int64_t q = p; q < n && keys[q] == key; ++q) {
@@ -114,10 +93,10 @@ __global__ void __launch_bounds__(128) sorted_scatter_add_kernel(const int32_t* 
 }  // namespace
 
 void sorted_scatter_add(const int32_t* keys, const int32_t* pos, int64_t n, const float* w, const float* src,
-                        float* dst, int64_t D) {
+                        float* dst, int64_t D, int64_t R) {
   if (n <= 0 || D <= 0) return;
   FP8MOE_CHECK(ceil_div(D, 128) <= 65535, "sorted_scatter_add: D = " << D << " too large");
-  sorted_scatter_add_kernel<<<dim3(unsigned(n), unsigned(ceil_div(D, 128))), 128>>>(keys, pos, n, w, src, dst, D);
+  sorted_scatter_add_kernel<<<dim3(unsigned(n), unsigned(ceil_div(D, 128))), 128>>>(keys, pos, n, w, src, dst, D, R);
   FP8MOE_CUDA_CHECK_LAUNCH("sorted_scatter_add_kernel");
 }
 

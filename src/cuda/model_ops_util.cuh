@@ -21,13 +21,17 @@ void check_f32(const TensorView& t, const char* op, const char* arg, int ndim);
 void check_2d_any(const TensorView& t, const char* op, const char* arg);
 
 // First i < n with idx[i] outside [lo, hi), or -1 (then *value is untouched); *value = idx[i].
-// idx [n] i32 device. Synchronizes: it reads the answer back.
-int64_t first_out_of_range(const int32_t* idx, int64_t n, int64_t lo, int64_t hi, int32_t* value);
+// idx [n] i32 device; `what` names it in messages ("gather_rows: idx"). Immediate checks
+// synchronize (they read the answer back); deferred ones (device_checks.hpp) return -1 and report
+// a failure at the next synchronize. Kernels after a check must still skip out-of-range indices.
+// Defined in device_checks.cu.
+int64_t first_out_of_range(const int32_t* idx, int64_t n, int64_t lo, int64_t hi, int32_t* value, const char* what);
 
-// A stream-ordered device allocation (cudaMallocAsync on the legacy stream), freed the same way.
+// A stream-ordered device allocation (cudaMallocAsync on `stream`, the legacy stream by default),
+// freed the same way on the same stream.
 class DeviceBuffer {
  public:
-  explicit DeviceBuffer(size_t bytes);
+  explicit DeviceBuffer(size_t bytes, cudaStream_t stream = nullptr);
   ~DeviceBuffer();
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
@@ -35,13 +39,16 @@ class DeviceBuffer {
 
  private:
   void* p_ = nullptr;
+  cudaStream_t stream_ = nullptr;
 };
 
 // Stable sort of the positions 0..n-1 by key: keys_out [n] = sorted keys, pos_out [n] = the
-// positions, ascending within one key. keys [n] i32 device, each in [0, nkeys).
+// positions, ascending within one key. keys [n] i32 device, each in [0, nkeys). Queued on
+// `stream` without host synchronization.
 // NOTES: scatter-adds run over this order (one thread per (key, column), positions in ascending
 // order), which reproduces the CPU's sequential float sums bit for bit and needs no atomics.
-void stable_sort_by_key(const int32_t* keys, int64_t n, int64_t nkeys, int32_t* keys_out, int32_t* pos_out);
+void stable_sort_by_key(const int32_t* keys, int64_t n, int64_t nkeys, int32_t* keys_out, int32_t* pos_out,
+                        cudaStream_t stream = nullptr);
 
 inline unsigned grid_for(int64_t n, int threads, int64_t cap = int64_t(1) << 20) {
   int64_t g = (n + threads - 1) / threads;
@@ -119,8 +126,8 @@ namespace fp8moe::cuda::ops {
 
 // dst [R, D] f32: for each run of equal keys (keys, pos [n] from stable_sort_by_key),
 // dst[key, j] += w[i] * src[i, j] over the run's positions i in ascending order (w null: 1);
-// src [>= n, D] f32.
+// src [>= n, D] f32. Keys outside [0, R) are skipped (a deferred range check reports them).
 void sorted_scatter_add(const int32_t* keys, const int32_t* pos, int64_t n, const float* w, const float* src,
-                        float* dst, int64_t D);
+                        float* dst, int64_t D, int64_t R);
 
 }  // namespace fp8moe::cuda::ops

@@ -1,6 +1,7 @@
 // Quantization kernels of the CUDA backend, bit-exact with the CPU quantizers (quantize.hpp):
 // s = amax / max_finite (IEEE division) or the smallest power of two >= that, s = 1 for an
-// all-zero tile, s >= FLT_MIN, q = encode(x / s) with __fdiv_rn and saturating RNE conversion.
+// all-zero tile, s >= FLT_MIN, q = encode(x / s) with __fdiv_rn and saturating RNE conversion
+// (the arithmetic itself: quantize_device.cuh).
 //
 //   quantize_1x128    x [R, C] f32|bf16 -> q [R, C], s [ceil(C/128), ld(R)]  (one pass, 16-byte loads)
 //   quantize_128x128  w [R, C]          -> q [R, C], s [ceil(R/128), ceil(C/128)]
@@ -8,55 +9,17 @@
 //   requantize_128x1  q [T, C] 1x128    -> q [C, T] 1x128 along T            (dequantize, transpose, requantize)
 //   dequantize        q [R, C] any kind -> [R, C] f32|bf16
 // Output dtypes: e4m3, e5m2 (e5m6 has no device conversion here and is refused).
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
-
-#include <cfloat>
-
 #include "cuda_check.hpp"
+#include "device_checks.hpp"
 #include "fp8moe/codecs.hpp"
 #include "kernel_api.hpp"
+#include "quantize_device.cuh"
 
 namespace fp8moe::cuda {
 
 namespace {
 
 __device__ int g_nonfinite;  // set when a quantizer input holds NaN/Inf
-
-template <class T>
-__device__ __forceinline__ float to_f32(T v);
-template <>
-__device__ __forceinline__ float to_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-// Smallest power of two >= s (s > 0 finite), as ue8m0_decode(ue8m0_encode(s, round_up)); values
-// below FLT_MIN end up as FLT_MIN after the clamp in scale_of.
-__device__ __forceinline__ float pow2_round_up(float s) {
-  const uint32_t b = __float_as_uint(s);
-  const uint32_t e = (b >> 23) & 0xFF;
-  if (e == 0) return FLT_MIN;
-  if ((b & 0x7FFFFF) == 0) return s;
-  return __uint_as_float((e + 1) << 23);
-}
-
-__device__ __forceinline__ float scale_of(float amax, float max_finite, bool pow2) {
-  if (amax == 0.0f) return 1.0f;
-  float s = __fdiv_rn(amax, max_finite);
-  if (pow2) s = pow2_round_up(s);
-  return fmaxf(s, FLT_MIN);
-}
-
-template <bool kE5M2>
-__device__ __forceinline__ uint8_t encode(float v) {
-  return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, kE5M2 ? __NV_E5M2 : __NV_E4M3));
-}
-
-template <bool kE5M2>
-__device__ __forceinline__ float decode(uint8_t q) {
-  const __half_raw h = __nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(q), kE5M2 ? __NV_E5M2 : __NV_E4M3);
-  return __half2float(__half(h));
-}
 
 __device__ __forceinline__ void flag_if_nonfinite(float v) {
   if (!isfinite(v)) atomicExch(&g_nonfinite, 1);
@@ -317,18 +280,22 @@ void check_out_dtype(const QuantizedView& out, const char* arg) {
                arg << ": the CUDA quantizers write e4m3 or e5m2, got " << dtype_name(out.values.dtype));
 }
 
+int* nonfinite_flag() {
+  static int* flag = [] {
+    int* p = nullptr;
+    FP8MOE_CUDA_CHECK(cudaGetSymbolAddress(reinterpret_cast<void**>(&p), g_nonfinite));
+    return p;
+  }();
+  return flag;
+}
+
 void reset_flag(cudaStream_t stream, bool check) {
-  if (!check) return;
-  int zero = 0;
-  FP8MOE_CUDA_CHECK(cudaMemcpyToSymbolAsync(g_nonfinite, &zero, sizeof(int), 0, cudaMemcpyHostToDevice, stream));
+  if (check) clear_flag(nonfinite_flag(), stream);
 }
 
 void raise_if_flagged(cudaStream_t stream, bool check, const char* arg) {
-  if (!check) return;
-  int flag = 0;
-  FP8MOE_CUDA_CHECK(cudaMemcpyFromSymbolAsync(&flag, g_nonfinite, sizeof(int), 0, cudaMemcpyDeviceToHost, stream));
-  FP8MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  FP8MOE_CHECK(flag == 0, arg << ": non-finite value (NaN/Inf input is refused by the quantizers)");
+  if (check)
+    raise_if_flag_set(nonfinite_flag(), stream, arg, "non-finite value (NaN/Inf input is refused by the quantizers)");
 }
 
 void fill_padding(const TensorView& scales, int64_t R, cudaStream_t stream) {

@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 
 #include "cuda_check.hpp"
+#include "device_checks.hpp"
 #include "fp8moe/codecs.hpp"
 #include "fp8moe/minifloat_encode.hpp"
 #include "kernel_api.hpp"
@@ -93,7 +94,7 @@ void quantize_1x128_e5m6_cuda(const TensorView& x, const QuantizedView& out, Sca
   const int64_t R = x.size(0), C = x.size(1), ld = out.scales.size(1), G = (C + 127) / 128;
   int* flag = nullptr;
   FP8MOE_CUDA_CHECK(cudaGetSymbolAddress(reinterpret_cast<void**>(&flag), g_e5m6_nonfinite));
-  FP8MOE_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(int), stream));
+  clear_flag(flag, stream);
   const int64_t threads = R * G * 32;
   const unsigned grid = unsigned((threads + 255) / 256);
   if (R * G > 0) {
@@ -109,10 +110,7 @@ void quantize_1x128_e5m6_cuda(const TensorView& x, const QuantizedView& out, Sca
     fill_padding<<<unsigned((G * (ld - R) + 255) / 256), 256, 0, stream>>>(out.scales.ptr<float>(), R, ld, G);
     FP8MOE_CUDA_CHECK_LAUNCH("fill_padding");
   }
-  int bad = 0;
-  FP8MOE_CUDA_CHECK(cudaMemcpyAsync(&bad, flag, sizeof(int), cudaMemcpyDeviceToHost, stream));
-  FP8MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  FP8MOE_CHECK(!bad, "x: non-finite value (NaN/Inf input is refused by the quantizers)");
+  raise_if_flag_set(flag, stream, "x", "non-finite value (NaN/Inf input is refused by the quantizers)");
 }
 
 void dequantize_e5m6_cuda(const QuantizedView& in, const TensorView& out, cudaStream_t stream) {

@@ -2,6 +2,8 @@
 // NOTES: deterministic by construction (no atomics): each block reduces a fixed grid-stride slice
 // in FP64 and a single block adds the per-block partials in index order, so the clip scale, and
 // with it a resumed run, is reproducible bit for bit.
+#include <algorithm>
+
 #include "model_ops.hpp"
 #include "model_ops_util.cuh"
 
@@ -24,41 +26,54 @@ __device__ double block_sum(double v) {
   return part[0];
 }
 
-// x [n] f32 -> partial [kBlocks] f64
-__global__ void sum_squares_partial(const float* __restrict__ x, int64_t n, double* __restrict__ partial) {
+struct Span {
+  const float* p;
+  int64_t n;
+};
+
+// Block (b, i) reduces its grid-stride slice of tensor i: partial[i * kBlocks + b].
+__global__ void sum_squares_partial(const Span* __restrict__ xs, double* __restrict__ partial) {
+  const Span x = xs[blockIdx.y];
   double acc = 0;
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(kBlocks) * kThreads) {
-    const double v = x[i];
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < x.n; i += int64_t(kBlocks) * kThreads) {
+    const double v = x.p[i];
     acc += v * v;
   }
   const double s = block_sum(acc);
-  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+  if (threadIdx.x == 0) partial[int64_t(blockIdx.y) * kBlocks + blockIdx.x] = s;
 }
 
-// partial [kBlocks] -> out [1]
-__global__ void sum_partials(const double* __restrict__ partial, double* __restrict__ out) {
+// partial [n] -> out [1], thread-strided then a tree: a fixed order for a given n.
+__global__ void sum_partials(const double* __restrict__ partial, int64_t n, double* __restrict__ out) {
   double acc = 0;
-  for (int i = threadIdx.x; i < kBlocks; i += kThreads) acc += partial[i];
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) acc += partial[i];
   const double s = block_sum(acc);
   if (threadIdx.x == 0) *out = s;
 }
 
 }  // namespace
 
-double cuda_sum_squares(const TensorView& x) {
-  check_f32(x, "sum_squares", "x", -1);
-  const int64_t n = x.numel();
-  if (n == 0) return 0;
-  double* buf = nullptr;  // [kBlocks partials, 1 result]
-  FP8MOE_CUDA_CHECK(cudaMalloc(&buf, sizeof(double) * (kBlocks + 1)));
-  sum_squares_partial<<<kBlocks, kThreads>>>(x.ptr<const float>(), n, buf);
-  sum_partials<<<1, kThreads>>>(buf, buf + kBlocks);
+double cuda_sum_squares(const std::vector<TensorView>& xs) {
+  std::vector<Span> spans;
+  for (const TensorView& x : xs) {
+    check_f32(x, "sum_squares", "x", -1);
+    if (x.numel() > 0) spans.push_back({x.ptr<const float>(), x.numel()});
+  }
+  if (spans.empty()) return 0;
+  constexpr int64_t kMaxY = 65535;  // grid.y limit: tensors per pass
+  const int64_t n = int64_t(spans.size()), npart = n * kBlocks;
+  DeviceBuffer table(sizeof(Span) * size_t(n)), buf(sizeof(double) * size_t(npart + 1));
+  FP8MOE_CUDA_CHECK(cudaMemcpyAsync(table.as<Span>(), spans.data(), sizeof(Span) * size_t(n), cudaMemcpyHostToDevice,
+                                    nullptr));
+  for (int64_t i0 = 0; i0 < n; i0 += kMaxY) {
+    const unsigned ny = unsigned(std::min(kMaxY, n - i0));
+    sum_squares_partial<<<dim3(kBlocks, ny), kThreads>>>(table.as<Span>() + i0, buf.as<double>() + i0 * kBlocks);
+    FP8MOE_CUDA_CHECK_LAUNCH("sum_squares_partial");
+  }
+  sum_partials<<<1, kThreads>>>(buf.as<double>(), npart, buf.as<double>() + npart);
+  FP8MOE_CUDA_CHECK_LAUNCH("sum_partials");
   double out = 0;
-  cudaError_t launch = cudaGetLastError();
-  cudaError_t copy = cudaMemcpy(&out, buf + kBlocks, sizeof(double), cudaMemcpyDeviceToHost);
-  cudaFree(buf);
-  FP8MOE_CUDA_CHECK(launch);
-  FP8MOE_CUDA_CHECK(copy);
+  FP8MOE_CUDA_CHECK(cudaMemcpy(&out, buf.as<double>() + npart, sizeof(double), cudaMemcpyDeviceToHost));
   return out;
 }
 

@@ -47,13 +47,16 @@ Tensor clone(Ctx& c, const TensorView& t) {
   return o;
 }
 
-Tensor prefix_rows(const Tensor& t, int64_t n) {
-  if (n == t.size(0)) return t;
+Tensor rows_of(const Tensor& t, int64_t r0, int64_t n) {
+  if (r0 == 0 && n == t.size(0)) return t;
+  const TensorView v = rows_view(t.view(), r0, n);
   auto keep = std::make_shared<Tensor>(t);
-  // Aliasing shared_ptr: owns `t`'s storage, points at its data.
-  std::shared_ptr<void> alias(keep, t.view().data);
-  return Tensor(alias, rows_view(t.view(), 0, n));
+  // Aliasing shared_ptr: owns `t`'s storage, points at the rows' data.
+  std::shared_ptr<void> alias(keep, v.data);
+  return Tensor(alias, v);
 }
+
+Tensor prefix_rows(const Tensor& t, int64_t n) { return rows_of(t, 0, n); }
 
 Tensor reshaped(const Tensor& t, std::initializer_list<int64_t> shape) {
   auto keep = std::make_shared<Tensor>(t);

@@ -1,7 +1,8 @@
 // The analytic account of the bytes each layer keeps from forward to backward (report §3.2.3 and
 // §3.3.3), from the config and the recipe alone. It lists the same tensors, in the same formats,
 // as the layers' forward records (Saved::kept), so tests can check one against the other; with FP8
-// the cached Linear inputs are padded to 128 tokens (the Wgrad's K) and carry 4-byte scales per 128.
+// the cached Linear inputs are padded to 128 tokens (the Wgrad's K) and carry 4-byte scales per 128,
+// and the routed experts' (grouped) cache all rows of the expert-sorted layout, padding included.
 #include "model_internal.hpp"
 
 namespace fp8moe {
@@ -85,6 +86,18 @@ MemoryAccount predict_memory(const ModelConfig& c, const Recipe& r, int64_t T,
     a.act("scores", T * E);
     a.plain("topk_idx", DType::i32, T * K);
     a.act("topk_w", T * K);
+    // The expert-sorted layout: row_slot [R], slot_row [T, K], row_group [R].
+    const int64_t R = moe_layout_rows(T * K, E, 128);
+    a.plain("layout", DType::i32, R);
+    a.plain("layout", DType::i32, T * K);
+    a.plain("layout", DType::i32, R);
+    if (r.linear == LinearPrecision::fp8 && !r.per_tensor) {  // grouped GEMMs: all R rows at once
+      a.cached("experts.in", R, D, true);
+      a.cached("experts.gate_out", R, c.moe_intermediate_size, false);
+      a.cached("experts.up_out", R, c.moe_intermediate_size, false);
+      ++moe_index;
+      continue;
+    }
     for (int64_t e = 0; e < E; ++e) {
       // Balanced routing unless the observed loads are given.
       const int64_t n = loads ? (*loads)[size_t(moe_index)][size_t(e)] : (T * K) / E + (e < (T * K) % E ? 1 : 0);

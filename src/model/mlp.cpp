@@ -7,6 +7,26 @@
 
 namespace fp8moe::model {
 
+namespace {
+
+// One Linear's three GEMMs, per expert or grouped over the experts (MlpParams::grouped).
+void fwd(Ctx& c, const MlpParams& p, const Cached& x, Parameter& w, const Tensor& y) {
+  if (p.grouped) return grouped_linear_forward(c, *p.grouped, x, w, y);
+  linear_forward(c, x, w, y, c.recipe.linear);
+}
+void bwd_input(Ctx& c, const MlpParams& p, const Tensor& dy, Parameter& w, const Tensor& dx, bool accumulate,
+               ScaleMode dy_mode = ScaleMode::fp32) {
+  if (p.grouped) return grouped_linear_backward_input(c, *p.grouped, dy, w, dx, accumulate, dy_mode);
+  linear_backward_input(c, dy, w, dx, accumulate, c.recipe.linear, dy_mode);
+}
+void bwd_weight(Ctx& c, const MlpParams& p, const Cached& x, const Tensor& dy, Parameter& w,
+                ScaleMode dy_mode = ScaleMode::fp32) {
+  if (p.grouped) return grouped_linear_backward_weight(c, *p.grouped, x, dy, w, dy_mode);
+  linear_backward_weight(c, x, dy, w, c.recipe.linear, dy_mode);
+}
+
+}  // namespace
+
 void MlpState::account(std::vector<MemoryItem>& items, const std::string& layer, const std::string& prefix) const {
   g.account(items, layer, prefix + "gate_out");
   u.account(items, layer, prefix + "up_out");
@@ -16,22 +36,21 @@ void mlp_forward(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& out, Sc
   const int64_t T = st.in.rows, F = p.gate->weight.size(0);
   const LinearPrecision prec = c.recipe.linear;
   Tensor g = c.zeros({T, F}), u = c.zeros({T, F});  // [T, F] act
-  linear_forward(c, st.in, *p.gate, g, prec);
-  linear_forward(c, st.in, *p.up, u, prec);
+  fwd(c, p, st.in, *p.gate, g);
+  fwd(c, p, st.in, *p.up, u);
   st.g = cache_activation(c, g.view(), DType::e4m3, c.recipe.scale_mode, false, prec);
   st.u = cache_activation(c, u.view(), DType::e4m3, c.recipe.scale_mode, false, prec);
   Tensor a = c.zeros({T, F});  // [T, F] act: SwiGLU output, not kept
   c.be.swiglu_forward(g.view(), u.view(), a.view());
-  linear_forward(c, linear_input(c, a.view(), c.recipe.scale_mode), *p.down, out, prec);
+  fwd(c, p, linear_input(c, a.view(), c.recipe.scale_mode), *p.down, out);
 }
 
 void mlp_backward_input(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& dy, const Tensor& dx, bool accumulate,
                         ScaleMode dy_mode, const Tensor* combine_grad) {
   const int64_t T = st.in.rows, F = p.gate->weight.size(0);
-  const LinearPrecision prec = c.recipe.linear;
   st.dy = dy;
   Tensor da = c.zeros({T, F});  // [T, F]
-  linear_backward_input(c, dy, *p.down, da, false, prec, dy_mode);
+  bwd_input(c, p, dy, *p.down, da, false, dy_mode);
   // Recompute the SwiGLU output from its cached input.
   Tensor g = st.g.restore(c), u = st.u.restore(c);  // [T, F] act
   Tensor a = c.zeros({T, F});
@@ -43,15 +62,14 @@ void mlp_backward_input(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& 
   c.be.swiglu_backward(g.view(), u.view(), da.view(), st.dg.view(), st.du.view());
   st.g.reset();
   st.u.reset();
-  linear_backward_input(c, st.dg, *p.gate, dx, accumulate, prec);
-  linear_backward_input(c, st.du, *p.up, dx, true, prec);
+  bwd_input(c, p, st.dg, *p.gate, dx, accumulate);
+  bwd_input(c, p, st.du, *p.up, dx, true);
 }
 
 void mlp_backward_weight(Ctx& c, const MlpParams& p, MlpState& st, ScaleMode dy_mode) {
-  const LinearPrecision prec = c.recipe.linear;
-  linear_backward_weight(c, st.a, st.dy, *p.down, prec, dy_mode);
-  linear_backward_weight(c, st.in, st.dg, *p.gate, prec);
-  linear_backward_weight(c, st.in, st.du, *p.up, prec);
+  bwd_weight(c, p, st.a, st.dy, *p.down, dy_mode);
+  bwd_weight(c, p, st.in, st.dg, *p.gate);
+  bwd_weight(c, p, st.in, st.du, *p.up);
   st = MlpState{};
 }
 

@@ -7,6 +7,7 @@
 //   then one transformer block (layers.L), shared_head.norm and the shared lm_head predict token t+2.
 // Its loss (mean over positions that have a t+2 in the sequence) enters with mtp_loss_weight.
 #include <cmath>
+#include <map>
 #include <random>
 
 #include "model_internal.hpp"
@@ -154,11 +155,23 @@ Model::Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uin
   FP8MOE_CHECK(recipe.act_dtype != DType::f64 || backend.device() == Device::cpu,
                "recipe fp64 runs on the cpu backend only (backend " << backend.name() << ")");
   auto& m = *impl_;
+  // The routed experts' matrices of one layer and kind share one [E * rows, cols] weight and one
+  // gradient tensor, each expert's Parameter viewing its rows: the grouped GEMMs read the
+  // weights stacked and write the gradients stacked.
+  std::map<std::string, std::pair<Tensor, Tensor>> stacks;
   for (const auto& s : model::parameter_specs(cfg)) {
     Parameter p;
     p.name = s.name;
     const DType dt = recipe.act_dtype;
-    if (s.shape.size() == 1) {
+    const size_t at = s.name.find(".mlp.experts.");
+    if (at != std::string::npos) {
+      const size_t e0 = at + 13, e1 = s.name.find('.', e0);
+      const int64_t e = std::stoll(s.name.substr(e0, e1 - e0)), E = cfg.n_routed_experts, R = s.shape[0];
+      auto& st = stacks[s.name.substr(0, e0) + "*" + s.name.substr(e1)];
+      if (!st.first.defined()) st = {backend.empty(dt, {E * R, s.shape[1]}), backend.empty(dt, {E * R, s.shape[1]})};
+      p.weight = model::rows_of(st.first, e * R, R);
+      p.grad = model::rows_of(st.second, e * R, R);
+    } else if (s.shape.size() == 1) {
       p.weight = backend.empty(dt, {s.shape[0]});
       p.grad = backend.empty(dt, {s.shape[0]});
     } else {

@@ -25,7 +25,8 @@ TensorView reshape(const TensorView& t, std::initializer_list<int64_t> shape);
 // A zero tensor of the backend with t's dtype and shape; a copy of t.
 Tensor empty_like(Backend& be, const TensorView& t);
 Tensor clone(Ctx& c, const TensorView& t);
-// Rows [0, n) of t, and t with another shape, as Tensors sharing t's storage.
+// Rows [r0, r0 + n) and [0, n) of t, and t with another shape, as Tensors sharing t's storage.
+Tensor rows_of(const Tensor& t, int64_t r0, int64_t n);
 Tensor prefix_rows(const Tensor& t, int64_t n);
 Tensor reshaped(const Tensor& t, std::initializer_list<int64_t> shape);
 
@@ -71,11 +72,29 @@ std::vector<double> to_doubles(Ctx& c, const Tensor& t);   // any float tensor, 
 // RMSNorm helpers: y = norm(x), rstd out.
 void rmsnorm(Ctx& c, const Tensor& x, Parameter& w, const Tensor& y, const Tensor& rstd);
 
-// SwiGLU MLP (dense MLP, shared expert, one routed expert) on a cached normalized input.
+// The routed experts of a MoE layer run together over the expert-sorted layout (moe_layout):
+// the group tables on the device, and the Linears as grouped FP8 GEMMs (grouped_linear.cpp) on
+// the stacked expert matrices whose first expert's Parameter is passed.
+struct ExpertGroups {
+  int64_t groups = 0;
+  Tensor row_group;  // [R] i32
+  Tensor offsets;    // [G + 1] i32
+};
+// Raises unless the Parameters (one matrix kind, expert by expert) are rows of one stacked tensor.
+void check_stacked(const std::vector<Parameter*>& per_expert);
+void grouped_linear_forward(Ctx& c, const ExpertGroups& eg, const Cached& x, Parameter& w0, const Tensor& y);
+void grouped_linear_backward_input(Ctx& c, const ExpertGroups& eg, const Tensor& dy, Parameter& w0, const Tensor& dx,
+                                   bool accumulate, ScaleMode dy_mode);
+void grouped_linear_backward_weight(Ctx& c, const ExpertGroups& eg, const Cached& x, const Tensor& dy, Parameter& w0,
+                                    ScaleMode dy_mode);
+
+// SwiGLU MLP (dense MLP, shared expert, one routed expert, or all routed experts grouped) on a
+// cached normalized input.
 struct MlpParams {
-  Parameter* gate = nullptr;  // [F, D]
+  Parameter* gate = nullptr;  // [F, D] (the first expert's when grouped)
   Parameter* up = nullptr;    // [F, D]
   Parameter* down = nullptr;  // [D, F]
+  const ExpertGroups* grouped = nullptr;  // set: the Linears run grouped over all experts
 };
 struct MlpState {
   Cached in;        // the input as its gate/up Linears consumed it

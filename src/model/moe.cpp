@@ -6,11 +6,17 @@
 //   w = s[top-k] / sum * routed_scaling_factor
 //   y = x + shared(h) + sum_k w_k expert_k(h)
 // plus the sequence-wise balance loss alpha * sum_i f_i P_i per sequence (mean over sequences).
-// FP8: the dispatched activations are cached per expert as FP8 1x128 tiles with power-of-two scales
-// (the 1x128 tiles are per token, so quantizing before or after the gather is the same), and the
-// output gradients before the routed experts' down projection use power-of-two scales too.
+// Dispatch runs on the device over the expert-sorted layout (Backend::moe_layout): the tokens of
+// each expert form one segment of rows, padded to 128, with a row per (token, top-k slot);
+// moe_permute gathers rows there, moe_combine sums the weighted expert outputs back per token.
+// The FP8 recipe runs the experts' Linears as grouped FP8 GEMMs over all segments at once (the
+// permuted input quantized to 1x128 tiles with power-of-two scales in the same pass, as the
+// report quantizes before dispatch); the other recipes run one Linear per expert on its rows.
+// The output gradients before the routed experts' down projection use power-of-two scales too.
 // The combine weight's gradient dy . expert_out is obtained without keeping expert outputs:
 // rows_dot(d swiglu_out, swiglu_out) of the expert fed w * dy equals w * (dy . expert_out).
+// One host synchronization per forward: the top-k indices (and scores, for the balance loss)
+// come to the host for the expert loads, the balance loss and the per-expert row ranges.
 #include <algorithm>
 
 #include "model_internal.hpp"
@@ -18,6 +24,8 @@
 namespace fp8moe::model {
 
 namespace {
+
+constexpr int64_t kAlign = 128;  // rows per expert segment: the grouped GEMMs' M tile
 
 class MoeLayer final : public Layer {
  public:
@@ -34,20 +42,30 @@ class MoeLayer final : public Layer {
       const std::string ep = pre + "mlp.experts." + std::to_string(e) + ".";
       experts_.push_back({get(ep + "gate_proj.weight"), get(ep + "up_proj.weight"), get(ep + "down_proj.weight")});
     }
+    grouped_ = c.recipe.linear == LinearPrecision::fp8 && !c.recipe.per_tensor;
+    if (grouped_) {
+      std::vector<Parameter*> g, u, d;
+      for (const MlpParams& p : experts_) {
+        g.push_back(p.gate);
+        u.push_back(p.up);
+        d.push_back(p.down);
+      }
+      for (const auto* list : {&g, &u, &d}) check_stacked(*list);
+    }
   }
   std::string name() const override { return name_; }
 
-  struct Expert {
-    std::vector<int64_t> slots;  // t * k + j of each routed token
-    Tensor ids, w;               // [n] i32 token rows, [n] act combine weights
-    MlpState mlp;
-  };
   struct State : Saved {
     Tensor x, rstd;              // [T, D], [T]
     Cached h;                    // [T, D] shared expert input (the norm output)
     Tensor scores, idx, w;       // [T, E] act, [T, k] i32, [T, k] act
+    Tensor scores_h, idx_h;      // host copies (balance loss)
     MlpState shared;
-    std::vector<Expert> experts;
+    Tensor row_slot, slot_row;   // [R], [T, k] i32: the layout
+    ExpertGroups groups;         // row_group [R], offsets [E + 1]
+    std::vector<int64_t> start, count;  // host: first row and tokens of each expert
+    MlpState experts;            // grouped: all rows at once
+    std::vector<MlpState> expert;  // per expert: its rows
     Tensor dh, dlogits;          // kept from B for W: [T, D], [T, E]
     double aux = 0;
     std::vector<int64_t> loads;
@@ -57,16 +75,17 @@ class MoeLayer final : public Layer {
     auto s = std::make_unique<State>();
     const auto& cfg = c_.cfg;
     const int64_t T = x.size(0), D = x.size(1), E = cfg.n_routed_experts, K = cfg.num_experts_per_tok;
+    const ScaleMode pow2 = c_.recipe.pow2_mode;
     s->x = x;
     s->rstd = c_.zeros({T});
     Tensor h = c_.zeros({T, D});
     rmsnorm(c_, x, *norm_, h, s->rstd);
     y = clone(c_, x.view());
     if (shared_.gate) {
-      s->shared.in = linear_input(c_, h.view(), c_.recipe.pow2_mode);
+      s->shared.in = linear_input(c_, h.view(), pow2);
       s->h = s->shared.in;
       Tensor out = c_.zeros({T, D});
-      mlp_forward(c_, shared_, s->shared, out, c_.recipe.pow2_mode);
+      mlp_forward(c_, shared_, s->shared, out, pow2);
       c_.be.axpy(1.0, out.view(), 1.0, y.view());
     }
     // Router in the activation precision.
@@ -77,18 +96,27 @@ class MoeLayer final : public Layer {
     s->w = c_.zeros({T, K});
     c_.be.moe_route(logits.view(), bias_->weight.view(), s->scores.view(), s->idx.view(), s->w.view(), cfg.n_group,
                     cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor);
-    build_dispatch(*s, T);
-    for (int64_t e = 0; e < E; ++e) {
-      Expert& ex = s->experts[size_t(e)];
-      const int64_t n = int64_t(ex.slots.size());
-      if (n == 0) continue;
-      Tensor xe = c_.zeros({n, D});  // dispatched rows
-      c_.be.gather_rows(h.view(), ex.ids.view(), TensorView(), xe.view());
-      ex.mlp.in = linear_input(c_, xe.view(), c_.recipe.pow2_mode);
-      Tensor ye = c_.zeros({n, D});
-      mlp_forward(c_, experts_[size_t(e)], ex.mlp, ye, c_.recipe.pow2_mode);
-      c_.be.scatter_add_rows(ye.view(), ex.ids.view(), ex.w.view(), y.view());  // weighted combine
+    layout(*s, T);
+    const int64_t R = s->row_slot.size(0);
+    Tensor ye = c_.zeros({R, D});  // expert outputs, expert-sorted rows
+    if (grouped_) {
+      MlpParams p = grouped_params(*s);
+      s->experts.in.rows = R;
+      s->experts.in.q = c_.be.empty_quantized(R, D, DType::e4m3, ScaleKind::tile_1x128);
+      c_.be.moe_permute_quantize(h.view(), s->row_slot.view(), K, TensorView(), s->experts.in.q, pow2);
+      mlp_forward(c_, p, s->experts, ye, pow2);
+    } else {
+      Tensor xe = c_.zeros({R, D});
+      c_.be.moe_permute(h.view(), s->row_slot.view(), K, TensorView(), xe.view());
+      s->expert.assign(size_t(E), MlpState{});
+      for (int64_t e = 0; e < E; ++e) {
+        if (s->count[size_t(e)] == 0) continue;
+        MlpState& st = s->expert[size_t(e)];
+        st.in = linear_input(c_, rows_view(xe.view(), s->start[size_t(e)], s->count[size_t(e)]), pow2);
+        mlp_forward(c_, experts_[size_t(e)], st, rows_of(ye, s->start[size_t(e)], s->count[size_t(e)]), pow2);
+      }
     }
+    c_.be.moe_combine(ye.view(), s->slot_row.view(), s->w.view(), y.view(), true);
     s->aux = balance_loss(b, *s, nullptr);
 
     auto& k = s->kept;
@@ -99,10 +127,17 @@ class MoeLayer final : public Layer {
     k.push_back(account_item(name_, "scores", s->scores.view()));
     k.push_back(account_item(name_, "topk_idx", s->idx.view()));
     k.push_back(account_item(name_, "topk_w", s->w.view()));
-    for (const Expert& ex : s->experts) {
-      if (ex.slots.empty()) continue;
-      ex.mlp.in.account(k, name_, "experts.in");
-      ex.mlp.account(k, name_, "experts.");
+    k.push_back(account_item(name_, "layout", s->row_slot.view()));
+    k.push_back(account_item(name_, "layout", s->slot_row.view()));
+    k.push_back(account_item(name_, "layout", s->groups.row_group.view()));
+    if (grouped_) {
+      s->experts.in.account(k, name_, "experts.in");
+      s->experts.account(k, name_, "experts.");
+    }
+    for (const MlpState& st : s->expert) {
+      if (!st.in.defined()) continue;
+      st.in.account(k, name_, "experts.in");
+      st.account(k, name_, "experts.");
     }
     return s;
   }
@@ -111,27 +146,29 @@ class MoeLayer final : public Layer {
     auto& s = static_cast<State&>(saved);
     const auto& cfg = c_.cfg;
     const int64_t T = dy.size(0), D = dy.size(1), E = cfg.n_routed_experts, K = cfg.num_experts_per_tok;
+    const int64_t R = s.row_slot.size(0);
+    const ScaleMode pow2 = c_.recipe.pow2_mode;
     s.dh = c_.zeros({T, D});
-    if (shared_.gate) mlp_backward_input(c_, shared_, s.shared, dy, s.dh, true, c_.recipe.pow2_mode);
-    const std::vector<double> w = to_doubles(c_, s.w);
-    std::vector<double> dw(size_t(T * K), 0.0);
-    for (int64_t e = 0; e < E; ++e) {
-      Expert& ex = s.experts[size_t(e)];
-      const int64_t n = int64_t(ex.slots.size());
-      if (n == 0) continue;
-      Tensor dye = c_.zeros({n, D});  // w * dy of the routed rows
-      c_.be.gather_rows(dy.view(), ex.ids.view(), ex.w.view(), dye.view());
-      Tensor dxe = c_.zeros({n, D});
-      Tensor cg = c_.zeros({n});
-      mlp_backward_input(c_, experts_[size_t(e)], ex.mlp, dye, dxe, false, c_.recipe.pow2_mode, &cg);
-      c_.be.scatter_add_rows(dxe.view(), ex.ids.view(), TensorView(), s.dh.view());
-      const std::vector<double> cgh = to_doubles(c_, cg);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t slot = ex.slots[size_t(i)];
-        // NOTES: w > 0 always (sigmoid affinities, positive scaling factor, validated).
-        dw[size_t(slot)] = cgh[size_t(i)] / w[size_t(slot)];
+    if (shared_.gate) mlp_backward_input(c_, shared_, s.shared, dy, s.dh, true, pow2);
+    Tensor dye = c_.zeros({R, D});  // w * dy of the routed rows
+    c_.be.moe_permute(dy.view(), s.row_slot.view(), K, s.w.view(), dye.view());
+    Tensor dxe = c_.zeros({R, D});
+    Tensor cg = c_.zeros({R});
+    if (grouped_) {
+      mlp_backward_input(c_, grouped_params(s), s.experts, dye, dxe, false, pow2, &cg);
+    } else {
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t r0 = s.start[size_t(e)], n = s.count[size_t(e)];
+        if (n == 0) continue;
+        Tensor cge = rows_of(cg, r0, n);
+        mlp_backward_input(c_, experts_[size_t(e)], s.expert[size_t(e)], rows_of(dye, r0, n), rows_of(dxe, r0, n),
+                           false, pow2, &cge);
       }
     }
+    c_.be.moe_combine(dxe.view(), s.slot_row.view(), TensorView(), s.dh.view(), true);
+    Tensor dw = c_.zeros({T, K});
+    // NOTES: w > 0 always (sigmoid affinities, positive scaling factor, validated).
+    c_.be.moe_combine_weight_grad(cg.view(), s.slot_row.view(), s.w.view(), dw.view());
     Tensor dscores;
     if (cfg.aux_loss_alpha > 0) {
       std::vector<double> ds(size_t(T * E), 0.0);
@@ -140,9 +177,8 @@ class MoeLayer final : public Layer {
       c_.be.copy(dscores.view(), reshape(act_vector(c_, ds).view(), {T, E}));
     }
     s.dlogits = c_.zeros({T, E});
-    c_.be.moe_route_backward(s.scores.view(), s.idx.view(), reshape(act_vector(c_, dw).view(), {T, K}),
-                             dscores.defined() ? dscores.view() : TensorView(), s.dlogits.view(),
-                             cfg.norm_topk_prob, cfg.routed_scaling_factor);
+    c_.be.moe_route_backward(s.scores.view(), s.idx.view(), dw.view(), dscores.defined() ? dscores.view() : TensorView(),
+                             s.dlogits.view(), cfg.norm_topk_prob, cfg.routed_scaling_factor);
     c_.be.gemm(s.dlogits.view(), gate_->weight.view(), s.dh.view(), false, false, true);
     dx = clone(c_, dy.view());
     c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(), TensorView(), true);
@@ -150,9 +186,11 @@ class MoeLayer final : public Layer {
 
   void backward_weight(const Batch&, Saved& saved) override {
     auto& s = static_cast<State&>(saved);
-    if (shared_.gate) mlp_backward_weight(c_, shared_, s.shared, c_.recipe.pow2_mode);
-    for (size_t e = 0; e < s.experts.size(); ++e)
-      if (!s.experts[e].slots.empty()) mlp_backward_weight(c_, experts_[e], s.experts[e].mlp, c_.recipe.pow2_mode);
+    const ScaleMode pow2 = c_.recipe.pow2_mode;
+    if (shared_.gate) mlp_backward_weight(c_, shared_, s.shared, pow2);
+    if (grouped_) mlp_backward_weight(c_, grouped_params(s), s.experts, pow2);
+    for (size_t e = 0; e < s.expert.size(); ++e)
+      if (s.expert[e].in.defined()) mlp_backward_weight(c_, experts_[e], s.expert[e], pow2);
     // The gate's Wgrad needs h in full precision: recompute the norm.
     const int64_t T = s.x.size(0), D = s.x.size(1);
     Tensor h = c_.zeros({T, D}), rstd = c_.zeros({T});
@@ -173,31 +211,31 @@ class MoeLayer final : public Layer {
   }
 
  private:
-  // Per-expert token lists from the top-k indices (host), as backend index/weight vectors.
-  void build_dispatch(State& s, int64_t T) {
+  // The expert-sorted layout on the device, and on the host (one synchronization) the expert loads
+  // and each expert's rows.
+  void layout(State& s, int64_t T) {
     const int64_t E = c_.cfg.n_routed_experts, K = c_.cfg.num_experts_per_tok;
-    const Tensor idx = c_.be.to_host(s.idx);
-    const std::vector<double> w = to_doubles(c_, s.w);
-    s.experts.assign(size_t(E), Expert{});
+    s.idx_h = c_.be.to_host(s.idx);
+    if (c_.cfg.aux_loss_alpha > 0) s.scores_h = c_.be.to_host(s.scores);
     s.loads.assign(size_t(E), 0);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < K; ++j) {
-        const int32_t e = idx.ptr<int32_t>()[t * K + j];
-        s.experts[size_t(e)].slots.push_back(t * K + j);
-        ++s.loads[size_t(e)];
-      }
-    for (auto& ex : s.experts) {
-      const int64_t n = int64_t(ex.slots.size());
-      if (n == 0) continue;
-      Tensor ids = Tensor::host(DType::i32, {n});
-      std::vector<double> we(static_cast<size_t>(n));
-      for (int64_t i = 0; i < n; ++i) {
-        ids.ptr<int32_t>()[i] = int32_t(ex.slots[size_t(i)] / K);
-        we[size_t(i)] = w[size_t(ex.slots[size_t(i)])];
-      }
-      ex.ids = to_backend(c_, ids);
-      ex.w = act_vector(c_, we);
-    }
+    for (int64_t i = 0; i < T * K; ++i) ++s.loads[size_t(s.idx_h.ptr<int32_t>()[i])];
+    s.count = s.loads;
+    s.start.assign(size_t(E), 0);
+    for (int64_t e = 1; e < E; ++e) s.start[size_t(e)] = s.start[size_t(e - 1)] + round_up(s.count[size_t(e - 1)], kAlign);
+    const int64_t R = moe_layout_rows(T * K, E, kAlign);
+    s.row_slot = c_.be.empty(DType::i32, {R});
+    s.slot_row = c_.be.empty(DType::i32, {T, K});
+    s.groups.groups = E;
+    s.groups.row_group = c_.be.empty(DType::i32, {R});
+    s.groups.offsets = c_.be.empty(DType::i32, {E + 1});
+    c_.be.moe_layout(s.idx.view(), kAlign, s.row_slot.view(), s.groups.row_group.view(), s.slot_row.view(),
+                     s.groups.offsets.view());
+  }
+
+  MlpParams grouped_params(const State& s) const {
+    MlpParams p = experts_[0];
+    p.grouped = &s.groups;
+    return p;
   }
 
   // Sequence-wise balance loss alpha * mean_b sum_i f_i P_i; with ds, adds grad_scale * dL/ds [T, E].
@@ -205,8 +243,8 @@ class MoeLayer final : public Layer {
     const auto& cfg = c_.cfg;
     if (cfg.aux_loss_alpha <= 0) return 0;
     const int64_t E = cfg.n_routed_experts, K = cfg.num_experts_per_tok, S = b.seq, B = b.batch;
-    const std::vector<double> sc = to_doubles(c_, s.scores);
-    const Tensor idx = c_.be.to_host(s.idx);
+    const std::vector<double> sc = to_doubles(c_, s.scores_h);
+    const Tensor& idx = s.idx_h;
     double total = 0;
     for (int64_t bi = 0; bi < B; ++bi) {
       std::vector<double> f(size_t(E), 0.0), P(size_t(E), 0.0);
@@ -237,6 +275,7 @@ class MoeLayer final : public Layer {
   Parameter *norm_ = nullptr, *gate_ = nullptr, *bias_ = nullptr;
   MlpParams shared_;
   std::vector<MlpParams> experts_;
+  bool grouped_ = false;  // the FP8 recipe's grouped GEMMs (fine-grained scaling on any backend)
 };
 
 }  // namespace

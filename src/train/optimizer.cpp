@@ -36,8 +36,9 @@ void AdamW::step(float lr, float grad_scale) {
 }
 
 double global_grad_norm(Backend& backend, const std::vector<ParamRef>& params) {
-  double ss = 0;
-  for (auto& p : params) ss += backend.sum_squares(p.grad);
+  std::vector<TensorView> grads;
+  for (auto& p : params) grads.push_back(p.grad);
+  const double ss = backend.sum_squares_all(grads);
   return std::sqrt(ss);
 }
 

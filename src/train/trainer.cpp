@@ -87,6 +87,8 @@ struct Trainer::Impl {
     recipe = Recipe::from_name(opt.recipe);
     validate_config(cfg, recipe);
     backend = make_backend(opt.backend == "auto" ? pick_backend(opt.quiet) : opt.backend);
+    // Device-side checks are raised once per micro-batch (the synchronize below), not per op.
+    backend->set_checks(Backend::Checks::deferred);
     model = std::make_unique<Model>(cfg, recipe, *backend, opt.seed);
     corpus = std::make_unique<TextCorpus>(opt.data);
     sampler = std::make_unique<WindowSampler>(corpus->train(), int(cfg.seq_len + 1), opt.seed);
@@ -265,6 +267,7 @@ struct Trainer::Impl {
         StepStats st;
         try {
           st = model->forward_backward(tok, tgt, 1.0 / double(opt.grad_accum));
+          backend->synchronize();
         } catch (const Error& e) {
           // A NaN/Inf reaching a quantizer is reported as what it is: a diverged step.
           FP8MOE_CHECK(false, "step " << step << ": forward/backward failed: " << e.what() << "; first non-finite tensor: "

@@ -1,0 +1,75 @@
+// The Linears of the routed experts as grouped FP8 GEMMs over the expert-sorted layout
+// (backend.hpp, "MoE dispatch and grouped GEMMs"): rows of all experts in one [R, K] tensor, each
+// expert's segment padded to 128 rows, the experts' weights and gradients stacked [G * N, K].
+//   Fprop  y [R, N] = x (1x128) * W[g]^T (128x128), g = row_group[r]
+//   Dgrad  dx [R, K] (+)= dy (1x128) * (W[g]^T)^T: the stacked W[g]^T [G * K, N], 128x128
+//   Wgrad  dW[g] += dy^T x over g's segment: dy^T [N, R] quantized along tokens, x^T [K, R]
+//          requantized from the cached 1x128 tiles (the report's path), segments from offsets.
+// The same numbers as one Linear per expert on that expert's rows: 1x128 tiles are per row,
+// 128x128 blocks never span two experts (N, K % 128 == 0), and 128-token Wgrad blocks never span
+// two segments.
+#include "model_internal.hpp"
+
+namespace fp8moe::model {
+
+namespace {
+
+GemmOptions options(Ctx& c, bool accumulate) {
+  GemmOptions o;
+  o.accumulate = accumulate;
+  o.accum = c.recipe.accum;
+  return o;
+}
+
+// The G stacked matrices whose first is p (model.cpp allocates routed experts' matrices so).
+TensorView stacked(const Tensor& first, int64_t groups) {
+  TensorView v = first.view();
+  v.shape[0] *= groups;
+  return v;
+}
+
+}  // namespace
+
+void check_stacked(const std::vector<Parameter*>& per_expert) {
+  const int64_t groups = int64_t(per_expert.size());
+  const TensorView w0 = per_expert[0]->weight.view(), g0 = per_expert[0]->grad.view();
+  const int64_t rows = w0.size(0), cols = w0.size(1), esz = int64_t(dtype_size(w0.dtype));
+  for (int64_t e = 0; e < groups; ++e) {
+    const Parameter& p = *per_expert[size_t(e)];
+    FP8MOE_CHECK(p.weight.view().data == static_cast<char*>(w0.data) + e * rows * cols * esz &&
+                     p.grad.view().data == static_cast<char*>(g0.data) + e * rows * cols * esz,
+                 p.name << ": the routed experts' matrices must be stacked in one tensor (model.cpp)");
+  }
+}
+
+void grouped_linear_forward(Ctx& c, const ExpertGroups& eg, const Cached& x, Parameter& w0, const Tensor& y) {
+  const TensorView W = stacked(w0.weight, eg.groups);  // [G * N, K]
+  QuantizedTensor wq = c.be.empty_quantized(W.size(0), W.size(1), DType::e4m3, ScaleKind::block_128x128);
+  c.be.quantize_128x128(W, wq, c.recipe.scale_mode);
+  c.be.grouped_gemm_fp8_contiguous(x.q, wq, eg.row_group.view(), eg.groups, y.view(), options(c, false));
+}
+
+void grouped_linear_backward_input(Ctx& c, const ExpertGroups& eg, const Tensor& dy, Parameter& w0, const Tensor& dx,
+                                   bool accumulate, ScaleMode dy_mode) {
+  const int64_t G = eg.groups, N = w0.weight.size(0), K = w0.weight.size(1), R = dy.size(0);
+  QuantizedTensor dyq = c.be.empty_quantized(R, N, DType::e4m3, ScaleKind::tile_1x128);
+  c.be.quantize_1x128(dy.view(), dyq, dy_mode);
+  Tensor wt = c.be.empty(w0.weight.dtype(), {G * K, N});  // W[g]^T stacked
+  const TensorView W = stacked(w0.weight, G);
+  for (int64_t g = 0; g < G; ++g) c.be.transpose(rows_view(W, g * N, N), rows_view(wt.view(), g * K, K));
+  QuantizedTensor wtq = c.be.empty_quantized(G * K, N, DType::e4m3, ScaleKind::block_128x128);
+  c.be.quantize_128x128(wt.view(), wtq, c.recipe.scale_mode);
+  c.be.grouped_gemm_fp8_contiguous(dyq, wtq, eg.row_group.view(), G, dx.view(), options(c, accumulate));
+}
+
+void grouped_linear_backward_weight(Ctx& c, const ExpertGroups& eg, const Cached& x, const Tensor& dy, Parameter& w0,
+                                    ScaleMode dy_mode) {
+  const int64_t N = w0.weight.size(0), K = w0.weight.size(1), R = dy.size(0);
+  QuantizedTensor a = c.be.empty_quantized(N, R, DType::e4m3, ScaleKind::tile_1x128);  // dy^T along tokens
+  c.be.quantize_128x1(dy.view(), a, dy_mode);
+  QuantizedTensor b = c.be.empty_quantized(K, R, DType::e4m3, ScaleKind::tile_1x128);  // x^T along tokens
+  c.be.requantize_128x1(x.q, b, c.recipe.scale_mode);
+  c.be.grouped_wgrad_fp8(a, b, eg.offsets.view(), stacked(w0.grad, eg.groups), options(c, true));
+}
+
+}  // namespace fp8moe::model
