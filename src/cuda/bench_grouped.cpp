@@ -9,7 +9,8 @@
 //               tokens as above), D f32 accumulated.
 // TFLOPS count the real rows (tokens), not the padding. The cuBLASLt loop runs each expert's
 // 128-aligned slice from its own tensors (cuBLASLt takes no strided scale views), all GEMMs
-// queued back to back and timed as a whole. Timing as in bench.cpp: L2 flushed before every timed
+// queued back to back and timed as a whole. The dense kernel on the same rows (one expert's
+// weights; wgrad: all tokens into one dW) shows what the grouping costs. Timing as in bench.cpp: L2 flushed before every timed
 // run, median of `iters`. Correctness: sampled rows of 4 groups against FP64 host references
 // (calc_diff vs the unquantized BF16 inputs, kerr vs the dequantized FP8 inputs, the latter rounded
 // to bf16 for bf16 D), padding rows must be zero; vs_lt: calc_diff ours vs the cuBLASLt loop on
@@ -140,8 +141,7 @@ std::vector<float> host_e4m3_rows(const void* dev, int64_t row0, int64_t rows, i
   return f;
 }
 
-// The 4 groups checked (first, two inner, last) and `per_group` rows spread over each segment
-// [offsets[g], offsets[g + 1]) (its padding rows included).
+// The groups whose rows are checked: the first, two inner ones and the last.
 std::vector<int64_t> checked_groups(int64_t G) {
   std::vector<int64_t> v{0, G / 3, (2 * G) / 3, G - 1};
   std::sort(v.begin(), v.end());
@@ -154,8 +154,9 @@ struct Check {
   bool zeros_ok = true;  // padding rows / rows past a count exactly zero
 };
 
-// m-grouped (contiguous, masked): rows of D [*, N] (bf16, `ours`) against A [*, K] * B[g]^T of
-// the checked groups; rows past counts[g] inside a segment must be zero.
+// m-grouped (contiguous, masked): check_rows / 4 rows spread over each checked group's segment
+// (padding rows included) of D [*, N] (bf16, `ours`) against A [*, K] * B[g]^T; rows past counts[g]
+// must be zero.
 Check check_m_grouped(const Segments& s, const std::vector<double>& ours, const DeviceBuffer& a16,
                       const DeviceQuantized& aq, const DeviceBuffer& b16, const DeviceQuantized& bq, int64_t N,
                       int64_t K, int check_rows) {
@@ -201,8 +202,8 @@ Check check_m_grouped(const Segments& s, const std::vector<double>& ours, const 
   return c;
 }
 
-// wgrad: rows n of dW[g] [N, K] (f32, `ours`) for the checked groups against the sum over the
-// segment's tokens of dY[t, n] X[t, k]; dy16 [R, N], x16 [R, K] token-major, dyq [N, R], xq [K, R].
+// wgrad: check_rows / 4 rows n of dW[g] [N, K] (f32, `ours`) per checked group against the sum over
+// the segment's tokens of dY[t, n] X[t, k]; dy16 [R, N], x16 [R, K] token-major, dyq [N, R], xq [K, R].
 Check check_wgrad(const Segments& s, const std::vector<double>& ours, const DeviceBuffer& dy16, const DeviceBuffer& x16,
                   const DeviceQuantized& dyq, const DeviceQuantized& xq, int64_t N, int64_t K, int check_rows) {
   const int64_t R = s.rows(), ldn = dyq.view.scales.size(1), ldk = xq.view.scales.size(1);
@@ -212,32 +213,41 @@ Check check_wgrad(const Segments& s, const std::vector<double>& ours, const Devi
   const int per_group = std::max(1, check_rows / 4);
   for (int64_t g : checked_groups(int64_t(s.counts.size()))) {
     const int64_t t0 = s.offsets[size_t(g)], T = s.offsets[size_t(g) + 1] - t0;
-    // X of the segment: bf16 rows [t0, t0 + T) and the e4m3 columns of x_t [K, R].
+    // X of the segment, token-major [T, K]: the bf16 values and the e4m3 values of x_t [K, R].
     const std::vector<float> xu = host_bf16_rows(x16.p, t0, T, K);
     std::vector<uint8_t> xqh(size_t(K * T));
     FP8MOE_CUDA_CHECK(cudaMemcpy2D(xqh.data(), size_t(T), static_cast<const char*>(xq.values.p) + t0, size_t(R),
                                    size_t(T), size_t(K), cudaMemcpyDeviceToHost));
+    std::vector<float> xd(size_t(T * K));
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t t = 0; t < T; ++t) xd[size_t(t * K + k)] = e4m3_decode(xqh[size_t(k * T + t)]);
     for (int i = 0; i < per_group; ++i) {
       const int64_t n = per_group == 1 ? 0 : int64_t(i) * (N - 1) / (per_group - 1);
       std::vector<uint16_t> dyc(static_cast<size_t>(T));  // dY[t0 .. t0 + T, n]
       FP8MOE_CUDA_CHECK(cudaMemcpy2D(dyc.data(), 2, static_cast<const char*>(dy16.p) + (t0 * N + n) * 2, size_t(N) * 2, 2,
                                      size_t(T), cudaMemcpyDeviceToHost));
       const std::vector<float> dyd = host_e4m3_rows(static_cast<const char*>(dyq.values.p) + n * R + t0, 0, 1, T);
-      std::vector<double> u(static_cast<size_t>(K)), d(static_cast<size_t>(K));
-#pragma omp parallel for schedule(static)
-      for (int64_t k = 0; k < K; ++k) {
-        double su = 0, sd = 0;
+      std::vector<double> u(static_cast<size_t>(K), 0.0), d(static_cast<size_t>(K), 0.0);
+      // Chunks of 256 columns k, the tokens streamed in order (rows of xu / xd).
+      constexpr int64_t kChunk = 256;
+#pragma omp parallel for schedule(dynamic, 1)
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+        const int64_t k1 = std::min(K, k0 + kChunk);
+        double gd[kChunk];
         for (int64_t tb = 0; tb < T / 128; ++tb) {
-          double gd = 0;
+          std::fill(gd, gd + kChunk, 0.0);
           for (int64_t t = tb * 128; t < (tb + 1) * 128; ++t) {
-            su += double(bf16_bits_to_float(dyc[size_t(t)])) * double(xu[size_t(t * K + k)]);
-            gd += double(dyd[size_t(t)]) * double(e4m3_decode(xqh[size_t(k * T + t)]));
+            const double au = bf16_bits_to_float(dyc[size_t(t)]), ad = dyd[size_t(t)];
+            for (int64_t k = k0; k < k1; ++k) {
+              u[size_t(k)] += au * double(xu[size_t(t * K + k)]);
+              gd[k - k0] += ad * double(xd[size_t(t * K + k)]);
+            }
           }
           const int64_t blk = t0 / 128 + tb;
-          sd += gd * double(sdy[size_t(blk * ldn + n)]) * double(sx[size_t(blk * ldk + k)]);
+          const double s_dy = sdy[size_t(blk * ldn + n)];
+          for (int64_t k = k0; k < k1; ++k) d[size_t(k)] += gd[k - k0] * s_dy * double(sx[size_t(blk * ldk + k)]);
         }
-        u[size_t(k)] = su;
-        d[size_t(k)] = sd;
       }
       for (int64_t k = 0; k < K; ++k) got.push_back(ours[size_t((g * N + n) * K + k)]);
       ref_unq.insert(ref_unq.end(), u.begin(), u.end());
@@ -251,8 +261,9 @@ Check check_wgrad(const Segments& s, const std::vector<double>& ours, const Devi
 }
 
 // One case's operands and launches: ours (optionally with a forced tile), the cuBLASLt loop, the
-// contiguous kernel on the masked case's rows, and the correctness check of ours' D. The launches
-// refer to the Problem itself: it is filled in place and never moved.
+// dense kernel on the same rows (the grouping's cost), the contiguous kernel on the masked case's
+// rows, and the correctness check of ours' D. The launches refer to the Problem itself: it is
+// filled in place and never moved.
 struct Problem {
   Segments seg;
   int64_t d_rows = 0, d_cols = 0;
@@ -263,6 +274,7 @@ struct Problem {
   std::unique_ptr<DeviceBuffer> d_ours, d_lt, d_alt;
   std::function<void(const GemmTile*, void*)> ours;        // ours into the given D
   std::function<void()> lt;                                 // the cuBLASLt loop into d_lt
+  std::function<void()> dense;                              // the dense kernel on all rows into d_alt
   std::function<void()> contiguous;                         // masked only: the contiguous kernel into d_alt
   std::function<Check(const std::vector<double>&)> check;  // ours' D (as doubles) -> check
   size_t d_bytes() const { return size_t(d_rows * d_cols) * (d_f32 ? 4 : 2); }
@@ -325,6 +337,9 @@ void make_m_grouped(Problem& p, const GroupedCase& gc, std::mt19937_64& rng, uin
       grouped_gemm_fp8_contiguous_cuda(a, b, rg, G, dview(d, DType::bf16, R, N), false, nullptr, t);
     };
   }
+  // Dense: all rows against expert 0's weights.
+  const QuantizedView b0 = expert_weights(bq, 0, N, K);
+  p.dense = [=, &p] { gemm_fp8_sm90(a, b0, dview(p.d_alt->p, DType::bf16, R, N), false, nullptr); };
   std::vector<std::pair<QuantizedView, QuantizedView>> per_expert;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t r0 = p.seg.offsets[size_t(g)], rows = p.seg.offsets[size_t(g) + 1] - r0;
@@ -365,6 +380,8 @@ void make_wgrad(Problem& p, const GroupedCase& gc, std::mt19937_64& rng, uint64_
   p.ours = [=](const GemmTile* t, void* d) {
     grouped_wgrad_fp8_cuda(dy, x, off, dview(d, DType::f32, G * N, K), true, nullptr, t);
   };
+  // Dense: all tokens into one dW.
+  p.dense = [=, &p] { gemm_fp8_sm90(dy, x, dview(p.d_alt->p, DType::f32, N, K), true, nullptr); };
   // Per-expert dY_g^T [N, T_g] and X_g^T [K, T_g], quantized along the segment's tokens.
   std::vector<std::pair<QuantizedView, QuantizedView>> per_expert;
   for (int64_t g = 0; g < G; ++g) {
@@ -403,12 +420,13 @@ int run_grouped_bench(const GroupedBenchOptions& opt) {
               prop.multiProcessorCount, (unsigned long long)seed, opt.iters, opt.warmup);
   std::printf("# contiguous / masked: A 1x128 x B[g] 128x128 -> bf16; wgrad: dY^T 1x128 x X^T 1x128 -> f32, D += ...; "
               "M/group: mean rows (x U(0.7, 1.3)) or M_max (masked, all rows valid); rows: real rows (tokens)\n");
-  std::printf("# cuBLASLt loop: one block-scaled FP8 GEMM per expert; contig us: the contiguous kernel on the masked "
-              "case's rows; calc_diff / kerr: sampled rows vs FP64 (unquantized / dequantized inputs); vs_lt: calc_diff "
-              "ours vs the cuBLASLt loop\n");
+  std::printf("# cuBLASLt loop: one block-scaled FP8 GEMM per expert; dense us: our dense kernel on the same rows (one "
+              "expert's weights; wgrad: all tokens into one dW); contig us: the contiguous kernel on the masked case's "
+              "rows; calc_diff / kerr: sampled rows vs FP64 (unquantized / dequantized inputs); vs_lt: calc_diff ours vs "
+              "the cuBLASLt loop\n");
   std::printf("| kind | G | M/group | rows | N | K | tile | ours us | ours TFLOPS | cuBLASLt-loop TFLOPS | ours/cuBLASLt | "
-              "contig us | masked/contig | calc_diff | kerr | vs_lt |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+              "dense us | contig us | masked/contig | calc_diff | kerr | vs_lt |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);
 
   Timer timer;
@@ -441,10 +459,11 @@ int run_grouped_bench(const GroupedBenchOptions& opt) {
     };
 
     std::string err_ours, err_lt;
-    double t_ours = NAN, t_lt = NAN, t_contig = NAN;
+    double t_ours = NAN, t_lt = NAN, t_contig = NAN, t_dense = NAN;
     try {
       t_ours = timer.median_us([&] { p.ours(nullptr, p.d_ours->p); }, opt.warmup, opt.iters);
       if (p.contiguous) t_contig = timer.median_us(p.contiguous, opt.warmup, opt.iters);
+      t_dense = timer.median_us(p.dense, opt.warmup, opt.iters);
     } catch (const std::exception& e) {
       err_ours = e.what();
     }
@@ -508,10 +527,10 @@ int run_grouped_bench(const GroupedBenchOptions& opt) {
       std::snprintf(contig_s, sizeof contig_s, "%.1f", t_contig);
       std::snprintf(mratio_s, sizeof mratio_s, "%.3f", mratio);
     }
-    std::printf("| %s | %lld | %lld | %lld | %lld | %lld | %s | %.1f | %.0f | %.0f | %.3f | %s | %s | %.2e | %.2e | %.2e |%s\n",
+    std::printf("| %s | %lld | %lld | %lld | %lld | %lld | %s | %.1f | %.0f | %.0f | %.3f | %.1f | %s | %s | %.2e | %.2e | %.2e |%s\n",
                 kind_name(gc.kind), (long long)gc.G, (long long)gc.M, (long long)p.seg.real_rows(), (long long)gc.N,
-                (long long)gc.K, tile_name(tile).c_str(), t_ours, tf(t_ours), tf(t_lt), ratio, contig_s, mratio_s, c.cd,
-                c.kerr, vs_lt, ok ? "" : " FAIL");
+                (long long)gc.K, tile_name(tile).c_str(), t_ours, tf(t_ours), tf(t_lt), ratio, t_dense, contig_s, mratio_s,
+                c.cd, c.kerr, vs_lt, ok ? "" : " FAIL");
     for (const std::string& r : extra_rows) std::printf("%s\n", r.c_str());
     if (!c.zeros_ok) std::printf("#   padding rows of D not zero\n");
     if (!err_ours.empty()) std::printf("#   ours: %s\n", err_ours.c_str());
