@@ -4,6 +4,14 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
 #include "cuda_check.hpp"
 #include "kernel_api.hpp"
 #include "device_checks.hpp"
@@ -23,8 +31,64 @@ bool cuda_device_available() {
 
 namespace {
 
+// FP8MOE_PROFILE_OPS=1: every op synchronizes the device before and after itself and adds the
+// wall time to a per-op table, printed (sorted by total time) when the backend is destroyed. The
+// times are exact per op, the synchronizations make the whole run slower.
+class OpTimes {
+ public:
+  static OpTimes& get() {
+    static OpTimes t;
+    return t;
+  }
+  bool enabled() const { return enabled_; }
+  void add(const char* op, double s) {
+    auto& e = table_[op];
+    ++e.first;
+    e.second += s;
+  }
+  void print() const {
+    if (!enabled_ || table_.empty()) return;
+    std::vector<std::pair<std::string, std::pair<int64_t, double>>> rows(table_.begin(), table_.end());
+    std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.second > b.second.second; });
+    double total = 0;
+    for (const auto& r : rows) total += r.second.second;
+    std::fprintf(stderr, "# cuda backend op times (FP8MOE_PROFILE_OPS): total %.3f s\n%-28s %10s %12s %8s\n", total, "op",
+                 "calls", "ms", "share");
+    for (const auto& r : rows)
+      std::fprintf(stderr, "%-28s %10lld %12.2f %7.1f%%\n", r.first.c_str(), (long long)r.second.first,
+                   r.second.second * 1e3, 100.0 * r.second.second / total);
+  }
+
+ private:
+  OpTimes() : enabled_(std::getenv("FP8MOE_PROFILE_OPS") != nullptr) {}
+  bool enabled_;
+  std::map<std::string, std::pair<int64_t, double>> table_;
+};
+
+class TimedOp {
+ public:
+  explicit TimedOp(const char* op) : op_(OpTimes::get().enabled() ? op : nullptr) {
+    if (!op_) return;
+    FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    t0_ = std::chrono::steady_clock::now();
+  }
+  ~TimedOp() {
+    if (!op_) return;
+    (void)cudaDeviceSynchronize();
+    OpTimes::get().add(op_, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count());
+  }
+  TimedOp(const TimedOp&) = delete;
+  TimedOp& operator=(const TimedOp&) = delete;
+
+ private:
+  const char* op_;
+  std::chrono::steady_clock::time_point t0_;
+};
+#define FP8MOE_TIMED_OP(op) const TimedOp timed_op_(op)
+
 class CudaBackend final : public Backend {
  public:
+  ~CudaBackend() override { OpTimes::get().print(); }
   explicit CudaBackend(bool gemm_via_cublaslt) : cublaslt_(gemm_via_cublaslt) {
     FP8MOE_CUDA_CHECK(cudaFree(nullptr));  // create the context now, not inside the first timed call
     // Tensors come from the device's default memory pool, stream-ordered on the legacy stream
@@ -42,6 +106,7 @@ class CudaBackend final : public Backend {
   bool supports(Op) const override { return true; }
 
   Tensor empty(DType dtype, std::initializer_list<int64_t> shape) override {
+    FP8MOE_TIMED_OP("empty");
     int64_t n = 1;
     for (int64_t s : shape) {
       FP8MOE_CHECK(s >= 0, "empty: negative dimension " << s);
@@ -64,6 +129,7 @@ class CudaBackend final : public Backend {
   }
 
   void copy(const TensorView& dst, const TensorView& src) override {
+    FP8MOE_TIMED_OP("copy");
     FP8MOE_CHECK(dst.nbytes() == src.nbytes() && dst.dtype == src.dtype,
                  "copy: dst " << dst.str() << " and src " << src.str() << " differ in dtype or size");
     FP8MOE_CHECK(dst.is_contiguous() && src.is_contiguous(), "copy: dst and src must be contiguous");
@@ -72,6 +138,7 @@ class CudaBackend final : public Backend {
   }
 
   void synchronize() override {
+    FP8MOE_TIMED_OP("synchronize");
     FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
     cuda::raise_deferred_checks();
   }
@@ -87,24 +154,30 @@ class CudaBackend final : public Backend {
   }
 
   void quantize_1x128(const TensorView& x, const QuantizedView& out, ScaleMode mode) override {
+    FP8MOE_TIMED_OP("quantize_1x128");
     if (out.values.dtype == DType::e5m6) return cuda::quantize_1x128_e5m6_cuda(x, out, mode, nullptr);
     cuda::quantize_1x128_cuda(x, out, mode, nullptr, /*check_finite=*/true);
   }
   void quantize_128x128(const TensorView& w, const QuantizedView& out, ScaleMode mode) override {
+    FP8MOE_TIMED_OP("quantize_128x128");
     cuda::quantize_128x128_cuda(w, out, mode, nullptr, true);
   }
   void quantize_128x1(const TensorView& x, const QuantizedView& out, ScaleMode mode) override {
+    FP8MOE_TIMED_OP("quantize_128x1");
     cuda::quantize_128x1_cuda(x, out, mode, nullptr, true);
   }
   void requantize_128x1(const QuantizedView& in, const QuantizedView& out, ScaleMode mode) override {
+    FP8MOE_TIMED_OP("requantize_128x1");
     cuda::requantize_128x1_cuda(in, out, mode, nullptr);
   }
   void dequantize(const QuantizedView& in, const TensorView& out) override {
+    FP8MOE_TIMED_OP("dequantize");
     if (in.values.dtype == DType::e5m6) return cuda::dequantize_e5m6_cuda(in, out, nullptr);
     cuda::dequantize_cuda(in, out, nullptr);
   }
 
   void gemm_fp8(const QuantizedView& a, const QuantizedView& b, const TensorView& d, const GemmOptions& opt) override {
+    FP8MOE_TIMED_OP("gemm_fp8");
     // The hardware accumulates each 128-wide K block in the Tensor Cores and promotes to FP32:
     // AccumMode::fp32 (ideal promotion) up to Tensor Core rounding inside a block, and exactly the
     // tensor_core emulation's N_c = 128. Other accumulation settings exist only in the emulation.
@@ -120,113 +193,142 @@ class CudaBackend final : public Backend {
   }
 
   void gemm_bf16(const TensorView& a, const TensorView& b, const TensorView& d, bool accumulate) override {
+    FP8MOE_TIMED_OP("gemm_bf16");
     cuda::gemm_bf16_cublaslt(a, b, d, accumulate, nullptr);
   }
 
   // ---- Model ops: src/cuda/model_ops_*.cu (the CPU ops are their specification).
   void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b,
             bool accumulate) override {
+    FP8MOE_TIMED_OP("gemm");
     cuda::cuda_gemm(a, b, d, trans_a, trans_b, accumulate);
   }
-  void convert(const TensorView& src, const TensorView& dst) override { cuda::cuda_convert(src, dst); }
+  void convert(const TensorView& src, const TensorView& dst) override {
+    FP8MOE_TIMED_OP("convert"); cuda::cuda_convert(src, dst); }
   void axpy(double alpha, const TensorView& x, double beta, const TensorView& y) override {
+    FP8MOE_TIMED_OP("axpy");
     cuda::cuda_axpy(alpha, x, beta, y);
   }
   void copy_cols(const TensorView& src, int64_t src_col, const TensorView& dst, int64_t dst_col, int64_t ncols,
                  bool accumulate) override {
+    FP8MOE_TIMED_OP("copy_cols");
     cuda::cuda_copy_cols(src, src_col, dst, dst_col, ncols, accumulate);
   }
-  void transpose(const TensorView& src, const TensorView& dst) override { cuda::cuda_transpose(src, dst); }
+  void transpose(const TensorView& src, const TensorView& dst) override {
+    FP8MOE_TIMED_OP("transpose"); cuda::cuda_transpose(src, dst); }
   void embedding_forward(const TensorView& ids, const TensorView& table, const TensorView& out) override {
+    FP8MOE_TIMED_OP("embedding_forward");
     cuda::cuda_embedding_forward(ids, table, out);
   }
   void embedding_backward(const TensorView& ids, const TensorView& dout, const TensorView& dtable) override {
+    FP8MOE_TIMED_OP("embedding_backward");
     cuda::cuda_embedding_backward(ids, dout, dtable);
   }
   void rmsnorm_forward(const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd,
                        double eps) override {
+    FP8MOE_TIMED_OP("rmsnorm_forward");
     cuda::cuda_rmsnorm_forward(x, w, y, rstd, eps);
   }
   void rmsnorm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd, const TensorView& dy,
                         const TensorView& dx, const TensorView& dw, bool accumulate_dx) override {
+    FP8MOE_TIMED_OP("rmsnorm_backward");
     cuda::cuda_rmsnorm_backward(x, w, rstd, dy, dx, dw, accumulate_dx);
   }
   void rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& positions, double theta,
             bool inverse) override {
+    FP8MOE_TIMED_OP("rope");
     cuda::cuda_rope(x, col0, rot, positions, theta, inverse);
   }
   void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                          const TensorView& lse, int64_t seq_len, double scale) override {
+    FP8MOE_TIMED_OP("attention_forward");
     cuda::cuda_attention_forward(q, k, v, out, lse, seq_len, scale);
   }
   void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                           const TensorView& lse, const TensorView& dout, const TensorView& dq, const TensorView& dk,
                           const TensorView& dv, int64_t seq_len, double scale) override {
+    FP8MOE_TIMED_OP("attention_backward");
     cuda::cuda_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, seq_len, scale);
   }
   void swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out) override {
+    FP8MOE_TIMED_OP("swiglu_forward");
     cuda::cuda_swiglu_forward(gate, up, out);
   }
   void swiglu_backward(const TensorView& gate, const TensorView& up, const TensorView& dout, const TensorView& dgate,
                        const TensorView& dup) override {
+    FP8MOE_TIMED_OP("swiglu_backward");
     cuda::cuda_swiglu_backward(gate, up, dout, dgate, dup);
   }
   void cross_entropy(const TensorView& logits, const TensorView& targets, const TensorView& losses,
                      const TensorView& dlogits, double grad_scale) override {
+    FP8MOE_TIMED_OP("cross_entropy");
     cuda::cuda_cross_entropy(logits, targets, losses, dlogits, grad_scale);
   }
   void moe_route(const TensorView& logits, const TensorView& bias, const TensorView& scores, const TensorView& idx,
                  const TensorView& weights, int64_t n_group, int64_t topk_group, bool norm, double scaling) override {
+    FP8MOE_TIMED_OP("moe_route");
     cuda::cuda_moe_route(logits, bias, scores, idx, weights, n_group, topk_group, norm, scaling);
   }
   void moe_route_backward(const TensorView& scores, const TensorView& idx, const TensorView& dweights,
                           const TensorView& dscores, const TensorView& dlogits, bool norm, double scaling) override {
+    FP8MOE_TIMED_OP("moe_route_backward");
     cuda::cuda_moe_route_backward(scores, idx, dweights, dscores, dlogits, norm, scaling);
   }
   void gather_rows(const TensorView& src, const TensorView& idx, const TensorView& w, const TensorView& dst) override {
+    FP8MOE_TIMED_OP("gather_rows");
     cuda::cuda_gather_rows(src, idx, w, dst);
   }
   void scatter_add_rows(const TensorView& src, const TensorView& idx, const TensorView& w,
                         const TensorView& dst) override {
+    FP8MOE_TIMED_OP("scatter_add_rows");
     cuda::cuda_scatter_add_rows(src, idx, w, dst);
   }
   void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out) override {
+    FP8MOE_TIMED_OP("rows_dot");
     cuda::cuda_rows_dot(a, b, out);
   }
 
   // ---- MoE dispatch and grouped GEMMs: src/cuda/moe_dispatch.cu, grouped_gemm.cu.
   void moe_layout(const TensorView& expert_ids, int64_t align, const TensorView& row_slot, const TensorView& row_group,
                   const TensorView& slot_row, const TensorView& offsets) override {
+    FP8MOE_TIMED_OP("moe_layout");
     cuda::moe_layout_cuda(expert_ids, align, row_slot, row_group, slot_row, offsets, nullptr);
   }
   void moe_permute(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
                    const TensorView& out) override {
+    FP8MOE_TIMED_OP("moe_permute");
     cuda::moe_permute_cuda(x, row_slot, topk, w, out, nullptr);
   }
   void moe_permute_quantize(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
                             const QuantizedView& out, ScaleMode mode) override {
+    FP8MOE_TIMED_OP("moe_permute_quantize");
     cuda::moe_permute_quantize_cuda(x, row_slot, topk, w, out, mode, nullptr);
   }
   void moe_combine(const TensorView& y, const TensorView& slot_row, const TensorView& w, const TensorView& out,
                    bool accumulate) override {
+    FP8MOE_TIMED_OP("moe_combine");
     cuda::moe_combine_cuda(y, slot_row, w, out, accumulate, nullptr);
   }
   void moe_combine_weight_grad(const TensorView& v, const TensorView& slot_row, const TensorView& w,
                                const TensorView& dw) override {
+    FP8MOE_TIMED_OP("moe_combine_weight_grad");
     cuda::moe_combine_weight_grad_cuda(v, slot_row, w, dw, nullptr);
   }
   void grouped_gemm_fp8_contiguous(const QuantizedView& a, const QuantizedView& b, const TensorView& row_group,
                                    int64_t groups, const TensorView& d, const GemmOptions& opt) override {
+    FP8MOE_TIMED_OP("grouped_gemm_fp8_contiguous");
     check_promotion("grouped_gemm_fp8_contiguous", opt);
     cuda::grouped_gemm_fp8_contiguous_cuda(a, b, row_group, groups, d, opt.accumulate, nullptr);
   }
   void grouped_gemm_fp8_masked(const QuantizedView& a, const QuantizedView& b, const TensorView& counts,
                                int64_t groups, const TensorView& d, const GemmOptions& opt) override {
+    FP8MOE_TIMED_OP("grouped_gemm_fp8_masked");
     check_promotion("grouped_gemm_fp8_masked", opt);
     cuda::grouped_gemm_fp8_masked_cuda(a, b, counts, groups, d, opt.accumulate, nullptr);
   }
   void grouped_wgrad_fp8(const QuantizedView& dy_t, const QuantizedView& x_t, const TensorView& offsets,
                          const TensorView& d, const GemmOptions& opt) override {
+    FP8MOE_TIMED_OP("grouped_wgrad_fp8");
     check_promotion("grouped_wgrad_fp8", opt);
     cuda::grouped_wgrad_fp8_cuda(dy_t, x_t, offsets, d, opt.accumulate, nullptr);
   }
@@ -234,10 +336,13 @@ class CudaBackend final : public Backend {
   // ---- Optimizer ops.
   void adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
                   const AdamWStep& p) override {
+    FP8MOE_TIMED_OP("adamw_step");
     cuda::cuda_adamw_step(w, g, m, v, p);
   }
-  double sum_squares(const TensorView& x) override { return cuda::cuda_sum_squares({x}); }
-  double sum_squares_all(const std::vector<TensorView>& xs) override { return cuda::cuda_sum_squares(xs); }
+  double sum_squares(const TensorView& x) override {
+    FP8MOE_TIMED_OP("sum_squares"); return cuda::cuda_sum_squares({x}); }
+  double sum_squares_all(const std::vector<TensorView>& xs) override {
+    FP8MOE_TIMED_OP("sum_squares_all"); return cuda::cuda_sum_squares(xs); }
 
  private:
   void check_promotion(const char* op, const GemmOptions& opt) const {
