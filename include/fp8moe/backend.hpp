@@ -82,6 +82,15 @@ class Backend {
   // -1 where the backend cannot tell (the CPU: its tensors are host memory).
   virtual int64_t device_memory_in_use() const { return -1; }
   QuantizedTensor empty_quantized(int64_t rows, int64_t cols, DType dtype, ScaleKind kind);
+  // Asynchronous device-to-host snapshots (the parameter EMA): host memory the device copies into
+  // without staging (page-locked on a GPU), a copy ordered after the work queued so far that
+  // returns at once, a fence that makes work queued later wait for those copies on the device
+  // (before the weights are overwritten), and a host wait for them (any thread). On the CPU they
+  // are a plain tensor, a copy, and no-ops.
+  virtual Tensor empty_host(DType dtype, std::initializer_list<int64_t> shape) { return Tensor::host(dtype, shape); }
+  virtual void copy_to_host_async(const TensorView& dst, const TensorView& src) { copy(dst, src); }
+  virtual void fence_copies() {}
+  virtual void wait_copies() {}
   // A host copy of `t` (or `t` itself when it is already on the host).
   Tensor to_host(const Tensor& t);
 

@@ -1,23 +1,23 @@
 // Exponential moving average of the parameters kept in CPU memory (report §3.2.3): after each step
-// the current weights are copied into a host staging buffer and a background thread folds them
-// into the average, so the update costs the training loop one copy and no device memory.
+// the current weights are copied asynchronously (Backend::copy_to_host_async) into page-locked host
+// staging and a background thread folds them into the average once they have arrived, so the
+// update costs the training loop neither device memory nor waiting: the copies overlap the next
+// step's forward and backward, and only its optimizer waits for them (fence()).
 #pragma once
 #include <condition_variable>
-#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#include "fp8moe/backend.hpp"
 #include "fp8moe/optimizer.hpp"
 
 namespace fp8moe {
 
 class ParameterEma {
  public:
-  // `copy_to_host(dst, src)` copies a parameter (on any device) into host memory; the default is
-  // memcpy for host parameters.
-  using CopyFn = std::function<void(const TensorView& dst, const TensorView& src)>;
-  ParameterEma(const std::vector<ParamRef>& params, float decay, CopyFn copy_to_host = {});
+  // The parameters live on `backend`'s device.
+  ParameterEma(const std::vector<ParamRef>& params, float decay, Backend& backend);
   ~ParameterEma();
   ParameterEma(const ParameterEma&) = delete;
   ParameterEma& operator=(const ParameterEma&) = delete;
@@ -27,6 +27,9 @@ class ParameterEma {
   void update_async();
   // Blocks until the average includes every snapshot taken.
   void wait();
+  // Device work queued after this (the optimizer's update of the weights) waits for the snapshot's
+  // copies; no host wait.
+  void fence() { backend_.fence_copies(); }
   // The averaged weights, parallel to the parameters given at construction ([same shape] f32).
   // Call wait() first.
   const std::vector<Tensor>& averages() const { return ema_; }
@@ -39,7 +42,7 @@ class ParameterEma {
   void worker();
   std::vector<ParamRef> params_;
   float decay_;
-  CopyFn copy_;
+  Backend& backend_;
   std::vector<Tensor> ema_, staging_;
   int64_t updates_ = 0;
   std::mutex mu_;

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -135,6 +136,45 @@ class CudaBackend final : public Backend {
     FP8MOE_CHECK(dst.is_contiguous() && src.is_contiguous(), "copy: dst and src must be contiguous");
     if (src.nbytes() == 0) return;
     FP8MOE_CUDA_CHECK(cudaMemcpy(dst.data, src.data, src.nbytes(), cudaMemcpyDefault));
+  }
+
+  Tensor empty_host(DType dtype, std::initializer_list<int64_t> shape) override {
+    FP8MOE_TIMED_OP("empty_host");
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    const size_t bytes = size_t(n) * dtype_size(dtype);
+    void* p = nullptr;
+    if (bytes > 0) {
+      FP8MOE_CUDA_CHECK(cudaMallocHost(&p, bytes));
+      std::memset(p, 0, bytes);
+    }
+    std::shared_ptr<void> storage(p, [](void* q) {
+      if (q) (void)cudaFreeHost(q);
+    });
+    return Tensor(std::move(storage), dtype, shape, Device::cpu);
+  }
+  void copy_to_host_async(const TensorView& dst, const TensorView& src) override {
+    FP8MOE_TIMED_OP("copy_to_host_async");
+    FP8MOE_CHECK(dst.device == Device::cpu && src.device == Device::cuda && dst.nbytes() == src.nbytes() &&
+                     dst.dtype == src.dtype && dst.is_contiguous() && src.is_contiguous(),
+                 "copy_to_host_async: dst " << dst.str() << " (host) and src " << src.str()
+                                            << " (device) must be contiguous, same dtype and size");
+    if (!copy_stream_) {
+      FP8MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+      FP8MOE_CUDA_CHECK(cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming));
+      FP8MOE_CUDA_CHECK(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming));
+    }
+    // After the work queued so far on the legacy stream, on a stream that blocks nobody.
+    FP8MOE_CUDA_CHECK(cudaEventRecord(queued_, nullptr));
+    FP8MOE_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, queued_, 0));
+    FP8MOE_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.nbytes(), cudaMemcpyDeviceToHost, copy_stream_));
+    FP8MOE_CUDA_CHECK(cudaEventRecord(copied_, copy_stream_));
+  }
+  void fence_copies() override {
+    if (copy_stream_) FP8MOE_CUDA_CHECK(cudaStreamWaitEvent(nullptr, copied_, 0));
+  }
+  void wait_copies() override {
+    if (copy_stream_) FP8MOE_CUDA_CHECK(cudaEventSynchronize(copied_));
   }
 
   void synchronize() override {
@@ -354,6 +394,11 @@ class CudaBackend final : public Backend {
 
   bool cublaslt_;
   cudaMemPool_t pool_ = nullptr;
+  // copy_to_host_async: its stream, and the events "queued work reached" and "copies done".
+  // NOTES: not destroyed: the backend lives until exit, and destroying them in a static
+  // destruction order that outlives the context fails.
+  cudaStream_t copy_stream_ = nullptr;
+  cudaEvent_t queued_ = nullptr, copied_ = nullptr;
 };
 
 }  // namespace

@@ -102,9 +102,9 @@ MemoryAccount predict_memory(const ModelConfig& c, const Recipe& r, int64_t T,
       // Balanced routing unless the observed loads are given.
       const int64_t n = loads ? (*loads)[size_t(moe_index)][size_t(e)] : (T * K) / E + (e < (T * K) % E ? 1 : 0);
       if (n == 0) continue;
-      a.cached("experts.in", n, D, true);
-      a.cached("experts.gate_out", n, c.moe_intermediate_size, false);
-      a.cached("experts.up_out", n, c.moe_intermediate_size, false);
+      a.cached("experts.in", round_up(n, 128), D, true);
+      a.cached("experts.gate_out", round_up(n, 128), c.moe_intermediate_size, false);
+      a.cached("experts.up_out", round_up(n, 128), c.moe_intermediate_size, false);
     }
     ++moe_index;
   }

@@ -63,7 +63,7 @@ class MoeLayer final : public Layer {
     MlpState shared;
     Tensor row_slot, slot_row;   // [R], [T, k] i32: the layout
     ExpertGroups groups;         // row_group [R], offsets [E + 1]
-    std::vector<int64_t> start, count;  // host: first row and tokens of each expert
+    std::vector<int64_t> start, count;  // host: first row and rows (tokens, padded to 128) per expert
     MlpState experts;            // grouped: all rows at once
     std::vector<MlpState> expert;  // per expert: its rows
     Tensor dh, dlogits;          // kept from B for W: [T, D], [T, E]
@@ -219,9 +219,14 @@ class MoeLayer final : public Layer {
     if (c_.cfg.aux_loss_alpha > 0) s.scores_h = c_.be.to_host(s.scores);
     s.loads.assign(size_t(E), 0);
     for (int64_t i = 0; i < T * K; ++i) ++s.loads[size_t(s.idx_h.ptr<int32_t>()[i])];
-    s.count = s.loads;
+    // Each expert runs on its whole padded segment: the padding rows are zeros and add nothing,
+    // and GEMM shapes repeat across steps (multiples of 128 rows).
     s.start.assign(size_t(E), 0);
-    for (int64_t e = 1; e < E; ++e) s.start[size_t(e)] = s.start[size_t(e - 1)] + round_up(s.count[size_t(e - 1)], kAlign);
+    s.count.assign(size_t(E), 0);
+    for (int64_t e = 0; e < E; ++e) {
+      s.count[size_t(e)] = round_up(s.loads[size_t(e)], kAlign);
+      if (e > 0) s.start[size_t(e)] = s.start[size_t(e - 1)] + s.count[size_t(e - 1)];
+    }
     const int64_t R = moe_layout_rows(T * K, E, kAlign);
     s.row_slot = c_.be.empty(DType::i32, {R});
     s.slot_row = c_.be.empty(DType::i32, {T, K});

@@ -1,18 +1,24 @@
 // CPU-memory parameter EMA updated on a background thread (include/fp8moe/ema.hpp).
 #include "fp8moe/ema.hpp"
 
-#include <cstring>
 
 namespace fp8moe {
 
-ParameterEma::ParameterEma(const std::vector<ParamRef>& params, float decay, CopyFn copy_to_host)
-    : params_(params), decay_(decay), copy_(std::move(copy_to_host)) {
+namespace {
+
+TensorView flat(const TensorView& t) { return TensorView(t.data, t.dtype, {t.numel()}, t.device); }
+
+}  // namespace
+
+ParameterEma::ParameterEma(const std::vector<ParamRef>& params, float decay, Backend& backend)
+    : params_(params), decay_(decay), backend_(backend) {
   FP8MOE_CHECK(decay > 0 && decay < 1, "ema: decay must be in (0, 1), got " << decay);
-  if (!copy_) copy_ = [](const TensorView& dst, const TensorView& src) { std::memcpy(dst.data, src.data, src.nbytes()); };
   for (auto& p : params_) {
+    FP8MOE_CHECK(p.value.dtype == DType::f32 && p.value.is_contiguous(),
+                 "ema: " << p.name << " must be a contiguous f32 tensor, got " << p.value.str());
     ema_.push_back(Tensor::host_like(p.value));
-    staging_.push_back(Tensor::host_like(p.value));
-    copy_(ema_.back().view(), p.value);  // the average starts at the initial weights
+    staging_.push_back(backend_.empty_host(DType::f32, {p.value.numel()}));  // flat
+    backend_.copy(ema_.back().view(), p.value);  // the average starts at the initial weights
   }
   thread_ = std::thread([this] { worker(); });
 }
@@ -29,7 +35,8 @@ ParameterEma::~ParameterEma() {
 void ParameterEma::update_async() {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return !pending_; });
-  for (size_t i = 0; i < params_.size(); ++i) copy_(staging_[i].view(), params_[i].value);
+  for (size_t i = 0; i < params_.size(); ++i)
+    backend_.copy_to_host_async(staging_[i].view(), flat(params_[i].value));
   pending_ = true;
   cv_.notify_all();
 }
@@ -46,7 +53,8 @@ void ParameterEma::worker() {
     if (!pending_ && stop_) return;
     lock.unlock();
     // NOTES: staging_ is only written by update_async while pending_ is false, so reading it here
-    // without the lock is safe.
+    // without the lock is safe once the copies have landed.
+    backend_.wait_copies();
     for (size_t i = 0; i < ema_.size(); ++i) {
       float* e = ema_[i].ptr<float>();
       const float* s = staging_[i].ptr<const float>();

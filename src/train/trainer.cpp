@@ -104,9 +104,8 @@ struct Trainer::Impl {
     adamw = std::make_unique<AdamW>(*backend, refs, ac);
     std::vector<ParamRef> ema_refs;
     for (Parameter* p : all) ema_refs.push_back({p->name, p->weight.view(), p->grad.view(), false});
-    // The EMA lives in host memory whatever the device: one device-to-host copy per step.
-    ema = std::make_unique<ParameterEma>(ema_refs, opt.ema_decay,
-                                         [this](const TensorView& dst, const TensorView& src) { backend->copy(dst, src); });
+    // The EMA lives in host memory whatever the device: one asynchronous device-to-host copy per step.
+    ema = std::make_unique<ParameterEma>(ema_refs, opt.ema_decay, *backend);
     schedule = {opt.lr, opt.lr * opt.min_lr_ratio, std::max<int64_t>(1, int64_t(opt.warmup_frac * float(opt.steps))), opt.steps};
     fs::create_directories(opt.out_dir);
     ckpt_path = (fs::path(opt.out_dir) / "checkpoint.safetensors").string();
@@ -289,6 +288,7 @@ struct Trainer::Impl {
                            << agg.loss << ", grad norm " << norm << "); first non-finite tensor: " << first_non_finite()
                            << ". Nothing was saved over the last checkpoint.");
       const float lr = schedule.at(step);
+      ema->fence();  // the last snapshot's copies finish before the weights change
       adamw->step(lr, clip_scale(norm, opt.clip));
       if (!loads.empty()) model->update_routing_bias(loads, cfg.bias_update_speed);
       ema->update_async();

@@ -13,6 +13,7 @@
 #include "cuda/model_ops.hpp"
 #include "cuda_test_util.hpp"
 #include "fp8moe/codecs.hpp"
+#include "fp8moe/ema.hpp"
 #include "fp8moe/optimizer.hpp"
 
 namespace fp8moe::testing {
@@ -523,6 +524,33 @@ TEST_F(CudaModelOps, F64IsRejectedByName) {
   expect_error([&] { cuda_swiglu_forward(x, x, x); }, "f64 unsupported on cuda");
   Tensor h = Tensor::host(DType::f32, {4, 8});
   expect_error([&] { cuda_swiglu_forward(h, h, h); }, "device tensor");
+}
+
+// The EMA's snapshots are asynchronous device-to-host copies into page-locked memory: with the
+// fence before each change of the weights, the average equals the sequential one.
+TEST(CudaEma, AsyncSnapshotsMatchSequentialAverage) {
+  FP8MOE_REQUIRE_GPU();
+  auto be = make_backend("cuda");
+  auto rng = make_rng();
+  const int64_t n = 1 << 20;
+  Tensor wh = random_normal(rng, DType::f32, {n});
+  Tensor w = be->empty(DType::f32, {n}), g = be->empty(DType::f32, {n});
+  be->copy(w.view(), wh.view());
+  std::vector<double> ref(to_doubles(wh));
+  ParameterEma ema({{"w", w.view(), g.view(), true}}, 0.9f, *be);
+  std::normal_distribution<float> dist;
+  for (int step = 0; step < 10; ++step) {
+    for (int64_t i = 0; i < n; ++i) wh.ptr<float>()[i] += dist(rng);
+    ema.fence();  // the weights change only after the last snapshot's copies
+    be->copy(w.view(), wh.view());
+    ema.update_async();
+    for (int64_t i = 0; i < n; ++i) ref[size_t(i)] = double(0.9f * float(ref[size_t(i)]) + 0.1f * wh.ptr<float>()[i]);
+  }
+  ema.wait();
+  double worst = 0;
+  for (int64_t i = 0; i < n; ++i) worst = std::max(worst, std::abs(double(ema.averages()[0].ptr<float>()[i]) - ref[size_t(i)]));
+  EXPECT_LT(worst, 1e-5);
+  EXPECT_EQ(ema.updates(), 10);
 }
 
 }  // namespace

@@ -89,7 +89,8 @@ TEST(Ema, BackgroundUpdatesMatchSequentialAverage) {
   Tensor g = Tensor::host(DType::f32, {300});
   std::vector<double> ref(300);
   for (int i = 0; i < 300; ++i) ref[size_t(i)] = w.ptr<float>()[i];
-  ParameterEma ema({{"w", w, g, true}}, 0.9f);
+  auto cpu = make_backend("cpu");
+  ParameterEma ema({{"w", w, g, true}}, 0.9f, *cpu);
   std::normal_distribution<float> dist;
   for (int step = 0; step < 30; ++step) {
     for (int i = 0; i < 300; ++i) w.ptr<float>()[i] += dist(rng);
