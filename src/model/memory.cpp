@@ -2,7 +2,7 @@
 // §3.3.3), from the config and the recipe alone. It lists the same tensors, in the same formats,
 // as the layers' forward records (Saved::kept), so tests can check one against the other; with FP8
 // the cached Linear inputs are padded to 128 tokens (the Wgrad's K) and carry 4-byte scales per 128,
-// and the routed experts' (grouped) cache all rows of the expert-sorted layout, padding included.
+// and the routed experts cache their segments of the expert-sorted layout, each padded to 128 rows.
 #include "model_internal.hpp"
 
 namespace fp8moe {
@@ -91,16 +91,21 @@ MemoryAccount predict_memory(const ModelConfig& c, const Recipe& r, int64_t T,
     a.plain("layout", DType::i32, R);
     a.plain("layout", DType::i32, T * K);
     a.plain("layout", DType::i32, R);
-    if (r.linear == LinearPrecision::fp8 && !r.per_tensor) {  // grouped GEMMs: all R rows at once
-      a.cached("experts.in", R, D, true);
-      a.cached("experts.gate_out", R, c.moe_intermediate_size, false);
-      a.cached("experts.up_out", R, c.moe_intermediate_size, false);
+    // Balanced routing unless the observed loads are given; each expert's segment padded to 128.
+    const auto load = [&](int64_t e) {
+      return loads ? (*loads)[size_t(moe_index)][size_t(e)] : (T * K) / E + (e < (T * K) % E ? 1 : 0);
+    };
+    if (r.linear == LinearPrecision::fp8 && !r.per_tensor) {  // grouped GEMMs: all segments at once
+      int64_t rows = 0;
+      for (int64_t e = 0; e < E; ++e) rows += round_up(load(e), 128);
+      a.cached("experts.in", rows, D, true);
+      a.cached("experts.gate_out", rows, c.moe_intermediate_size, false);
+      a.cached("experts.up_out", rows, c.moe_intermediate_size, false);
       ++moe_index;
       continue;
     }
     for (int64_t e = 0; e < E; ++e) {
-      // Balanced routing unless the observed loads are given.
-      const int64_t n = loads ? (*loads)[size_t(moe_index)][size_t(e)] : (T * K) / E + (e < (T * K) % E ? 1 : 0);
+      const int64_t n = load(e);
       if (n == 0) continue;
       a.cached("experts.in", round_up(n, 128), D, true);
       a.cached("experts.gate_out", round_up(n, 128), c.moe_intermediate_size, false);

@@ -61,7 +61,8 @@ class MoeLayer final : public Layer {
     Tensor scores, idx, w;       // [T, E] act, [T, k] i32, [T, k] act
     Tensor scores_h, idx_h;      // host copies (balance loss)
     MlpState shared;
-    Tensor row_slot, slot_row;   // [R], [T, k] i32: the layout
+    Tensor row_slot, slot_row;   // [R used], [T, k] i32: the layout (row_slot a prefix of the table)
+    std::vector<MemoryItem> layout_kept;  // the layout tables as allocated
     ExpertGroups groups;         // row_group [R], offsets [E + 1]
     std::vector<int64_t> start, count;  // host: first row and rows (tokens, padded to 128) per expert
     MlpState experts;            // grouped: all rows at once
@@ -127,9 +128,7 @@ class MoeLayer final : public Layer {
     k.push_back(account_item(name_, "scores", s->scores.view()));
     k.push_back(account_item(name_, "topk_idx", s->idx.view()));
     k.push_back(account_item(name_, "topk_w", s->w.view()));
-    k.push_back(account_item(name_, "layout", s->row_slot.view()));
-    k.push_back(account_item(name_, "layout", s->slot_row.view()));
-    k.push_back(account_item(name_, "layout", s->groups.row_group.view()));
+    k.insert(k.end(), s->layout_kept.begin(), s->layout_kept.end());
     if (grouped_) {
       s->experts.in.account(k, name_, "experts.in");
       s->experts.account(k, name_, "experts.");
@@ -227,14 +226,20 @@ class MoeLayer final : public Layer {
       s.count[size_t(e)] = round_up(s.loads[size_t(e)], kAlign);
       if (e > 0) s.start[size_t(e)] = s.start[size_t(e - 1)] + s.count[size_t(e - 1)];
     }
-    const int64_t R = moe_layout_rows(T * K, E, kAlign);
-    s.row_slot = c_.be.empty(DType::i32, {R});
+    // The device op fills tables of the bound's size (it cannot know the loads without a host
+    // synchronization); the rows past the last segment are padding (-1), so the activations use
+    // only the rows the loads need.
+    const int64_t R = moe_layout_rows(T * K, E, kAlign), used = s.start[size_t(E - 1)] + s.count[size_t(E - 1)];
+    Tensor row_slot = c_.be.empty(DType::i32, {R}), row_group = c_.be.empty(DType::i32, {R});
     s.slot_row = c_.be.empty(DType::i32, {T, K});
     s.groups.groups = E;
-    s.groups.row_group = c_.be.empty(DType::i32, {R});
     s.groups.offsets = c_.be.empty(DType::i32, {E + 1});
-    c_.be.moe_layout(s.idx.view(), kAlign, s.row_slot.view(), s.groups.row_group.view(), s.slot_row.view(),
+    c_.be.moe_layout(s.idx.view(), kAlign, row_slot.view(), row_group.view(), s.slot_row.view(),
                      s.groups.offsets.view());
+    s.row_slot = prefix_rows(row_slot, used);
+    s.groups.row_group = prefix_rows(row_group, used);
+    s.layout_kept = {account_item(name_, "layout", row_slot.view()), account_item(name_, "layout", s.slot_row.view()),
+                     account_item(name_, "layout", row_group.view())};
   }
 
   MlpParams grouped_params(const State& s) const {
