@@ -22,6 +22,11 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--clip", o.clip, "gradient norm clip (0: off)")->capture_default_str();
   cmd->add_option("--moments", o.moments, "AdamW moment precision: bf16 | f32")->capture_default_str();
   cmd->add_option("--ema-decay", o.ema_decay, "decay of the CPU-memory parameter EMA")->capture_default_str();
+  cmd->add_option("--mtp-weight-after", o.mtp_weight_after,
+                  "MTP loss weight from --mtp-switch on (the report: 0.3, then 0.1); < 0: the config's throughout")
+      ->capture_default_str();
+  cmd->add_option("--mtp-switch", o.mtp_switch, "fraction of the steps after which --mtp-weight-after applies")
+      ->capture_default_str();
   cmd->add_flag("--eval-ema", o.eval_ema, "validate on the EMA weights");
   cmd->add_option("--eval-every", o.eval_every, "steps between validations")->capture_default_str();
   cmd->add_option("--eval-batches", o.eval_batches, "validation micro-batches")->capture_default_str();

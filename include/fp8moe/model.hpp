@@ -121,6 +121,8 @@ class Model {
   int64_t num_parameters() const;
   void init_weights(uint64_t seed);
   void zero_grad();
+  // The weight of the MTP loss from now on (the trainer's schedule); >= 0.
+  void set_mtp_loss_weight(double w);
 
   // Builds the Batch of tokens/targets [B, S] i32 (host or backend tensors).
   Batch make_batch(const TensorView& tokens, const TensorView& targets) const;

@@ -247,6 +247,11 @@ void Model::init_weights(uint64_t seed) {
   }
 }
 
+void Model::set_mtp_loss_weight(double w) {
+  FP8MOE_CHECK(std::isfinite(w) && w >= 0, "mtp_loss_weight must be finite and >= 0, got " << w);
+  impl_->cfg.mtp_loss_weight = w;
+}
+
 void Model::zero_grad() {
   for (auto& p : impl_->params) {
     Tensor z = model::empty_like(impl_->be, p.grad.view());

@@ -84,6 +84,7 @@ struct Trainer::Impl {
                                                                  << " is smaller than the byte vocabulary (256)");
     FP8MOE_CHECK(opt.steps > 0 && opt.grad_accum > 0, "train: steps and grad_accum must be positive");
     FP8MOE_CHECK(opt.moments == "bf16" || opt.moments == "f32", "train: moments must be bf16 or f32, got '" << opt.moments << "'");
+    FP8MOE_CHECK(opt.mtp_switch >= 0 && opt.mtp_switch <= 1, "train: mtp_switch must be in [0, 1], got " << opt.mtp_switch);
     recipe = Recipe::from_name(opt.recipe);
     validate_config(cfg, recipe);
     backend = make_backend(opt.backend == "auto" ? pick_backend(opt.quiet) : opt.backend);
@@ -258,6 +259,10 @@ struct Trainer::Impl {
       if (opt.stop_at > 0 && step >= opt.stop_at) break;
       const auto t0 = std::chrono::steady_clock::now();
       model->zero_grad();
+      const double mtp_weight = opt.mtp_weight_after >= 0 && double(step) >= opt.mtp_switch * double(opt.steps)
+                                    ? opt.mtp_weight_after
+                                    : cfg.mtp_loss_weight;
+      model->set_mtp_loss_weight(mtp_weight);
       StepStats agg;
       std::vector<std::vector<int64_t>> loads;
       for (int64_t m = 0; m < opt.grad_accum; ++m) {
@@ -299,7 +304,7 @@ struct Trainer::Impl {
       ++loss_n;
 
       nlohmann::json j{{"step", step},       {"loss", agg.main_loss},          {"total_loss", agg.loss},
-                       {"mtp_loss", agg.mtp_loss}, {"balance_loss", agg.balance_loss}, {"lr", lr},
+                       {"mtp_loss", agg.mtp_loss}, {"mtp_weight", mtp_weight}, {"balance_loss", agg.balance_loss}, {"lr", lr},
                        {"grad_norm", norm},  {"tokens_per_s", tok_s},          {"tflops", flops_tok * tok_s / 1e12},
                        {"rss_bytes", resident_bytes()}};
       const bool last = step + 1 == opt.steps;

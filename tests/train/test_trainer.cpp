@@ -9,6 +9,7 @@
 
 #include "fp8moe/safetensors.hpp"
 #include "fp8moe/trainer.hpp"
+#include "testing.hpp"
 
 using namespace fp8moe;
 namespace fs = std::filesystem;
@@ -99,6 +100,28 @@ TEST(Trainer, LossFallsAndResumeIsBitIdentical) {
   ASSERT_EQ(ca.tensors.size(), cb.tensors.size());
   for (auto& [name, t] : ca.tensors)
     EXPECT_EQ(std::memcmp(t.view().data, cb.tensors.at(name).view().data, t.view().nbytes()), 0) << name;
+  fs::remove_all(dir);
+}
+
+// The report's MTP loss weight schedule: the config's weight (0.3) until the switch, then the
+// later one; the total loss the gradients are of uses the weight of its step.
+TEST(Trainer, MtpWeightFollowsItsSchedule) {
+  fs::path dir = scratch();
+  TrainOptions o = tiny_options(dir);
+  o.steps = 6;
+  o.mtp_weight_after = 0.1;
+  o.mtp_switch = 0.5;
+  Trainer(o).run();
+  const auto m = read_metrics(o.out_dir);
+  ASSERT_EQ(m.size(), 6u);
+  for (const auto& j : m) {
+    const double w = j["mtp_weight"].get<double>();
+    EXPECT_EQ(w, j["step"].get<int64_t>() < 3 ? 0.3 : 0.1) << j["step"];
+    const double total = j["loss"].get<double>() + w * j["mtp_loss"].get<double>() + j["balance_loss"].get<double>();
+    EXPECT_NEAR(j["total_loss"].get<double>(), total, 1e-9 * std::abs(total)) << j["step"];
+  }
+  o.mtp_switch = 1.5;
+  fp8moe::testing::expect_error([&] { Trainer t(o); }, "mtp_switch");
   fs::remove_all(dir);
 }
 
