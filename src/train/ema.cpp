@@ -1,7 +1,6 @@
 // CPU-memory parameter EMA updated on a background thread (include/fp8moe/ema.hpp).
 #include "fp8moe/ema.hpp"
 
-
 namespace fp8moe {
 
 namespace {
