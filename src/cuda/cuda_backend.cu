@@ -192,6 +192,11 @@ class CudaBackend final : public Backend {
     FP8MOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrUsedMemCurrent, &used));
     return int64_t(total - free) - int64_t(reserved - used);
   }
+  int64_t device_memory_peak() const override {
+    uint64_t high = 0;
+    FP8MOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrUsedMemHigh, &high));
+    return int64_t(high);
+  }
 
   void quantize_1x128(const TensorView& x, const QuantizedView& out, ScaleMode mode) override {
     FP8MOE_TIMED_OP("quantize_1x128");

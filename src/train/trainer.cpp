@@ -222,16 +222,20 @@ struct Trainer::Impl {
     for (Parameter* p : all) params += int64_t(p->weight.view().nbytes());
     for (size_t i = 0; i < refs.size(); ++i)
       moments += int64_t(adamw->first_moments()[i].view().nbytes() + adamw->second_moments()[i].view().nbytes());
-    const int64_t acts = model->saved_memory().total_bytes(), dev = backend->device_memory_in_use();
+    const int64_t acts = model->saved_memory().total_bytes(), dev = backend->device_memory_in_use(),
+                  peak = backend->device_memory_peak();
     j["memory"] = {{"master_weights", params}, {"gradients", params}, {"adam_moments", moments},
-                   {"activations_kept", acts}, {"ema_host", params}, {"device_in_use", dev}};
+                   {"activations_kept", acts}, {"ema_host", params}, {"device_in_use", dev}, {"device_peak", peak}};
     if (opt.quiet) return;
     const double mib = 1048576.0;
     std::printf("memory (%s, %s): master weights %.1f MiB, gradients %.1f MiB, AdamW moments %.1f MiB (%s), "
                 "activations kept for backward %.1f MiB per micro-batch, EMA %.1f MiB in host memory%s\n",
                 backend->name().c_str(), recipe.name.c_str(), double(params) / mib, double(params) / mib,
                 double(moments) / mib, opt.moments.c_str(), double(acts) / mib, double(params) / mib,
-                dev >= 0 ? (", device in use " + std::to_string(dev / 1048576) + " MiB").c_str() : "");
+                dev >= 0 ? (", device in use " + std::to_string(dev / 1048576) + " MiB, peak of the step's tensors " +
+                            std::to_string(peak / 1048576) + " MiB")
+                               .c_str()
+                         : "");
   }
 
   TrainSummary run() {
