@@ -232,7 +232,7 @@ struct Trainer::Impl {
                 "activations kept for backward %.1f MiB per micro-batch, EMA %.1f MiB in host memory%s\n",
                 backend->name().c_str(), recipe.name.c_str(), double(params) / mib, double(params) / mib,
                 double(moments) / mib, opt.moments.c_str(), double(acts) / mib, double(params) / mib,
-                dev >= 0 ? (", device in use " + std::to_string(dev / 1048576) + " MiB, peak of the step's tensors " +
+                dev >= 0 ? (", device in use " + std::to_string(dev / 1048576) + " MiB, tensors at peak " +
                             std::to_string(peak / 1048576) + " MiB")
                                .c_str()
                          : "");
