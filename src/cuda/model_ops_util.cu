@@ -1,5 +1,5 @@
-// Host helpers of the CUDA model ops (see model_ops_util.cuh): argument checks, stream-ordered scratch, and the stable key sort (CUB radix sort) behind the
-// deterministic scatter-adds.
+// Host helpers of the CUDA model ops (see model_ops_util.cuh): argument checks, stream-ordered
+// scratch, and the stable key sort (CUB radix sort) behind the deterministic scatter-adds.
 #include <cub/device/device_radix_sort.cuh>
 
 #include "model_ops_util.cuh"
