@@ -78,8 +78,9 @@ _JITTER = {"rel": 0.0, "gen": None}
 def set_rounding_jitter(rel, seed=0):
     """Multiplies every activation or gradient by (1 + rel * U(-1, 1)) just before its BF16
     rounding (weights excluded: the FP32 master weights are the same on both sides); rel = 0 (the
-    default) turns it off. With rel = 2^-24, one FP32 rounding error, the reference's spread shows
-    how much BF16 rounding flips move each tensor: the resolution of a BF16 comparison."""
+    default) turns it off. With rel of the order of the FP32 evaluation error of those values
+    (compare.py --noise-floor: 2^-20), the reference's spread shows how much BF16 rounding flips
+    alone move each tensor: the resolution of a BF16 comparison."""
     _JITTER["rel"] = rel
     _JITTER["gen"] = torch.Generator().manual_seed(seed) if rel > 0 else None
 

@@ -32,7 +32,7 @@ if [[ $mode == compare || $mode == all ]]; then
   cmp=tests/reference/compare.py
   python3 $cmp "$out/fp32" $config --tol 1e-3 | tail -n 12
   python3 $cmp "$out/fp8" $config --weights "$out/fp32" --report-only | tail -n 1
-  python3 $cmp "$out/bf16" $config --weights "$out/fp32" --bf16 --noise-floor 4 --report-only | tail -n 12
+  python3 $cmp "$out/bf16" $config --weights "$out/fp32" --bf16 --noise-floor 8 --report-only | tail -n 12
   python3 $cmp "$out/fp32" $config --teacher-forced --tol 1e-3 | tail -n 2
-  python3 $cmp "$out/bf16" $config --weights "$out/fp32" --teacher-forced --bf16 --noise-floor 4 --tol 1e-3 | tail -n 2
+  python3 $cmp "$out/bf16" $config --weights "$out/fp32" --teacher-forced --bf16 --noise-floor 8 --tol 1e-3 | tail -n 2
 fi
