@@ -150,7 +150,7 @@ class Model {
   // Sublayer records (the teacher-forced reference check, tests/reference/compare.py): while on,
   // forward_backward and forward keep host copies of what every sublayer saw and returned, named
   // sub.<i>.<sublayer>.<what> in execution order: the trunk's sublayers (layers.<l>.attn|mlp|moe:
-  // x, y, dy, dx), the final norm + head + cross-entropy (head: x, y = logits, loss, dx), then with
+  // x, y, dy, dx; a MoE layer also aux, its balance loss), the final norm + head + cross-entropy (head: x, y = logits, loss, dx), then with
   // MTP its embedding/hnorm/eh_proj part (layers.<L>.eh: x = trunk output, y, dy, dx = its own
   // contribution to the trunk output's gradient), its block's sublayers, and its shared head
   // (layers.<L>.shared_head: x, y = logits, loss = unweighted MTP loss, dx). Each run replaces the
