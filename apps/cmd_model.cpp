@@ -6,6 +6,9 @@
 //       one forward_backward on a random batch; writes DIR/weights.safetensors (parameters by
 //       Hugging Face name), DIR/batch.safetensors (tokens, targets) and DIR/outputs.safetensors
 //       (logits, losses, every gradient as grad.<name>): the input of tests/reference/compare.py.
+//       With --dump-sublayers also DIR/sublayers.safetensors: every sublayer's input x, output y,
+//       output gradient dy and input gradient dx as sub.<i>.<sublayer>.<x|y|dy|dx> (see
+//       Model::record_sublayers), the input of compare.py --teacher-forced.
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -22,6 +25,7 @@ struct Args {
   int64_t tokens = 0;
   uint64_t seed = 1;
   bool json = false;
+  bool sublayers = false;
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -99,6 +103,7 @@ void dump(const Args& a) {
   for (int64_t i = 0; i < B * S; ++i)  // the next token, a fresh one at each sequence end
     targets.ptr<int32_t>()[i] = (i % S < S - 1) ? tokens.ptr<int32_t>()[i + 1] : int32_t(rng() % uint64_t(cfg.vocab_size));
   model.zero_grad();
+  model.record_sublayers(a.sublayers);
   const StepStats st = model.forward_backward(tokens.view(), targets.view(), 1.0);
   std::filesystem::create_directories(a.dump);
   save_safetensors(a.dump + "/weights.safetensors", model);
@@ -112,8 +117,14 @@ void dump(const Args& a) {
   for (auto& p : model.parameters())
     if (p.trainable) out.emplace_back("grad." + p.name, p.grad.view());
   write_safetensors(a.dump + "/outputs.safetensors", out);
-  std::printf("recipe %s: loss %.6f (main %.6f, mtp %.6f, balance %.3g); wrote %s/{weights,batch,outputs}.safetensors\n",
-              a.recipe.c_str(), st.loss, st.main_loss, st.mtp_loss, st.balance_loss, a.dump.c_str());
+  if (a.sublayers) {
+    std::vector<std::pair<std::string, TensorView>> subs;
+    for (const auto& [name, t] : model.sublayer_records()) subs.emplace_back(name, t.view());
+    write_safetensors(a.dump + "/sublayers.safetensors", subs);
+  }
+  std::printf("recipe %s: loss %.6f (main %.6f, mtp %.6f, balance %.3g); wrote %s/{weights,batch,outputs%s}.safetensors\n",
+              a.recipe.c_str(), st.loss, st.main_loss, st.mtp_loss, st.balance_loss, a.dump.c_str(),
+              a.sublayers ? ",sublayers" : "");
 }
 
 void add_model(CLI::App& app) {
@@ -125,6 +136,8 @@ void add_model(CLI::App& app) {
   cmd->add_option("--dump", args->dump, "run one forward_backward and write safetensors files to this folder");
   cmd->add_option("--recipe", args->recipe, "recipe of --dump (fp64, fp32, bf16, fp8, ...)");
   cmd->add_option("--seed", args->seed, "weights and batch seed of --dump");
+  cmd->add_flag("--dump-sublayers", args->sublayers,
+                "with --dump: also write every sublayer's x, y, dy, dx (sublayers.safetensors)");
   cmd->add_flag("--json", args->json, "JSON output");
   cmd->callback([args] {
     if (args->dump.empty()) {

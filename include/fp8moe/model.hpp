@@ -149,6 +149,17 @@ class Model {
   // returns dh [T, D] for the trunk's backward, adds head/norm/MTP gradients, fills losses.
   Tensor head_forward_backward(const Batch& b, const Tensor& h, double grad_scale, StepStats& st, bool backward);
 
+  // Sublayer records (the teacher-forced reference check, tests/reference/compare.py): while on,
+  // forward_backward and forward keep host copies of what every sublayer saw and returned, named
+  // sub.<i>.<sublayer>.<what> in execution order: the trunk's sublayers (layers.<l>.attn|mlp|moe:
+  // x, y, dy, dx; a MoE layer also aux, its balance loss), the final norm + head + cross-entropy (head: x, y = logits, loss, dx), then with
+  // MTP its embedding/hnorm/eh_proj part (layers.<L>.eh: x = trunk output, y, dy, dx = its own
+  // contribution to the trunk output's gradient), its block's sublayers, and its shared head
+  // (layers.<L>.shared_head: x, y = logits, loss = unweighted MTP loss, dx). Each run replaces the
+  // previous records; off (the default) nothing is copied.
+  void record_sublayers(bool on);
+  const std::vector<std::pair<std::string, Tensor>>& sublayer_records() const;
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;

@@ -42,11 +42,28 @@ struct Model::Impl {
   Parameter *enorm = nullptr, *hnorm = nullptr, *eh = nullptr, *mtp_norm = nullptr;
   Tensor last_logits;
   MemoryAccount memory;
+  bool recording = false;  // record_sublayers
+  std::vector<std::pair<std::string, Tensor>> records;
 
   Impl(const ModelConfig& c, const Recipe& r, Backend& b) : cfg(c), recipe(r), be(b), ctx{be, recipe, cfg} {}
 
   // Embedding, trunk forward, head (+ MTP) and, when backward, the trunk's B and W in reverse.
   StepStats run(Model& model, const TensorView& tokens, const TensorView& targets, double grad_scale, bool backward);
+
+  // Host copies for record_sublayers: sub.<i>.<layer>.<what>.
+  void record(size_t i, const std::string& layer, const char* what, const Tensor& t) {
+    if (!recording) return;
+    Tensor h = Tensor::host_like(t.view());
+    be.copy(h.view(), t.view());
+    be.synchronize();
+    records.emplace_back("sub." + std::to_string(i) + "." + layer + "." + what, std::move(h));
+  }
+  void record(size_t i, const std::string& layer, const char* what, double v) {
+    if (!recording) return;
+    Tensor h = Tensor::host(DType::f64, {1});
+    h.ptr<double>()[0] = v;
+    records.emplace_back("sub." + std::to_string(i) + "." + layer + "." + what, std::move(h));
+  }
 
   LinearPrecision head_prec() const { return recipe.head_bf16 ? LinearPrecision::bf16 : LinearPrecision::full; }
 
@@ -110,13 +127,19 @@ struct Model::Impl {
     const Cached catin = model::linear_input(ctx, cat.view(), recipe.scale_mode);
     Tensor x = ctx.zeros({T, D});
     model::linear_forward(ctx, catin, *eh, x, recipe.linear);
+    // Sublayer numbers of the records: the trunk's, the main head, then eh, the block, the head.
+    const size_t sub = trunk.size() + 1;
+    record(sub, L, "x", h);
+    record(sub, L, "y", x);
     std::vector<MemoryItem> kept{model::account_item(L, "emb", e.view()), model::account_item(L, "rstd_e", rstd_e.view()),
                                  model::account_item(L, "rstd_h", rstd_h.view())};
     catin.account(kept, L, "eh_in");
     std::vector<std::unique_ptr<Saved>> saved;
     for (auto& layer : mtp) {
       Tensor y;
+      record(sub + 1 + saved.size(), layer->name(), "x", x);
       saved.push_back(layer->forward(b, x, y));
+      record(sub + saved.size(), layer->name(), "y", y);
       x = y;
     }
     if (backward) {
@@ -126,17 +149,29 @@ struct Model::Impl {
     for (size_t i = 0; i < mtp.size(); ++i) {
       st.balance_loss += mtp[i]->aux_loss(*saved[i]);
       auto loads = mtp[i]->expert_loads(*saved[i]);
-      if (!loads.empty()) st.expert_loads.push_back(std::move(loads));
+      if (loads.empty()) continue;
+      record(sub + 1 + i, mtp[i]->name(), "aux", mtp[i]->aux_loss(*saved[i]));
+      st.expert_loads.push_back(std::move(loads));
     }
-    Tensor dx = ctx.zeros({T, D});
-    st.mtp_loss = head_loss(x, *mtp_norm, tg2, cfg.mtp_loss_weight, b.grad_scale, backward, dx, nullptr);
+    Tensor dx = ctx.zeros({T, D}), logits;
+    st.mtp_loss = head_loss(x, *mtp_norm, tg2, cfg.mtp_loss_weight, b.grad_scale, backward, dx,
+                            recording ? &logits : nullptr);
+    const size_t head_sub = sub + 1 + mtp.size();
+    const std::string head_name = "layers." + std::to_string(cfg.num_hidden_layers) + ".shared_head";
+    record(head_sub, head_name, "x", x);
+    record(head_sub, head_name, "y", logits);
+    record(head_sub, head_name, "loss", st.mtp_loss);
     if (!backward) return;
+    record(head_sub, head_name, "dx", dx);
     for (size_t i = mtp.size(); i-- > 0;) {
       Tensor dprev;
+      record(sub + 1 + i, mtp[i]->name(), "dy", dx);
       mtp[i]->backward_input(b, *saved[i], dx, dprev);
       mtp[i]->backward_weight(b, *saved[i]);
+      record(sub + 1 + i, mtp[i]->name(), "dx", dprev);
       dx = dprev;
     }
+    record(sub, L, "dy", dx);
     Tensor dcat = ctx.zeros({T, 2 * D});
     model::linear_backward_input(ctx, dx, *eh, dcat, false, recipe.linear);
     model::linear_backward_weight(ctx, catin, dx, *eh, recipe.linear);
@@ -146,6 +181,11 @@ struct Model::Impl {
     be.rmsnorm_backward(e.view(), enorm->weight.view(), rstd_e.view(), den.view(), de.view(), enorm->grad.view(), false);
     be.embedding_backward(ids.view(), de.view(), embed->grad.view());
     be.rmsnorm_backward(h.view(), hnorm->weight.view(), rstd_h.view(), dhn.view(), dh.view(), hnorm->grad.view(), true);
+    if (recording) {  // eh's own share of dh, computed once more on its own
+      Tensor dh_eh = ctx.zeros({T, D});
+      be.rmsnorm_backward(h.view(), hnorm->weight.view(), rstd_h.view(), dhn.view(), dh_eh.view(), TensorView(), false);
+      record(sub, L, "dx", dh_eh);
+    }
   }
 };
 
@@ -220,6 +260,11 @@ int64_t Model::num_parameters() const {
 }
 const Tensor& Model::last_logits() const { return impl_->last_logits; }
 const MemoryAccount& Model::saved_memory() const { return impl_->memory; }
+void Model::record_sublayers(bool on) {
+  impl_->recording = on;
+  impl_->records.clear();
+}
+const std::vector<std::pair<std::string, Tensor>>& Model::sublayer_records() const { return impl_->records; }
 
 std::vector<Layer*> Model::trunk() {
   std::vector<Layer*> v;
@@ -295,6 +340,11 @@ Tensor Model::head_forward_backward(const Batch& b, const Tensor& h, double grad
   auto& m = *impl_;
   Tensor dh = m.ctx.zeros({h.size(0), h.size(1)});
   st.main_loss = m.head_loss(h, *m.norm, b.targets, 1.0, grad_scale, backward, dh, &m.last_logits);
+  const size_t sub = m.trunk.size();
+  m.record(sub, "head", "x", h);
+  m.record(sub, "head", "y", m.last_logits);
+  m.record(sub, "head", "loss", st.main_loss);
+  if (backward) m.record(sub, "head", "dx", dh);
   if (m.cfg.num_nextn_predict_layers > 0) m.mtp_forward_backward(b, h, dh, backward, st);
   return dh;
 }
@@ -307,26 +357,33 @@ StepStats Model::Impl::run(Model& model, const TensorView& tokens, const TensorV
   StepStats st;
   st.tokens = b.tokens_count();
   if (backward) m.memory = MemoryAccount{};
+  m.records.clear();
   Tensor x = model.embed_forward(b);
   std::vector<std::unique_ptr<Saved>> saved;
   for (auto& layer : m.trunk) {
     Tensor y;
+    m.record(saved.size(), layer->name(), "x", x);
     saved.push_back(layer->forward(b, x, y));
+    m.record(saved.size() - 1, layer->name(), "y", y);
     x = y;
     if (backward) m.memory.items.insert(m.memory.items.end(), saved.back()->kept.begin(), saved.back()->kept.end());
   }
   for (size_t i = 0; i < m.trunk.size(); ++i) {
     st.balance_loss += m.trunk[i]->aux_loss(*saved[i]);
     auto loads = m.trunk[i]->expert_loads(*saved[i]);
-    if (!loads.empty()) st.expert_loads.push_back(std::move(loads));
+    if (loads.empty()) continue;
+    m.record(i, m.trunk[i]->name(), "aux", m.trunk[i]->aux_loss(*saved[i]));
+    st.expert_loads.push_back(std::move(loads));
   }
   Tensor d = model.head_forward_backward(b, x, grad_scale, st, backward);
   st.loss = st.main_loss + m.cfg.mtp_loss_weight * st.mtp_loss + st.balance_loss;
   if (!backward) return st;
   for (size_t i = m.trunk.size(); i-- > 0;) {
     Tensor dx;
+    m.record(i, m.trunk[i]->name(), "dy", d);
     m.trunk[i]->backward_input(b, *saved[i], d, dx);
     m.trunk[i]->backward_weight(b, *saved[i]);
+    m.record(i, m.trunk[i]->name(), "dx", dx);
     saved[i].reset();
     d = dx;
   }

@@ -1,8 +1,11 @@
 // The model's API contracts: config files and their validation messages, parameter counts of the
 // full DeepSeek-V3, backward-for-input/backward-for-weights split across micro-batches (the order
 // a ZeroBubble/DualPipe schedule uses gives the same gradients), gradient accumulation, the
-// auxiliary-loss-free bias update, safetensors round trip, and model ops unsupported by a backend.
+// auxiliary-loss-free bias update, safetensors round trip, the sublayer records of the
+// teacher-forced reference check, and model ops unsupported by a backend.
 #include <filesystem>
+#include <map>
+#include <set>
 
 #include "model_testing.hpp"
 
@@ -177,6 +180,63 @@ TEST(ModelApi, AccumulationBiasUpdateAndSafetensors) {
   Model m2(c, Recipe::from_name("fp32"), *be, rng());
   load_safetensors(path, m2);
   EXPECT_EQ(m2.forward(tok.view(), tgt.view()).loss, m.forward(tok.view(), tgt.view()).loss);
+}
+
+// record_sublayers: every sublayer's x, y, dy, dx in execution order, chained (one sublayer's y is
+// the next one's x, its dx the previous one's dy; the trunk output's gradient is the sum of the
+// head's and the MTP eh part's dx), with gradients identical to a run without records.
+TEST(ModelApi, SublayerRecords) {
+  auto rng = make_rng();
+  auto be = make_backend("cpu");
+  const ModelConfig c = fd_config();
+  Model m(c, Recipe::from_name("fp64"), *be, rng());
+  auto [tok, tgt] = random_batch(rng, c);
+  auto f64 = [](const Tensor& t) { return std::vector<double>(t.ptr<double>(), t.ptr<double>() + t.numel()); };
+  auto grads = [&] {
+    std::vector<double> v;
+    for (auto& p : m.parameters())
+      for (double g : f64(p.grad)) v.push_back(g);
+    return v;
+  };
+  m.zero_grad();
+  m.forward_backward(tok.view(), tgt.view(), 1.0);
+  const auto plain = grads();
+  EXPECT_TRUE(m.sublayer_records().empty());
+  m.record_sublayers(true);
+  m.zero_grad();
+  const StepStats st = m.forward_backward(tok.view(), tgt.view(), 1.0);
+  EXPECT_EQ(grads(), plain);
+  std::map<std::string, std::vector<double>> r;
+  for (const auto& [name, t] : m.sublayer_records()) r[name] = f64(t);
+  const std::vector<std::string> subs{"sub.0.layers.0.attn", "sub.1.layers.0.mlp", "sub.2.layers.1.attn",
+                                      "sub.3.layers.1.moe",  "sub.4.head",         "sub.5.layers.2.eh",
+                                      "sub.6.layers.2.attn", "sub.7.layers.2.moe", "sub.8.layers.2.shared_head"};
+  std::set<std::string> expected;
+  for (const auto& s : subs)
+    for (const char* what : {".x", ".y", ".dx"}) expected.insert(s + what);
+  for (const auto& s : subs)
+    if (s.find("head") == std::string::npos) expected.insert(s + ".dy");
+  for (const char* k : {"sub.3.layers.1.moe.aux", "sub.7.layers.2.moe.aux", "sub.4.head.loss",
+                        "sub.8.layers.2.shared_head.loss"})
+    expected.insert(k);
+  std::set<std::string> got;
+  for (const auto& kv : r) got.insert(kv.first);
+  EXPECT_EQ(got, expected);
+  const int64_t T = c.batch_size * c.seq_len;
+  EXPECT_EQ(int64_t(r["sub.4.head.y"].size()), T * c.vocab_size);
+  EXPECT_EQ(r["sub.4.head.y"], f64(m.last_logits()));
+  EXPECT_EQ(r["sub.4.head.loss"][0], st.main_loss);
+  EXPECT_EQ(r["sub.8.layers.2.shared_head.loss"][0], st.mtp_loss);
+  EXPECT_NEAR(r["sub.3.layers.1.moe.aux"][0] + r["sub.7.layers.2.moe.aux"][0], st.balance_loss, 1e-15);
+  for (size_t i : {0, 1, 2, 3, 5, 6, 7}) EXPECT_EQ(r[subs[i] + ".y"], r[subs[i + 1] + ".x"]) << subs[i];
+  for (size_t i : {0, 1, 2, 5, 6, 7}) EXPECT_EQ(r[subs[i] + ".dy"], r[subs[i + 1] + ".dx"]) << subs[i];
+  EXPECT_EQ(r["sub.3.layers.1.moe.y"], r["sub.5.layers.2.eh.x"]);
+  std::vector<double> dh = r["sub.4.head.dx"];
+  for (size_t j = 0; j < dh.size(); ++j) dh[j] += r["sub.5.layers.2.eh.dx"][j];
+  EXPECT_LT(rel_error(dh, r["sub.3.layers.1.moe.dy"]), 1e-14);
+  m.record_sublayers(false);
+  m.forward(tok.view(), tgt.view());
+  EXPECT_TRUE(m.sublayer_records().empty());
 }
 
 // A backend without the model ops reports which one is missing.

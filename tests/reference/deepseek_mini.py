@@ -4,9 +4,27 @@ Written from the DeepSeek-V3 report (MLA, DeepSeekMoE with sigmoid affinities, g
 top-k, bias-steered selection, sequence-wise balance loss, depth-1 MTP sharing embedding and head),
 not from the C++ code: it reads the config JSON and the weights from the safetensors file that
 `fp8moe model --dump` writes, runs forward and autograd backward in float64, and compares logits,
-losses and every gradient with what the C++ model wrote.
+losses and every gradient with what the C++ model wrote (compare.py: end to end, or per sublayer
+with --teacher-forced).
 
-  python3 compare.py DUMP_DIR CONFIG_JSON [--tol 1e-3]
+  python3 compare.py DUMP_DIR CONFIG_JSON [--tol 1e-3] [--bf16] [--teacher-forced]
+
+With bf16=True the reference rounds to BF16 where the bf16 recipe does (include/fp8moe/
+model_recipe.hpp; src/model/linear.cpp, attention.cpp, mlp.cpp, moe.cpp, model.cpp), and only there:
+  1. every Linear's GEMM operands (q_a/q_b/q, kv_a, kv_b, o_proj, dense MLP, shared and routed
+     experts, eh_proj, lm_head of both heads): Fprop bf16(x) bf16(W)^T, Dgrad bf16(dy) bf16(W), Wgrad
+     bf16(dy)^T bf16(x) with x the BF16 copy cached in the forward (Bf16Linear);
+  2. the attention output O: cached in BF16 as o_proj's input, and the softmax backward's
+     rowsum(dO * O) reads that cached copy (Bf16CausalAttention);
+  3. SwiGLU (Bf16SwiGLU): the gate/up outputs are cached in BF16 and the backward recomputes
+     silu(g) * u from them; the down projection reads bf16(silu(g) * u) of the unrounded g, u in
+     the forward and of the recomputed one in its Wgrad; a routed expert's output gradient w * dy
+     enters as bf16(w * dy); the routing-weight gradient is (da . a) / w of the recomputed a.
+Not rounded (FP32 in the recipe, float64 here): embedding, RMSNorms, RoPE, softmax, router gate
+GEMM and routing, cross-entropy, residual adds, the MoE combine. Not modelled: the FP32 evaluation
+and FP32 GEMM accumulation of the values before each BF16 rounding (float64 here). A value within
+an FP32 error of a BF16 rounding midpoint can therefore round to the other side than in the C++
+model; set_rounding_jitter measures how far such flips move a result (compare.py --noise-floor).
 
 Conventions shared with the C++ model (and with DeepSeek-V3's Hugging Face code up to a fixed
 permutation of the RoPE dims, which leaves q.k unchanged): RoPE rotates interleaved pairs
@@ -54,6 +72,32 @@ def rope(x, pos, theta):
     return out
 
 
+_JITTER = {"rel": 0.0, "gen": None}
+
+
+def set_rounding_jitter(rel, seed=0):
+    """Multiplies every activation or gradient by (1 + rel * U(-1, 1)) just before its BF16
+    rounding (weights excluded: the FP32 master weights are the same on both sides); rel = 0 (the
+    default) turns it off. With rel of the order of the FP32 evaluation error of those values
+    (compare.py --noise-floor: 2^-20), the reference's spread shows how much BF16 rounding flips
+    alone move each tensor: the resolution of a BF16 comparison."""
+    _JITTER["rel"] = rel
+    _JITTER["gen"] = torch.Generator().manual_seed(seed) if rel > 0 else None
+
+
+def bf16(t):
+    """An activation or gradient rounded to BF16 (a rounding point of the bf16 recipe)."""
+    if _JITTER["rel"] > 0:
+        u = torch.rand(t.shape, generator=_JITTER["gen"], dtype=torch.float64)
+        t = t * (1 + _JITTER["rel"] * (2 * u - 1))
+    return t.to(torch.bfloat16).double()
+
+
+def bf16_weight(w):
+    """A master weight as a BF16 GEMM operand."""
+    return w.to(torch.bfloat16).double()
+
+
 class Bf16Linear(torch.autograd.Function):
     """y = x W^T with both operands rounded to BF16, as the bf16 recipe's GEMMs read them; the
     backward rounds dy, W and the cached x the same way (Dgrad dy W, Wgrad dy^T x). Products and
@@ -61,19 +105,15 @@ class Bf16Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w):
-        xb, wb = x.to(torch.bfloat16).double(), w.to(torch.bfloat16).double()
+        xb, wb = bf16(x), bf16_weight(w)
         ctx.save_for_backward(xb, wb)
         return xb @ wb.T
 
     @staticmethod
     def backward(ctx, dy):
         xb, wb = ctx.saved_tensors
-        dyb = dy.to(torch.bfloat16).double()
+        dyb = bf16(dy)
         return dyb @ wb, dyb.T @ xb
-
-
-def bf16(t):
-    return t.to(torch.bfloat16).double()
 
 
 class Bf16SwiGLU(torch.autograd.Function):
@@ -85,7 +125,7 @@ class Bf16SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, wg, wu, wd, w):
-        hb, wgb, wub, wdb = bf16(h), bf16(wg), bf16(wu), bf16(wd)
+        hb, wgb, wub, wdb = bf16(h), bf16_weight(wg), bf16_weight(wu), bf16_weight(wd)
         g, u = hb @ wgb.T, hb @ wub.T
         a = torch.nn.functional.silu(g) * u
         ctx.save_for_backward(hb, wgb, wub, wdb, bf16(g), bf16(u), w)
@@ -234,14 +274,38 @@ class Reference:
         if moe:
             x, _ = self.moe(p, x, B, S, losses)
         else:
-            h = rmsnorm(x, self.W(p + "post_attention_layernorm.weight"), c["rms_norm_eps"])
-            x = x + self.mlp(p + "mlp.", h)
+            x = self.dense(p, x)
         return x
+
+    def dense(self, p, x):
+        """The dense MLP sublayer: x + mlp(post_attention_layernorm(x))."""
+        h = rmsnorm(x, self.W(p + "post_attention_layernorm.weight"), self.c["rms_norm_eps"])
+        return x + self.mlp(p + "mlp.", h)
 
     def head(self, h, norm_name, targets):
         logits = self.lin(rmsnorm(h, self.W(norm_name), self.c["rms_norm_eps"]), "lm_head.weight")
         loss = torch.nn.functional.cross_entropy(logits, targets.long(), ignore_index=-1)
         return logits, loss
+
+    def mtp_targets(self, tgt, S):
+        """tgt [T] (token t+1 of each position) -> the MTP module's inputs ids [T] (token t+1) and
+        targets [T] (token t+2 inside the sequence, else -1)."""
+        T = tgt.shape[0]
+        ids = tgt.clamp(min=0).long()
+        nxt = torch.full((T,), -1, dtype=torch.int32)
+        inside = (torch.arange(T) % S) < S - 1
+        shifted = torch.cat([tgt[1:], tgt[:1]])
+        nxt[inside] = shifted[inside]
+        nxt[tgt < 0] = -1
+        return ids, nxt
+
+    def eh(self, h, ids):
+        """The MTP module's input: eh_proj([enorm(embed(ids)); hnorm(h)]), h the trunk output."""
+        c = self.c
+        p = f"model.layers.{c['num_hidden_layers']}."
+        e = rmsnorm(self.W("model.embed_tokens.weight")[ids], self.W(p + "enorm.weight"), c["rms_norm_eps"])
+        hh = rmsnorm(h, self.W(p + "hnorm.weight"), c["rms_norm_eps"])
+        return self.lin(torch.cat([e, hh], -1), p + "eh_proj.weight")
 
     def forward(self, tokens, targets):
         """tokens, targets [B, S] int32 -> (logits [T, V], losses dict)."""
@@ -259,16 +323,8 @@ class Reference:
         losses["mtp"] = torch.zeros((), dtype=torch.float64)
         if c.get("num_nextn_predict_layers", 0) > 0:
             p = f"model.layers.{L}."
-            ids = tgt.clamp(min=0).long()
-            nxt = torch.full((T,), -1, dtype=torch.int32)
-            inside = (torch.arange(T) % S) < S - 1
-            shifted = torch.cat([tgt[1:], tgt[:1]])
-            nxt[inside] = shifted[inside]
-            nxt[tgt < 0] = -1
-            e = rmsnorm(self.W("model.embed_tokens.weight")[ids], self.W(p + "enorm.weight"), c["rms_norm_eps"])
-            hh = rmsnorm(x, self.W(p + "hnorm.weight"), c["rms_norm_eps"])
-            m = self.lin(torch.cat([e, hh], -1), p + "eh_proj.weight")
-            m = self.block(L, m, B, S, pos, losses)
+            ids, nxt = self.mtp_targets(tgt, S)
+            m = self.block(L, self.eh(x, ids), B, S, pos, losses)
             _, losses["mtp"] = self.head(m, p + "shared_head.norm.weight", nxt)
         losses["total"] = losses["main"] + c.get("mtp_loss_weight", 0.0) * losses["mtp"] + losses["balance"]
         return logits, losses
