@@ -526,6 +526,38 @@ TEST_F(CudaModelOps, F64IsRejectedByName) {
   expect_error([&] { cuda_swiglu_forward(h, h, h); }, "device tensor");
 }
 
+// Deferred checks (Backend::set_checks): a bad index or a NaN reaching a quantizer does not raise
+// in the op, which touches nothing out of bounds, but at the next synchronize, naming the op; the
+// check after that is clean again.
+TEST(CudaChecks, DeferredChecksRaiseAtSynchronize) {
+  FP8MOE_REQUIRE_GPU();
+  auto be = make_backend("cuda");
+  be->set_checks(Backend::Checks::deferred);
+  Tensor src = be->empty(DType::f32, {4, 8}), dst = be->empty(DType::f32, {3, 8});
+  Tensor idx_h = Tensor::host(DType::i32, {3});
+  idx_h.ptr<int32_t>()[0] = 1;
+  idx_h.ptr<int32_t>()[1] = 7;  // outside [0, 4)
+  idx_h.ptr<int32_t>()[2] = 2;
+  Tensor idx = be->empty(DType::i32, {3});
+  be->copy(idx.view(), idx_h.view());
+  EXPECT_NO_THROW(be->gather_rows(src.view(), idx.view(), TensorView(), dst.view()));
+  expect_error([&] { be->synchronize(); }, "gather_rows: idx[1] outside [0, 4)");
+  EXPECT_NO_THROW(be->synchronize());
+
+  Tensor xh = Tensor::host(DType::f32, {4, 128});
+  for (int64_t i = 0; i < xh.numel(); ++i) xh.ptr<float>()[i] = 1.0f;
+  xh.ptr<float>()[5] = std::numeric_limits<float>::quiet_NaN();
+  Tensor x = be->empty(DType::f32, {4, 128});
+  be->copy(x.view(), xh.view());
+  QuantizedTensor q = be->empty_quantized(4, 128, DType::e4m3, ScaleKind::tile_1x128);
+  EXPECT_NO_THROW(be->quantize_1x128(x.view(), q, ScaleMode::fp32));
+  expect_error([&] { be->synchronize(); }, "non-finite");
+  EXPECT_NO_THROW(be->synchronize());
+
+  be->set_checks(Backend::Checks::immediate);
+  expect_error([&] { be->quantize_1x128(x.view(), q, ScaleMode::fp32); }, "non-finite");
+}
+
 // The EMA's snapshots are asynchronous device-to-host copies into page-locked memory: with the
 // fence before each change of the weights, the average equals the sequential one.
 TEST(CudaEma, AsyncSnapshotsMatchSequentialAverage) {
