@@ -4,6 +4,8 @@
 //   deferred   each check records its failure on the device and the op goes on (kernels never
 //              write out of bounds on a bad index: they skip it); raise_deferred_checks(), called by
 //              CudaBackend::synchronize(), reads the records and raises the first failure.
+// NOTES: the mode and the records are per process, shared by every CUDA backend of it (the records
+// live on the device the kernels run on; one device per process today).
 #pragma once
 #include <cuda_runtime.h>
 
