@@ -42,6 +42,8 @@ struct Model::Impl {
   Parameter *enorm = nullptr, *hnorm = nullptr, *eh = nullptr, *mtp_norm = nullptr;
   Tensor last_logits;
   MemoryAccount memory;
+  // The gradient storage, each block once: a parameter's own, or a stack of routed experts'.
+  std::vector<Tensor> grad_blocks;
   bool recording = false;  // record_sublayers
   std::vector<std::pair<std::string, Tensor>> records;
 
@@ -208,15 +210,20 @@ Model::Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uin
       const size_t e0 = at + 13, e1 = s.name.find('.', e0);
       const int64_t e = std::stoll(s.name.substr(e0, e1 - e0)), E = cfg.n_routed_experts, R = s.shape[0];
       auto& st = stacks[s.name.substr(0, e0) + "*" + s.name.substr(e1)];
-      if (!st.first.defined()) st = {backend.empty(dt, {E * R, s.shape[1]}), backend.empty(dt, {E * R, s.shape[1]})};
+      if (!st.first.defined()) {
+        st = {backend.empty(dt, {E * R, s.shape[1]}), backend.empty(dt, {E * R, s.shape[1]})};
+        m.grad_blocks.push_back(st.second);
+      }
       p.weight = model::rows_of(st.first, e * R, R);
       p.grad = model::rows_of(st.second, e * R, R);
     } else if (s.shape.size() == 1) {
       p.weight = backend.empty(dt, {s.shape[0]});
       p.grad = backend.empty(dt, {s.shape[0]});
+      m.grad_blocks.push_back(p.grad);
     } else {
       p.weight = backend.empty(dt, {s.shape[0], s.shape[1]});
       p.grad = backend.empty(dt, {s.shape[0], s.shape[1]});
+      m.grad_blocks.push_back(p.grad);
     }
     p.trainable = s.trainable;
     p.decay = s.decay;
@@ -298,9 +305,9 @@ void Model::set_mtp_loss_weight(double w) {
 }
 
 void Model::zero_grad() {
-  for (auto& p : impl_->params) {
-    Tensor z = model::empty_like(impl_->be, p.grad.view());
-    impl_->be.copy(p.grad.view(), z.view());
+  for (const Tensor& g : impl_->grad_blocks) {
+    Tensor z = model::empty_like(impl_->be, g.view());
+    impl_->be.copy(g.view(), z.view());
   }
 }
 
