@@ -43,7 +43,13 @@ class ParameterEma {
   std::vector<ParamRef> params_;
   float decay_;
   Backend& backend_;
-  std::vector<Tensor> ema_, staging_;
+  std::vector<Tensor> ema_;
+  struct Snapshot {  // parameters contiguous in memory, copied at once
+    TensorView source;
+    Tensor staging;  // page-locked where the backend has it
+  };
+  std::vector<Snapshot> snapshots_;
+  std::vector<const float*> staged_;  // each parameter's values in its snapshot's staging
   int64_t updates_ = 0;
   std::mutex mu_;
   std::condition_variable cv_;

@@ -41,7 +41,8 @@ class AdamW {
   int64_t steps() const { return t_; }
   void set_steps(int64_t t) { t_ = t; }
   const std::vector<ParamRef>& params() const { return params_; }
-  // Moment tensors, parallel to params(): [same shape] bf16 or f32.
+  // Moment tensors, parallel to params(): [numel] bf16 or f32 (slices of one tensor for parameters
+  // stored one after another, which are updated together).
   const std::vector<Tensor>& first_moments() const { return m_; }
   const std::vector<Tensor>& second_moments() const { return v_; }
   const AdamWConfig& config() const { return cfg_; }
@@ -51,6 +52,12 @@ class AdamW {
   std::vector<ParamRef> params_;
   AdamWConfig cfg_;
   std::vector<Tensor> m_, v_;
+  struct Run {  // parameters contiguous in memory, updated by one adamw_step
+    TensorView value, grad;
+    Tensor m, v;
+    bool decay;
+  };
+  std::vector<Run> runs_;
   int64_t t_ = 0;
 };
 

@@ -1,13 +1,11 @@
 // CPU-memory parameter EMA updated on a background thread (include/fp8moe/ema.hpp).
 #include "fp8moe/ema.hpp"
 
+#include <algorithm>
+#include <functional>
+
 namespace fp8moe {
 
-namespace {
-
-TensorView flat(const TensorView& t) { return TensorView(t.data, t.dtype, {t.numel()}, t.device); }
-
-}  // namespace
 
 ParameterEma::ParameterEma(const std::vector<ParamRef>& params, float decay, Backend& backend)
     : params_(params), decay_(decay), backend_(backend) {
@@ -16,8 +14,31 @@ ParameterEma::ParameterEma(const std::vector<ParamRef>& params, float decay, Bac
     FP8MOE_CHECK(p.value.dtype == DType::f32 && p.value.is_contiguous(),
                  "ema: " << p.name << " must be a contiguous f32 tensor, got " << p.value.str());
     ema_.push_back(Tensor::host_like(p.value));
-    staging_.push_back(backend_.empty_host(DType::f32, {p.value.numel()}));  // flat
     backend_.copy(ema_.back().view(), p.value);  // the average starts at the initial weights
+  }
+  // One snapshot copy per run of parameters that follow each other in memory (the routed
+  // experts' stacked matrices), into one staging tensor per run.
+  std::vector<size_t> order(params_.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return std::less<const void*>()(params_[a].value.data, params_[b].value.data);
+  });
+  staged_.resize(params_.size());
+  for (size_t k = 0; k < order.size();) {
+    size_t e = k + 1;
+    int64_t n = params_[order[k]].value.numel();
+    while (e < order.size() && params_[order[e]].value.data == static_cast<const char*>(params_[order[e - 1]].value.data) +
+                                                                  params_[order[e - 1]].value.nbytes()) {
+      n += params_[order[e]].value.numel();
+      ++e;
+    }
+    const TensorView& first = params_[order[k]].value;
+    Snapshot snap{TensorView(first.data, DType::f32, {n}, first.device), backend_.empty_host(DType::f32, {n})};
+    for (int64_t off = 0; k < e; ++k) {
+      staged_[order[k]] = snap.staging.ptr<const float>() + off;
+      off += params_[order[k]].value.numel();
+    }
+    snapshots_.push_back(std::move(snap));
   }
   thread_ = std::thread([this] { worker(); });
 }
@@ -34,8 +55,7 @@ ParameterEma::~ParameterEma() {
 void ParameterEma::update_async() {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return !pending_; });
-  for (size_t i = 0; i < params_.size(); ++i)
-    backend_.copy_to_host_async(staging_[i].view(), flat(params_[i].value));
+  for (const Snapshot& s : snapshots_) backend_.copy_to_host_async(s.staging.view(), s.source);
   pending_ = true;
   cv_.notify_all();
 }
@@ -51,12 +71,12 @@ void ParameterEma::worker() {
     cv_.wait(lock, [this] { return pending_ || stop_; });
     if (!pending_ && stop_) return;
     lock.unlock();
-    // NOTES: staging_ is only written by update_async while pending_ is false, so reading it here
+    // NOTES: the staging is only written by update_async while pending_ is false, so reading it here
     // without the lock is safe once the copies have landed.
     backend_.wait_copies();
     for (size_t i = 0; i < ema_.size(); ++i) {
       float* e = ema_[i].ptr<float>();
-      const float* s = staging_[i].ptr<const float>();
+      const float* s = staged_[i];
       const int64_t n = ema_[i].numel();
       for (int64_t j = 0; j < n; ++j) e[j] = decay_ * e[j] + (1 - decay_) * s[j];
     }

@@ -1,7 +1,10 @@
 // AdamW with BF16 moments, learning-rate schedule, global-norm clipping (include/fp8moe/optimizer.hpp).
 #include "fp8moe/optimizer.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
+#include <memory>
 
 namespace fp8moe {
 
@@ -12,6 +15,20 @@ float LrSchedule::at(int64_t step) const {
   return float(min + (peak - min) * 0.5 * (1.0 + std::cos(M_PI * p)));
 }
 
+namespace {
+
+const char* end_of(const TensorView& t) { return static_cast<const char*>(t.data) + t.nbytes(); }
+
+// Elements [off, off + n) of a flat tensor, sharing its storage.
+Tensor slice(const Tensor& t, int64_t off, int64_t n) {
+  const TensorView v(static_cast<char*>(t.view().data) + off * int64_t(dtype_size(t.dtype())), t.dtype(), {n},
+                     t.device());
+  auto keep = std::make_shared<Tensor>(t);
+  return Tensor(std::shared_ptr<void>(keep, v.data), v);
+}
+
+}  // namespace
+
 AdamW::AdamW(Backend& backend, std::vector<ParamRef> params, AdamWConfig cfg)
     : backend_(backend), params_(std::move(params)), cfg_(cfg) {
   const DType md = cfg.moments == MomentPrecision::bf16 ? DType::bf16 : DType::f32;
@@ -21,17 +38,47 @@ AdamW::AdamW(Backend& backend, std::vector<ParamRef> params, AdamWConfig cfg)
     FP8MOE_CHECK(p.value.numel() == p.grad.numel(), p.name << ": gradient " << p.grad.str() << " does not match " << p.value.str());
     FP8MOE_CHECK(p.value.device == backend.device(), p.name << ": on " << device_name(p.value.device) << ", the optimizer's backend '"
                                                           << backend.name() << "' works on " << device_name(backend.device()));
-    m_.push_back(backend.empty(md, {p.value.numel()}));
-    v_.push_back(backend.empty(md, {p.value.numel()}));
+  }
+  // Parameters whose values and gradients follow each other in memory (the routed experts'
+  // stacked matrices) are updated as one run: one adamw_step each, the same numbers (the update
+  // is elementwise). Their moments are slices of one run tensor.
+  std::vector<size_t> order(params_.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return std::less<const void*>()(params_[a].value.data, params_[b].value.data);
+  });
+  m_.resize(params_.size());
+  v_.resize(params_.size());
+  for (size_t k = 0; k < order.size();) {
+    size_t e = k + 1;
+    int64_t n = params_[order[k]].value.numel();
+    while (e < order.size()) {
+      const ParamRef &prev = params_[order[e - 1]], &next = params_[order[e]];
+      if (next.value.data != end_of(prev.value) || next.grad.data != end_of(prev.grad) ||
+          next.weight_decay != prev.weight_decay)
+        break;
+      n += next.value.numel();
+      ++e;
+    }
+    const ParamRef& first = params_[order[k]];
+    Run run{TensorView(first.value.data, DType::f32, {n}, first.value.device),
+            TensorView(first.grad.data, DType::f32, {n}, first.grad.device), backend.empty(md, {n}),
+            backend.empty(md, {n}), first.weight_decay};
+    for (int64_t off = 0; k < e; ++k) {
+      const int64_t c = params_[order[k]].value.numel();
+      m_[order[k]] = slice(run.m, off, c);
+      v_[order[k]] = slice(run.v, off, c);
+      off += c;
+    }
+    runs_.push_back(std::move(run));
   }
 }
 
 void AdamW::step(float lr, float grad_scale) {
   ++t_;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const ParamRef& p = params_[i];
-    Backend::AdamWStep s{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, p.weight_decay ? cfg_.weight_decay : 0.0f, grad_scale, t_};
-    backend_.adamw_step(p.value, p.grad, m_[i].view(), v_[i].view(), s);
+  for (const Run& r : runs_) {
+    Backend::AdamWStep s{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, r.decay ? cfg_.weight_decay : 0.0f, grad_scale, t_};
+    backend_.adamw_step(r.value, r.grad, r.m.view(), r.v.view(), s);
   }
 }
 
