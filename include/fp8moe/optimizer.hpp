@@ -19,6 +19,18 @@ struct ParamRef {
   bool weight_decay = true;
 };
 
+// Parameters stored one after another (the routed experts' stacked matrices), found by address:
+// each run lists its parameters in memory order with their element offsets, and its total size.
+// with_grads: the gradients must follow each other too, and weight_decay agree.
+struct ParamRun {
+  std::vector<size_t> index;   // into the parameter list
+  std::vector<int64_t> offset; // elements from the run's first value
+  int64_t numel = 0;
+  TensorView value(const std::vector<ParamRef>& ps) const;  // [numel] f32, the run's values
+  TensorView grad(const std::vector<ParamRef>& ps) const;   // [numel] f32, the run's gradients
+};
+std::vector<ParamRun> contiguous_runs(const std::vector<ParamRef>& params, bool with_grads);
+
 enum class MomentPrecision : uint8_t { bf16, f32 };
 
 struct AdamWConfig {

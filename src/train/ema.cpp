@@ -1,11 +1,7 @@
 // CPU-memory parameter EMA updated on a background thread (include/fp8moe/ema.hpp).
 #include "fp8moe/ema.hpp"
 
-#include <algorithm>
-#include <functional>
-
 namespace fp8moe {
-
 
 ParameterEma::ParameterEma(const std::vector<ParamRef>& params, float decay, Backend& backend)
     : params_(params), decay_(decay), backend_(backend) {
@@ -18,26 +14,10 @@ ParameterEma::ParameterEma(const std::vector<ParamRef>& params, float decay, Bac
   }
   // One snapshot copy per run of parameters that follow each other in memory (the routed
   // experts' stacked matrices), into one staging tensor per run.
-  std::vector<size_t> order(params_.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return std::less<const void*>()(params_[a].value.data, params_[b].value.data);
-  });
   staged_.resize(params_.size());
-  for (size_t k = 0; k < order.size();) {
-    size_t e = k + 1;
-    int64_t n = params_[order[k]].value.numel();
-    while (e < order.size() && params_[order[e]].value.data == static_cast<const char*>(params_[order[e - 1]].value.data) +
-                                                                  params_[order[e - 1]].value.nbytes()) {
-      n += params_[order[e]].value.numel();
-      ++e;
-    }
-    const TensorView& first = params_[order[k]].value;
-    Snapshot snap{TensorView(first.data, DType::f32, {n}, first.device), backend_.empty_host(DType::f32, {n})};
-    for (int64_t off = 0; k < e; ++k) {
-      staged_[order[k]] = snap.staging.ptr<const float>() + off;
-      off += params_[order[k]].value.numel();
-    }
+  for (const ParamRun& r : contiguous_runs(params_, false)) {
+    Snapshot snap{r.value(params_), backend_.empty_host(DType::f32, {r.numel})};
+    for (size_t j = 0; j < r.index.size(); ++j) staged_[r.index[j]] = snap.staging.ptr<const float>() + r.offset[j];
     snapshots_.push_back(std::move(snap));
   }
   thread_ = std::thread([this] { worker(); });

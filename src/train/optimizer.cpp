@@ -19,6 +19,8 @@ namespace {
 
 const char* end_of(const TensorView& t) { return static_cast<const char*>(t.data) + t.nbytes(); }
 
+TensorView flat_run(const TensorView& first, int64_t n) { return TensorView(first.data, first.dtype, {n}, first.device); }
+
 // Elements [off, off + n) of a flat tensor, sharing its storage.
 Tensor slice(const Tensor& t, int64_t off, int64_t n) {
   const TensorView v(static_cast<char*>(t.view().data) + off * int64_t(dtype_size(t.dtype())), t.dtype(), {n},
@@ -28,6 +30,30 @@ Tensor slice(const Tensor& t, int64_t off, int64_t n) {
 }
 
 }  // namespace
+
+TensorView ParamRun::value(const std::vector<ParamRef>& ps) const { return flat_run(ps[index[0]].value, numel); }
+TensorView ParamRun::grad(const std::vector<ParamRef>& ps) const { return flat_run(ps[index[0]].grad, numel); }
+
+std::vector<ParamRun> contiguous_runs(const std::vector<ParamRef>& params, bool with_grads) {
+  std::vector<size_t> order(params.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return std::less<const void*>()(params[a].value.data, params[b].value.data);
+  });
+  const auto follows = [&](const ParamRef& prev, const ParamRef& next) {
+    if (next.value.data != end_of(prev.value) || next.value.dtype != prev.value.dtype) return false;
+    return !with_grads || (next.grad.data == end_of(prev.grad) && next.weight_decay == prev.weight_decay);
+  };
+  std::vector<ParamRun> runs;
+  for (size_t k = 0; k < order.size(); ++k) {
+    if (k == 0 || !follows(params[order[k - 1]], params[order[k]])) runs.emplace_back();
+    ParamRun& r = runs.back();
+    r.index.push_back(order[k]);
+    r.offset.push_back(r.numel);
+    r.numel += params[order[k]].value.numel();
+  }
+  return runs;
+}
 
 AdamW::AdamW(Backend& backend, std::vector<ParamRef> params, AdamWConfig cfg)
     : backend_(backend), params_(std::move(params)), cfg_(cfg) {
@@ -39,36 +65,18 @@ AdamW::AdamW(Backend& backend, std::vector<ParamRef> params, AdamWConfig cfg)
     FP8MOE_CHECK(p.value.device == backend.device(), p.name << ": on " << device_name(p.value.device) << ", the optimizer's backend '"
                                                           << backend.name() << "' works on " << device_name(backend.device()));
   }
-  // Parameters whose values and gradients follow each other in memory (the routed experts'
-  // stacked matrices) are updated as one run: one adamw_step each, the same numbers (the update
-  // is elementwise). Their moments are slices of one run tensor.
-  std::vector<size_t> order(params_.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return std::less<const void*>()(params_[a].value.data, params_[b].value.data);
-  });
+  // Parameters whose values and gradients follow each other in memory are updated as one run:
+  // one adamw_step each, the same numbers (the update is elementwise). Their moments are slices of
+  // one run tensor.
   m_.resize(params_.size());
   v_.resize(params_.size());
-  for (size_t k = 0; k < order.size();) {
-    size_t e = k + 1;
-    int64_t n = params_[order[k]].value.numel();
-    while (e < order.size()) {
-      const ParamRef &prev = params_[order[e - 1]], &next = params_[order[e]];
-      if (next.value.data != end_of(prev.value) || next.grad.data != end_of(prev.grad) ||
-          next.weight_decay != prev.weight_decay)
-        break;
-      n += next.value.numel();
-      ++e;
-    }
-    const ParamRef& first = params_[order[k]];
-    Run run{TensorView(first.value.data, DType::f32, {n}, first.value.device),
-            TensorView(first.grad.data, DType::f32, {n}, first.grad.device), backend.empty(md, {n}),
-            backend.empty(md, {n}), first.weight_decay};
-    for (int64_t off = 0; k < e; ++k) {
-      const int64_t c = params_[order[k]].value.numel();
-      m_[order[k]] = slice(run.m, off, c);
-      v_[order[k]] = slice(run.v, off, c);
-      off += c;
+  for (const ParamRun& r : contiguous_runs(params_, true)) {
+    Run run{r.value(params_), r.grad(params_), backend.empty(md, {r.numel}), backend.empty(md, {r.numel}),
+            params_[r.index[0]].weight_decay};
+    for (size_t j = 0; j < r.index.size(); ++j) {
+      const int64_t c = params_[r.index[j]].value.numel();
+      m_[r.index[j]] = slice(run.m, r.offset[j], c);
+      v_[r.index[j]] = slice(run.v, r.offset[j], c);
     }
     runs_.push_back(std::move(run));
   }
