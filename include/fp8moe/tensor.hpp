@@ -41,8 +41,9 @@ struct TensorView {
 void check_tensor(const TensorView& t, const char* arg, DType dtype, int ndim);
 void check_tensor(const TensorView& t, const char* arg, std::initializer_list<DType> dtypes, int ndim);
 void check_shape(const TensorView& t, const char* arg, std::initializer_list<int64_t> shape);
-// Columns [col, col + ncols) of the 2-D t exist; the message names op and arg.
-void check_column_range(const TensorView& t, const char* op, const char* arg, int64_t col, int64_t ncols);
+// Backend::copy_cols's shapes: 2-D src and dst with the same rows, columns [src_col, src_col +
+// ncols) of src and [dst_col, dst_col + ncols) of dst existing; messages start "copy_cols: ".
+void check_copy_cols(const TensorView& src, int64_t src_col, const TensorView& dst, int64_t dst_col, int64_t ncols);
 
 class Tensor {
  public:

@@ -99,6 +99,12 @@ struct GemmMaps {
 };
 
 // Values [rows, K] e4m3, boxes [box_rows, 128] 128B-swizzled (K-major tiles for WGMMA).
+// A tile forced on a grouped GEMM must be one the grouped kernels run.
+inline void check_grouped_tile(const GemmTile& t, const char* op) {
+  FP8MOE_CHECK(grouped_tile_ok(t), op << ": tile " << t.block_m << "x" << t.block_n
+                                      << " unsupported (grouped tiles have at most 128 rows and no multicast)");
+}
+
 inline CUtensorMap make_values_map(const TensorView& v, uint32_t box_rows, const char* what) {
   return make_tmap_2d(v.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(v.size(1)), uint64_t(v.size(0)),
                       uint64_t(v.size(1)), kBlockK, box_rows, CU_TENSOR_MAP_SWIZZLE_128B, what);

@@ -41,8 +41,7 @@ void grouped_wgrad_fp8_cuda(const QuantizedView& dy_t, const QuantizedView& x_t,
   }
 
   const GemmTile t = tile ? *tile : grouped_gemm_tile(G * N, K, R / G, true);
-  FP8MOE_CHECK(grouped_tile_ok(t), op << ": tile " << t.block_m << "x" << t.block_n
-                                      << " unsupported (grouped tiles have at most 128 rows and no multicast)");
+  check_grouped_tile(t, op);
   GemmMaps maps{};
   maps.a = make_values_map(dy_t.values, uint32_t(t.block_m), "dy_t.values");
   maps.b = make_values_map(x_t.values, uint32_t(t.block_n), "x_t.values");

@@ -153,10 +153,7 @@ void cuda_copy_cols(const TensorView& src, int64_t src_col, const TensorView& ds
                     bool accumulate) {
   check_2d_any(src, "copy_cols", "src");
   check_2d_any(dst, "copy_cols", "dst");
-  FP8MOE_CHECK(src.size(0) == dst.size(0), "copy_cols: src " << src.str() << " and dst " << dst.str()
-                                                             << " differ in rows");
-  check_column_range(src, "copy_cols", "src", src_col, ncols);
-  check_column_range(dst, "copy_cols", "dst", dst_col, ncols);
+  check_copy_cols(src, src_col, dst, dst_col, ncols);
   const int64_t R = src.size(0), Cs = src.size(1), Cd = dst.size(1);
   if (R == 0 || ncols == 0) return;
   if (src.dtype == dst.dtype && !accumulate) {

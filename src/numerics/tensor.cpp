@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <tuple>
 
 namespace fp8moe {
 
@@ -82,9 +83,11 @@ void check_shape(const TensorView& t, const char* arg, std::initializer_list<int
   FP8MOE_CHECK(ok, arg << ": expected shape " << want.str() << ", got " << t.str());
 }
 
-void check_column_range(const TensorView& t, const char* op, const char* arg, int64_t col, int64_t ncols) {
-  FP8MOE_CHECK(col >= 0 && ncols >= 0 && col + ncols <= t.size(1),
-               op << ": columns [" << col << ", " << col + ncols << ") outside " << arg << " " << t.str());
+void check_copy_cols(const TensorView& src, int64_t src_col, const TensorView& dst, int64_t dst_col, int64_t ncols) {
+  FP8MOE_CHECK(src.size(0) == dst.size(0), "copy_cols: src " << src.str() << " and dst " << dst.str() << " differ in rows");
+  for (const auto& [t, arg, col] : {std::tuple{&src, "src", src_col}, std::tuple{&dst, "dst", dst_col}})
+    FP8MOE_CHECK(col >= 0 && ncols >= 0 && col + ncols <= t->size(1),
+                 "copy_cols: columns [" << col << ", " << col + ncols << ") outside " << arg << " " << t->str());
 }
 
 Tensor::Tensor(std::shared_ptr<void> storage, DType t, std::initializer_list<int64_t> dims, Device dev)
