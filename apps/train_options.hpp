@@ -21,7 +21,11 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   cmd->add_option("--clip", o.clip, "gradient norm clip (0: off)")->capture_default_str();
   cmd->add_option("--moments", o.moments, "AdamW moment precision: bf16 | f32")->capture_default_str();
-  cmd->add_option("--ema-decay", o.ema_decay, "decay of the CPU-memory parameter EMA")->capture_default_str();
+  cmd->add_option("--ema-decay", o.ema_decay, "decay per step of the CPU-memory parameter EMA")->capture_default_str();
+  cmd->add_option("--ema-every", o.ema_every,
+                  "steps between EMA snapshots, each weighted as that many steps (large models: the snapshot "
+                  "moves every weight to host memory)")
+      ->capture_default_str();
   cmd->add_option("--mtp-weight-after", o.mtp_weight_after,
                   "MTP loss weight from --mtp-switch on (the report: 0.3, then 0.1); < 0: the config's throughout")
       ->capture_default_str();

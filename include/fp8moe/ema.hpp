@@ -16,8 +16,8 @@ namespace fp8moe {
 
 class ParameterEma {
  public:
-  // The parameters live on `backend`'s device.
-  ParameterEma(const std::vector<ParamRef>& params, float decay, Backend& backend);
+  // The parameters live on `backend`'s device; `threads` host threads fold each snapshot in.
+  ParameterEma(const std::vector<ParamRef>& params, float decay, Backend& backend, int threads = 1);
   ~ParameterEma();
   ParameterEma(const ParameterEma&) = delete;
   ParameterEma& operator=(const ParameterEma&) = delete;
@@ -40,9 +40,11 @@ class ParameterEma {
 
  private:
   void worker();
+  void fold();  // average = decay * average + (1 - decay) * staging, over threads_
   std::vector<ParamRef> params_;
   float decay_;
   Backend& backend_;
+  int threads_;
   std::vector<Tensor> ema_;
   struct Snapshot {  // parameters contiguous in memory, copied at once
     TensorView source;

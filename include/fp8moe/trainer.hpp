@@ -28,7 +28,8 @@ struct TrainOptions {
   float lr = 1e-3f, min_lr_ratio = 0.1f, warmup_frac = 0.05f, weight_decay = 0.1f, clip = 1.0f;
   float beta1 = 0.9f, beta2 = 0.95f;
   std::string moments = "bf16";     // bf16 | f32
-  float ema_decay = 0.999f;
+  float ema_decay = 0.999f;         // per step
+  int64_t ema_every = 1;            // steps between EMA snapshots (each folds in with decay^ema_every)
   // MTP loss weight schedule (report §4.2: 0.3 for the first 10T of 14.8T tokens, then 0.1): from
   // step mtp_switch * steps on, the weight is mtp_weight_after; < 0 keeps the config's throughout.
   double mtp_weight_after = -1, mtp_switch = 10.0 / 14.8;

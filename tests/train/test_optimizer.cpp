@@ -101,3 +101,28 @@ TEST(Ema, BackgroundUpdatesMatchSequentialAverage) {
   EXPECT_EQ(ema.updates(), 30);
   for (int i = 0; i < 300; ++i) EXPECT_NEAR(ema.averages()[0].ptr<float>()[i], ref[size_t(i)], 1e-4);
 }
+
+TEST(Ema, ThreadedFoldIsBitIdenticalToOneThread) {
+  // Two parameters, one spanning several of the fold's chunks: the split must not change any bit.
+  auto rng = fp8moe::testing::make_rng();
+  Tensor a = fp8moe::testing::random_normal(rng, DType::f32, {3 * 65536 + 17});
+  Tensor b = fp8moe::testing::random_normal(rng, DType::f32, {1000});
+  Tensor ga = Tensor::host_like(a.view()), gb = Tensor::host_like(b.view());
+  auto cpu = make_backend("cpu");
+  const std::vector<ParamRef> refs{{"a", a, ga, true}, {"b", b, gb, true}};
+  ParameterEma one(refs, 0.99f, *cpu, 1), four(refs, 0.99f, *cpu, 4);
+  std::normal_distribution<float> dist;
+  for (int step = 0; step < 3; ++step) {
+    for (int64_t i = 0; i < a.numel(); ++i) a.ptr<float>()[i] += dist(rng);
+    for (int64_t i = 0; i < b.numel(); ++i) b.ptr<float>()[i] += dist(rng);
+    one.update_async();
+    four.update_async();
+    one.wait();
+    four.wait();
+  }
+  for (size_t p = 0; p < 2; ++p)
+    EXPECT_EQ(std::memcmp(one.averages()[p].ptr<float>(), four.averages()[p].ptr<float>(),
+                          size_t(one.averages()[p].numel()) * sizeof(float)),
+              0)
+        << refs[p].name;
+}
