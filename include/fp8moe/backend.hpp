@@ -111,6 +111,7 @@ class Backend {
   // contiguous row-major; T = tokens. Defaults throw "<op>: unsupported on backend <name>".
   // d [M, N] (+)= op(a) * op(b): op(a) = a [M, K] or, with trans_a, a^T for a [K, M]; op(b) = b
   // [K, N] or, with trans_b, b^T for b [N, K]. Linear: y = x w^T is gemm(x, w, y, false, true).
+  // Also a, b bf16 with d f32: FP32 accumulation of the exact products (the bf16 recipe).
   virtual void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b,
                     bool accumulate);
   // dst = src elementwise between f32, f64 and bf16 (same element count).

@@ -37,6 +37,9 @@ struct Recipe {
   DType attn_out_cache = DType::f32;     // dtype of the cached attention-out Linear input
 
   bool is_fp8() const { return linear == LinearPrecision::fp8; }
+  // The routed experts run over all segments of the expert-sorted layout at once (grouped FP8
+  // GEMMs, or one BF16 GEMM per segment) rather than one MLP per expert.
+  bool groups_experts() const { return (is_fp8() && !per_tensor) || linear == LinearPrecision::bf16; }
   // Bytes per element a cached Linear input takes (scales included for FP8: 4 bytes per 128).
   double cache_bytes_per_element(bool attn_out = false) const;
 

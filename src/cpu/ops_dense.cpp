@@ -148,6 +148,19 @@ void check_2d_any(const TensorView& t, const char* op, const char* arg) {
 }  // namespace
 
 void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b, bool accumulate) {
+  if (a.dtype == DType::bf16 || b.dtype == DType::bf16) {
+    // BF16 operands widen to FP32 exactly; the FP32 GEMM then accumulates their exact products.
+    check_op_tensor(a, "gemm", "a", DType::bf16, 2);
+    check_op_tensor(b, "gemm", "b", DType::bf16, 2);
+    check_op_tensor(d, "gemm", "d", DType::f32, 2);
+    std::vector<float> af(size_t(a.numel())), bf(size_t(b.numel()));
+    const TensorView av(af.data(), DType::f32, {a.size(0), a.size(1)}, Device::cpu);
+    const TensorView bv(bf.data(), DType::f32, {b.size(0), b.size(1)}, Device::cpu);
+    convert(a, av);
+    convert(b, bv);
+    gemm_driver<float>(av, bv, d, trans_a, trans_b, accumulate);
+    return;
+  }
   dispatch_float(d, "gemm", "d", [&](auto tag) {
     using T = decltype(tag);
     constexpr DType dt = sizeof(T) == 4 ? DType::f32 : DType::f64;

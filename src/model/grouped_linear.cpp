@@ -8,6 +8,9 @@
 // The same numbers as one Linear per expert on that expert's rows: 1x128 tiles are per row,
 // 128x128 blocks never span two experts (N, K % 128 == 0), and 128-token Wgrad blocks never span
 // two segments.
+// The BF16 recipe shares the layout: each operand converts to BF16 once for all experts (the
+// stacked weights, dy), then one BF16 GEMM (FP32 accumulation) per non-empty segment, with the
+// transposes in the GEMM's flags rather than in memory.
 #include "model_internal.hpp"
 
 namespace fp8moe::model {
@@ -28,6 +31,28 @@ TensorView stacked(const Tensor& first, int64_t groups) {
   return v;
 }
 
+Tensor bf16_of(Ctx& c, const TensorView& x) {
+  Tensor o = c.be.empty(DType::bf16, {x.size(0), x.size(1)});
+  c.be.convert(x, o.view());
+  return o;
+}
+
+// d[g's rows] (+)= op(a[g]) op(b[g]) for every non-empty segment g: `a_rows`, `b_rows`, `d_rows`
+// say which of a, b, d are indexed by the segment's rows (else by its block of `block` rows).
+void per_segment(Ctx& c, const ExpertGroups& eg, const TensorView& a, const TensorView& b, const TensorView& d,
+                 bool trans_a, bool trans_b, bool accumulate, int64_t block, bool d_rows) {
+  for (int64_t g = 0; g < eg.groups; ++g) {
+    const int64_t r0 = eg.start[size_t(g)], n = eg.count[size_t(g)];
+    if (n == 0) continue;
+    if (d_rows)  // Fprop / Dgrad: rows of a and d, block g of b
+      c.be.gemm(rows_view(a, r0, n), rows_view(b, g * block, block), rows_view(d, r0, n), trans_a, trans_b,
+                accumulate);
+    else  // Wgrad: rows of a and b, block g of d
+      c.be.gemm(rows_view(a, r0, n), rows_view(b, r0, n), rows_view(d, g * block, block), trans_a, trans_b,
+                accumulate);
+  }
+}
+
 }  // namespace
 
 void check_stacked(const std::vector<Parameter*>& per_expert) {
@@ -43,6 +68,10 @@ void check_stacked(const std::vector<Parameter*>& per_expert) {
 }
 
 void grouped_linear_forward(Ctx& c, const ExpertGroups& eg, const Cached& x, Parameter& w0, const Tensor& y) {
+  if (c.recipe.linear == LinearPrecision::bf16) {  // y[g] = x[g] W[g]^T
+    const Tensor wb = bf16_of(c, stacked(w0.weight, eg.groups));
+    return per_segment(c, eg, x.full.view(), wb.view(), y.view(), false, true, false, w0.weight.size(0), true);
+  }
   const TensorView W = stacked(w0.weight, eg.groups);  // [G * N, K]
   QuantizedTensor wq = c.be.empty_quantized(W.size(0), W.size(1), DType::e4m3, ScaleKind::block_128x128);
   c.be.quantize_128x128(W, wq, c.recipe.scale_mode);
@@ -51,6 +80,10 @@ void grouped_linear_forward(Ctx& c, const ExpertGroups& eg, const Cached& x, Par
 
 void grouped_linear_backward_input(Ctx& c, const ExpertGroups& eg, const Tensor& dy, Parameter& w0, const Tensor& dx,
                                    bool accumulate, ScaleMode dy_mode) {
+  if (c.recipe.linear == LinearPrecision::bf16) {  // dx[g] (+)= dy[g] W[g]
+    const Tensor dyb = bf16_of(c, dy.view()), wb = bf16_of(c, stacked(w0.weight, eg.groups));
+    return per_segment(c, eg, dyb.view(), wb.view(), dx.view(), false, false, accumulate, w0.weight.size(0), true);
+  }
   const int64_t G = eg.groups, N = w0.weight.size(0), K = w0.weight.size(1), R = dy.size(0);
   QuantizedTensor dyq = c.be.empty_quantized(R, N, DType::e4m3, ScaleKind::tile_1x128);
   c.be.quantize_1x128(dy.view(), dyq, dy_mode);
@@ -64,6 +97,11 @@ void grouped_linear_backward_input(Ctx& c, const ExpertGroups& eg, const Tensor&
 
 void grouped_linear_backward_weight(Ctx& c, const ExpertGroups& eg, const Cached& x, const Tensor& dy, Parameter& w0,
                                     ScaleMode dy_mode) {
+  if (c.recipe.linear == LinearPrecision::bf16) {  // dW[g] += dy[g]^T x[g]
+    const Tensor dyb = bf16_of(c, dy.view());
+    return per_segment(c, eg, dyb.view(), x.full.view(), stacked(w0.grad, eg.groups), true, false, true,
+                       w0.weight.size(0), false);
+  }
   const int64_t N = w0.weight.size(0), K = w0.weight.size(1), R = dy.size(0);
   QuantizedTensor a = c.be.empty_quantized(N, R, DType::e4m3, ScaleKind::tile_1x128);  // dy^T along tokens
   c.be.quantize_128x1(dy.view(), a, dy_mode);

@@ -95,7 +95,7 @@ MemoryAccount predict_memory(const ModelConfig& c, const Recipe& r, int64_t T,
     const auto load = [&](int64_t e) {
       return loads ? (*loads)[size_t(moe_index)][size_t(e)] : (T * K) / E + (e < (T * K) % E ? 1 : 0);
     };
-    if (r.linear == LinearPrecision::fp8 && !r.per_tensor) {  // grouped GEMMs: all segments at once
+    if (r.groups_experts()) {  // all segments at once
       int64_t rows = 0;
       for (int64_t e = 0; e < E; ++e) rows += round_up(load(e), 128);
       a.cached("experts.in", rows, D, true);

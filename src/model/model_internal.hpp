@@ -79,6 +79,7 @@ struct ExpertGroups {
   int64_t groups = 0;
   Tensor row_group;  // [R] i32
   Tensor offsets;    // [G + 1] i32
+  std::vector<int64_t> start, count;  // host: each group's first row and rows (padded to 128)
 };
 // Raises unless the Parameters (one matrix kind, expert by expert) are rows of one stacked tensor.
 void check_stacked(const std::vector<Parameter*>& per_expert);

@@ -11,7 +11,9 @@
 // moe_permute gathers rows there, moe_combine sums the weighted expert outputs back per token.
 // The FP8 recipe runs the experts' Linears as grouped FP8 GEMMs over all segments at once (the
 // permuted input quantized to 1x128 tiles with power-of-two scales in the same pass, as the
-// report quantizes before dispatch); the other recipes run one Linear per expert on its rows.
+// report quantizes before dispatch); the BF16 recipe runs its elementwise work over all segments
+// at once too, with one BF16 GEMM per expert segment (grouped_linear.cpp); the other recipes
+// (fp32/fp64 oracles, the per-tensor ablation) run one MLP per expert on its rows.
 // The output gradients before the routed experts' down projection use power-of-two scales too.
 // The combine weight's gradient dy . expert_out is obtained without keeping expert outputs:
 // rows_dot(d swiglu_out, swiglu_out) of the expert fed w * dy equals w * (dy . expert_out).
@@ -42,7 +44,7 @@ class MoeLayer final : public Layer {
       const std::string ep = pre + "mlp.experts." + std::to_string(e) + ".";
       experts_.push_back({get(ep + "gate_proj.weight"), get(ep + "up_proj.weight"), get(ep + "down_proj.weight")});
     }
-    grouped_ = c.recipe.linear == LinearPrecision::fp8 && !c.recipe.per_tensor;
+    grouped_ = c.recipe.groups_experts();
     if (grouped_) {
       std::vector<Parameter*> g, u, d;
       for (const MlpParams& p : experts_) {
@@ -64,7 +66,6 @@ class MoeLayer final : public Layer {
     Tensor row_slot, slot_row;   // [R used], [T, k] i32: the layout (row_slot a prefix of the table)
     std::vector<MemoryItem> layout_kept;  // the layout tables as allocated
     ExpertGroups groups;         // row_group [R], offsets [E + 1]
-    std::vector<int64_t> start, count;  // host: first row and rows (tokens, padded to 128) per expert
     MlpState experts;            // grouped: all rows at once
     std::vector<MlpState> expert;  // per expert: its rows
     Tensor dh, dlogits;          // kept from B for W: [T, D], [T, E]
@@ -102,19 +103,25 @@ class MoeLayer final : public Layer {
     Tensor ye = c_.zeros({R, D});  // expert outputs, expert-sorted rows
     if (grouped_) {
       MlpParams p = grouped_params(*s);
-      s->experts.in.rows = R;
-      s->experts.in.q = c_.be.empty_quantized(R, D, DType::e4m3, ScaleKind::tile_1x128);
-      c_.be.moe_permute_quantize(h.view(), s->row_slot.view(), K, TensorView(), s->experts.in.q, pow2);
+      if (c_.recipe.is_fp8()) {  // gather and quantize in one pass
+        s->experts.in.rows = R;
+        s->experts.in.q = c_.be.empty_quantized(R, D, DType::e4m3, ScaleKind::tile_1x128);
+        c_.be.moe_permute_quantize(h.view(), s->row_slot.view(), K, TensorView(), s->experts.in.q, pow2);
+      } else {
+        Tensor xe = c_.zeros({R, D});
+        c_.be.moe_permute(h.view(), s->row_slot.view(), K, TensorView(), xe.view());
+        s->experts.in = linear_input(c_, xe.view(), pow2);
+      }
       mlp_forward(c_, p, s->experts, ye, pow2);
     } else {
       Tensor xe = c_.zeros({R, D});
       c_.be.moe_permute(h.view(), s->row_slot.view(), K, TensorView(), xe.view());
       s->expert.assign(size_t(E), MlpState{});
       for (int64_t e = 0; e < E; ++e) {
-        if (s->count[size_t(e)] == 0) continue;
+        if (s->groups.count[size_t(e)] == 0) continue;
         MlpState& st = s->expert[size_t(e)];
-        st.in = linear_input(c_, rows_view(xe.view(), s->start[size_t(e)], s->count[size_t(e)]), pow2);
-        mlp_forward(c_, experts_[size_t(e)], st, rows_of(ye, s->start[size_t(e)], s->count[size_t(e)]), pow2);
+        st.in = linear_input(c_, rows_view(xe.view(), s->groups.start[size_t(e)], s->groups.count[size_t(e)]), pow2);
+        mlp_forward(c_, experts_[size_t(e)], st, rows_of(ye, s->groups.start[size_t(e)], s->groups.count[size_t(e)]), pow2);
       }
     }
     c_.be.moe_combine(ye.view(), s->slot_row.view(), s->w.view(), y.view(), true);
@@ -157,7 +164,7 @@ class MoeLayer final : public Layer {
       mlp_backward_input(c_, grouped_params(s), s.experts, dye, dxe, false, pow2, &cg);
     } else {
       for (int64_t e = 0; e < E; ++e) {
-        const int64_t r0 = s.start[size_t(e)], n = s.count[size_t(e)];
+        const int64_t r0 = s.groups.start[size_t(e)], n = s.groups.count[size_t(e)];
         if (n == 0) continue;
         Tensor cge = rows_of(cg, r0, n);
         mlp_backward_input(c_, experts_[size_t(e)], s.expert[size_t(e)], rows_of(dye, r0, n), rows_of(dxe, r0, n),
@@ -220,16 +227,16 @@ class MoeLayer final : public Layer {
     for (int64_t i = 0; i < T * K; ++i) ++s.loads[size_t(s.idx_h.ptr<int32_t>()[i])];
     // Each expert runs on its whole padded segment: the padding rows are zeros and add nothing,
     // and GEMM shapes repeat across steps (multiples of 128 rows).
-    s.start.assign(size_t(E), 0);
-    s.count.assign(size_t(E), 0);
+    s.groups.start.assign(size_t(E), 0);
+    s.groups.count.assign(size_t(E), 0);
     for (int64_t e = 0; e < E; ++e) {
-      s.count[size_t(e)] = round_up(s.loads[size_t(e)], kAlign);
-      if (e > 0) s.start[size_t(e)] = s.start[size_t(e - 1)] + s.count[size_t(e - 1)];
+      s.groups.count[size_t(e)] = round_up(s.loads[size_t(e)], kAlign);
+      if (e > 0) s.groups.start[size_t(e)] = s.groups.start[size_t(e - 1)] + s.groups.count[size_t(e - 1)];
     }
     // The device op fills tables of the bound's size (it cannot know the loads without a host
     // synchronization); the rows past the last segment are padding (-1), so the activations use
     // only the rows the loads need.
-    const int64_t R = moe_layout_rows(T * K, E, kAlign), used = s.start[size_t(E - 1)] + s.count[size_t(E - 1)];
+    const int64_t R = moe_layout_rows(T * K, E, kAlign), used = s.groups.start[size_t(E - 1)] + s.groups.count[size_t(E - 1)];
     Tensor row_slot = c_.be.empty(DType::i32, {R}), row_group = c_.be.empty(DType::i32, {R});
     s.slot_row = c_.be.empty(DType::i32, {T, K});
     s.groups.groups = E;
@@ -285,7 +292,7 @@ class MoeLayer final : public Layer {
   Parameter *norm_ = nullptr, *gate_ = nullptr, *bias_ = nullptr;
   MlpParams shared_;
   std::vector<MlpParams> experts_;
-  bool grouped_ = false;  // the FP8 recipe's grouped GEMMs (fine-grained scaling on any backend)
+  bool grouped_ = false;  // Recipe::groups_experts
 };
 
 }  // namespace
