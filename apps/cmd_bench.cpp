@@ -25,7 +25,7 @@ void add_bench(CLI::App& app) {
   auto* gemm = bench->add_subcommand("gemm", "FP8 block-scaled GEMM: ours vs cuBLASLt FP8 and BF16");
   gemm->add_option("--iters", g->iters, "timed runs per case (median)");
   gemm->add_option("--warmup", g->warmup, "untimed runs per case");
-  gemm->add_option("--set", g->set, "all | fprop | wgrad | m4096 | small | tails");
+  gemm->add_option("--set", g->set, "all | fprop | wgrad | m4096 | small | tails | emulated (the Tensor Core accumulation emulation)");
   gemm->add_option("--check-rows", g->check_rows, "rows of D checked against the FP64 reference");
   auto no_check = std::make_shared<bool>(false);
   gemm->add_flag("--no-check", *no_check, "skip the correctness columns");

@@ -5,7 +5,7 @@
 # $OUT (default ./gpu_check_out) and prints a short table last.
 #
 #   scripts/gpu_check.sh                      # configure + build in build-gpu/, then check
-#   FP8MOE_BIN=<dir> scripts/gpu_check.sh     # use <dir>/{fp8moe,test_cuda_quantize,test_cuda_gemm}
+#   FP8MOE_BIN=<dir> scripts/gpu_check.sh     # use <dir>/{fp8moe,test_cuda_quantize,test_cuda_gemm,test_cuda_gemm_emulated}
 #   FP8MOE_BENCH_SET=m4096 FP8MOE_ITERS=20 ... # bench subset / timed runs per case
 #   FP8MOE_BENCH_TILES=128x128,256x128/direct ... # also time these tiles on every GEMM case (D checked bit for bit)
 # Every step has a time limit, so a hung kernel shows up as a TIMEOUT row instead of a stuck run.
@@ -15,18 +15,21 @@ mkdir -p "$OUT"
 ITERS=${FP8MOE_ITERS:-30}
 SET=${FP8MOE_BENCH_SET:-all}
 source "$(dirname "$0")/gpu_common.sh"
-gpu_bins fp8moe_cli test_cuda_quantize test_cuda_gemm
+gpu_bins fp8moe_cli test_cuda_quantize test_cuda_gemm test_cuda_gemm_emulated
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 
 step "test_cuda_quantize" 60 "$OUT/tests.log" "$BIN_T/test_cuda_quantize"
 step "test_cuda_gemm" 90 "$OUT/tests.log" "$BIN_T/test_cuda_gemm"
+step "test_cuda_gemm_emulated" 120 "$OUT/tests.log" "$BIN_T/test_cuda_gemm_emulated"
 GEMM_HUNG=$(printf '%s\n' "${ROWS[@]}" | grep -c "test_cuda_gemm | TIMEOUT")
 if [ "$GEMM_HUNG" = 0 ]; then
   step "memcheck gemm" 90 "$OUT/memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
     "$BIN_T/test_cuda_gemm" --gtest_filter='CudaGemm.SmallIntegers*:CudaGemm.Accumulates*:CudaGemm.RejectsBad*'
 fi
+step "memcheck emulated" 120 "$OUT/memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
+  "$BIN_T/test_cuda_gemm_emulated" --gtest_filter='*Masked*:*Wgrad*:*ZeroTiles*:*NanWhere*:*Padded*'
 step "memcheck quantize" 90 "$OUT/memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
   "$BIN_T/test_cuda_quantize" --gtest_filter='*Rows1x128*:*Transposed*:*Requantize*:*Blocks*'
 { cuobjdump --dump-sass "$BIN_T/test_cuda_gemm" 2>/dev/null | grep -c QGMMA; } >"$OUT/sass.txt" 2>&1

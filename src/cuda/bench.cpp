@@ -60,6 +60,54 @@ std::vector<GemmCase> gemm_cases(const std::string& set) {
   return v;
 }
 
+// The emulated Tensor Core accumulation (gemm_fp8_emulated.cu) at the fp8-no-promotion recipe's
+// setting (14 bits, never promoted): its time, and calc_diff against our kernel's D (Tensor Core
+// accumulation promoted every 128) as a sanity check (< 1e-3, no NaN). Returns false on a failure.
+bool emulated_rows(const GemmBenchOptions& opt, uint64_t seed, Timer& timer) {
+  const GemmCase cases[] = {{"fprop", 4096, 2112, 7168}, {"fprop", 4096, 7168, 2048}, {"fprop", 8192, 768, 768},
+                            {"fprop", 8192, 3072, 768},  {"wgrad", 768, 3072, 8192}};
+  GemmOptions emu;
+  emu.accum = {AccumMode::tensor_core, 14, 0};
+  std::printf("# emulated Tensor Core accumulation (accum tensor_core, 14 bits, N_c = 0: never promoted); "
+              "vs_ours: calc_diff against our kernel's D (promotion every 128)\n");
+  std::printf("| kind | M | N | K | emulated us | emulated TFLOPS | ours/emulated time | vs_ours |\n|---|---|---|---|---|---|---|---|\n");
+  bool all_ok = true;
+  int case_id = 100;
+  for (const GemmCase& gc : cases) {
+    ++case_id;
+    const int64_t M = gc.M, N = gc.N, K = gc.K;
+    const bool wgrad = std::strcmp(gc.kind, "wgrad") == 0;
+    const DType ddt = wgrad ? DType::f32 : DType::bf16;
+    const size_t dbytes = size_t(M * N) * dtype_size(ddt);
+    DeviceBuffer a16(size_t(M * K) * 2), b16(size_t(N * K) * 2);
+    fill_normal_bf16(a16.p, M * K, seed + 2 * uint64_t(case_id));
+    fill_normal_bf16(b16.p, N * K, seed + 2 * uint64_t(case_id) + 1);
+    DeviceQuantized aq(M, K, ScaleKind::tile_1x128), bq(N, K, wgrad ? ScaleKind::tile_1x128 : ScaleKind::block_128x128);
+    quantize_1x128_cuda(dview(a16.p, DType::bf16, M, K), aq.view, ScaleMode::fp32, nullptr, false);
+    if (wgrad) quantize_1x128_cuda(dview(b16.p, DType::bf16, N, K), bq.view, ScaleMode::fp32, nullptr, false);
+    else quantize_128x128_cuda(dview(b16.p, DType::bf16, N, K), bq.view, ScaleMode::fp32, nullptr, false);
+    DeviceBuffer d_emu(dbytes), d_ours(dbytes);
+    const TensorView dv_emu = dview(d_emu.p, ddt, M, N), dv_ours = dview(d_ours.p, ddt, M, N);
+    const double t_emu = timer.median_us([&] { gemm_fp8_emulated(aq.view, bq.view, dv_emu, emu, nullptr); },
+                                         std::min(opt.warmup, 1), std::min(opt.iters, 5));
+    const double t_ours = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, false, nullptr); }, opt.warmup,
+                                          opt.iters);
+    FP8MOE_CUDA_CHECK(cudaMemset(d_emu.p, 0xFF, dbytes));
+    gemm_fp8_emulated(aq.view, bq.view, dv_emu, emu, nullptr);
+    gemm_fp8_sm90(aq.view, bq.view, dv_ours, false, nullptr);
+    FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<double> e = d_to_doubles(d_emu.p, M, N, wgrad), o = d_to_doubles(d_ours.p, M, N, wgrad);
+    const double cd = calc_diff(e, o);
+    const bool ok = !has_nan(e) && cd < 1e-3;
+    all_ok = all_ok && ok;
+    const double tflops = 2.0 * double(M) * double(N) * double(K) / (t_emu * 1e-6) / 1e12;
+    std::printf("| %s | %lld | %lld | %lld | %.0f | %.2f | %.4f | %.2e |%s\n", gc.kind, (long long)M, (long long)N,
+                (long long)K, t_emu, tflops, t_ours / t_emu, cd, ok ? "" : " FAIL");
+    std::fflush(stdout);
+  }
+  return all_ok;
+}
+
 }  // namespace
 
 int run_gemm_bench(const GemmBenchOptions& opt) {
@@ -68,6 +116,12 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   uint64_t seed = opt.seed ? opt.seed : (uint64_t(std::random_device{}()) << 32 | std::random_device{}());
   std::printf("# fp8moe bench gemm on %s (%d SMs), seed %llu, median of %d (warm-up %d, L2 flushed)\n", prop.name,
               prop.multiProcessorCount, (unsigned long long)seed, opt.iters, opt.warmup);
+  Timer timer;
+  if (opt.set == "emulated") {
+    const bool ok = emulated_rows(opt, seed, timer);
+    std::printf("# correctness: %s\n", ok ? "all passed" : "FAILURES (see FAIL rows)");
+    return ok ? 0 : 1;
+  }
   std::printf("# fprop: A 1x128 x B 128x128 -> bf16;  wgrad: A 1x128 x B 1x128 -> f32, D += A*B^T;  tile BMxBN "
               "(/direct: epilogue without TMA-store staging; /mc2: B multicast over 2-CTA clusters)\n");
   std::printf("# calc_diff: vs FP64 product of the unquantized bf16 inputs (%d sampled rows); kerr: rel. error vs FP64 "
@@ -82,13 +136,13 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);
 
-  Timer timer;
+  const std::vector<GemmCase> cases = gemm_cases(opt.set);
   bool all_ok = true;
   const std::vector<GemmTile> extra = extra_tiles_from_env();
   std::vector<std::vector<double>> extra_speedup(extra.size());  // chosen time / extra time, M=4096 fprop
   std::vector<double> r_m4096, r_small, r_wgrad, r_all;
   int case_id = 0;
-  for (const GemmCase& gc : gemm_cases(opt.set)) {
+  for (const GemmCase& gc : cases) {
     ++case_id;
     const int64_t M = gc.M, N = gc.N, K = gc.K;
     const bool wgrad = std::strcmp(gc.kind, "wgrad") == 0;
@@ -275,6 +329,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     if (!extra_speedup[e].empty())
       std::printf("# geomean tile %s / chosen tile, M=4096 fprop: %.3fx (%zu)\n", tile_name(extra[e]).c_str(),
                   geomean(extra_speedup[e]), extra_speedup[e].size());
+  if (opt.set == "all") all_ok = emulated_rows(opt, seed, timer) && all_ok;
   std::printf("# correctness: %s\n", all_ok ? "all passed" : "FAILURES (see FAIL rows)");
   return all_ok ? 0 : 1;
 }

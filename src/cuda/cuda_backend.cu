@@ -225,8 +225,8 @@ class CudaBackend final : public Backend {
     FP8MOE_TIMED_OP("gemm_fp8");
     // The hardware accumulates each 128-wide K block in the Tensor Cores and promotes to FP32:
     // AccumMode::fp32 (ideal promotion) up to Tensor Core rounding inside a block, and exactly the
-    // tensor_core emulation's N_c = 128. Other accumulation settings exist only in the emulation.
-    check_promotion("gemm_fp8", opt);
+    // tensor_core emulation's N_c = 128. Other promotion intervals run on the emulation kernels.
+    if (cuda::needs_accum_emulation(opt.accum)) return cuda::gemm_fp8_emulated(a, b, d, opt, nullptr);
     // NOTES: cuBLASLt's block-scaled FP8 GEMM returned results 14% off on M = 200, N = 136,
     // K = 384 (H200, CUDA 13.0), while tile-aligned shapes agree; the cublaslt backend sends only
     // shapes with M and N multiples of 128 to it.
@@ -362,19 +362,22 @@ class CudaBackend final : public Backend {
   void grouped_gemm_fp8_contiguous(const QuantizedView& a, const QuantizedView& b, const TensorView& row_group,
                                    int64_t groups, const TensorView& d, const GemmOptions& opt) override {
     FP8MOE_TIMED_OP("grouped_gemm_fp8_contiguous");
-    check_promotion("grouped_gemm_fp8_contiguous", opt);
+    if (cuda::needs_accum_emulation(opt.accum))
+      return cuda::grouped_gemm_fp8_contiguous_emulated(a, b, row_group, groups, d, opt, nullptr);
     cuda::grouped_gemm_fp8_contiguous_cuda(a, b, row_group, groups, d, opt.accumulate, nullptr);
   }
   void grouped_gemm_fp8_masked(const QuantizedView& a, const QuantizedView& b, const TensorView& counts,
                                int64_t groups, const TensorView& d, const GemmOptions& opt) override {
     FP8MOE_TIMED_OP("grouped_gemm_fp8_masked");
-    check_promotion("grouped_gemm_fp8_masked", opt);
+    if (cuda::needs_accum_emulation(opt.accum))
+      return cuda::grouped_gemm_fp8_masked_emulated(a, b, counts, groups, d, opt, nullptr);
     cuda::grouped_gemm_fp8_masked_cuda(a, b, counts, groups, d, opt.accumulate, nullptr);
   }
   void grouped_wgrad_fp8(const QuantizedView& dy_t, const QuantizedView& x_t, const TensorView& offsets,
                          const TensorView& d, const GemmOptions& opt) override {
     FP8MOE_TIMED_OP("grouped_wgrad_fp8");
-    check_promotion("grouped_wgrad_fp8", opt);
+    if (cuda::needs_accum_emulation(opt.accum))
+      return cuda::grouped_wgrad_fp8_emulated(dy_t, x_t, offsets, d, opt, nullptr);
     cuda::grouped_wgrad_fp8_cuda(dy_t, x_t, offsets, d, opt.accumulate, nullptr);
   }
 
@@ -390,13 +393,6 @@ class CudaBackend final : public Backend {
     FP8MOE_TIMED_OP("sum_squares_all"); return cuda::cuda_sum_squares(xs); }
 
  private:
-  void check_promotion(const char* op, const GemmOptions& opt) const {
-    const AccumConfig& ac = opt.accum;
-    FP8MOE_CHECK(ac.mode == AccumMode::fp32 || ac.promote_every == 128,
-                 op << " on " << name() << ": accum.promote_every = " << ac.promote_every
-                    << " unsupported (the kernels promote every 128 K elements; use the cpu backend's emulation)");
-  }
-
   bool cublaslt_;
   cudaMemPool_t pool_ = nullptr;
   // copy_to_host_async: its stream, and the events "queued work reached" and "copies done".

@@ -23,6 +23,29 @@ int gemm_fp8_sm90_max_active_clusters(const GemmTile& tile, bool b_1x128);
 // True when the current device can run the sm_90a kernels.
 bool sm90_available();
 
+// ---- FP8 GEMMs with emulated Tensor Core accumulation (gemm_fp8_emulated.cu) ----
+// gemm_fp8_ref's AccumMode::tensor_core arithmetic, bit for bit (its mantissa_bits and
+// promote_every, NaN payloads aside), on CUDA cores at a small fraction of the Tensor Cores'
+// speed: the accumulation settings the sm_90a kernels cannot run. Same operand contracts as
+// gemm_fp8_sm90 and the grouped kernels of moe_api.hpp (group tables read on the device, no host
+// synchronization, out-of-range table values clamped); opt.accum must be tensor_core.
+void gemm_fp8_emulated(const QuantizedView& a, const QuantizedView& b, const TensorView& d, const GemmOptions& opt,
+                       cudaStream_t stream);
+void grouped_gemm_fp8_contiguous_emulated(const QuantizedView& a, const QuantizedView& b, const TensorView& row_group,
+                                          int64_t groups, const TensorView& d, const GemmOptions& opt,
+                                          cudaStream_t stream);
+void grouped_gemm_fp8_masked_emulated(const QuantizedView& a, const QuantizedView& b, const TensorView& counts,
+                                      int64_t groups, const TensorView& d, const GemmOptions& opt, cudaStream_t stream);
+// K-grouped Wgrad: each group's token segment is one K range of the reference, so promotion points
+// count from the segment's start and N_c = 0 promotes once at its end.
+void grouped_wgrad_fp8_emulated(const QuantizedView& dy_t, const QuantizedView& x_t, const TensorView& offsets,
+                                const TensorView& d, const GemmOptions& opt, cudaStream_t stream);
+// True for the accumulation settings that need the emulation: Tensor Core accumulation with a
+// promotion interval other than the kernels' 128 (FP32 accumulation and N_c = 128 run on them).
+inline bool needs_accum_emulation(const AccumConfig& ac) {
+  return ac.mode == AccumMode::tensor_core && ac.promote_every != 128;
+}
+
 // ---- quantization kernels (quantize.cu) ----
 // Same contracts as the CPU quantizers in quantize.hpp, bit-exact. `check_finite` makes the call
 // synchronous: the kernel flags NaN/Inf inputs and the host raises fp8moe::Error.

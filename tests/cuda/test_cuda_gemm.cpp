@@ -220,13 +220,13 @@ TEST_F(CudaGemm, RejectsBadArguments) {
   TensorView mis(static_cast<uint8_t*>(big.view().data) + 1, DType::e4m3, {64, 256}, Device::cuda);
   EXPECT_THROW(cuda::gemm_fp8_sm90({mis, a.scales.view(), ScaleKind::tile_1x128}, b.view(), d.view(), false, nullptr),
                Error);
-  // Host tensors; promotion settings the hardware cannot do.
+  // Host tensors; a promotion interval that is no multiple of 32 (no kernel, emulated or not).
   QuantizedTensor ah = make_quantized_host(64, 256, DType::e4m3, ScaleKind::tile_1x128);
   EXPECT_THROW(be_->gemm_fp8(ah.view(), b.view(), d.view(), {}), Error);
-  GemmOptions never;
-  never.accum.mode = AccumMode::tensor_core;
-  never.accum.promote_every = 0;
-  EXPECT_THROW(be_->gemm_fp8(a.view(), b.view(), d.view(), never), Error);
+  GemmOptions odd;
+  odd.accum.mode = AccumMode::tensor_core;
+  odd.accum.promote_every = 48;
+  EXPECT_THROW(be_->gemm_fp8(a.view(), b.view(), d.view(), odd), Error);
 }
 
 }  // namespace

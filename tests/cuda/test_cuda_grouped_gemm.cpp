@@ -433,10 +433,10 @@ TEST_F(CudaGroupedGemm, RejectsBadArguments) {
                "d: expected f32 or bf16");
   for (const cuda::GemmTile& t : {cuda::GemmTile{256, 128, false}, cuda::GemmTile{128, 128, true, 2}})
     expect_error([&] { cuda::grouped_gemm_fp8_contiguous_cuda(a, b, rg, G, d, false, nullptr, &t); }, "unsupported");
-  GemmOptions never;
-  never.accum.mode = AccumMode::tensor_core;
-  never.accum.promote_every = 0;
-  expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b, rg, G, d, never); }, "promote_every");
+  GemmOptions odd;  // a promotion interval that is no multiple of 32
+  odd.accum.mode = AccumMode::tensor_core;
+  odd.accum.promote_every = 48;
+  expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b, rg, G, d, odd); }, "promote_every");
   // Masked.
   Tensor cnt = be.empty(DType::i32, {G});
   expect_error([&] { be.grouped_gemm_fp8_masked(a, b, cnt, G, be.empty(DType::f32, {R, N}), acc); },
