@@ -1,5 +1,6 @@
-// `fp8moe bench gemm`, `quant`, `grouped` and `permute`: our CUDA kernels against cuBLASLt and the
-// copy bandwidth, side by side (src/cuda/bench.hpp). Example:  fp8moe bench gemm --iters 30 --set m4096
+// `fp8moe bench gemm`, `quant`, `grouped`, `permute` and `attention`: our CUDA kernels against
+// cuBLASLt and the copy bandwidth, and the attention's two paths, side by side (src/cuda/bench.hpp).
+// Example:  fp8moe bench gemm --iters 30 --set m4096
 #include <memory>
 
 #include "commands.hpp"
@@ -76,8 +77,24 @@ void add_bench(CLI::App& app) {
     if (fp8moe::cuda::run_permute_bench(*p) != 0)
       throw CLI::RuntimeError("bench permute: bit-exactness check failed", 2);
   });
+  auto at = std::make_shared<fp8moe::cuda::AttentionBenchOptions>();
+  auto* attention = bench->add_subcommand("attention", "FP32 causal attention: the cuBLASLt GEMM path vs the "
+                                                       "FlashAttention-style kernels, forward and backward");
+  attention->add_option("--iters", at->iters, "timed runs per case (median)");
+  attention->add_option("--warmup", at->warmup, "untimed runs per case");
+  attention->add_option("--batch", at->batch, "sequences B");
+  attention->add_option("--seq-len", at->seq_len, "tokens per sequence");
+  attention->add_option("--heads", at->heads, "heads H");
+  attention->add_option("--dk", at->dk, "query/key head dim");
+  attention->add_option("--dv", at->dv, "value head dim");
+  attention->add_option("--seed", at->seed, "random seed (0: fresh)");
+  attention->callback([at] {
+    require_gpu();
+    if (fp8moe::cuda::run_attention_bench(*at) != 0)
+      throw CLI::RuntimeError("bench attention: the two paths disagree", 2);
+  });
 #else
-  for (const char* name : {"gemm", "quant", "grouped", "permute"})
+  for (const char* name : {"gemm", "quant", "grouped", "permute", "attention"})
     bench->add_subcommand(name, "needs the CUDA backend")->callback([] {
       throw fp8moe::Error("bench: this build has no CUDA backend");
     });

@@ -1,5 +1,6 @@
 // Benchmarks of the CUDA kernels (`fp8moe bench gemm`, `quant`, `grouped` against cuBLASLt and the
-// copy bandwidth, `fp8moe bench permute` for the MoE dispatch ops).
+// copy bandwidth, `fp8moe bench permute` for the MoE dispatch ops, `fp8moe bench attention` for
+// the attention's two FP32 paths).
 // Each prints one table row per case, measured side by side in one run (warm-up, L2 flushed
 // before every timed launch, median of `iters`), and a geometric mean last. Plain C++ header: the
 // app includes it without CUDA headers.
@@ -48,11 +49,25 @@ struct GroupedBenchOptions {
   uint64_t seed = 0;         // 0: fresh random seed (printed)
 };
 
+// Causal attention (bench_attention.cpp): B sequences of seq_len tokens, H heads of Dk / Dv.
+struct AttentionBenchOptions {
+  int iters = 20;
+  int warmup = 3;
+  int64_t batch = 8;
+  int64_t seq_len = 512;
+  int64_t heads = 16;
+  int64_t dk = 192;
+  int64_t dv = 128;
+  uint64_t seed = 0;     // 0: fresh random seed (printed)
+};
+
 // Return 0 when every correctness check passed (calc_diff < 1e-3 and no NaN; bit-exact for the
 // quantizers and the dispatch ops), 1 otherwise.
 int run_gemm_bench(const GemmBenchOptions& opt);
 int run_quant_bench(const QuantBenchOptions& opt);
 int run_grouped_bench(const GroupedBenchOptions& opt);
 int run_permute_bench(const PermuteBenchOptions& opt);
+// 0 when the GEMM path's outputs agree with the flash kernels' (bench_attention.cpp).
+int run_attention_bench(const AttentionBenchOptions& opt);
 
 }  // namespace fp8moe::cuda

@@ -1,6 +1,13 @@
 // CUDA causal softmax attention within sequences (src/cpu/ops_attention.cpp is the
-// specification), FlashAttention-2 style in FP32 on the CUDA cores (attention stays out of FP8
-// and TF32: the recipe keeps it in the activation precision):
+// specification), in FP32 (attention stays out of FP8 and TF32: the recipe keeps it in the
+// activation precision), on one of two paths (model_ops.hpp, AttentionPath):
+//   gemm    scores materialized per chunk of sequences and the matrix work as cuBLASLt FP32
+//           GEMMs (model_ops_attention_gemm.cu); taken whenever one sequence's score workspace
+//           fits under the cap (512 MiB by default).
+//   flash   the kernels below, FlashAttention-2 style on the CUDA cores, no workspace: the
+//           fallback for sequences too long for the workspace.
+// This file checks the arguments, picks the path, and holds the flash kernels and the Di pass the
+// two backwards share:
 //   forward     one block per (32-query tile, head, sequence); 32-key tiles of K and V staged in
 //               shared memory; online softmax; writes out [T, H, Dv] and lse [H, T].
 //   backward    Di = rowsum(dout * out) first; then dq per query tile (as the forward, P rebuilt
@@ -317,11 +324,27 @@ void check_attention(const TensorView& q, const TensorView& k, const TensorView&
   check_shape(out, (std::string(op) + ": out").c_str(), {N, H, Dv});
   check_shape(lse, (std::string(op) + ": lse").c_str(), {H, N});
   FP8MOE_CHECK(seq_len > 0 && N % seq_len == 0, op << ": seq_len = " << seq_len << " must divide T = " << N);
-  FP8MOE_CHECK(Dk >= 1 && Dk <= kMaxHeadDim && Dv >= 1 && Dv <= kMaxHeadDim,
+  FP8MOE_CHECK(Dk >= 1 && Dv >= 1, op << ": head dims Dk = " << Dk << ", Dv = " << Dv << " must be positive");
+}
+
+// The GEMM path's sequences per chunk for this call, or 0 for the flash kernels.
+int64_t gemm_chunk(AttentionPath path, int64_t B, int64_t S, int64_t H, int buffers, size_t cap, const char* op) {
+  if (path == AttentionPath::flash) return 0;
+  const int64_t chunk = attention_gemm_chunk(B, S, H, buffers, cap);
+  FP8MOE_CHECK(chunk > 0 || path == AttentionPath::automatic,
+               op << ": the GEMM path needs " << buffers * cuda_attention_score_bytes(S, H)
+                  << " bytes of score workspace for one sequence (H = " << H << ", seq_len = " << S
+                  << "), over the cap of " << cap << " bytes");
+  return chunk;
+}
+
+// The flash kernels' limits: head dims up to kMaxHeadDim, H and B within a grid dimension.
+void check_flash(int64_t H, int64_t B, int Dk, int Dv, const char* op) {
+  FP8MOE_CHECK(Dk <= kMaxHeadDim && Dv <= kMaxHeadDim,
                op << ": head dims Dk = " << Dk << ", Dv = " << Dv << " must be in [1, " << kMaxHeadDim
-                  << "] on cuda");
-  FP8MOE_CHECK(H <= 65535 && N / seq_len <= 65535, op << ": H = " << H << " and B = " << N / seq_len
-                                                      << " must be at most 65535 on cuda");
+                  << "] for cuda's flash kernels (the GEMM path takes any, within its workspace cap)");
+  FP8MOE_CHECK(H <= 65535 && B <= 65535,
+               op << ": H = " << H << " and B = " << B << " must be at most 65535 for cuda's flash kernels");
 }
 
 // Launches kernel<kCols> with kCols = the smallest of 1, 2, 4, 8 covering ceil(max(Dk, Dv) / 32).
@@ -347,11 +370,18 @@ void allow_smem(Kernel kernel, size_t bytes) {
 }  // namespace
 
 void cuda_attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                            const TensorView& lse, int64_t seq_len, double scale) {
-  check_attention(q, k, v, out, lse, seq_len, "attention_forward");
+                            const TensorView& lse, int64_t seq_len, double scale, AttentionPath path,
+                            size_t workspace_cap) {
+  const char* op = "attention_forward";
+  check_attention(q, k, v, out, lse, seq_len, op);
   const int64_t T = q.size(0), H = q.size(1), S = seq_len, B = T / S;
-  const int Dk = int(q.size(2)), Dv = int(v.size(2));
   if (T == 0 || H == 0) return;
+  if (const int64_t chunk = gemm_chunk(path, B, S, H, 1, workspace_cap, op)) {
+    attention_gemm_forward(q, k, v, out, lse, seq_len, scale, chunk);
+    return;
+  }
+  const int Dk = int(q.size(2)), Dv = int(v.size(2));
+  check_flash(H, B, Dk, Dv, op);
   const dim3 grid(unsigned(ceil_div(S, kTile)), unsigned(H), unsigned(B));
   dispatch_cols(Dk, Dv, [&](auto cols) {
     constexpr int kCols = decltype(cols)::value;
@@ -366,7 +396,8 @@ void cuda_attention_forward(const TensorView& q, const TensorView& k, const Tens
 
 void cuda_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                              const TensorView& lse, const TensorView& dout, const TensorView& dq,
-                             const TensorView& dk, const TensorView& dv, int64_t seq_len, double scale) {
+                             const TensorView& dk, const TensorView& dv, int64_t seq_len, double scale,
+                             AttentionPath path, size_t workspace_cap) {
   const char* op = "attention_backward";
   check_attention(q, k, v, out, lse, seq_len, op);
   const int64_t T = q.size(0), H = q.size(1), S = seq_len, B = T / S;
@@ -380,10 +411,16 @@ void cuda_attention_backward(const TensorView& q, const TensorView& k, const Ten
   check_f32(dv, op, "dv", 3);
   check_shape(dv, "attention_backward: dv", {T, H, Dv});
   if (T == 0 || H == 0) return;
+  const int64_t chunk = gemm_chunk(path, B, S, H, 2, workspace_cap, op);
+  if (!chunk) check_flash(H, B, Dk, Dv, op);
   DeviceBuffer di(size_t(H * T) * sizeof(float));  // [H, T] rowsum(dout * out)
   attention_di_kernel<<<grid_for(T * H * 32, 256, INT32_MAX), 256>>>(out.ptr<const float>(), dout.ptr<const float>(),
                                                                      di.as<float>(), T, H, Dv);
   FP8MOE_CUDA_CHECK_LAUNCH("attention_di_kernel");
+  if (chunk) {
+    attention_gemm_backward(q, k, v, lse, di.as<const float>(), dout, dq, dk, dv, seq_len, scale, chunk);
+    return;
+  }
   const dim3 grid(unsigned(ceil_div(S, kTile)), unsigned(H), unsigned(B));
   dispatch_cols(Dk, Dv, [&](auto cols) {
     constexpr int kCols = decltype(cols)::value;

@@ -138,6 +138,15 @@ std::unique_ptr<GemmPlan> make_plan(GemmContext& ctx, cublasComputeType_t comput
 
 }  // namespace
 
+namespace ops {
+
+CublasLtShared cublaslt_shared() {
+  GemmContext& ctx = gemm_context();
+  return {ctx.handle, ctx.workspace, kWorkspaceBytes};
+}
+
+}  // namespace ops
+
 void cuda_gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b,
                bool accumulate) {
   const bool bf16_in = a.dtype == DType::bf16;

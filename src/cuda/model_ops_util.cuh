@@ -1,7 +1,8 @@
 // Shared pieces of the CUDA model ops (model_ops_*.cu): host-side argument checks that mirror the
 // CPU ops' messages (device tensors instead of host ones), index range checks, stream-ordered
-// scratch buffers, a stable key sort for deterministic scatter-adds, and device helpers (the
-// BF16 codec of src/numerics/codecs.cpp, dtype-generic loads and stores, warp reductions).
+// scratch buffers, the shared cuBLASLt handle, the entry points of the attention's GEMM path, a
+// stable key sort for deterministic scatter-adds, and device helpers (the BF16 codec of
+// src/numerics/codecs.cpp, dtype-generic loads and stores, warp reductions).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -41,6 +42,29 @@ class DeviceBuffer {
   void* p_ = nullptr;
   cudaStream_t stream_ = nullptr;
 };
+
+// The current device's cuBLASLt handle and the workspace of the model ops' GEMMs
+// (model_ops_gemm.cu), created on first use and shared with the attention's GEMM path. All their
+// work is queued on the legacy stream, whose order keeps the workspace's users apart.
+struct CublasLtShared {
+  cublasLtHandle_t handle;
+  void* workspace;
+  size_t workspace_bytes;
+};
+CublasLtShared cublaslt_shared();
+
+// ---- the attention's GEMM path (model_ops_attention_gemm.cu; model_ops_attention.cu checks the
+// arguments and dispatches) ----
+// Sequences per chunk such that `buffers` score buffers of a chunk (cuda_attention_score_bytes per
+// sequence) fit in `cap` bytes, balanced over the chunks; 0 when one sequence does not fit.
+int64_t attention_gemm_chunk(int64_t B, int64_t seq_len, int64_t H, int buffers, size_t cap);
+// cuda_attention_forward / _backward's contracts with checked arguments, T > 0, H > 0, and
+// `chunk` from attention_gemm_chunk (1 buffer forward, 2 backward); di [H, T] = rowsum(dout * out).
+void attention_gemm_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                            const TensorView& lse, int64_t seq_len, double scale, int64_t chunk);
+void attention_gemm_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& lse,
+                             const float* di, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                             const TensorView& dv, int64_t seq_len, double scale, int64_t chunk);
 
 // Stable sort of the positions 0..n-1 by key: keys_out [n] = sorted keys, pos_out [n] = the
 // positions, ascending within one key. keys [n] i32 device, each in [0, nkeys). Queued on

@@ -5,6 +5,7 @@
 // embedding and scatter-add backward, AdamW); the others within FP32 tolerances (1e-5 relative,
 // attention 1e-4, bf16 outputs per bf16 rounding). Skips without a GPU.
 // Run: build/tests/cuda/test_cuda_model_ops, or ctest -R CudaModelOps (FP8MOE_SEED=<n> replays a seed).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -339,38 +340,106 @@ TEST_F(CudaModelOps, RopeForwardInverseMatchCpu) {
 
 struct AttnCase {
   int64_t B, S, H, Dk, Dv;
+  std::string str() const {
+    return " B=" + std::to_string(B) + " S=" + std::to_string(S) + " H=" + std::to_string(H) +
+           " Dk=" + std::to_string(Dk) + " Dv=" + std::to_string(Dv);
+  }
 };
 
-TEST_F(CudaModelOps, AttentionForwardBackwardMatchCpu) {
-  for (const AttnCase c : {AttnCase{3, 37, 3, 40, 24}, AttnCase{2, 70, 2, 96, 64}, AttnCase{1, 33, 1, 256, 200},
-                           AttnCase{4, 1, 2, 8, 8}, AttnCase{2, 64, 1, 17, 129}}) {
-    const int64_t T = c.B * c.S;
-    const double scale = 1.0 / std::sqrt(double(c.Dk));
-    const std::string what = " B=" + std::to_string(c.B) + " S=" + std::to_string(c.S) + " H=" + std::to_string(c.H) +
-                             " Dk=" + std::to_string(c.Dk) + " Dv=" + std::to_string(c.Dv);
-    Tensor q = randn({T, c.H, c.Dk}), k = randn({T, c.H, c.Dk}), v = randn({T, c.H, c.Dv});
-    Tensor ow = nan_host(DType::f32, {T, c.H, c.Dv}), lw = nan_host(DType::f32, {c.H, T});
-    cpu_->attention_forward(q, k, v, ow, lw, c.S, scale);
-    Tensor qd = dev(q), kd = dev(k), vd = dev(v);
-    Tensor o = poisoned(DType::f32, {T, c.H, c.Dv}), l = poisoned(DType::f32, {c.H, T});
-    cuda_attention_forward(qd, kd, vd, o, l, c.S, scale);
-    expect_close(host(o), ow, 1e-4, "attention_forward out" + what);
-    expect_close(host(l), lw, 1e-4, "attention_forward lse" + what);
+const char* path_name(AttentionPath p) {
+  return p == AttentionPath::gemm ? " gemm" : p == AttentionPath::flash ? " flash" : " automatic";
+}
 
-    Tensor dout = randn({T, c.H, c.Dv});
-    Tensor dqw = nan_host(DType::f32, {T, c.H, c.Dk}), dkw = nan_host(DType::f32, {T, c.H, c.Dk}),
-           dvw = nan_host(DType::f32, {T, c.H, c.Dv});
-    cpu_->attention_backward(q, k, v, ow, lw, dout, dqw, dkw, dvw, c.S, scale);
-    Tensor dq = poisoned(DType::f32, {T, c.H, c.Dk}), dk = poisoned(DType::f32, {T, c.H, c.Dk}),
-           dv = poisoned(DType::f32, {T, c.H, c.Dv});
-    // The backward takes the CPU's out and lse, so it is checked on its own.
-    cuda_attention_backward(qd, kd, vd, dev(ow), dev(lw), dev(dout), dq, dk, dv, c.S, scale);
+// Attention on one CUDA path against the CPU op: the forward's out and lse, and the backward
+// (given the CPU's out and lse, so checked on its own) dq, dk, dv; device outputs poisoned.
+// `cap` is the GEMM path's workspace cap.
+class CudaAttention : public CudaModelOps {
+ protected:
+  struct Want {
+    Tensor q, k, v, out, lse, dout, dq, dk, dv;
+  };
+  struct Got {
+    Tensor out, lse, dq, dk, dv;
+  };
+
+  Want reference(const AttnCase& c) {
+    const int64_t T = c.B * c.S;
+    Want w{randn({T, c.H, c.Dk}), randn({T, c.H, c.Dk}), randn({T, c.H, c.Dv}), nan_host(DType::f32, {T, c.H, c.Dv}),
+           nan_host(DType::f32, {c.H, T}), randn({T, c.H, c.Dv}), nan_host(DType::f32, {T, c.H, c.Dk}),
+           nan_host(DType::f32, {T, c.H, c.Dk}), nan_host(DType::f32, {T, c.H, c.Dv})};
+    cpu_->attention_forward(w.q, w.k, w.v, w.out, w.lse, c.S, scale(c));
+    cpu_->attention_backward(w.q, w.k, w.v, w.out, w.lse, w.dout, w.dq, w.dk, w.dv, c.S, scale(c));
+    return w;
+  }
+
+  Got run(const AttnCase& c, const Want& w, AttentionPath path, size_t cap = kAttentionWorkspaceCap) {
+    const int64_t T = c.B * c.S;
+    Got g{poisoned(DType::f32, {T, c.H, c.Dv}), poisoned(DType::f32, {c.H, T}), poisoned(DType::f32, {T, c.H, c.Dk}),
+          poisoned(DType::f32, {T, c.H, c.Dk}), poisoned(DType::f32, {T, c.H, c.Dv})};
+    const Tensor qd = dev(w.q), kd = dev(w.k), vd = dev(w.v);
+    cuda_attention_forward(qd, kd, vd, g.out, g.lse, c.S, scale(c), path, cap);
+    cuda_attention_backward(qd, kd, vd, dev(w.out), dev(w.lse), dev(w.dout), g.dq, g.dk, g.dv, c.S, scale(c), path,
+                            cap);
+    return {host(g.out), host(g.lse), host(g.dq), host(g.dk), host(g.dv)};
+  }
+
+  void expect_matches(const Got& g, const Want& w, const std::string& what) {
+    expect_close(g.out, w.out, 1e-4, "attention_forward out" + what);
+    expect_close(g.lse, w.lse, 1e-4, "attention_forward lse" + what);
     // NOTES: with S = 1 the exact dq, dk are 0 (p = 1, out = v, so dout.v - rowsum(dout*out) = 0),
     // which FP32 gives as ~1e-8 roundoff of two O(1) sums: an absolute floor of 1e-6 covers it.
-    expect_close(host(dq), dqw, 1e-4, "attention_backward dq" + what, 1e-4, 1e-6);
-    expect_close(host(dk), dkw, 1e-4, "attention_backward dk" + what, 1e-4, 1e-6);
-    expect_close(host(dv), dvw, 1e-4, "attention_backward dv" + what, 1e-4, 1e-6);
+    expect_close(g.dq, w.dq, 1e-4, "attention_backward dq" + what, 1e-4, 1e-6);
+    expect_close(g.dk, w.dk, 1e-4, "attention_backward dk" + what, 1e-4, 1e-6);
+    expect_close(g.dv, w.dv, 1e-4, "attention_backward dv" + what, 1e-4, 1e-6);
   }
+
+  void expect_same_bits(const Got& a, const Got& b, const std::string& what) {
+    expect_bits(a.out, b.out, "attention_forward out" + what);
+    expect_bits(a.lse, b.lse, "attention_forward lse" + what);
+    expect_bits(a.dq, b.dq, "attention_backward dq" + what);
+    expect_bits(a.dk, b.dk, "attention_backward dk" + what);
+    expect_bits(a.dv, b.dv, "attention_backward dv" + what);
+  }
+
+  static double scale(const AttnCase& c) { return 1.0 / std::sqrt(double(c.Dk)); }
+};
+
+// Both paths on sequence lengths off the 32-row tiles, several heads and sequences, Dk != Dv, and
+// the hidden-2048 config's heads (seq_len 512, Dk 192, Dv 128). The GEMM path batches over heads
+// where H >= B and over sequences otherwise (B=4 H=2, B=2 H=1); head dims past the flash kernels'
+// 256 only on it.
+TEST_F(CudaAttention, BothPathsMatchCpu) {
+  for (const AttnCase c : {AttnCase{3, 37, 3, 40, 24}, AttnCase{2, 70, 2, 96, 64}, AttnCase{1, 33, 1, 256, 200},
+                           AttnCase{4, 1, 2, 8, 8}, AttnCase{2, 64, 1, 17, 129}, AttnCase{2, 512, 2, 192, 128},
+                           AttnCase{2, 45, 2, 300, 40}}) {
+    const Want w = reference(c);
+    for (AttentionPath path : {AttentionPath::flash, AttentionPath::gemm}) {
+      if (path == AttentionPath::flash && std::max(c.Dk, c.Dv) > 256) continue;
+      expect_matches(run(c, w, path), w, c.str() + path_name(path));
+    }
+  }
+}
+
+// The GEMM path over several chunks, run to run bit-identical; the automatic choice (the GEMM
+// path under the default cap, the flash kernels when one sequence is over the cap) gives the
+// forced path's bits; a forced GEMM path over the cap is an error.
+TEST_F(CudaAttention, GemmPathChunksAndDispatch) {
+  const AttnCase c{5, 37, 2, 40, 24};
+  const Want w = reference(c);
+  const size_t per = cuda_attention_score_bytes(c.S, c.H);
+  // The forward takes one score buffer per sequence, the backward two. A cap of 6 buffers: the
+  // forward in one chunk of 5 sequences (batched over sequences), the backward in chunks of 3
+  // (over sequences) and 2 (over heads); a cap of 2: forward chunks of 2, 2, 1, backward of 1.
+  for (int64_t n : {3, 1}) {
+    const Got g = run(c, w, AttentionPath::gemm, size_t(2 * n) * per);
+    expect_matches(g, w, c.str() + " gemm, cap of " + std::to_string(2 * n) + " score buffers");
+  }
+  const Got g1 = run(c, w, AttentionPath::gemm), g2 = run(c, w, AttentionPath::gemm);
+  expect_same_bits(g1, g2, c.str() + " gemm, run to run");
+  expect_same_bits(run(c, w, AttentionPath::automatic), g1, c.str() + " automatic vs gemm");
+  expect_same_bits(run(c, w, AttentionPath::automatic, per - 1), run(c, w, AttentionPath::flash),
+                   c.str() + " automatic over the cap vs flash");
+  expect_error([&] { run(c, w, AttentionPath::gemm, per - 1); }, "over the cap");
 }
 
 TEST_F(CudaModelOps, AttentionRejectsBadArguments) {
@@ -379,6 +448,8 @@ TEST_F(CudaModelOps, AttentionRejectsBadArguments) {
   expect_error([&] { cuda_attention_forward(q, q, v, v, l, 3, 1.0); }, "seq_len = 3");
   Tensor lbad = poisoned(DType::f32, {10, 2});
   expect_error([&] { cuda_attention_forward(q, q, v, v, lbad, 5, 1.0); }, "lse");
+  Tensor qbig = poisoned(DType::f32, {10, 2, 300});
+  expect_error([&] { cuda_attention_forward(qbig, qbig, v, v, l, 5, 1.0, AttentionPath::flash); }, "Dk = 300");
 }
 
 TEST_F(CudaModelOps, SwigluForwardBackwardMatchCpu) {

@@ -1,0 +1,315 @@
+// The GEMM path of the CUDA causal attention (model_ops_attention.cu dispatches; the CPU op in
+// src/cpu/ops_attention.cpp is the specification): the scores are materialized, so the matrix
+// work runs as cuBLASLt FP32 GEMMs (CUBLAS_COMPUTE_32F: FP32 inputs, FP32 arithmetic, no TF32),
+// which keep the FMA pipes far busier than the FlashAttention kernels' shared-memory-bound loops.
+// Per chunk of nb sequences, with a score workspace W [nb, H, S, ldw] (ldw = S rounded up to 4,
+// so every row starts 16-byte aligned):
+//   forward    W = scale * Q K^T; softmax rows with the causal mask -> P in place (zeros above
+//              the diagonal) and lse [H, T] = max + log(sum), the scaled scores' log-sum-exp;
+//              out = P V.
+//   backward   (Di = rowsum(dout * out) first, by the caller) W1 = scale * Q K^T, W2 = dout V^T;
+//              P = exp(W1 - lse) in W1 and dS = P * (W2 - Di) * scale in W2, in one pass;
+//              dv = P^T dout, dq = dS K, dk = dS^T Q.
+// The GEMMs cover the whole S x S square (the zeros above the diagonal are multiplied, not
+// skipped); the row kernels neither read nor exponentiate above the diagonal.
+// Operands are per (sequence, head) views into [T, H, D] tensors: row stride H * D, head h at
+// offset h * D, sequence b at b * S * H * D. One strided-batched GEMM covers the heads of one
+// sequence (batch stride D) or, when a chunk has more sequences than heads, one head of every
+// sequence (batch stride S * H * D); the GEMM loops over the other index. Alignment prefs are
+// the least of the base pointer's and the strides' alignments, so one plan serves every call of
+// the loop. Plans are cached per problem.
+// Every result is written once, by one GEMM or one row kernel (no atomics), and cuBLASLt's FP32
+// GEMMs repeat their bits on one GPU: runs are deterministic (the tests check run to run).
+#include <algorithm>
+#include <array>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "model_ops.hpp"
+#include "model_ops_util.cuh"
+
+namespace fp8moe::cuda {
+
+using namespace ops;
+
+namespace {
+
+constexpr int kRowThreads = 256;  // one warp per score row, 8 rows per block
+
+int64_t score_ld(int64_t S) { return round_up(S, 4); }
+
+// ---- row kernels ----
+
+// Row r of W [nb, H, S, ldw] is query i = r % S of head h = (r / S) % H of sequence b0 + r / (S * H).
+struct RowIndex {
+  int64_t i, lse;  // query row in its sequence; index into lse / di [H, T]
+};
+__device__ __forceinline__ RowIndex row_index(int64_t r, int64_t S, int64_t H, int64_t T, int64_t b0) {
+  const int64_t i = r % S, bh = r / S, h = bh % H, b = b0 + bh / H;
+  return {i, h * T + b * S + i};
+}
+
+// P = softmax of the row's keys 0..i (in place, zeros after i) and its lse.
+__global__ void __launch_bounds__(kRowThreads) attention_softmax_kernel(float* __restrict__ w,
+                                                                        float* __restrict__ lse, int64_t rows,
+                                                                        int64_t S, int64_t ldw, int64_t H, int64_t T,
+                                                                        int64_t b0) {
+  const int64_t r = (int64_t(blockIdx.x) * kRowThreads + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  const RowIndex at = row_index(r, S, H, T, b0);
+  float* row = w + r * ldw;
+  // Online max and sum per lane (one exp per score), then across the warp.
+  float m = -INFINITY, l = 0.0f;
+  for (int64_t j = lane; j <= at.i; j += 32) {
+    const float s = row[j];
+    if (s > m) {
+      l = l * expf(m - s) + 1.0f;
+      m = s;
+    } else {
+      l += expf(s - m);
+    }
+  }
+  const float mx = warp_max(m);
+  const float sum = warp_sum(m == -INFINITY ? 0.0f : l * expf(m - mx));
+  const float inv = 1.0f / sum;
+  for (int64_t j = lane; j < S; j += 32) row[j] = j <= at.i ? expf(row[j] - mx) * inv : 0.0f;
+  if (lane == 0) lse[at.lse] = mx + logf(sum);
+}
+
+// w1: scaled scores -> P = exp(s - lse); w2: dP = dout V^T -> dS = P * (dP - Di) * scale; both
+// zero after the diagonal.
+__global__ void __launch_bounds__(kRowThreads) attention_dscores_kernel(float* __restrict__ w1, float* __restrict__ w2,
+                                                                        const float* __restrict__ lse,
+                                                                        const float* __restrict__ di, int64_t rows,
+                                                                        int64_t S, int64_t ldw, int64_t H, int64_t T,
+                                                                        int64_t b0, float scale) {
+  const int64_t r = (int64_t(blockIdx.x) * kRowThreads + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  const RowIndex at = row_index(r, S, H, T, b0);
+  const float l = lse[at.lse], d = di[at.lse];
+  float* p = w1 + r * ldw;
+  float* ds = w2 + r * ldw;
+  for (int64_t j = lane; j < S; j += 32) {
+    if (j <= at.i) {
+      const float pj = expf(p[j] - l);
+      p[j] = pj;
+      ds[j] = pj * (ds[j] - d) * scale;
+    } else {
+      p[j] = 0.0f;
+      ds[j] = 0.0f;
+    }
+  }
+}
+
+// ---- strided-batched FP32 GEMMs ----
+
+// One strided-batched row-major GEMM, d_i [M, N] = alpha * op(a_i) op(b_i) for i < batch, with
+// a_i = a + i * sa (op(a_i) [M, K], stored [K, M] when ta), b_i likewise ([K, N], stored [N, K]
+// when tb), d_i = d + i * sd; leading dimensions and strides in elements, alignments in bytes.
+struct Problem {
+  int64_t M, N, K, ta, tb, lda, ldb, ldd, batch, sa, sb, sd, align_a, align_b, align_d;
+  std::array<int64_t, 15> key() const {
+    return {M, N, K, ta, tb, lda, ldb, ldd, batch, sa, sb, sd, align_a, align_b, align_d};
+  }
+};
+
+struct Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  ~Plan() {
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+struct PlanCache {
+  std::mutex mu;
+  std::map<std::pair<int, std::array<int64_t, 15>>, std::unique_ptr<Plan>> plans;  // (device, problem)
+};
+
+PlanCache& plan_cache() {
+  static PlanCache* cache = new PlanCache;  // leaked on purpose, as model_ops_gemm.cu's context
+  return *cache;
+}
+
+// Column-major layout rows x cols (ld) with `batch` matrices `stride` elements apart.
+cublasLtMatrixLayout_t layout(uint64_t rows, uint64_t cols, int64_t ld, int64_t batch, int64_t stride) {
+  cublasLtMatrixLayout_t l = nullptr;
+  FP8MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, CUDA_R_32F, rows, cols, ld));
+  const int32_t count = int32_t(batch);
+  cublasStatus_t st = cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride));
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    cublasLtMatrixLayoutDestroy(l);
+    FP8MOE_CUBLAS_CHECK(st);
+  }
+  return l;
+}
+
+// Row-major d = op(a) op(b) is column-major d^T = op(b)^T op(a)^T (as in model_ops_gemm.cu):
+// cuBLAS "A" is our b, "B" our a, and d the column-major N x M matrix.
+std::unique_ptr<Plan> make_plan(const CublasLtShared& lt, const Problem& p) {
+  auto plan = std::make_unique<Plan>();
+  FP8MOE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t opa = p.tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = p.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  FP8MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+  FP8MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+  // cuBLAS A := our b, column-major [N, K] without tb, [K, N] with it.
+  plan->la = p.tb ? layout(uint64_t(p.K), uint64_t(p.N), p.ldb, p.batch, p.sb)
+                  : layout(uint64_t(p.N), uint64_t(p.K), p.ldb, p.batch, p.sb);
+  // cuBLAS B := our a, column-major [K, M] without ta, [M, K] with it.
+  plan->lb = p.ta ? layout(uint64_t(p.M), uint64_t(p.K), p.lda, p.batch, p.sa)
+                  : layout(uint64_t(p.K), uint64_t(p.M), p.lda, p.batch, p.sa);
+  plan->lc = layout(uint64_t(p.N), uint64_t(p.M), p.ldd, p.batch, p.sd);
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  FP8MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = lt.workspace_bytes;
+  const uint32_t al_a = uint32_t(p.align_b), al_b = uint32_t(p.align_a), al_d = uint32_t(p.align_d);
+  cublasStatus_t st =
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  // NOTES: head views are offset by h * D floats; cuBLASLt assumes 256-byte alignment unless told.
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof(al_d));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d));
+  cublasLtMatmulHeuristicResult_t res{};
+  int found = 0;
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulAlgoGetHeuristic(lt.handle, plan->op, plan->la, plan->lb, plan->lc, plan->lc, pref, 1, &res,
+                                        &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  FP8MOE_CUBLAS_CHECK(st);
+  FP8MOE_CHECK(found > 0, "attention: cuBLASLt has no FP32 algorithm for the batched GEMM M="
+                              << p.M << " N=" << p.N << " K=" << p.K << " ta=" << p.ta << " tb=" << p.tb
+                              << " lda=" << p.lda << " ldb=" << p.ldb << " ldd=" << p.ldd << " batch=" << p.batch
+                              << " alignments " << p.align_a << "/" << p.align_b << "/" << p.align_d << " bytes");
+  plan->algo = res.algo;
+  return plan;
+}
+
+int alignment_of(uintptr_t u) {
+  int a = 1;
+  while (a < 256 && (u & uintptr_t(2 * a - 1)) == 0) a *= 2;
+  return a;
+}
+
+// The (sequence, head) matrices of a tensor: matrix (b, h) of the chunk starts at
+// base + b * seq + h * head, rows ld apart (all in floats).
+struct Operand {
+  const float* base;
+  int64_t ld, seq, head;
+  // The alignment every matrix of the chunk has, in bytes.
+  int64_t align() const {
+    const auto bytes = [](int64_t n) { return uintptr_t(n) * sizeof(float); };
+    return std::min({alignment_of(reinterpret_cast<uintptr_t>(base)), alignment_of(bytes(ld)),
+                     alignment_of(bytes(seq)), alignment_of(bytes(head))});
+  }
+};
+
+// d(b, h) [M, N] = alpha * op(a(b, h)) op(b(b, h)) for the nb sequences and H heads of a chunk:
+// batched over the heads and looping over the sequences, or the other way when nb > H.
+void chunk_gemm(int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha, const Operand& a, const Operand& b,
+                const Operand& d, int64_t nb, int64_t H) {
+  const bool over_heads = H >= nb;
+  const int64_t batch = over_heads ? H : nb, loops = over_heads ? nb : H;
+  const auto batch_stride = [&](const Operand& o) { return over_heads ? o.head : o.seq; };
+  const auto loop_stride = [&](const Operand& o) { return over_heads ? o.seq : o.head; };
+  FP8MOE_CHECK(batch <= INT32_MAX, "attention: " << batch << " batched GEMMs exceed cuBLASLt's batch count");
+  const Problem p{M, N, K, ta, tb, a.ld, b.ld, d.ld, batch, batch_stride(a), batch_stride(b), batch_stride(d),
+                  a.align(), b.align(), d.align()};
+  const CublasLtShared lt = cublaslt_shared();
+  int dev = 0;
+  FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  PlanCache& cache = plan_cache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  auto& slot = cache.plans[{dev, p.key()}];
+  if (!slot) slot = make_plan(lt, p);
+  const Plan& plan = *slot;
+  const float beta = 0.0f;
+  for (int64_t l = 0; l < loops; ++l) {
+    float* dl = const_cast<float*>(d.base) + l * loop_stride(d);
+    FP8MOE_CUBLAS_CHECK(cublasLtMatmul(lt.handle, plan.op, &alpha, b.base + l * loop_stride(b), plan.la,
+                                       a.base + l * loop_stride(a), plan.lb, &beta, dl, plan.lc, dl, plan.lc,
+                                       &plan.algo, lt.workspace, lt.workspace_bytes, nullptr));
+  }
+}
+
+// Operand views: a [T, H, D] tensor from sequence b0, and the score workspace.
+Operand heads(const TensorView& x, int64_t b0, int64_t S) {
+  const int64_t H = x.size(1), D = x.size(2);
+  return {x.ptr<const float>() + b0 * S * H * D, H * D, S * H * D, D};
+}
+Operand scores(const float* w, int64_t S, int64_t H) {
+  const int64_t ldw = score_ld(S);
+  return {w, ldw, H * S * ldw, S * ldw};
+}
+
+}  // namespace
+
+size_t cuda_attention_score_bytes(int64_t seq_len, int64_t H) {
+  return size_t(H) * size_t(seq_len) * size_t(score_ld(seq_len)) * sizeof(float);
+}
+
+namespace ops {
+
+int64_t attention_gemm_chunk(int64_t B, int64_t seq_len, int64_t H, int buffers, size_t cap) {
+  const size_t per = size_t(buffers) * cuda_attention_score_bytes(seq_len, H);
+  if (per == 0 || per > cap) return 0;
+  const int64_t most = std::min<int64_t>(B, int64_t(cap / per));
+  const int64_t chunks = (B + most - 1) / most;
+  return (B + chunks - 1) / chunks;  // balanced chunks: the least workspace for that many chunks
+}
+
+void attention_gemm_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                            const TensorView& lse, int64_t seq_len, double scale, int64_t chunk) {
+  const int64_t T = q.size(0), H = q.size(1), S = seq_len, B = T / S, Dk = q.size(2), Dv = v.size(2);
+  const int64_t ldw = score_ld(S);
+  DeviceBuffer w(size_t(chunk) * cuda_attention_score_bytes(S, H));
+  for (int64_t b0 = 0; b0 < B; b0 += chunk) {
+    const int64_t nb = std::min(chunk, B - b0), rows = nb * H * S;
+    const Operand W = scores(w.as<float>(), S, H);
+    chunk_gemm(S, S, Dk, false, true, float(scale), heads(q, b0, S), heads(k, b0, S), W, nb, H);
+    attention_softmax_kernel<<<grid_for(rows * 32, kRowThreads, INT32_MAX), kRowThreads>>>(
+        w.as<float>(), lse.ptr<float>(), rows, S, ldw, H, T, b0);
+    FP8MOE_CUDA_CHECK_LAUNCH("attention_softmax_kernel");
+    chunk_gemm(S, Dv, S, false, false, 1.0f, W, heads(v, b0, S), heads(out, b0, S), nb, H);
+  }
+}
+
+void attention_gemm_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& lse,
+                             const float* di, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                             const TensorView& dv, int64_t seq_len, double scale, int64_t chunk) {
+  const int64_t T = q.size(0), H = q.size(1), S = seq_len, B = T / S, Dk = q.size(2), Dv = v.size(2);
+  const int64_t ldw = score_ld(S);
+  const size_t bytes = size_t(chunk) * cuda_attention_score_bytes(S, H);
+  DeviceBuffer w1(bytes), w2(bytes);
+  for (int64_t b0 = 0; b0 < B; b0 += chunk) {
+    const int64_t nb = std::min(chunk, B - b0), rows = nb * H * S;
+    const Operand P = scores(w1.as<float>(), S, H), dS = scores(w2.as<float>(), S, H);
+    const Operand Q = heads(q, b0, S), K = heads(k, b0, S), G = heads(dout, b0, S);
+    chunk_gemm(S, S, Dk, false, true, float(scale), Q, K, P, nb, H);           // scaled scores
+    chunk_gemm(S, S, Dv, false, true, 1.0f, G, heads(v, b0, S), dS, nb, H);    // dP = dout V^T
+    attention_dscores_kernel<<<grid_for(rows * 32, kRowThreads, INT32_MAX), kRowThreads>>>(
+        w1.as<float>(), w2.as<float>(), lse.ptr<const float>(), di, rows, S, ldw, H, T, b0, float(scale));
+    FP8MOE_CUDA_CHECK_LAUNCH("attention_dscores_kernel");
+    chunk_gemm(S, Dv, S, true, false, 1.0f, P, G, heads(dv, b0, S), nb, H);    // dv = P^T dout
+    chunk_gemm(S, Dk, S, false, false, 1.0f, dS, K, heads(dq, b0, S), nb, H);  // dq = dS K
+    chunk_gemm(S, Dk, S, true, false, 1.0f, dS, Q, heads(dk, b0, S), nb, H);   // dk = dS^T Q
+  }
+}
+
+}  // namespace ops
+
+}  // namespace fp8moe::cuda
