@@ -1,7 +1,8 @@
 // The Linear of every recipe: Fprop y = x w^T, Dgrad dx = dy w, Wgrad dW += dy^T x, and the
 // cached activation each keeps for backward (SPEC.md §1).
 //   full  float GEMMs (fp32 oracle, fp64 finite-difference mode); inputs cached as they are.
-//   bf16  BF16 operands, FP32 accumulation and output; inputs cached in BF16.
+//   bf16  BF16 operands, FP32 accumulation and output, transposes in the GEMM's flags; inputs
+//         cached in BF16.
 //   fp8   E4M3 operands: x 1x128 tiles, w 128x128 blocks (Fprop), dy 1x128 and w^T 128x128
 //         (Dgrad), dy^T and x^T grouped 1x128 along tokens (Wgrad, x^T from the cached FP8 tiles by
 //         dequantize-transpose-requantize as the report does); promotion per the recipe's
@@ -198,7 +199,7 @@ void linear_forward(Ctx& c, const Cached& x, Parameter& w, const Tensor& y, Line
     case LinearPrecision::full: c.be.gemm(x.full.view(), W, y.view(), false, true, false); return;
     case LinearPrecision::bf16: {
       Tensor wb = to_bf16(c, W);
-      c.be.gemm_bf16(x.full.view(), wb.view(), y.view(), false);
+      c.be.gemm(x.full.view(), wb.view(), y.view(), false, true, false);
       return;
     }
     case LinearPrecision::fp8: {
@@ -233,9 +234,8 @@ void linear_backward_input(Ctx& c, const Tensor& dy, Parameter& w, const Tensor&
   switch (prec) {
     case LinearPrecision::full: c.be.gemm(dy.view(), W, dx.view(), false, false, accumulate); return;
     case LinearPrecision::bf16: {
-      Tensor dyb = to_bf16(c, dy.view());
-      Tensor wt = to_bf16(c, transposed(c, W).view());  // [K, N]
-      c.be.gemm_bf16(dyb.view(), wt.view(), dx.view(), accumulate);
+      Tensor dyb = to_bf16(c, dy.view()), wb = to_bf16(c, W);
+      c.be.gemm(dyb.view(), wb.view(), dx.view(), false, false, accumulate);
       return;
     }
     case LinearPrecision::fp8: {
@@ -261,9 +261,8 @@ void linear_backward_weight(Ctx& c, const Cached& x, const Tensor& dy, Parameter
   switch (prec) {
     case LinearPrecision::full: c.be.gemm(dy.view(), x.full.view(), G, true, false, true); return;
     case LinearPrecision::bf16: {
-      Tensor dyt = to_bf16(c, transposed(c, dy.view()).view());  // [N, T]
-      Tensor xt = transposed(c, x.full.view());                   // [K, T] bf16
-      c.be.gemm_bf16(dyt.view(), xt.view(), G, true);
+      Tensor dyb = to_bf16(c, dy.view());
+      c.be.gemm(dyb.view(), x.full.view(), G, true, false, true);
       return;
     }
     case LinearPrecision::fp8: {
