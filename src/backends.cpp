@@ -13,6 +13,7 @@ std::string_view op_name(Op op) {
     case Op::quantize_128x128: return "quantize_128x128";
     case Op::quantize_128x1: return "quantize_128x1";
     case Op::requantize_128x1: return "requantize_128x1";
+    case Op::transpose_128x128: return "transpose_128x128";
     case Op::dequantize: return "dequantize";
     case Op::gemm_fp8: return "gemm_fp8";
     case Op::gemm_bf16: return "gemm_bf16";

@@ -20,6 +20,7 @@ enum class Op : uint8_t {
   quantize_128x128,
   quantize_128x1,
   requantize_128x1,
+  transpose_128x128,
   dequantize,
   gemm_fp8,
   gemm_bf16,
@@ -101,6 +102,7 @@ class Backend {
   virtual void quantize_128x128(const TensorView& w, const QuantizedView& out, ScaleMode mode) = 0;
   virtual void quantize_128x1(const TensorView& x, const QuantizedView& out, ScaleMode mode) = 0;
   virtual void requantize_128x1(const QuantizedView& in, const QuantizedView& out, ScaleMode mode) = 0;
+  virtual void transpose_128x128(const QuantizedView& in, const QuantizedView& out, int64_t groups) = 0;
   virtual void dequantize(const QuantizedView& in, const TensorView& out) = 0;
   virtual void gemm_fp8(const QuantizedView& a, const QuantizedView& b, const TensorView& d,
                         const GemmOptions& opt) = 0;

@@ -73,6 +73,13 @@ void quantize_128x1(const TensorView& x, const QuantizedView& out, ScaleMode mod
 void quantize_per_tensor(const TensorView& x, const QuantizedView& out, ScaleMode mode = ScaleMode::fp32);
 // in [T, C] 1x128-scaled  ->  out [C, T] 1x128-scaled along T: dequantize, transpose, requantize.
 void requantize_128x1(const QuantizedView& in, const QuantizedView& out, ScaleMode mode = ScaleMode::fp32);
+// in [G * R, C] 128x128-scaled (R, C multiples of 128)  ->  out [G * C, R]: each of the G stacked
+// matrices transposed with its block scales. Bit-identical to quantize_128x128 of the transposed
+// matrices (a block's scale depends only on its absolute maximum), at a byte transpose's cost: the
+// Dgrad GEMM's W^T without a second quantization.
+void transpose_128x128(const QuantizedView& in, const QuantizedView& out, int64_t groups = 1);
+// Raises unless in and out fit transpose_128x128 (shapes, kinds, dtypes); `op` names the caller.
+void check_transpose_128x128(const QuantizedView& in, const QuantizedView& out, int64_t groups, const char* op);
 // in [R, C] any kind  ->  out [R, C] f32 | bf16, value = decode(q) * scale (FP32 product).
 void dequantize(const QuantizedView& in, const TensorView& out);
 

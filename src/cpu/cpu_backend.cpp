@@ -42,6 +42,9 @@ class CpuBackend final : public Backend {
   void requantize_128x1(const QuantizedView& in, const QuantizedView& out, ScaleMode mode) override {
     fp8moe::requantize_128x1(in, out, mode);
   }
+  void transpose_128x128(const QuantizedView& in, const QuantizedView& out, int64_t groups) override {
+    fp8moe::transpose_128x128(in, out, groups);
+  }
   void dequantize(const QuantizedView& in, const TensorView& out) override {
     require_host(out, "out");
     fp8moe::dequantize(in, out);

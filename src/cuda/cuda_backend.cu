@@ -215,6 +215,10 @@ class CudaBackend final : public Backend {
     FP8MOE_TIMED_OP("requantize_128x1");
     cuda::requantize_128x1_cuda(in, out, mode, nullptr);
   }
+  void transpose_128x128(const QuantizedView& in, const QuantizedView& out, int64_t groups) override {
+    FP8MOE_TIMED_OP("transpose_128x128");
+    cuda::transpose_128x128_cuda(in, out, groups, nullptr);
+  }
   void dequantize(const QuantizedView& in, const TensorView& out) override {
     FP8MOE_TIMED_OP("dequantize");
     if (in.values.dtype == DType::e5m6) return cuda::dequantize_e5m6_cuda(in, out, nullptr);

@@ -56,6 +56,7 @@ void quantize_128x128_cuda(const TensorView& w, const QuantizedView& out, ScaleM
 void quantize_128x1_cuda(const TensorView& x, const QuantizedView& out, ScaleMode mode, cudaStream_t stream,
                          bool check_finite);
 void requantize_128x1_cuda(const QuantizedView& in, const QuantizedView& out, ScaleMode mode, cudaStream_t stream);
+void transpose_128x128_cuda(const QuantizedView& in, const QuantizedView& out, int64_t groups, cudaStream_t stream);
 void dequantize_cuda(const QuantizedView& in, const TensorView& out, cudaStream_t stream);
 // E5M6 (quantize_e5m6.cu): 1x128 only, the attention-out cache; bit-exact with the CPU codecs.
 void quantize_1x128_e5m6_cuda(const TensorView& x, const QuantizedView& out, ScaleMode mode, cudaStream_t stream);

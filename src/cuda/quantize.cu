@@ -7,6 +7,7 @@
 //   quantize_128x128  w [R, C]          -> q [R, C], s [ceil(R/128), ceil(C/128)]
 //   quantize_128x1    x [T, C]          -> q [C, T], s [ceil(T/128), ld(C)]  (transpose through smem)
 //   requantize_128x1  q [T, C] 1x128    -> q [C, T] 1x128 along T            (dequantize, transpose, requantize)
+//   transpose_128x128 q [G*R, C] 128x128 -> q [G*C, R] 128x128, per group     (bytes and block scales moved)
 //   dequantize        q [R, C] any kind -> [R, C] f32|bf16
 // Output dtypes: e4m3, e5m2 (e5m6 has no device conversion here and is refused).
 #include "cuda_check.hpp"
@@ -308,6 +309,43 @@ void fill_padding(const TensorView& scales, int64_t R, cudaStream_t stream) {
 
 int grid_1d(int64_t n, int threads) { return int(std::min<int64_t>((n + threads - 1) / threads, 1 << 20)); }
 
+// One 128x128 block per CTA (grid: column block, row block, group): 16-byte row loads into shared
+// memory, 16-byte row stores of the transposed block. The shared rows are 132 bytes apart, so the
+// 16 bytes one thread gathers down a column fall in 16 different banks.
+constexpr int kTStride = 128 + 4;
+__global__ void __launch_bounds__(256) transpose_128x128_kernel(const uint8_t* __restrict__ x, const float* __restrict__ sx,
+                                                               uint8_t* __restrict__ y, float* __restrict__ sy,
+                                                               int64_t R, int64_t C) {
+  __shared__ __align__(16) uint8_t tile[128 * kTStride];
+  const int64_t cb = blockIdx.x, rb = blockIdx.y, g = blockIdx.z;
+  const int64_t RB = R / 128, CB = C / 128;
+  const uint8_t* src = x + (g * R + rb * 128) * C + cb * 128;
+  for (int i = threadIdx.x; i < 128 * 8; i += 256) {  // row i / 8, 16-byte chunk i % 8
+    const int r = i >> 3, k = (i & 7) * 16;
+    const uint4 v = *reinterpret_cast<const uint4*>(src + int64_t(r) * C + k);
+    uint32_t* t = reinterpret_cast<uint32_t*>(tile + r * kTStride + k);  // 4-byte aligned (kTStride % 4 == 0)
+    t[0] = v.x;
+    t[1] = v.y;
+    t[2] = v.z;
+    t[3] = v.w;
+  }
+  __syncthreads();
+  uint8_t* dst = y + (g * C + cb * 128) * R + rb * 128;
+  for (int i = threadIdx.x; i < 128 * 8; i += 256) {  // output row j = i / 8 (input column), 16 rows from r0
+    const int j = i >> 3, r0 = (i & 7) * 16;
+    uint32_t w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      uint32_t v = 0;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) v |= uint32_t(tile[(r0 + q * 4 + b) * kTStride + j]) << (8 * b);
+      w[q] = v;
+    }
+    *reinterpret_cast<uint4*>(dst + int64_t(j) * R + r0) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  if (threadIdx.x == 0) sy[(g * CB + cb) * RB + rb] = sx[(g * RB + rb) * CB + cb];
+}
+
 }  // namespace
 
 void quantize_1x128_cuda(const TensorView& x, const QuantizedView& out, ScaleMode mode, cudaStream_t stream,
@@ -460,6 +498,24 @@ void requantize_128x1_cuda(const QuantizedView& in, const QuantizedView& out, Sc
     launch_128x1<uint8_t, true>(x, s, ld_in, in_vec_ok, out, T, C, mode, stream, false);
   else
     launch_128x1<uint8_t, false>(x, s, ld_in, in_vec_ok, out, T, C, mode, stream, false);
+}
+
+void transpose_128x128_cuda(const QuantizedView& in, const QuantizedView& out, int64_t groups, cudaStream_t stream) {
+  check_transpose_128x128(in, out, groups, "transpose_128x128");
+  check_device(in.values, "in.values");
+  check_device(in.scales, "in.scales");
+  check_device(out.values, "out.values");
+  check_device(out.scales, "out.scales");
+  const int64_t R = in.rows() / groups, C = in.cols();
+  if (R == 0 || C == 0) return;
+  FP8MOE_CHECK(aligned16(in.values.data) && aligned16(out.values.data),
+               "transpose_128x128: in and out values must be 16-byte aligned");
+  FP8MOE_CHECK(C / 128 <= INT32_MAX && R / 128 <= 65535 && groups <= 65535,
+               "transpose_128x128: " << in.values.str() << " in " << groups << " groups is too large for one launch");
+  const dim3 grid(unsigned(C / 128), unsigned(R / 128), unsigned(groups));
+  transpose_128x128_kernel<<<grid, 256, 0, stream>>>(in.values.ptr<const uint8_t>(), in.scales.ptr<const float>(),
+                                                     out.values.ptr<uint8_t>(), out.scales.ptr<float>(), R, C);
+  FP8MOE_CUDA_CHECK_LAUNCH("transpose_128x128_kernel");
 }
 
 void dequantize_cuda(const QuantizedView& in, const TensorView& out, cudaStream_t stream) {

@@ -2,7 +2,8 @@
 // (backend.hpp, "MoE dispatch and grouped GEMMs"): rows of all experts in one [R, K] tensor, each
 // expert's segment padded to 128 rows, the experts' weights and gradients stacked [G * N, K].
 //   Fprop  y [R, N] = x (1x128) * W[g]^T (128x128), g = row_group[r]
-//   Dgrad  dx [R, K] (+)= dy (1x128) * (W[g]^T)^T: the stacked W[g]^T [G * K, N], 128x128
+//   Dgrad  dx [R, K] (+)= dy (1x128) * (W[g]^T)^T: the stacked W[g]^T [G * K, N], 128x128, the
+//          blocks of the quantized W[g] transposed (transpose_128x128)
 //   Wgrad  dW[g] += dy^T x over g's segment: dy^T [N, R] quantized along tokens, x^T [K, R]
 //          requantized from the cached 1x128 tiles (the report's path), segments from offsets.
 // The same numbers as one Linear per expert on that expert's rows: 1x128 tiles are per row,
@@ -29,12 +30,6 @@ TensorView stacked(const Tensor& first, int64_t groups) {
   TensorView v = first.view();
   v.shape[0] *= groups;
   return v;
-}
-
-Tensor bf16_of(Ctx& c, const TensorView& x) {
-  Tensor o = c.be.empty(DType::bf16, {x.size(0), x.size(1)});
-  c.be.convert(x, o.view());
-  return o;
 }
 
 // d[g's rows] (+)= op(a[g]) op(b[g]) for every non-empty segment g: `a_rows`, `b_rows`, `d_rows`
@@ -69,7 +64,7 @@ void check_stacked(const std::vector<Parameter*>& per_expert) {
 
 void grouped_linear_forward(Ctx& c, const ExpertGroups& eg, const Cached& x, Parameter& w0, const Tensor& y) {
   if (c.recipe.linear == LinearPrecision::bf16) {  // y[g] = x[g] W[g]^T
-    const Tensor wb = bf16_of(c, stacked(w0.weight, eg.groups));
+    const Tensor wb = to_bf16(c, stacked(w0.weight, eg.groups));
     return per_segment(c, eg, x.full.view(), wb.view(), y.view(), false, true, false, w0.weight.size(0), true);
   }
   const TensorView W = stacked(w0.weight, eg.groups);  // [G * N, K]
@@ -81,24 +76,23 @@ void grouped_linear_forward(Ctx& c, const ExpertGroups& eg, const Cached& x, Par
 void grouped_linear_backward_input(Ctx& c, const ExpertGroups& eg, const Tensor& dy, Parameter& w0, const Tensor& dx,
                                    bool accumulate, ScaleMode dy_mode) {
   if (c.recipe.linear == LinearPrecision::bf16) {  // dx[g] (+)= dy[g] W[g]
-    const Tensor dyb = bf16_of(c, dy.view()), wb = bf16_of(c, stacked(w0.weight, eg.groups));
+    const Tensor dyb = to_bf16(c, dy.view()), wb = to_bf16(c, stacked(w0.weight, eg.groups));
     return per_segment(c, eg, dyb.view(), wb.view(), dx.view(), false, false, accumulate, w0.weight.size(0), true);
   }
   const int64_t G = eg.groups, N = w0.weight.size(0), K = w0.weight.size(1), R = dy.size(0);
   QuantizedTensor dyq = c.be.empty_quantized(R, N, DType::e4m3, ScaleKind::tile_1x128);
   c.be.quantize_1x128(dy.view(), dyq, dy_mode);
-  Tensor wt = c.be.empty(w0.weight.dtype(), {G * K, N});  // W[g]^T stacked
-  const TensorView W = stacked(w0.weight, G);
-  for (int64_t g = 0; g < G; ++g) c.be.transpose(rows_view(W, g * N, N), rows_view(wt.view(), g * K, K));
-  QuantizedTensor wtq = c.be.empty_quantized(G * K, N, DType::e4m3, ScaleKind::block_128x128);
-  c.be.quantize_128x128(wt.view(), wtq, c.recipe.scale_mode);
+  QuantizedTensor wq = c.be.empty_quantized(G * N, K, DType::e4m3, ScaleKind::block_128x128);
+  c.be.quantize_128x128(stacked(w0.weight, G), wq, c.recipe.scale_mode);
+  QuantizedTensor wtq = c.be.empty_quantized(G * K, N, DType::e4m3, ScaleKind::block_128x128);  // W[g]^T stacked
+  c.be.transpose_128x128(wq, wtq, G);
   c.be.grouped_gemm_fp8_contiguous(dyq, wtq, eg.row_group.view(), G, dx.view(), options(c, accumulate));
 }
 
 void grouped_linear_backward_weight(Ctx& c, const ExpertGroups& eg, const Cached& x, const Tensor& dy, Parameter& w0,
                                     ScaleMode dy_mode) {
   if (c.recipe.linear == LinearPrecision::bf16) {  // dW[g] += dy[g]^T x[g]
-    const Tensor dyb = bf16_of(c, dy.view());
+    const Tensor dyb = to_bf16(c, dy.view());
     return per_segment(c, eg, dyb.view(), x.full.view(), stacked(w0.grad, eg.groups), true, false, true,
                        w0.weight.size(0), false);
   }

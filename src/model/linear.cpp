@@ -4,7 +4,7 @@
 //   bf16  BF16 operands, FP32 accumulation and output, transposes in the GEMM's flags; inputs
 //         cached in BF16.
 //   fp8   E4M3 operands: x 1x128 tiles, w 128x128 blocks (Fprop), dy 1x128 and w^T 128x128
-//         (Dgrad), dy^T and x^T grouped 1x128 along tokens (Wgrad, x^T from the cached FP8 tiles by
+//         (Dgrad, w's blocks transposed), dy^T and x^T grouped 1x128 along tokens (Wgrad, x^T from the cached FP8 tiles by
 //         dequantize-transpose-requantize as the report does); promotion per the recipe's
 //         AccumConfig; FP32 output and FP32 accumulation into the master gradient.
 // FP8 GEMMs need K % 128 == 0: Fprop's K (in features) is validated with the config, Dgrad's K (out
@@ -69,6 +69,12 @@ MemoryItem account_item(const std::string& layer, const std::string& name, const
   return {layer, name, t.dtype, t.numel(), int64_t(t.nbytes())};
 }
 
+Tensor to_bf16(Ctx& c, const TensorView& x) {
+  Tensor o = c.be.empty(DType::bf16, {x.size(0), x.size(1)});
+  c.be.convert(x, o.view());
+  return o;
+}
+
 namespace {
 
 void require_cpu_for_per_tensor(Ctx& c) {
@@ -115,18 +121,6 @@ void requant_tokens(Ctx& c, const QuantizedView& in, const QuantizedView& out) {
   } else {
     c.be.requantize_128x1(in, out, c.recipe.scale_mode);
   }
-}
-
-Tensor to_bf16(Ctx& c, const TensorView& x) {
-  Tensor o = c.be.empty(DType::bf16, {x.size(0), x.size(1)});
-  c.be.convert(x, o.view());
-  return o;
-}
-
-Tensor transposed(Ctx& c, const TensorView& x) {
-  Tensor o = c.be.empty(x.dtype, {x.size(1), x.size(0)});
-  c.be.transpose(x, o.view());
-  return o;
 }
 
 // x [T, C] padded with zero rows to [rows, C] (x itself when it already has them).
@@ -244,10 +238,12 @@ void linear_backward_input(Ctx& c, const Tensor& dy, Parameter& w, const Tensor&
       Tensor dyp = pad_cols(c, dy, Np);
       QuantizedTensor dyq = c.be.empty_quantized(T, Np, DType::e4m3, ScaleKind::tile_1x128);
       quant_act(c, dyp.view(), dyq, dy_mode);
-      Tensor wp = pad_rows(c, w.weight, Np);              // [Np, K]
-      Tensor wt = transposed(c, wp.view());               // [K, Np]
-      QuantizedTensor wtq = c.be.empty_quantized(K, Np, DType::e4m3, ScaleKind::block_128x128);
-      quant_weight(c, wt.view(), wtq);
+      // w^T's 128x128 blocks are w's blocks transposed: quantize w, then move bytes and scales.
+      Tensor wp = pad_rows(c, w.weight, Np);  // [Np, K]
+      QuantizedTensor wq = c.be.empty_quantized(Np, K, DType::e4m3, ScaleKind::block_128x128);
+      quant_weight(c, wp.view(), wq);
+      QuantizedTensor wtq = c.be.empty_quantized(K, Np, DType::e4m3, ScaleKind::block_128x128);  // [K, Np]
+      c.be.transpose_128x128(wq, wtq, 1);
       c.be.gemm_fp8(dyq, wtq, dx.view(), gemm_options(c, accumulate));
       return;
     }

@@ -25,6 +25,8 @@ TensorView reshape(const TensorView& t, std::initializer_list<int64_t> shape);
 // A zero tensor of the backend with t's dtype and shape; a copy of t.
 Tensor empty_like(Backend& be, const TensorView& t);
 Tensor clone(Ctx& c, const TensorView& t);
+// x [R, C] converted to a new bf16 tensor on the backend.
+Tensor to_bf16(Ctx& c, const TensorView& x);
 // Rows [r0, r0 + n) and [0, n) of t, and t with another shape, as Tensors sharing t's storage.
 Tensor rows_of(const Tensor& t, int64_t r0, int64_t n);
 Tensor prefix_rows(const Tensor& t, int64_t n);

@@ -202,6 +202,38 @@ void requantize_128x1(const QuantizedView& in, const QuantizedView& out, ScaleMo
   quantize_rows_1x128(get, "in", out, mode);
 }
 
+void check_transpose_128x128(const QuantizedView& in, const QuantizedView& out, int64_t groups, const char* op) {
+  check_quantized(in, "in", ScaleKind::block_128x128);
+  check_quantized(out, "out", ScaleKind::block_128x128);
+  FP8MOE_CHECK(groups >= 1 && in.rows() % groups == 0,
+               op << ": groups = " << groups << " must be >= 1 and divide in's " << in.rows() << " rows");
+  const int64_t R = in.rows() / groups, C = in.cols();
+  FP8MOE_CHECK(R % kQuantGroup == 0 && C % kQuantGroup == 0,
+               op << ": each group's matrix [" << R << ", " << C << "] must have rows and columns that are multiples of 128"
+                  << " (pad the weight first)");
+  FP8MOE_CHECK(in.values.dtype == out.values.dtype && dtype_size(in.values.dtype) == 1,
+               op << ": in and out must share one 8-bit dtype, got " << in.values.str() << " and " << out.values.str());
+  check_shape(out.values, "out.values", {groups * C, R});
+}
+
+void transpose_128x128(const QuantizedView& in, const QuantizedView& out, int64_t groups) {
+  check_transpose_128x128(in, out, groups, "transpose_128x128");
+  FP8MOE_CHECK(in.values.device == Device::cpu && out.values.device == Device::cpu,
+               "transpose_128x128: the CPU op needs host memory");
+  const int64_t R = in.rows() / groups, C = in.cols(), RB = R / kQuantGroup, CB = C / kQuantGroup;
+  const auto* x = in.values.ptr<const uint8_t>();
+  auto* y = out.values.ptr<uint8_t>();
+  const float* si = in.scales.ptr<const float>();
+  float* so = out.scales.ptr<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) y[(g * C + c) * R + r] = x[(g * R + r) * C + c];
+    for (int64_t rb = 0; rb < RB; ++rb)
+      for (int64_t cb = 0; cb < CB; ++cb) so[(g * CB + cb) * RB + rb] = si[(g * RB + rb) * CB + cb];
+  }
+}
+
 void dequantize(const QuantizedView& in, const TensorView& out) {
   check_quantized(in, "in", in.kind);
   check_tensor(out, "out", {DType::f32, DType::bf16}, 2);

@@ -25,8 +25,8 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.backend << "/" << op_na
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
   for (const std::string& b : available_backends())
-    for (Op op : {Op::quantize_1x128, Op::quantize_128x128, Op::quantize_128x1, Op::requantize_128x1, Op::dequantize,
-                  Op::gemm_fp8, Op::gemm_bf16})  // the model ops: tests/model and tests/cuda/test_cuda_model_ops.cpp
+    for (Op op : {Op::quantize_1x128, Op::quantize_128x128, Op::quantize_128x1, Op::requantize_128x1,
+                  Op::transpose_128x128, Op::dequantize, Op::gemm_fp8, Op::gemm_bf16})  // the model ops: tests/model and tests/cuda/test_cuda_model_ops.cpp
       cases.push_back({b, op});
   return cases;
 }
@@ -112,6 +112,21 @@ TEST_P(BackendOps, MatchesCpu) {
         poison(*be, got.values);
         cpu->requantize_128x1(cached, want, mode);
         be->requantize_128x1(upload(*be, cached), got, mode);
+        expect_same_bytes(*be, got.values, want.values, "values");
+        expect_same_bytes(*be, got.scales, want.scales, "scales");
+        break;
+      }
+      case Op::transpose_128x128: {  // two stacked [256, 384] matrices
+        const int64_t G = 2, R = 256, C = 384;
+        Tensor ws = random_normal(rng, DType::bf16, {G * R, C}, 0.05f);
+        auto q = make_quantized_host(G * R, C, DType::e4m3, ScaleKind::block_128x128);
+        cpu->quantize_128x128(ws, q, mode);
+        auto want = make_quantized_host(G * C, R, DType::e4m3, ScaleKind::block_128x128);
+        auto got = be->empty_quantized(G * C, R, DType::e4m3, ScaleKind::block_128x128);
+        poison(*be, got.values);
+        poison(*be, got.scales);
+        cpu->transpose_128x128(q, want, G);
+        be->transpose_128x128(upload(*be, q), got, G);
         expect_same_bytes(*be, got.values, want.values, "values");
         expect_same_bytes(*be, got.scales, want.scales, "scales");
         break;

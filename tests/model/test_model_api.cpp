@@ -251,6 +251,7 @@ class NoModelOps final : public Backend {
   void quantize_128x128(const TensorView&, const QuantizedView&, ScaleMode) override {}
   void quantize_128x1(const TensorView&, const QuantizedView&, ScaleMode) override {}
   void requantize_128x1(const QuantizedView&, const QuantizedView&, ScaleMode) override {}
+  void transpose_128x128(const QuantizedView&, const QuantizedView&, int64_t) override {}
   void dequantize(const QuantizedView&, const TensorView&) override {}
   void gemm_fp8(const QuantizedView&, const QuantizedView&, const TensorView&, const GemmOptions&) override {}
   void gemm_bf16(const TensorView&, const TensorView&, const TensorView&, bool) override {}

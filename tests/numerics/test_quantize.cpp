@@ -221,3 +221,40 @@ TEST(Quantize, BadInputRaisesErrorNamingTheArgument) {
   expect_error([&] { quantize_1x128(x, bad_scales); }, "out.scales: expected shape [1, 4]");
   expect_error([&] { make_quantized_host(4, 128, DType::bf16, ScaleKind::tile_1x128); }, "not an FP8/E5M6 format");
 }
+
+TEST(Quantize, TransposedBlocksEqualQuantizingTheTranspose) {
+  // The Dgrad GEMM's W^T: transposing W's quantized 128x128 blocks gives bit for bit what
+  // quantizing W^T gives, per group of stacked matrices, in both scale modes.
+  auto rng = make_rng();
+  const int64_t R = 256, C = 384;
+  for (int64_t groups : {1, 3})
+    for (ScaleMode mode : {ScaleMode::fp32, ScaleMode::pow2}) {
+      Tensor w = random_normal(rng, DType::f32, {groups * R, C}, 0.05f);
+      w.ptr<float>()[7] = 40.0f;  // one block with a much larger scale
+      auto q = make_quantized_host(groups * R, C, DType::e4m3, ScaleKind::block_128x128);
+      quantize_128x128(w.view(), q.view(), mode);
+      auto got = make_quantized_host(groups * C, R, DType::e4m3, ScaleKind::block_128x128);
+      transpose_128x128(q.view(), got.view(), groups);
+      Tensor wt = Tensor::host(DType::f32, {groups * C, R});
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t c = 0; c < C; ++c) wt.ptr<float>()[(g * C + c) * R + r] = w.ptr<float>()[(g * R + r) * C + c];
+      auto want = make_quantized_host(groups * C, R, DType::e4m3, ScaleKind::block_128x128);
+      quantize_128x128(wt.view(), want.view(), mode);
+      EXPECT_EQ(std::memcmp(got.values.view().data, want.values.view().data, want.values.view().nbytes()), 0)
+          << "values, groups " << groups;
+      EXPECT_EQ(std::memcmp(got.scales.view().data, want.scales.view().data, want.scales.view().nbytes()), 0)
+          << "scales, groups " << groups;
+    }
+}
+
+TEST(Quantize, TransposeOfBlocksRejectsPartialBlocksAndBadGroups) {
+  auto q = make_quantized_host(200, 256, DType::e4m3, ScaleKind::block_128x128);
+  auto out = make_quantized_host(256, 200, DType::e4m3, ScaleKind::block_128x128);
+  expect_error([&] { transpose_128x128(q.view(), out.view(), 1); }, "multiples of 128");
+  auto q2 = make_quantized_host(384, 128, DType::e4m3, ScaleKind::block_128x128);
+  auto out2 = make_quantized_host(256, 192, DType::e4m3, ScaleKind::block_128x128);
+  expect_error([&] { transpose_128x128(q2.view(), out2.view(), 5); }, "divide");
+  auto tiles = make_quantized_host(256, 256, DType::e4m3, ScaleKind::tile_1x128);
+  expect_error([&] { transpose_128x128(tiles.view(), out.view(), 1); }, "128x128 scales");
+}
