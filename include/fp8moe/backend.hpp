@@ -79,11 +79,11 @@ class Backend {
   // synchronizes once per step. Backends whose checks cost nothing ignore it.
   enum class Checks { immediate, deferred };
   virtual void set_checks(Checks) {}
-  // Bytes of device memory in use on this backend's device (all allocations, not only ours), or
-  // -1 where the backend cannot tell (the CPU: its tensors are host memory).
+  // Bytes of device memory in use on this backend's device (CUDA: all allocations, not only ours;
+  // CPU: the bytes of its live tensors), or -1 where the backend cannot tell.
   virtual int64_t device_memory_in_use() const { return -1; }
-  // High-water mark of the bytes of this backend's device tensors since it was made, or -1 where
-  // the backend cannot tell.
+  // High-water mark of the bytes of this backend's tensors since it was made, or -1 where the
+  // backend cannot tell.
   virtual int64_t device_memory_peak() const { return -1; }
   QuantizedTensor empty_quantized(int64_t rows, int64_t cols, DType dtype, ScaleKind kind);
   // Asynchronous device-to-host snapshots (the parameter EMA): host memory the device copies into

@@ -4,7 +4,10 @@
 
 #include "cpu_ops.hpp"
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <memory>
 
 namespace fp8moe {
 
@@ -20,7 +23,31 @@ class CpuBackend final : public Backend {
   Device device() const override { return Device::cpu; }
   bool supports(Op) const override { return true; }
 
-  Tensor empty(DType dtype, std::initializer_list<int64_t> shape) override { return Tensor::host(dtype, shape); }
+  // The backend's tensors are counted while they live, so that device_memory_peak() measures what
+  // a recipe allocates the way the CUDA pool's high-water mark does on a GPU.
+  Tensor empty(DType dtype, std::initializer_list<int64_t> shape) override {
+    struct Counted {
+      Tensor t;
+      std::shared_ptr<Bytes> bytes;
+      int64_t n = 0;
+      ~Counted() {
+        if (bytes) bytes->in_use -= n;
+      }
+    };
+    auto keep = std::make_shared<Counted>();
+    keep->t = Tensor::host(dtype, shape);
+    keep->n = int64_t(keep->t.view().nbytes());
+    keep->bytes = bytes_;
+    const int64_t now = bytes_->in_use += keep->n;
+    int64_t peak = bytes_->peak.load();
+    while (now > peak && !bytes_->peak.compare_exchange_weak(peak, now)) {
+    }
+    const TensorView v = keep->t.view();
+    return Tensor(std::shared_ptr<void>(keep, v.data), v);
+  }
+  // Bytes of this backend's live tensors (host memory), and their high-water mark.
+  int64_t device_memory_in_use() const override { return bytes_->in_use.load(); }
+  int64_t device_memory_peak() const override { return bytes_->peak.load(); }
 
   void copy(const TensorView& dst, const TensorView& src) override {
     require_host(dst, "dst");
@@ -177,6 +204,12 @@ class CpuBackend final : public Backend {
     cpu::adamw_step(w, g, m, v, p);
   }
   double sum_squares(const TensorView& x) override { return cpu::sum_squares(x); }
+
+ private:
+  struct Bytes {
+    std::atomic<int64_t> in_use{0}, peak{0};
+  };
+  std::shared_ptr<Bytes> bytes_ = std::make_shared<Bytes>();  // outlives the backend with its tensors
 };
 
 }  // namespace
