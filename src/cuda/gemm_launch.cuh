@@ -93,6 +93,25 @@ inline void check_group_table(const TensorView& t, const char* op, const char* a
   FP8MOE_CHECK(t.shape[0] == n, op << ": " << arg << " must have " << n << " entries, got " << t.str());
 }
 
+// The shapes of a K-grouped Wgrad (grouped_wgrad_fp8, its emulation): dW[g] [N, K] (+)= dy_t
+// [N, R] x_t [K, R]^T over g's token segment, segments from offsets [G + 1]; returns G.
+inline int64_t check_grouped_wgrad(const QuantizedView& dy_t, const QuantizedView& x_t, const TensorView& offsets,
+                                   const TensorView& d, bool accumulate, const char* op) {
+  const int64_t N = dy_t.rows(), K = x_t.rows(), R = dy_t.cols();
+  FP8MOE_CHECK(x_t.cols() == R, "x_t: " << x_t.cols() << " token columns, dy_t has " << R);
+  FP8MOE_CHECK(R % 128 == 0,
+               "dy_t: R = " << R << " token columns must be a multiple of 128 (the rows of the expert layout)");
+  FP8MOE_CHECK(offsets.ndim == 1 && offsets.shape[0] >= 2,
+               op << ": offsets must hold G + 1 >= 2 segment starts, got " << offsets.str());
+  const int64_t G = offsets.shape[0] - 1;
+  check_group_table(offsets, op, "offsets", G + 1);
+  FP8MOE_CHECK(d.dtype == DType::f32, "d: the Wgrad output must be f32, got " << d.str());
+  check_output(d, op, G * N, K, accumulate);
+  FP8MOE_CHECK(G * N < (int64_t(1) << 31) && K < (int64_t(1) << 31) && R < (int64_t(1) << 31),
+               op << ": G * N, K and R must be below 2^31");
+  return G;
+}
+
 // Tensor maps of one launch; unused ones are copies of `a` (the kernel never touches them).
 struct GemmMaps {
   CUtensorMap a, b, sa, sb, d;

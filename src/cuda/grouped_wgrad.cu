@@ -19,18 +19,8 @@ void grouped_wgrad_fp8_cuda(const QuantizedView& dy_t, const QuantizedView& x_t,
   const char* op = "grouped_wgrad_fp8";
   check_operand(dy_t, op, "dy_t", ScaleKind::tile_1x128);
   check_operand(x_t, op, "x_t", ScaleKind::tile_1x128);
+  const int64_t G = check_grouped_wgrad(dy_t, x_t, offsets, d, accumulate, op);
   const int64_t N = dy_t.rows(), K = x_t.rows(), R = dy_t.cols();
-  FP8MOE_CHECK(x_t.cols() == R, "x_t: " << x_t.cols() << " token columns, dy_t has " << R);
-  FP8MOE_CHECK(R % kBlockK == 0,
-               "dy_t: R = " << R << " token columns must be a multiple of 128 (the rows of the expert layout)");
-  FP8MOE_CHECK(offsets.ndim == 1 && offsets.shape[0] >= 2,
-               op << ": offsets must hold G + 1 >= 2 segment starts, got " << offsets.str());
-  const int64_t G = offsets.shape[0] - 1;
-  check_group_table(offsets, op, "offsets", G + 1);
-  FP8MOE_CHECK(d.dtype == DType::f32, "d: the Wgrad output must be f32, got " << d.str());
-  check_output(d, op, G * N, K, accumulate);
-  FP8MOE_CHECK(G * N < (int64_t(1) << 31) && K < (int64_t(1) << 31) && R < (int64_t(1) << 31),
-               op << ": G * N, K and R must be below 2^31");
   FP8MOE_CHECK(sm90_available(), op << ": the sm_90a kernel needs a Hopper (compute capability 9.0) GPU, got "
                                     << device_props().major << "." << device_props().minor);
   if (G * N == 0 || K == 0) return;

@@ -169,27 +169,12 @@ std::unique_ptr<Plan> make_plan(const CublasLtShared& lt, const Problem& p) {
                   : layout(uint64_t(p.K), uint64_t(p.M), p.lda, p.batch, p.sa);
   plan->lc = layout(uint64_t(p.N), uint64_t(p.M), p.ldd, p.batch, p.sd);
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  FP8MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t ws = lt.workspace_bytes;
-  const uint32_t al_a = uint32_t(p.align_b), al_b = uint32_t(p.align_a), al_d = uint32_t(p.align_d);
-  cublasStatus_t st =
-      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-  // NOTES: head views are offset by h * D floats; cuBLASLt assumes 256-byte alignment unless told.
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof(al_d));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d));
   cublasLtMatmulHeuristicResult_t res{};
   int found = 0;
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulAlgoGetHeuristic(lt.handle, plan->op, plan->la, plan->lb, plan->lc, plan->lc, pref, 1, &res,
-                                        &found);
-  cublasLtMatmulPreferenceDestroy(pref);
+  // NOTES: head views are offset by h * D floats; the alignments say so (cuBLASLt assumes 256 bytes).
+  const cublasStatus_t st = cublaslt_heuristic(lt.handle, plan->op, plan->la, plan->lb, plan->lc, lt.workspace_bytes,
+                                               uint32_t(p.align_b), uint32_t(p.align_a), uint32_t(p.align_d), &res,
+                                               &found);
   FP8MOE_CUBLAS_CHECK(st);
   FP8MOE_CHECK(found > 0, "attention: cuBLASLt has no FP32 algorithm for the batched GEMM M="
                               << p.M << " N=" << p.N << " K=" << p.K << " ta=" << p.ta << " tb=" << p.tb

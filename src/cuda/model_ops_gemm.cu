@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <tuple>
+#include <utility>
 
 #include "model_ops.hpp"
 #include "model_ops_util.cuh"
@@ -106,27 +107,10 @@ std::unique_ptr<GemmPlan> make_plan(GemmContext& ctx, cublasComputeType_t comput
     FP8MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->lb, in_type, uint64_t(M), uint64_t(K), M));
   FP8MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->lc, d_type, uint64_t(N), uint64_t(M), N));
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  FP8MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t ws = kWorkspaceBytes;
-  const uint32_t al_a = uint32_t(align[1]), al_b = uint32_t(align[0]), al_d = uint32_t(align[2]);
-  cublasStatus_t st =
-      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-  // NOTES: views may be offset into a tensor; cuBLASLt assumes 256-byte alignment unless told.
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof(al_d));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d));
   cublasLtMatmulHeuristicResult_t res{};
   int found = 0;
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulAlgoGetHeuristic(ctx.handle, plan->op, plan->la, plan->lb, plan->lc, plan->lc, pref, 1, &res,
-                                        &found);
-  cublasLtMatmulPreferenceDestroy(pref);
+  const cublasStatus_t st = cublaslt_heuristic(ctx.handle, plan->op, plan->la, plan->lb, plan->lc, kWorkspaceBytes,
+                                               uint32_t(align[1]), uint32_t(align[0]), uint32_t(align[2]), &res, &found);
   if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
     plan->algo = res.algo;
     return plan;
@@ -143,6 +127,28 @@ namespace ops {
 CublasLtShared cublaslt_shared() {
   GemmContext& ctx = gemm_context();
   return {ctx.handle, ctx.workspace, kWorkspaceBytes};
+}
+
+cublasStatus_t cublaslt_heuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la,
+                                  cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t lc, uint64_t workspace,
+                                  uint32_t align_a, uint32_t align_b, uint32_t align_d,
+                                  cublasLtMatmulHeuristicResult_t* res, int* found) {
+  *found = 0;
+  cublasLtMatmulPreference_t pref = nullptr;
+  cublasStatus_t st = cublasLtMatmulPreferenceCreate(&pref);
+  if (st != CUBLAS_STATUS_SUCCESS) return st;
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d}};
+  st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                            sizeof(workspace));
+  for (const auto& [attr, v] : aligns)
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &v, sizeof(v));
+  if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulAlgoGetHeuristic(handle, op, la, lb, lc, lc, pref, 1, res, found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  return st;
 }
 
 }  // namespace ops

@@ -52,6 +52,13 @@ struct CublasLtShared {
   size_t workspace_bytes;
 };
 CublasLtShared cublaslt_shared();
+// cuBLASLt's first algorithm for a described problem with `workspace` bytes and the operands'
+// alignments in bytes (views offset into tensors: cuBLASLt assumes 256 unless told); `found` is 0
+// when there is none.
+cublasStatus_t cublaslt_heuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la,
+                                  cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t lc, uint64_t workspace,
+                                  uint32_t align_a, uint32_t align_b, uint32_t align_d,
+                                  cublasLtMatmulHeuristicResult_t* res, int* found);
 
 // ---- the attention's GEMM path (model_ops_attention_gemm.cu; model_ops_attention.cu checks the
 // arguments and dispatches) ----
