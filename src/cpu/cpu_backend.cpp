@@ -4,7 +4,6 @@
 
 #include "cpu_ops.hpp"
 
-#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>

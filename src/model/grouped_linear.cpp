@@ -32,8 +32,9 @@ TensorView stacked(const Tensor& first, int64_t groups) {
   return v;
 }
 
-// d[g's rows] (+)= op(a[g]) op(b[g]) for every non-empty segment g: `a_rows`, `b_rows`, `d_rows`
-// say which of a, b, d are indexed by the segment's rows (else by its block of `block` rows).
+// d[g] (+)= op(a[g]) op(b[g]) for every non-empty segment g. With d_rows (Fprop, Dgrad), a[g] and
+// d[g] are the segment's rows and b[g] the g-th block of `block` rows; without (Wgrad), a[g] and
+// b[g] are the segment's rows and d[g] the g-th block.
 void per_segment(Ctx& c, const ExpertGroups& eg, const TensorView& a, const TensorView& b, const TensorView& d,
                  bool trans_a, bool trans_b, bool accumulate, int64_t block, bool d_rows) {
   for (int64_t g = 0; g < eg.groups; ++g) {

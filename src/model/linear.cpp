@@ -4,9 +4,10 @@
 //   bf16  BF16 operands, FP32 accumulation and output, transposes in the GEMM's flags; inputs
 //         cached in BF16.
 //   fp8   E4M3 operands: x 1x128 tiles, w 128x128 blocks (Fprop), dy 1x128 and w^T 128x128
-//         (Dgrad, w's blocks transposed), dy^T and x^T grouped 1x128 along tokens (Wgrad, x^T from the cached FP8 tiles by
-//         dequantize-transpose-requantize as the report does); promotion per the recipe's
-//         AccumConfig; FP32 output and FP32 accumulation into the master gradient.
+//         (Dgrad, w's quantized blocks transposed), dy^T and x^T grouped 1x128 along tokens (Wgrad,
+//         x^T from the cached FP8 tiles by dequantize-transpose-requantize as the report does);
+//         promotion per the recipe's AccumConfig; FP32 output and FP32 accumulation into the
+//         master gradient.
 // FP8 GEMMs need K % 128 == 0: Fprop's K (in features) is validated with the config, Dgrad's K (out
 // features) is zero-padded here when needed (kv_a_proj_with_mqa: kv_lora_rank + rope dims), and
 // Wgrad's K (tokens) is padded by caching x with zero rows up to a multiple of 128.

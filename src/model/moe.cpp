@@ -118,10 +118,11 @@ class MoeLayer final : public Layer {
       c_.be.moe_permute(h.view(), s->row_slot.view(), K, TensorView(), xe.view());
       s->expert.assign(size_t(E), MlpState{});
       for (int64_t e = 0; e < E; ++e) {
-        if (s->groups.count[size_t(e)] == 0) continue;
+        const int64_t r0 = s->groups.start[size_t(e)], n = s->groups.count[size_t(e)];
+        if (n == 0) continue;
         MlpState& st = s->expert[size_t(e)];
-        st.in = linear_input(c_, rows_view(xe.view(), s->groups.start[size_t(e)], s->groups.count[size_t(e)]), pow2);
-        mlp_forward(c_, experts_[size_t(e)], st, rows_of(ye, s->groups.start[size_t(e)], s->groups.count[size_t(e)]), pow2);
+        st.in = linear_input(c_, rows_view(xe.view(), r0, n), pow2);
+        mlp_forward(c_, experts_[size_t(e)], st, rows_of(ye, r0, n), pow2);
       }
     }
     c_.be.moe_combine(ye.view(), s->slot_row.view(), s->w.view(), y.view(), true);
@@ -236,7 +237,8 @@ class MoeLayer final : public Layer {
     // The device op fills tables of the bound's size (it cannot know the loads without a host
     // synchronization); the rows past the last segment are padding (-1), so the activations use
     // only the rows the loads need.
-    const int64_t R = moe_layout_rows(T * K, E, kAlign), used = s.groups.start[size_t(E - 1)] + s.groups.count[size_t(E - 1)];
+    const int64_t R = moe_layout_rows(T * K, E, kAlign);
+    const int64_t used = s.groups.start[size_t(E - 1)] + s.groups.count[size_t(E - 1)];
     Tensor row_slot = c_.be.empty(DType::i32, {R}), row_group = c_.be.empty(DType::i32, {R});
     s.slot_row = c_.be.empty(DType::i32, {T, K});
     s.groups.groups = E;
