@@ -3,7 +3,9 @@
 # tokens/s and achieved TFLOPS (model FLOPs, fwd + bwd) averaged over the steps after warm-up.
 #   scripts/step_time.sh [config] [steps] [backend]     (defaults: configs/wide.json 12 cuda)
 # FP8MOE_BIN (folder with fp8moe, default build/bin) and FP8MOE_DATA (text, default the shared
-# tinyshakespeare) as in gpu_train_check.sh. Output under $OUT (default ./step_time_out).
+# tinyshakespeare) as in gpu_train_check.sh; FP8MOE_ARGS (more train options, default
+# "--ema-every 1000": the step without the EMA's host snapshot, docs/PERF.md). Output under $OUT
+# (default ./step_time_out).
 set -u
 CFG=${1:-configs/wide.json}
 STEPS=${2:-12}
@@ -11,10 +13,11 @@ BACKEND=${3:-cuda}
 OUT=${OUT:-$PWD/step_time_out}
 CLI=${FP8MOE_BIN:-build/bin}/fp8moe
 DATA=${FP8MOE_DATA:-../shared/data/tinyshakespeare.txt}
+ARGS=${FP8MOE_ARGS---ema-every 1000}
 mkdir -p "$OUT"
 for r in bf16 fp8; do
   timeout --signal=KILL 240 "$CLI" train -c "$CFG" --backend "$BACKEND" --recipe "$r" --data "$DATA" --steps "$STEPS" \
-    --log-every 4 --eval-every 100000 --eval-batches 1 -o "$OUT/$r" >"$OUT/$r.log" 2>&1
+    --log-every 4 --eval-every 100000 --eval-batches 1 $ARGS -o "$OUT/$r" >"$OUT/$r.log" 2>&1
   echo "[$r] rc=$?"
 done
 python3 - "$OUT" "$CFG" <<'PY'
