@@ -53,7 +53,7 @@ std::string_view op_name(Op op) {
 
 QuantizedTensor Backend::empty_quantized(int64_t rows, int64_t cols, DType dtype, ScaleKind kind) {
   auto ss = scale_shape(kind, rows, cols);
-  return {empty(dtype, {rows, cols}), empty(DType::f32, {ss[0], ss[1]}), kind};
+  return {uninitialized(dtype, {rows, cols}), uninitialized(DType::f32, {ss[0], ss[1]}), kind};
 }
 
 // Model ops: a backend that does not implement one says so by name.

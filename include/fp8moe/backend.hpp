@@ -69,6 +69,10 @@ class Backend {
 
   // Memory: a zero-filled tensor on this backend's device; copies between any two devices.
   virtual Tensor empty(DType dtype, std::initializer_list<int64_t> shape) = 0;
+  // A tensor for an op to overwrite whole (a quantizer's output, a conversion's): no zero fill on
+  // a GPU. The CPU backend fills it with 0xFF bytes (NaN in every float format, FP8 included), so
+  // a read before the write shows in its tests.
+  virtual Tensor uninitialized(DType dtype, std::initializer_list<int64_t> shape) { return empty(dtype, shape); }
   virtual void copy(const TensorView& dst, const TensorView& src) = 0;
   // Waits for the device's queued work; raises the first failed deferred check (set_checks).
   virtual void synchronize() {}

@@ -24,25 +24,9 @@ class CpuBackend final : public Backend {
 
   // The backend's tensors are counted while they live, so that device_memory_peak() measures what
   // a recipe allocates the way the CUDA pool's high-water mark does on a GPU.
-  Tensor empty(DType dtype, std::initializer_list<int64_t> shape) override {
-    struct Counted {
-      Tensor t;
-      std::shared_ptr<Bytes> bytes;
-      int64_t n = 0;
-      ~Counted() {
-        if (bytes) bytes->in_use -= n;
-      }
-    };
-    auto keep = std::make_shared<Counted>();
-    keep->t = Tensor::host(dtype, shape);
-    keep->n = int64_t(keep->t.view().nbytes());
-    keep->bytes = bytes_;
-    const int64_t now = bytes_->in_use += keep->n;
-    int64_t peak = bytes_->peak.load();
-    while (now > peak && !bytes_->peak.compare_exchange_weak(peak, now)) {
-    }
-    const TensorView v = keep->t.view();
-    return Tensor(std::shared_ptr<void>(keep, v.data), v);
+  Tensor empty(DType dtype, std::initializer_list<int64_t> shape) override { return allocate(dtype, shape, false); }
+  Tensor uninitialized(DType dtype, std::initializer_list<int64_t> shape) override {
+    return allocate(dtype, shape, true);
   }
   // Bytes of this backend's live tensors (host memory), and their high-water mark.
   int64_t device_memory_in_use() const override { return bytes_->in_use.load(); }
@@ -205,6 +189,30 @@ class CpuBackend final : public Backend {
   double sum_squares(const TensorView& x) override { return cpu::sum_squares(x); }
 
  private:
+  // A counted host tensor: zero-filled, or filled with 0xFF bytes (NaN in every float format) for
+  // uninitialized(), so that an op reading what nobody wrote yields NaN in the tests.
+  Tensor allocate(DType dtype, std::initializer_list<int64_t> shape, bool poison) {
+    struct Counted {
+      Tensor t;
+      std::shared_ptr<Bytes> bytes;
+      int64_t n = 0;
+      ~Counted() {
+        if (bytes) bytes->in_use -= n;
+      }
+    };
+    auto keep = std::make_shared<Counted>();
+    keep->t = Tensor::host(dtype, shape);
+    keep->n = int64_t(keep->t.view().nbytes());
+    keep->bytes = bytes_;
+    if (poison) std::memset(keep->t.view().data, 0xFF, size_t(keep->n));
+    const int64_t now = bytes_->in_use += keep->n;
+    int64_t peak = bytes_->peak.load();
+    while (now > peak && !bytes_->peak.compare_exchange_weak(peak, now)) {
+    }
+    const TensorView v = keep->t.view();
+    return Tensor(std::shared_ptr<void>(keep, v.data), v);
+  }
+
   struct Bytes {
     std::atomic<int64_t> in_use{0}, peak{0};
   };

@@ -108,25 +108,11 @@ class CudaBackend final : public Backend {
 
   Tensor empty(DType dtype, std::initializer_list<int64_t> shape) override {
     FP8MOE_TIMED_OP("empty");
-    int64_t n = 1;
-    for (int64_t s : shape) {
-      FP8MOE_CHECK(s >= 0, "empty: negative dimension " << s);
-      n *= s;
-    }
-    const size_t bytes = size_t(n) * dtype_size(dtype);
-    void* p = nullptr;
-    if (bytes > 0) {
-      FP8MOE_CUDA_CHECK(cudaMallocAsync(&p, bytes, nullptr));
-      const cudaError_t e = cudaMemsetAsync(p, 0, bytes, nullptr);
-      if (e != cudaSuccess) cudaFreeAsync(p, nullptr);
-      FP8MOE_CUDA_CHECK(e);
-    }
-    // NOTES: a deleter may not throw; a failing free means a broken context, which the next
-    // checked call reports.
-    std::shared_ptr<void> storage(p, [](void* q) {
-      if (q) (void)cudaFreeAsync(q, nullptr);
-    });
-    return Tensor(std::move(storage), dtype, shape, Device::cuda);
+    return allocate(dtype, shape, true);
+  }
+  Tensor uninitialized(DType dtype, std::initializer_list<int64_t> shape) override {
+    FP8MOE_TIMED_OP("uninitialized");
+    return allocate(dtype, shape, false);
   }
 
   void copy(const TensorView& dst, const TensorView& src) override {
@@ -397,6 +383,29 @@ class CudaBackend final : public Backend {
     FP8MOE_TIMED_OP("sum_squares_all"); return cuda::cuda_sum_squares(xs); }
 
  private:
+  // Stream-ordered allocation from the pool, zero-filled or not.
+  Tensor allocate(DType dtype, std::initializer_list<int64_t> shape, bool zero) {
+    int64_t n = 1;
+    for (int64_t s : shape) {
+      FP8MOE_CHECK(s >= 0, "empty: negative dimension " << s);
+      n *= s;
+    }
+    const size_t bytes = size_t(n) * dtype_size(dtype);
+    void* p = nullptr;
+    if (bytes > 0) {
+      FP8MOE_CUDA_CHECK(cudaMallocAsync(&p, bytes, nullptr));
+      const cudaError_t e = zero ? cudaMemsetAsync(p, 0, bytes, nullptr) : cudaSuccess;
+      if (e != cudaSuccess) cudaFreeAsync(p, nullptr);
+      FP8MOE_CUDA_CHECK(e);
+    }
+    // NOTES: a deleter may not throw; a failing free means a broken context, which the next
+    // checked call reports.
+    std::shared_ptr<void> storage(p, [](void* q) {
+      if (q) (void)cudaFreeAsync(q, nullptr);
+    });
+    return Tensor(std::move(storage), dtype, shape, Device::cuda);
+  }
+
   bool cublaslt_;
   cudaMemPool_t pool_ = nullptr;
   // copy_to_host_async: its stream, and the events "queued work reached" and "copies done".

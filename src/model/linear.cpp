@@ -71,7 +71,7 @@ MemoryItem account_item(const std::string& layer, const std::string& name, const
 }
 
 Tensor to_bf16(Ctx& c, const TensorView& x) {
-  Tensor o = c.be.empty(DType::bf16, {x.size(0), x.size(1)});
+  Tensor o = c.be.uninitialized(DType::bf16, {x.size(0), x.size(1)});
   c.be.convert(x, o.view());
   return o;
 }
