@@ -116,21 +116,9 @@ struct Problem {
   }
 };
 
-struct Plan {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-  ~Plan() {
-    if (la) cublasLtMatrixLayoutDestroy(la);
-    if (lb) cublasLtMatrixLayoutDestroy(lb);
-    if (lc) cublasLtMatrixLayoutDestroy(lc);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
-
 struct PlanCache {
   std::mutex mu;
-  std::map<std::pair<int, std::array<int64_t, 15>>, std::unique_ptr<Plan>> plans;  // (device, problem)
+  std::map<std::pair<int, std::array<int64_t, 15>>, std::unique_ptr<CublasLtPlan>> plans;  // (device, problem)
 };
 
 PlanCache& plan_cache() {
@@ -155,8 +143,8 @@ cublasLtMatrixLayout_t layout(uint64_t rows, uint64_t cols, int64_t ld, int64_t 
 
 // Row-major d = op(a) op(b) is column-major d^T = op(b)^T op(a)^T (as in model_ops_gemm.cu):
 // cuBLAS "A" is our b, "B" our a, and d the column-major N x M matrix.
-std::unique_ptr<Plan> make_plan(const CublasLtShared& lt, const Problem& p) {
-  auto plan = std::make_unique<Plan>();
+std::unique_ptr<CublasLtPlan> make_plan(const CublasLtShared& lt, const Problem& p) {
+  auto plan = std::make_unique<CublasLtPlan>();
   FP8MOE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t opa = p.tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = p.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
   FP8MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
@@ -182,12 +170,6 @@ std::unique_ptr<Plan> make_plan(const CublasLtShared& lt, const Problem& p) {
                               << " alignments " << p.align_a << "/" << p.align_b << "/" << p.align_d << " bytes");
   plan->algo = res.algo;
   return plan;
-}
-
-int alignment_of(uintptr_t u) {
-  int a = 1;
-  while (a < 256 && (u & uintptr_t(2 * a - 1)) == 0) a *= 2;
-  return a;
 }
 
 // The (sequence, head) matrices of a tensor: matrix (b, h) of the chunk starts at
@@ -221,7 +203,7 @@ void chunk_gemm(int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha, 
   std::lock_guard<std::mutex> lock(cache.mu);
   auto& slot = cache.plans[{dev, p.key()}];
   if (!slot) slot = make_plan(lt, p);
-  const Plan& plan = *slot;
+  const CublasLtPlan& plan = *slot;
   const float beta = 0.0f;
   for (int64_t l = 0; l < loops; ++l) {
     float* dl = const_cast<float*>(d.base) + l * loop_stride(d);

@@ -28,25 +28,13 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
-struct GemmPlan {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-  ~GemmPlan() {
-    if (la) cublasLtMatrixLayoutDestroy(la);
-    if (lb) cublasLtMatrixLayoutDestroy(lb);
-    if (lc) cublasLtMatrixLayoutDestroy(lc);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
-
 // (in dtype, d dtype, M, N, K, trans_a, trans_b, alignment of a, b, d in bytes)
 using GemmKey = std::tuple<int, int, int64_t, int64_t, int64_t, bool, bool, int, int, int>;
 
 struct GemmContext {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
-  std::map<GemmKey, std::unique_ptr<GemmPlan>> plans;
+  std::map<GemmKey, std::unique_ptr<CublasLtPlan>> plans;
   std::mutex mu;
 };
 
@@ -68,23 +56,16 @@ GemmContext& gemm_context() {
   return *c;
 }
 
-int alignment(const void* p) {
-  const auto u = reinterpret_cast<uintptr_t>(p);
-  int a = 1;
-  while (a < 256 && (u & uintptr_t(2 * a - 1)) == 0) a *= 2;
-  return a;
-}
-
 template <class T>
 void set_attr(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const T& v) {
   FP8MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &v, sizeof(v)));
 }
 
 // A plan for one compute type, or null when cuBLASLt has no algorithm for it (*why says why).
-std::unique_ptr<GemmPlan> make_plan(GemmContext& ctx, cublasComputeType_t compute, cudaDataType_t in_type,
+std::unique_ptr<CublasLtPlan> make_plan(GemmContext& ctx, cublasComputeType_t compute, cudaDataType_t in_type,
                                     cudaDataType_t d_type, int64_t M, int64_t N, int64_t K, bool ta, bool tb,
                                     const int align[3], std::string* why) {
-  auto plan = std::make_unique<GemmPlan>();
+  auto plan = std::make_unique<CublasLtPlan>();
   const cublasStatus_t created = cublasLtMatmulDescCreate(&plan->op, compute, CUDA_R_32F);
   if (created != CUBLAS_STATUS_SUCCESS) {  // a compute type this cuBLASLt does not know
     *why += std::string(" [compute ") + std::to_string(int(compute)) + ": " + cublasLtGetStatusString(created) + "]";
@@ -179,21 +160,22 @@ void cuda_gemm(const TensorView& a, const TensorView& b, const TensorView& d, bo
   }
   const cudaDataType_t in_type = bf16_in ? CUDA_R_16BF : CUDA_R_32F;
   const cudaDataType_t d_type = d.dtype == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F;
-  const int align[3] = {alignment(a.data), alignment(b.data), alignment(d.data)};
+  const int align[3] = {alignment_of(reinterpret_cast<uintptr_t>(a.data)), alignment_of(reinterpret_cast<uintptr_t>(b.data)),
+                       alignment_of(reinterpret_cast<uintptr_t>(d.data))};
   GemmContext& ctx = gemm_context();
   std::lock_guard<std::mutex> lock(ctx.mu);
   const GemmKey key{int(a.dtype), int(d.dtype), M, N, K, trans_a, trans_b, align[0], align[1], align[2]};
   auto it = ctx.plans.find(key);
   if (it == ctx.plans.end()) {
     std::string why;
-    std::unique_ptr<GemmPlan> plan =
+    std::unique_ptr<CublasLtPlan> plan =
         make_plan(ctx, CUBLAS_COMPUTE_32F, in_type, d_type, M, N, K, trans_a, trans_b, align, &why);
     FP8MOE_CHECK(plan, "gemm: cuBLASLt has no algorithm for M=" << M << " N=" << N << " K=" << K << " trans_a="
                                                                 << trans_a << " trans_b=" << trans_b << " "
                                                                 << dtype_name(a.dtype) << why);
     it = ctx.plans.emplace(key, std::move(plan)).first;
   }
-  GemmPlan& plan = *it->second;
+  CublasLtPlan& plan = *it->second;
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   FP8MOE_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.op, &alpha, b.data, plan.la, a.data, plan.lb, &beta, d.data,
                                      plan.lc, d.data, plan.lc, &plan.algo, ctx.workspace, kWorkspaceBytes, nullptr));

@@ -52,6 +52,28 @@ struct CublasLtShared {
   size_t workspace_bytes;
 };
 CublasLtShared cublaslt_shared();
+// A cached cuBLASLt problem: descriptors and the chosen algorithm, destroyed with the plan.
+struct CublasLtPlan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  CublasLtPlan() = default;
+  CublasLtPlan(const CublasLtPlan&) = delete;
+  CublasLtPlan& operator=(const CublasLtPlan&) = delete;
+  ~CublasLtPlan() {
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+// The largest power of two (up to 256) dividing an address or a byte offset: the alignment
+// cuBLASLt is told.
+inline int alignment_of(uintptr_t u) {
+  int a = 1;
+  while (a < 256 && (u & uintptr_t(2 * a - 1)) == 0) a *= 2;
+  return a;
+}
 // cuBLASLt's first algorithm for a described problem with `workspace` bytes and the operands'
 // alignments in bytes (views offset into tensors: cuBLASLt assumes 256 unless told); `found` is 0
 // when there is none.
