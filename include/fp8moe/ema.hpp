@@ -52,6 +52,12 @@ class ParameterEma {
   };
   std::vector<Snapshot> snapshots_;
   std::vector<const float*> staged_;  // each parameter's values in its snapshot's staging
+  struct Piece {  // a chunk of one average and its staged values: the fold's unit of work
+    float* e;
+    const float* s;
+    int64_t n;
+  };
+  std::vector<Piece> pieces_;
   int64_t updates_ = 0;
   std::mutex mu_;
   std::condition_variable cv_;

@@ -436,13 +436,19 @@ EmuOperand emu_operand(const QuantizedView& q) {
   return o;
 }
 
-void set_output(EmuArgs& args, const TensorView& d, bool accumulate) {
+// The launch arguments every entry point shares: operands, output, and the K the kernel walks.
+EmuArgs emu_args(const QuantizedView& a, const QuantizedView& b, const TensorView& d, bool accumulate, int64_t K) {
+  EmuArgs args;
+  args.a = emu_operand(a);
+  args.b = emu_operand(b);
   args.d = d.data;
   args.ldd = d.strides[0];
   args.d_rows = uint32_t(d.size(0));
   args.d_cols = uint32_t(d.size(1));
   args.d_f32 = d.dtype == DType::f32;
   args.accumulate = accumulate;
+  args.K = uint32_t(K);
+  return args;
 }
 
 // Checks shared by the two m-grouped GEMMs (A, the stacked weights B [groups * N, K]); returns N.
@@ -477,11 +483,7 @@ void gemm_fp8_emulated(const QuantizedView& a, const QuantizedView& b, const Ten
   check_output(d, op, M, N, opt.accumulate);
   FP8MOE_CHECK(M < (int64_t(1) << 31) && N < (int64_t(1) << 31) && K < (int64_t(1) << 31),
                op << ": M, N, K must be below 2^31");
-  EmuArgs args;
-  args.a = emu_operand(a);
-  args.b = emu_operand(b);
-  set_output(args, d, opt.accumulate);
-  args.K = uint32_t(K);
+  EmuArgs args = emu_args(a, b, d, opt.accumulate, K);
   args.m_blocks = uint32_t((M + kBM - 1) / kBM);
   args.grouping = Grouping::none;
   launch(args, opt, stream, op);
@@ -495,11 +497,7 @@ void grouped_gemm_fp8_contiguous_emulated(const QuantizedView& a, const Quantize
   const int64_t N = check_m_grouped_emu(a, b, groups, op);
   check_group_table(row_group, op, "row_group", a.rows());
   check_output(d, op, a.rows(), N, opt.accumulate);
-  EmuArgs args;
-  args.a = emu_operand(a);
-  args.b = emu_operand(b);
-  set_output(args, d, opt.accumulate);
-  args.K = uint32_t(a.cols());
+  EmuArgs args = emu_args(a, b, d, opt.accumulate, a.cols());
   args.m_blocks = uint32_t((a.rows() + kBM - 1) / kBM);
   args.grouping = Grouping::contiguous;
   args.group.table = row_group.ptr<const int32_t>();
@@ -520,11 +518,7 @@ void grouped_gemm_fp8_masked_emulated(const QuantizedView& a, const QuantizedVie
   check_group_table(counts, op, "counts", groups);
   check_output(d, op, a.rows(), N, false);
   const int64_t m_max = a.rows() / groups;
-  EmuArgs args;
-  args.a = emu_operand(a);
-  args.b = emu_operand(b);
-  set_output(args, d, false);
-  args.K = uint32_t(a.cols());
+  EmuArgs args = emu_args(a, b, d, false, a.cols());
   args.m_blocks = uint32_t(groups * ((m_max + kBM - 1) / kBM));
   args.grouping = Grouping::masked;
   args.group.table = counts.ptr<const int32_t>();
@@ -544,11 +538,7 @@ void grouped_wgrad_fp8_emulated(const QuantizedView& dy_t, const QuantizedView& 
   const int64_t G = check_grouped_wgrad(dy_t, x_t, offsets, d, opt.accumulate, op);
   const int64_t N = dy_t.rows(), K = x_t.rows(), R = dy_t.cols();
   if (G * N == 0 || K == 0) return;
-  EmuArgs args;
-  args.a = emu_operand(dy_t);
-  args.b = emu_operand(x_t);
-  set_output(args, d, opt.accumulate);
-  args.K = uint32_t(R);
+  EmuArgs args = emu_args(dy_t, x_t, d, opt.accumulate, R);
   args.m_blocks = uint32_t(G * ((N + kBM - 1) / kBM));
   args.grouping = Grouping::k_grouped;
   args.group.table = offsets.ptr<const int32_t>();

@@ -23,6 +23,13 @@ ParameterEma::ParameterEma(const std::vector<ParamRef>& params, float decay, Bac
     for (size_t j = 0; j < r.index.size(); ++j) staged_[r.index[j]] = snap.staging.ptr<const float>() + r.offset[j];
     snapshots_.push_back(std::move(snap));
   }
+  // The fold is memory-bound (read 8 bytes, write 4 per element): one thread reaches a fraction of
+  // the host's bandwidth, so the elements are split into equal chunks for a few threads. Every
+  // element's arithmetic is the same whatever the split, so the average does not depend on it.
+  constexpr int64_t kChunk = int64_t(1) << 16;
+  for (size_t i = 0; i < ema_.size(); ++i)
+    for (int64_t j = 0; j < ema_[i].numel(); j += kChunk)
+      pieces_.push_back({ema_[i].ptr<float>() + j, staged_[i] + j, std::min(kChunk, ema_[i].numel() - j)});
   thread_ = std::thread([this] { worker(); });
 }
 
@@ -66,23 +73,10 @@ void ParameterEma::worker() {
 }
 
 void ParameterEma::fold() {
-  // The average is memory-bound (read 8 bytes, write 4 per element): one thread reaches a fraction
-  // of the host's bandwidth, so the elements are split into equal chunks over a few threads. Every
-  // element's arithmetic is the same whatever the split, so the average does not depend on it.
-  constexpr int64_t kChunk = int64_t(1) << 16;
-  struct Piece {
-    float* e;
-    const float* s;
-    int64_t n;
-  };
-  std::vector<Piece> pieces;
-  for (size_t i = 0; i < ema_.size(); ++i)
-    for (int64_t j = 0; j < ema_[i].numel(); j += kChunk)
-      pieces.push_back({ema_[i].ptr<float>() + j, staged_[i] + j, std::min(kChunk, ema_[i].numel() - j)});
   const float d = decay_, w = 1 - decay_;
 #pragma omp parallel for num_threads(threads_) schedule(dynamic, 4)
-  for (int64_t k = 0; k < int64_t(pieces.size()); ++k) {
-    const Piece p = pieces[size_t(k)];
+  for (int64_t k = 0; k < int64_t(pieces_.size()); ++k) {
+    const Piece p = pieces_[size_t(k)];
     for (int64_t j = 0; j < p.n; ++j) p.e[j] = d * p.e[j] + w * p.s[j];
   }
 }

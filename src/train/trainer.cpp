@@ -112,7 +112,7 @@ struct Trainer::Impl {
     // so the fold takes one thread; beside a GPU it takes several, leaving two to the training loop.
     FP8MOE_CHECK(opt.ema_every >= 1, "--ema-every must be >= 1, got " << opt.ema_every);
     const int ema_threads =
-        backend->name() == "cpu" ? 1 : std::clamp(int(std::thread::hardware_concurrency()) - 2, 1, 8);
+        backend->device() == Device::cpu ? 1 : std::clamp(int(std::thread::hardware_concurrency()) - 2, 1, 8);
     ema = std::make_unique<ParameterEma>(ema_refs, float(std::pow(double(opt.ema_decay), double(opt.ema_every))),
                                          *backend, ema_threads);
     schedule = {opt.lr, opt.lr * opt.min_lr_ratio, std::max<int64_t>(1, int64_t(opt.warmup_frac * float(opt.steps))), opt.steps};
