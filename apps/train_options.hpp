@@ -35,7 +35,7 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--eval-every", o.eval_every, "steps between validations")->capture_default_str();
   cmd->add_option("--eval-batches", o.eval_batches, "validation micro-batches")->capture_default_str();
   cmd->add_option("--log-every", o.log_every, "steps between progress lines")->capture_default_str();
-  cmd->add_option("--ckpt-every", o.ckpt_every, "steps between checkpoints")->capture_default_str();
+  cmd->add_option("--ckpt-every", o.ckpt_every, "steps between checkpoints (also one at the end and on Ctrl-C); 0 writes none, for timing runs")->capture_default_str();
   cmd->add_option("--seed", o.seed, "seed of the initialization and the data order")->capture_default_str();
   cmd->add_option("--stop-at", o.stop_at, "checkpoint and stop after this step (the schedule still spans --steps)");
   cmd->add_flag("-q,--quiet", o.quiet, "no progress lines");

@@ -339,13 +339,13 @@ struct Trainer::Impl {
         loss_acc = 0;
         loss_n = 0;
       }
-      if ((step + 1) % opt.ckpt_every == 0 || last || step + 1 == opt.stop_at) {
+      if (opt.ckpt_every > 0 && ((step + 1) % opt.ckpt_every == 0 || last || step + 1 == opt.stop_at)) {
         ++step;  // the checkpoint records the next step to run
         save_checkpoint();
         --step;
       }
     }
-    if (sum.interrupted) {
+    if (sum.interrupted && opt.ckpt_every > 0) {
       save_checkpoint();
       if (!opt.quiet) std::printf("interrupted: checkpoint written at step %lld to %s\n", (long long)step, ckpt_path.c_str());
     }
