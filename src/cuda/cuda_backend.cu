@@ -71,14 +71,11 @@ class OpTimes {
     double total = 0;
     for (const auto& r : rows) total += r.second.second;
     std::fprintf(stderr,
-                 "# cuda backend op times (FP8MOE_PROFILE_OPS, GPU time per op): ops %.3f s of %.3f s wall
-"
-                 "%-28s %10s %12s %8s
-",
+                 "# cuda backend op times (FP8MOE_PROFILE_OPS, GPU time per op): ops %.3f s of %.3f s wall\n"
+                 "%-28s %10s %12s %8s\n",
                  total, wall, "op", "calls", "ms", "share");
     for (const auto& r : rows)
-      std::fprintf(stderr, "%-28s %10lld %12.2f %7.1f%%
-", r.first.c_str(), (long long)r.second.first,
+      std::fprintf(stderr, "%-28s %10lld %12.2f %7.1f%%\n", r.first.c_str(), (long long)r.second.first,
                    r.second.second * 1e3, 100.0 * r.second.second / total);
   }
 
