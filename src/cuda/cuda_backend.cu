@@ -11,6 +11,8 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "cuda_check.hpp"
@@ -37,6 +39,7 @@ namespace {
 // time) when the backend is destroyed, with the sum against the wall time of the profiled span:
 // the rest is the time the GPU waited for the host. Nothing synchronizes per op, so the run keeps
 // its speed; an op that calls another op (an allocation inside a GEMM) counts both.
+// FP8MOE_PROFILE_OPS=shapes: the GEMMs count per problem (dtypes, M x N x K, transposes).
 class OpTimes {
  public:
   static OpTimes& get() {
@@ -44,8 +47,9 @@ class OpTimes {
     return t;
   }
   bool enabled() const { return enabled_; }
+  bool by_shape() const { return by_shape_; }
   // The pair of events of a new op, recorded around it.
-  std::pair<cudaEvent_t, cudaEvent_t> begin(const char* op) {
+  std::pair<cudaEvent_t, cudaEvent_t> begin(std::string op) {
     if (pending_.size() == kBatch) resolve();
     if (free_.empty()) {
       cudaEvent_t a = nullptr, b = nullptr;
@@ -55,7 +59,7 @@ class OpTimes {
     }
     const auto ev = free_.back();
     free_.pop_back();
-    pending_.push_back({op, ev});
+    pending_.push_back({std::move(op), ev});
     if (!started_) {
       started_ = true;
       t0_ = std::chrono::steady_clock::now();
@@ -81,7 +85,9 @@ class OpTimes {
 
  private:
   static constexpr size_t kBatch = 4096;
-  OpTimes() : enabled_(std::getenv("FP8MOE_PROFILE_OPS") != nullptr) {}
+  OpTimes()
+      : enabled_(std::getenv("FP8MOE_PROFILE_OPS") != nullptr),
+        by_shape_(enabled_ && std::string_view(std::getenv("FP8MOE_PROFILE_OPS")) == "shapes") {}
   // Waits for the recorded ops, adds their times and recycles their events.
   void resolve() {
     if (pending_.empty()) return;
@@ -98,19 +104,26 @@ class OpTimes {
     }
     pending_.clear();
   }
-  bool enabled_;
+  bool enabled_, by_shape_;
   bool started_ = false;
   std::chrono::steady_clock::time_point t0_, t_last_;
-  std::vector<std::pair<const char*, std::pair<cudaEvent_t, cudaEvent_t>>> pending_;
+  std::vector<std::pair<std::string, std::pair<cudaEvent_t, cudaEvent_t>>> pending_;
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> free_;
   std::map<std::string, std::pair<int64_t, double>> table_;
 };
 
 class TimedOp {
  public:
-  explicit TimedOp(const char* op) {
-    if (!OpTimes::get().enabled()) return;
-    ev_ = OpTimes::get().begin(op);
+  // `shape` (called only when profiling by shape) names the op's problem.
+  template <class Shape = std::nullptr_t>
+  explicit TimedOp(const char* op, Shape shape = nullptr) {
+    auto& t = OpTimes::get();
+    if (!t.enabled()) return;
+    if constexpr (std::is_same_v<Shape, std::nullptr_t>) {
+      ev_ = t.begin(op);
+    } else {
+      ev_ = t.begin(t.by_shape() ? std::string(op) + " " + shape() : std::string(op));
+    }
     FP8MOE_CUDA_CHECK(cudaEventRecord(ev_.first, 0));
   }
   ~TimedOp() {
@@ -123,6 +136,14 @@ class TimedOp {
   std::pair<cudaEvent_t, cudaEvent_t> ev_{nullptr, nullptr};
 };
 #define FP8MOE_TIMED_OP(op) const TimedOp timed_op_(op)
+#define FP8MOE_TIMED_GEMM(op, a, b, ta, tb) const TimedOp timed_op_(op, [&] { return gemm_shape(a, b, ta, tb); })
+
+// "bf16xbf16 MxNxK NT" for D = op(a) op(b), op = transpose where the flag is set.
+std::string gemm_shape(const TensorView& a, const TensorView& b, bool ta, bool tb) {
+  const int64_t M = ta ? a.size(1) : a.size(0), K = ta ? a.size(0) : a.size(1), N = tb ? b.size(0) : b.size(1);
+  return std::string(dtype_name(a.dtype)) + "x" + std::string(dtype_name(b.dtype)) + " " + std::to_string(M) + "x" +
+         std::to_string(N) + "x" + std::to_string(K) + " " + (ta ? "T" : "N") + (tb ? "T" : "N");
+}
 
 class CudaBackend final : public Backend {
  public:
@@ -249,7 +270,7 @@ class CudaBackend final : public Backend {
   }
 
   void gemm_fp8(const QuantizedView& a, const QuantizedView& b, const TensorView& d, const GemmOptions& opt) override {
-    FP8MOE_TIMED_OP("gemm_fp8");
+    FP8MOE_TIMED_GEMM("gemm_fp8", a.values, b.values, false, true);
     // The hardware accumulates each 128-wide K block in the Tensor Cores and promotes to FP32:
     // AccumMode::fp32 (ideal promotion) up to Tensor Core rounding inside a block, and exactly the
     // tensor_core emulation's N_c = 128. Other promotion intervals run on the emulation kernels.
@@ -272,7 +293,7 @@ class CudaBackend final : public Backend {
   // ---- Model ops: src/cuda/model_ops_*.cu (the CPU ops are their specification).
   void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b,
             bool accumulate) override {
-    FP8MOE_TIMED_OP("gemm");
+    FP8MOE_TIMED_GEMM("gemm", a, b, trans_a, trans_b);
     cuda::cuda_gemm(a, b, d, trans_a, trans_b, accumulate);
   }
   void convert(const TensorView& src, const TensorView& dst) override {
