@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(256) moe_permute_kernel(const Tin* __restrict_
 // x 2 loads: twice the bytes in flight per lane behind the row_slot load, one shuffle level less,
 // and a warp's 8 scale writes filling one sector.
 template <class Tin, bool kE5M2, bool kPow2>
-__global__ void __launch_bounds__(256) moe_permute_quantize_kernel(
+__global__ void __launch_bounds__(256, 5) moe_permute_quantize_kernel(
     const Tin* __restrict__ x, const int32_t* __restrict__ row_slot, const float* __restrict__ w, int64_t topk,
     int64_t slots, uint8_t* __restrict__ q, float* __restrict__ s, int64_t R, int64_t D, int64_t ld, float max_finite,
     int wg, int64_t gx) {
