@@ -1,9 +1,13 @@
 // Fine-grained FP8 quantization (SPEC.md §1, report §3.3.2, seed 002), CPU reference.
 //
 // Online absmax: every tile/block gets scale s = amax / max_finite(dtype) (ScaleMode::fp32) or the
-// smallest power of two >= that (ScaleMode::pow2, so nothing overflows), and q = encode(x / s)
-// (IEEE float division, round to nearest even, saturating). An all-zero tile gets s = 1 and exact
-// zeros; a scale below FLT_MIN (tiny tiles) is raised to FLT_MIN so x / s stays finite.
+// smallest power of two >= that (ScaleMode::pow2, so nothing overflows), and q = encode(x * r)
+// with the reciprocal scale r = 1 / s computed once per tile (IEEE float division, then one IEEE
+// float product per element, both round to nearest even; the encoding saturates and rounds to
+// nearest even), as DeepSeek's and Transformer Engine's quantizers do. With power-of-two scales r
+// is exact, so x * r is the correctly rounded x / s. An all-zero tile gets s = 1 and exact zeros; a
+// scale below FLT_MIN (tiny tiles) is raised to FLT_MIN so r stays finite (s <= FLT_MAX / 448 keeps
+// r a normal number).
 // Power-of-two scales are computed as ue8m0_decode(ue8m0_encode(amax / max, round_up)). NaN or Inf in the input raises fp8moe::Error naming the argument and the element.
 //
 // Layouts. A quantized 2-D tensor has values [R, C] row-major (e4m3/e5m2 bytes or e5m6 uint16) and

@@ -1,11 +1,12 @@
 // Quantization kernels of the CUDA backend, bit-exact with the CPU quantizers (quantize.hpp):
 // s = amax / max_finite (IEEE division) or the smallest power of two >= that, s = 1 for an
-// all-zero tile, s >= FLT_MIN, q = encode(x / s) with __fdiv_rn and saturating RNE conversion
-// (the arithmetic itself: quantize_device.cuh).
+// all-zero tile, s >= FLT_MIN, r = 1 / s once per tile (__frcp_rn), q = encode(x * r) with one
+// __fmul_rn per element and saturating RNE conversion (the arithmetic itself: quantize_device.cuh).
+// NaN/Inf inputs are detected on each tile's NaN-propagating amax.
 //
-//   quantize_1x128    x [R, C] f32|bf16 -> q [R, C], s [ceil(C/128), ld(R)]  (one pass, 16-byte loads)
+//   quantize_1x128    x [R, C] f32|bf16 -> q [R, C], s [ceil(C/128), ld(R)]  (one pass, 4 lanes per tile)
 //   quantize_128x128  w [R, C]          -> q [R, C], s [ceil(R/128), ceil(C/128)]
-//   quantize_128x1    x [T, C]          -> q [C, T], s [ceil(T/128), ld(C)]  (transpose through smem)
+//   quantize_128x1    x [T, C]          -> q [C, T], s [ceil(T/128), ld(C)]  (128x128 tiles through smem)
 //   requantize_128x1  q [T, C] 1x128    -> q [C, T] 1x128 along T            (dequantize, transpose, requantize)
 //   transpose_128x128 q [G*R, C] 128x128 -> q [G*C, R] 128x128, per group     (bytes and block scales moved)
 //   dequantize        q [R, C] any kind -> [R, C] f32|bf16
@@ -22,9 +23,7 @@ namespace {
 
 __device__ int g_nonfinite;  // set when a quantizer input holds NaN/Inf
 
-__device__ __forceinline__ void flag_if_nonfinite(float v) {
-  if (!isfinite(v)) atomicExch(&g_nonfinite, 1);
-}
+__device__ __forceinline__ void flag_nonfinite() { atomicExch(&g_nonfinite, 1); }
 
 // Sets the padding scale entries [g, R..ld) of a 1x128 scale tensor [G, ld] to 1.
 __global__ void fill_scale_padding_kernel(float* scales, int64_t G, int64_t R, int64_t ld) {
@@ -34,73 +33,44 @@ __global__ void fill_scale_padding_kernel(float* scales, int64_t G, int64_t R, i
 }
 
 // ---- 1x128 ----
-// One group of 128 columns of one row per (128 / (2 VEC)) threads; each thread loads two adjacent
-// 16-byte vectors (VEC elements each) up front.
-// NOTES: two vectors per thread double the bytes in flight per SM (one vector reached ~64% of
-// copy bandwidth on H200; a variant striding 4 groups apart per thread was slower still).
+// Tiles as tile_coords_1x128 (quantize_device.cuh): a warp takes one 128-column tile of 8 rows,
+// four lanes per row-tile, each lane 32 values from NV independent 16-byte loads.
 // x [R, C], q [R, C], s [G, ld] (G = ceil(C/128)).
+// NOTES: expected at the copy bandwidth's reach: per element one unpack, one amax, one product and
+// half a paired conversion (the former per-element IEEE division and NaN test were most of the
+// issue slots); 64 bytes of loads in flight per lane; a warp's 8 scale writes fill one sector.
 template <class Tin, bool kE5M2, bool kVec>
-__global__ void __launch_bounds__(256) quantize_1x128_kernel(const Tin* __restrict__ x, uint8_t* __restrict__ q,
+__global__ void __launch_bounds__(256, 5) quantize_1x128_kernel(const Tin* __restrict__ x, uint8_t* __restrict__ q,
                                                              float* __restrict__ s, int64_t R, int64_t C, int64_t ld,
-                                                             float max_finite, bool pow2, bool check) {
-  constexpr int VEC = 16 / sizeof(Tin);
-  constexpr int EPT = 2 * VEC;     // elements per thread
-  constexpr int TPG = 128 / EPT;   // threads per group: 8 (bf16) or 16 (f32)
+                                                             int wg, int64_t gx, float max_finite, bool pow2,
+                                                             bool check) {
+  const TileCoords tc = tile_coords_1x128(wg, gx);
   const int64_t G = (C + 127) / 128;
-  const int64_t gid = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / TPG;
-  const int lane_g = threadIdx.x % TPG;
-  const bool active = gid < R * G;
-  const int64_t r = active ? gid / G : 0, g = active ? gid % G : 0;
-  const int64_t c0 = g * 128 + lane_g * EPT;
-
-  float v[EPT];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t c = c0 + h * VEC;
-    if (active && kVec && c < C) {
-      // NOTES: kVec means C % VEC == 0 and 16-byte aligned rows, so a vector starting inside C ends inside.
-      const uint4 raw = *reinterpret_cast<const uint4*>(x + r * C + c);
-      const Tin* e = reinterpret_cast<const Tin*>(&raw);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) v[h * VEC + i] = to_f32(e[i]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) v[h * VEC + i] = (active && c + i < C) ? to_f32(x[r * C + c + i]) : 0.0f;
-    }
+  if (tc.g >= G) return;  // whole warps
+  const bool row_ok = tc.r < R;
+  const int limit = row_ok ? int(C - tc.g * 128 < 128 ? C - tc.g * 128 : 128) : 0;
+  const int64_t base = (row_ok ? tc.r : 0) * C + tc.g * 128;
+  uint4 raw[Tile1x128<Tin>::NV];
+  load_tile_1x128<Tin, kVec>(x + base, limit, tc.t, raw);
+  const float amax = tile_amax_1x128<Tin>(raw, AsIs{});
+  if (!row_ok) return;
+  if (tc.t == 0) {
+    if (check && !is_finite_amax(amax)) flag_nonfinite();
   }
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < EPT; ++i) {
-    if (check) flag_if_nonfinite(v[i]);
-    amax = fmaxf(amax, fabsf(v[i]));
-  }
-#pragma unroll
-  for (int o = TPG / 2; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (!active) return;
   const float sc = scale_of(amax, max_finite, pow2);
-  if (lane_g == 0) s[g * ld + r] = sc;
-
-  alignas(16) uint8_t out[EPT];
-#pragma unroll
-  for (int i = 0; i < EPT; ++i) out[i] = encode<kE5M2>(__fdiv_rn(v[i], sc));
-  if (kVec && c0 + EPT <= C) {
-    if constexpr (EPT == 16) {
-      *reinterpret_cast<uint4*>(q + r * C + c0) = *reinterpret_cast<const uint4*>(out);
-    } else {
-      *reinterpret_cast<uint2*>(q + r * C + c0) = *reinterpret_cast<const uint2*>(out);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < EPT; ++i)
-      if (c0 + i < C) q[r * C + c0 + i] = out[i];
-  }
+  if (tc.t == 0) s[tc.g * ld + tc.r] = sc;
+  store_tile_1x128<Tin, kE5M2, kVec>(q + base, limit, tc.t, raw, AsIs{}, inv_scale(sc));
 }
 
 // ---- 128x128 ----
-// One CTA of 256 threads per 128x128 block; each thread keeps 64 values in registers.
+// One CTA of 256 threads per 128x128 block; each thread keeps its 64 values in registers in their
+// input encoding (32 registers, not 64, leaving room for more resident CTAs and loads in flight).
 // w [R, C], q [R, C], s [ceil(R/128), ceil(C/128)].
+// NOTES: the arithmetic is that of the 1x128 kernel (reciprocal once per block, one product and
+// half a paired conversion per element, NaN/Inf tested on the block's amax), expected to leave
+// this kernel bound by its loads.
 template <class Tin, bool kE5M2, bool kVec>
-__global__ void __launch_bounds__(256, 3) quantize_128x128_kernel(const Tin* __restrict__ w, uint8_t* __restrict__ q,
+__global__ void __launch_bounds__(256, sizeof(Tin) == 2 ? 3 : 2) quantize_128x128_kernel(const Tin* __restrict__ w, uint8_t* __restrict__ q,
                                                                float* __restrict__ s, int64_t R, int64_t C,
                                                                float max_finite, bool pow2, bool check) {
   constexpr int VEC = 16 / sizeof(Tin);
@@ -111,10 +81,7 @@ __global__ void __launch_bounds__(256, 3) quantize_128x128_kernel(const Tin* __r
   const int cc = threadIdx.x % CHUNKS, rr = threadIdx.x / CHUNKS;
   const int64_t c = c0 + cc * VEC;
 
-  // NOTES: the block's values stay in registers in their input encoding (32 registers, not 64),
-  // which leaves room for more resident CTAs and so more loads in flight.
   uint4 raw[PASSES];
-  float amax = 0.0f;
 #pragma unroll
   for (int p = 0; p < PASSES; ++p) {
     const int64_t r = r0 + rr + p * ROWS_PER_PASS;
@@ -122,136 +89,215 @@ __global__ void __launch_bounds__(256, 3) quantize_128x128_kernel(const Tin* __r
     Tin* e = reinterpret_cast<Tin*>(&raw[p]);
     if (kVec && r < R && c < C) {
       raw[p] = *reinterpret_cast<const uint4*>(w + r * C + c);
-    } else {
+    } else if (!kVec) {
 #pragma unroll
       for (int i = 0; i < VEC; ++i)
         if (r < R && c + i < C) e[i] = w[r * C + c + i];
     }
   }
+  float amax = 0.0f;
 #pragma unroll
-  for (int p = 0; p < PASSES; ++p) {
-    const Tin* e = reinterpret_cast<const Tin*>(&raw[p]);
+  for (int p = 0; p < PASSES; ++p)
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      const float v = to_f32(e[i]);
-      if (check) flag_if_nonfinite(v);
-      amax = fmaxf(amax, fabsf(v));
+    for (int i = 0; i < VEC / 2; ++i) {
+      const float2 v = pair16<Tin>(raw[p], i);
+      amax = amax_nan(amax_nan(amax, v.x), v.y);
     }
-  }
   __shared__ float red[8];
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  amax = lanes_amax<32>(amax);
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = amax;
   __syncthreads();
   amax = red[0];
 #pragma unroll
-  for (int i = 1; i < 8; ++i) amax = fmaxf(amax, red[i]);
+  for (int i = 1; i < 8; ++i) amax = amax_nan(amax, red[i]);
   const float sc = scale_of(amax, max_finite, pow2);
-  if (threadIdx.x == 0) s[int64_t(blockIdx.y) * gridDim.x + blockIdx.x] = sc;
+  if (threadIdx.x == 0) {
+    s[int64_t(blockIdx.y) * gridDim.x + blockIdx.x] = sc;
+    if (check && !is_finite_amax(amax)) flag_nonfinite();
+  }
+  const float inv = inv_scale(sc);
 
 #pragma unroll
   for (int p = 0; p < PASSES; ++p) {
     const int64_t r = r0 + rr + p * ROWS_PER_PASS;
-    uint8_t out[VEC];
+    uint32_t out[VEC / 4];
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) out[i] = encode<kE5M2>(__fdiv_rn(to_f32(reinterpret_cast<const Tin*>(&raw[p])[i]), sc));
+    for (int i = 0; i < VEC / 4; ++i) {
+      const float2 a = pair16<Tin>(raw[p], 2 * i), b = pair16<Tin>(raw[p], 2 * i + 1);
+      const float v[4] = {a.x, a.y, b.x, b.y};
+      out[i] = quantize4<kE5M2>(v, inv);
+    }
     if (kVec && r < R && c < C) {
-      if constexpr (VEC == 8) {
-        *reinterpret_cast<uint2*>(q + r * C + c) = *reinterpret_cast<const uint2*>(out);
-      } else {
-        *reinterpret_cast<uint32_t*>(q + r * C + c) = *reinterpret_cast<const uint32_t*>(out);
-      }
-    } else if (r < R) {
+      if constexpr (VEC == 8) *reinterpret_cast<uint2*>(q + r * C + c) = make_uint2(out[0], out[1]);
+      else *reinterpret_cast<uint32_t*>(q + r * C + c) = out[0];
+    } else if (!kVec && r < R) {
 #pragma unroll
       for (int i = 0; i < VEC; ++i)
-        if (c + i < C) q[r * C + c + i] = out[i];
+        if (c + i < C) q[r * C + c + i] = uint8_t(out[i / 4] >> (8 * (i % 4)));
     }
   }
 }
 
 // ---- 128x1 (transposing) ----
-// CTA tile: 128 tokens x 64 channels, 256 threads. Phase 1 loads the tile (as f32) into shared
-// memory; phase 2 gives each thread one channel and 32 tokens: amax over the 4 threads of a
-// channel, then 32 output bytes written contiguously to q [C, T].
-// Input either a plain tensor x [T, C] (Tin = f32|bf16) or, for requantize, FP8 q_in [T, C] with
-// 1x128 scales s_in [ceil(C/128), ld(T)] (Tin = uint8_t).
-constexpr int kTT = 128, kTC = 64;
+// One CTA of 256 threads per 128 tokens x 128 channels of x [T, C] (one output scale group per
+// channel); out q [C, T] rows of 128 bytes, s [ceil(T/128), ld(C)].
+// Input either a plain tensor (Tin = f32|bf16) or, for requantize, FP8 values [T, C] with 1x128
+// scales s_in [ceil(C/128), ld(T)] (Tin = uint8_t; value = decode(q) * s_in, the FP32 product of
+// the CPU dequantizer).
+//   1. each thread loads TPT token rows x VEC channels as 16-byte vectors (kept in registers in the
+//      input encoding): each warp-wide load covers whole 128..512-byte row pieces;
+//   2. per-channel amax: over the thread's tokens, the warp's lanes of the same channels (shuffles),
+//      the 8 warps (shared memory); 128 threads compute the scales and reciprocals;
+//   3. each thread encodes its TPT tokens of each of its channels into one TPT-byte unit and writes
+//      it to the transposed byte tile [128 channels][128 tokens] in shared memory;
+//   4. the tile is written out as 128-byte rows of q with 16-byte stores.
+// NOTES: the byte tile is XOR-swizzled by units (unit u of channel row c at u ^ swz(c)) so that the
+// unit writes of phase 3 (8, 16 or 4 bytes per lane) and the 16-byte row reads of phase 4 are both
+// free of bank conflicts; bf16 swizzles at 8-byte granularity, so a 16-byte read may find its two
+// halves swapped (undone in registers). Expected: full 128-byte rows out (the former 64-channel
+// tile wrote 32-byte pieces), twice the work per CTA, and the per-element arithmetic of the 1x128
+// kernel, so near the 1x128 kernel's bandwidth.
+template <class Tin>
+struct T128x1 {
+  static constexpr int VEC = 16 / sizeof(Tin);  // channels per vector: 8 (bf16), 4 (f32), 16 (fp8)
+  static constexpr int CHUNKS = 128 / VEC;      // vectors per token row: 16, 32, 8
+  static constexpr int TB = 256 / CHUNKS;       // token blocks: 16, 8, 32
+  static constexpr int TPT = 128 / TB;          // tokens per thread = bytes per unit: 8, 16, 4
+  static constexpr int NU = 128 / TPT;          // units per channel row: 16, 8, 32
+  static constexpr int K = 16 / TPT;            // units per 16 bytes: 2, 1, 4
+  static constexpr int SWZ = sizeof(Tin) == 1 ? 4 : 1;
+  static constexpr int WPC = TPT / 4;           // 32-bit words per unit: 2, 4, 1
+  // Swizzle of channel row c: spreads one warp's phase-3 unit writes over all banks.
+  __device__ static int swz(int c) { return ((c / VEC) * SWZ) % NU; }
+};
 
 template <class Tin, bool kInE5M2, bool kE5M2, bool kVecIn, bool kVecOut>
 __global__ void __launch_bounds__(256) quantize_128x1_kernel(const Tin* __restrict__ x, const float* __restrict__ s_in,
                                                              int64_t ld_in, uint8_t* __restrict__ q,
                                                              float* __restrict__ s, int64_t T, int64_t C, int64_t ld,
                                                              float max_finite, bool pow2, bool check) {
-  // NOTES: the tile keeps the input's own encoding (bf16: 16 KB instead of 32 KB as f32), so more
-  // CTAs fit per SM; values are decoded when read in phase 2.
-  __shared__ __align__(16) Tin tile[kTT][kTC];  // [128 tokens, 64 channels], input dtype
-  __shared__ float s_tok[kTT];                   // requantize: input scale of each token
-  __shared__ float red[4][kTC];
+  using L = T128x1<Tin>;
   constexpr bool kFp8In = sizeof(Tin) == 1;
-  constexpr int VEC = 16 / sizeof(Tin);
-  constexpr int CHUNKS = kTC / VEC;  // vectors per tile row
-  const int64_t t0 = int64_t(blockIdx.y) * kTT, c0 = int64_t(blockIdx.x) * kTC;
-  auto dec = [](Tin e) {
-    if constexpr (kFp8In) return decode<kInE5M2>(e);
-    else return to_f32(e);
-  };
+  __shared__ __align__(16) uint8_t tile[128 * 128];  // [channel][token] bytes, swizzled units
+  __shared__ __align__(16) float red[8][128];
+  __shared__ __align__(16) float inv_s[128];
+  const int64_t t0 = int64_t(blockIdx.y) * 128, c0 = int64_t(blockIdx.x) * 128;
+  const int chunk = threadIdx.x % L::CHUNKS, tb = threadIdx.x / L::CHUNKS;
+  const int64_t c = c0 + chunk * L::VEC;
 
-  if constexpr (kFp8In) {
-    // 64-channel tiles never straddle a 128-channel scale group.
-    if (threadIdx.x < kTT) {
-      const int64_t t = t0 + threadIdx.x;
-      s_tok[threadIdx.x] = t < T ? s_in[(c0 / 128) * ld_in + t] : 0.0f;
-    }
-  }
-  for (int i = threadIdx.x; i < kTT * CHUNKS; i += 256) {
-    const int tt = i / CHUNKS, cc = (i % CHUNKS) * VEC;
-    const int64_t t = t0 + tt, c = c0 + cc;
-    uint4 raw = make_uint4(0, 0, 0, 0);
-    Tin* e = reinterpret_cast<Tin*>(&raw);
-    if (kVecIn && t < T && c < C) {
-      raw = *reinterpret_cast<const uint4*>(x + t * C + c);
-    } else {
+  // 1. loads
+  uint4 raw[L::TPT];
+  float s_tok[kFp8In ? L::TPT : 1];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j)
+  for (int k = 0; k < L::TPT; ++k) {
+    const int64_t t = t0 + tb * L::TPT + k;
+    raw[k] = make_uint4(0, 0, 0, 0);
+    if (kVecIn) {
+      if (t < T && c < C) raw[k] = *reinterpret_cast<const uint4*>(x + t * C + c);
+    } else {
+      Tin* e = reinterpret_cast<Tin*>(&raw[k]);
+#pragma unroll
+      for (int j = 0; j < L::VEC; ++j)
         if (t < T && c + j < C) e[j] = x[t * C + c + j];
     }
-    if (check) {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) flag_if_nonfinite(dec(e[j]));
+    if constexpr (kFp8In) s_tok[k] = t < T ? s_in[(c0 / 128) * ld_in + t] : 0.0f;
+  }
+  // Channels 2i and 2i + 1 of token k (requantize: times the token's scale, the FP32 product).
+  auto pair = [&](int k, int i) {
+    if constexpr (kFp8In) {
+      const float2 p = pair16_fp8<kInE5M2>(raw[k], i);
+      return make_float2(__fmul_rn(p.x, s_tok[k]), __fmul_rn(p.y, s_tok[k]));
+    } else {
+      return pair16<Tin>(raw[k], i);
     }
-    *reinterpret_cast<uint4*>(&tile[tt][cc]) = raw;
+  };
+
+  // 2. per-channel amax and scales
+  float pa[L::VEC];
+#pragma unroll
+  for (int j = 0; j < L::VEC; ++j) pa[j] = 0.0f;
+#pragma unroll
+  for (int k = 0; k < L::TPT; ++k)
+#pragma unroll
+    for (int i = 0; i < L::VEC / 2; ++i) {
+      const float2 p = pair(k, i);
+      pa[2 * i] = amax_nan(pa[2 * i], p.x);
+      pa[2 * i + 1] = amax_nan(pa[2 * i + 1], p.y);
+    }
+#pragma unroll
+  for (int o = L::CHUNKS; o < 32; o *= 2)
+#pragma unroll
+    for (int j = 0; j < L::VEC; ++j) pa[j] = amax_nan(pa[j], __shfl_xor_sync(0xffffffffu, pa[j], o));
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 < L::CHUNKS) {
+#pragma unroll
+    for (int j = 0; j < L::VEC; j += 4)
+      *reinterpret_cast<float4*>(&red[warp][chunk * L::VEC + j]) = make_float4(pa[j], pa[j + 1], pa[j + 2], pa[j + 3]);
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    float amax = red[0][threadIdx.x];
+#pragma unroll
+    for (int w = 1; w < 8; ++w) amax = amax_nan(amax, red[w][threadIdx.x]);
+    if (check && !is_finite_amax(amax)) flag_nonfinite();
+    const float sc = scale_of(amax, max_finite, pow2);
+    inv_s[threadIdx.x] = inv_scale(sc);
+    if (c0 + threadIdx.x < C) s[int64_t(blockIdx.y) * ld + c0 + threadIdx.x] = sc;
   }
   __syncthreads();
 
-  const int cl = threadIdx.x % kTC, qd = threadIdx.x / kTC;  // channel, quarter of the tokens
-  float v[32];
-  float amax = 0.0f;
+  // 3. encode into the transposed byte tile, two channels at a time: channel 2i + e gets the unit
+  // of bytes encode(value(token k) * r), k < TPT, in words[e] (token k in byte k % 4 of word k / 4).
 #pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    v[j] = dec(tile[qd * 32 + j][cl]);
-    if constexpr (kFp8In) v[j] = v[j] * s_tok[qd * 32 + j];  // FP32 product, as the CPU dequantizer
-    amax = fmaxf(amax, fabsf(v[j]));
+  for (int i = 0; i < L::VEC / 2; ++i) {
+    const float2 r = *reinterpret_cast<const float2*>(&inv_s[chunk * L::VEC + 2 * i]);
+    uint32_t words[2][L::WPC];
+#pragma unroll
+    for (int k = 0; k < L::TPT; k += 2) {
+      const float2 p0 = pair(k, i), p1 = pair(k + 1, i);
+      const uint32_t e0 = encode2<kE5M2>(__fmul_rn(p0.x, r.x), __fmul_rn(p1.x, r.x));
+      const uint32_t e1 = encode2<kE5M2>(__fmul_rn(p0.y, r.y), __fmul_rn(p1.y, r.y));
+      if (k % 4 == 0) {
+        words[0][k / 4] = e0;
+        words[1][k / 4] = e1;
+      } else {
+        words[0][k / 4] |= e0 << 16;
+        words[1][k / 4] |= e1 << 16;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int cl = chunk * L::VEC + 2 * i + e;
+      uint8_t* dst = tile + cl * 128 + (tb ^ L::swz(cl)) * L::TPT;
+      const uint32_t* w = words[e];
+      if constexpr (L::WPC == 1) *reinterpret_cast<uint32_t*>(dst) = w[0];
+      else if constexpr (L::WPC == 2) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+      else *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
   }
-  red[qd][cl] = amax;
   __syncthreads();
-  amax = fmaxf(fmaxf(red[0][cl], red[1][cl]), fmaxf(red[2][cl], red[3][cl]));
-  const int64_t c = c0 + cl;
-  if (c >= C) return;
-  const float sc = scale_of(amax, max_finite, pow2);
-  if (qd == 0) s[int64_t(blockIdx.y) * ld + c] = sc;
 
-  alignas(16) uint8_t out[32];
+  // 4. 128-byte rows of q [C, T]
 #pragma unroll
-  for (int j = 0; j < 32; ++j) out[j] = encode<kE5M2>(__fdiv_rn(v[j], sc));
-  const int64_t t = t0 + qd * 32;
-  uint8_t* dst = q + c * T + t;
-  if (kVecOut && t + 32 <= T) {
-    reinterpret_cast<uint4*>(dst)[0] = reinterpret_cast<const uint4*>(out)[0];
-    reinterpret_cast<uint4*>(dst)[1] = reinterpret_cast<const uint4*>(out)[1];
-  } else {
+  for (int m = 0; m < 4; ++m) {
+    const int i = threadIdx.x + 256 * m;
+    const int cl = i / 8, k16 = i % 8;
+    const int64_t cc = c0 + cl, t = t0 + k16 * 16;
+    if (cc >= C || t >= T) continue;
+    const int x_swz = L::swz(cl);
+    uint4 v = *reinterpret_cast<const uint4*>(tile + cl * 128 + (k16 ^ (x_swz / L::K)) * 16);
+    if constexpr (L::K == 2) {
+      if (x_swz % 2) v = make_uint4(v.z, v.w, v.x, v.y);
+    }
+    uint8_t* dst = q + cc * T + t;
+    if (kVecOut) {
+      *reinterpret_cast<uint4*>(dst) = v;
+    } else {
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int j = 0; j < 32; ++j)
-      if (t + j < T) dst[j] = out[j];
+      for (int b = 0; b < 16; ++b)
+        if (t + b < T) dst[b] = uint8_t(w[b / 4] >> (8 * (b % 4)));
+    }
   }
 }
 
@@ -362,17 +408,18 @@ void quantize_1x128_cuda(const TensorView& x, const QuantizedView& out, ScaleMod
   const float mf = float(max_finite(out.values.dtype));
   const bool pow2 = mode == ScaleMode::pow2, e5m2 = out.values.dtype == DType::e5m2;
   const int vec = x.dtype == DType::bf16 ? 8 : 4;
-  // Vector path: 16-byte input rows, and output rows aligned for the 8/16-byte stores.
-  const bool vec_ok = C % (2 * vec) == 0 && aligned16(x.data) && aligned16(out.values.data);
-  const int64_t threads_total = R * ((C + 127) / 128) * (128 / (2 * vec));
-  const int grid = int((threads_total + 255) / 256);
-  FP8MOE_CHECK(threads_total / 256 < (int64_t(1) << 31), "quantize_1x128: tensor too large");
+  // Vector path: 16-byte input vectors and aligned 8/4-byte output stores.
+  const bool vec_ok = C % vec == 0 && aligned16(x.data) && aligned16(out.values.data);
+  const int64_t G = (C + 127) / 128, blocks = tiles_blocks(R, G), gx = tiles_gx(G);
+  const int wg = tiles_wg(G);
+  FP8MOE_CHECK(blocks < (int64_t(1) << 31), "quantize_1x128: tensor too large");
+  const int grid = int(blocks);
   reset_flag(stream, check_finite);
   auto go = [&](auto tin, auto e5, auto vk) {
     using Tin = decltype(tin);
     quantize_1x128_kernel<Tin, decltype(e5)::value, decltype(vk)::value><<<grid, 256, 0, stream>>>(
-        static_cast<const Tin*>(x.data), out.values.ptr<uint8_t>(), out.scales.ptr<float>(), R, C, ld, mf, pow2,
-        check_finite);
+        static_cast<const Tin*>(x.data), out.values.ptr<uint8_t>(), out.scales.ptr<float>(), R, C, ld, wg, gx, mf,
+        pow2, check_finite);
   };
   using T_ = std::true_type;
   using F_ = std::false_type;
@@ -434,8 +481,8 @@ void launch_128x1(const Tin* x, const float* s_in, int64_t ld_in, bool in_vec_ok
   const float mf = float(max_finite(out.values.dtype));
   const bool pow2 = mode == ScaleMode::pow2, e5m2 = out.values.dtype == DType::e5m2;
   const bool out_vec_ok = T % 16 == 0 && aligned16(out.values.data);
-  FP8MOE_CHECK((T + kTT - 1) / kTT < 65536, "quantize_128x1: too many token blocks (" << T << " tokens)");
-  const dim3 grid(unsigned((C + kTC - 1) / kTC), unsigned((T + kTT - 1) / kTT));
+  FP8MOE_CHECK((T + 127) / 128 < 65536, "quantize_128x1: too many token blocks (" << T << " tokens)");
+  const dim3 grid(unsigned((C + 127) / 128), unsigned((T + 127) / 128));
   const int64_t ld = out.scales.size(1);
   auto go = [&](auto e5, auto vi, auto vo) {
     quantize_128x1_kernel<Tin, kInE5M2, decltype(e5)::value, decltype(vi)::value, decltype(vo)::value>

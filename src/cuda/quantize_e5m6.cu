@@ -54,9 +54,10 @@ __global__ void quantize_e5m6_kernel(const T* __restrict__ x, uint16_t* __restri
   }
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
   const float s = scale_from_amax(amax, pow2);
+  const float inv = __frcp_rn(s);  // the reciprocal scale of quantize.hpp: q = encode(x * (1 / s))
   for (int i = 0; i < 4; ++i) {
     const int64_t c = g * 128 + lane * 4 + i;
-    if (c < C) q[r * C + c] = uint16_t(minifloat_encode_bits(__float_as_uint(__fdiv_rn(v[i], s)), 5, 6, 15, true, true));
+    if (c < C) q[r * C + c] = uint16_t(minifloat_encode_bits(__float_as_uint(__fmul_rn(v[i], inv)), 5, 6, 15, true, true));
   }
   if (lane == 0) scales[g * ld + r] = s;
 }

@@ -73,7 +73,7 @@ float compute_scale(float amax, DType dtype, ScaleMode mode) {
   float s = amax / float(max_finite(dtype));
   if (mode == ScaleMode::pow2) s = ue8m0_decode(ue8m0_encode(s, /*round_up=*/true));
   // NOTES: amax / max can underflow to 0 or a subnormal for tiny tiles; a scale of at least the
-  // smallest normal keeps x / s finite, and such tiles quantize to (near) zero anyway.
+  // smallest normal keeps 1 / s finite, and such tiles quantize to (near) zero anyway.
   return std::max(s, std::numeric_limits<float>::min());
 }
 
@@ -124,9 +124,10 @@ static float quantize_tile(Get get, int64_t r0, int64_t r1, int64_t c0, int64_t 
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(get(r, c)));
   const float s = compute_scale(amax, out.dtype, mode);
+  const float inv = 1.0f / s;  // the reciprocal scale, once per tile (quantize.hpp)
   const int64_t ld = out.size(1);
   for (int64_t r = r0; r < r1; ++r)
-    for (int64_t c = c0; c < c1; ++c) encode_value(out.dtype, out.data, r * ld + c, get(r, c) / s);
+    for (int64_t c = c0; c < c1; ++c) encode_value(out.dtype, out.data, r * ld + c, get(r, c) * inv);
   return s;
 }
 
