@@ -72,12 +72,13 @@ class AttentionLayer final : public Layer {
     Tensor kpe = c_.uninit({T, 1, dr_});  // shared RoPE key
     c_.be.copy_cols(s.ckv.view(), rkv_, reshape(kpe.view(), {T, dr_}), 0, dr_, false);
     c_.be.rope(kpe.view(), 0, dr_, b.positions.view(), c_.cfg.rope_theta, false);
-    const TensorView K2 = reshape(K.view(), {T, H_ * dqk_}), V2 = reshape(V.view(), {T, H_ * dv_});
-    for (int64_t h = 0; h < H_; ++h) {
-      c_.be.copy_cols(kv.view(), h * (dn_ + dv_), K2, h * dqk_, dn_, false);
-      c_.be.copy_cols(kv.view(), h * (dn_ + dv_) + dn_, V2, h * dv_, dv_, false);
-      c_.be.copy_cols(reshape(kpe.view(), {T, dr_}), 0, K2, h * dqk_ + dn_, dr_, false);
-    }
+    // Every head's k_nope and v in one copy each: kv [T, H*(dn+dv)] is [T*H, dn+dv] row-major,
+    // K [T*H, dqk] and V [T*H, dv].
+    const TensorView kvh = reshape(kv.view(), {T * H_, dn_ + dv_});
+    c_.be.copy_cols(kvh, 0, reshape(K.view(), {T * H_, dqk_}), 0, dn_, false);
+    c_.be.copy_cols(kvh, dn_, reshape(V.view(), {T * H_, dv_}), 0, dv_, false);
+    const TensorView K2 = reshape(K.view(), {T, H_ * dqk_});
+    for (int64_t h = 0; h < H_; ++h) c_.be.copy_cols(reshape(kpe.view(), {T, dr_}), 0, K2, h * dqk_ + dn_, dr_, false);
   }
 
   std::unique_ptr<Saved> forward(const Batch& b, const Tensor& x, Tensor& y) override {
@@ -155,13 +156,13 @@ class AttentionLayer final : public Layer {
     c_.be.copy(s.dq.view(), reshape(dQ.view(), {T, H_ * dqk_}));
     s.dkv = c_.uninit({T, H_ * (dn_ + dv_)});
     Tensor dkpe = c_.zeros({T, 1, dr_});  // zero-filled: the heads' gradients accumulate into it
-    const TensorView dK2 = reshape(dK.view(), {T, H_ * dqk_}), dV2 = reshape(dV.view(), {T, H_ * dv_});
-    const TensorView dkpe2 = reshape(dkpe.view(), {T, dr_});
-    for (int64_t h = 0; h < H_; ++h) {
-      c_.be.copy_cols(dK2, h * dqk_, s.dkv.view(), h * (dn_ + dv_), dn_, false);
-      c_.be.copy_cols(dV2, h * dv_, s.dkv.view(), h * (dn_ + dv_) + dn_, dv_, false);
+    // dkv [T*H, dn+dv] = [dK's k_nope | dV] of every head, one copy each.
+    const TensorView dkvh = reshape(s.dkv.view(), {T * H_, dn_ + dv_});
+    c_.be.copy_cols(reshape(dK.view(), {T * H_, dqk_}), 0, dkvh, 0, dn_, false);
+    c_.be.copy_cols(reshape(dV.view(), {T * H_, dv_}), 0, dkvh, dn_, dv_, false);
+    const TensorView dK2 = reshape(dK.view(), {T, H_ * dqk_}), dkpe2 = reshape(dkpe.view(), {T, dr_});
+    for (int64_t h = 0; h < H_; ++h)
       c_.be.copy_cols(dK2, h * dqk_ + dn_, dkpe2, 0, dr_, true);  // the shared key sums over heads
-    }
     c_.be.rope(dkpe.view(), 0, dr_, b.positions.view(), c_.cfg.rope_theta, true);
 
     s.dh = c_.uninit({T, D});  // written by the first Dgrad below, then accumulated into
