@@ -77,8 +77,20 @@ class AttentionLayer final : public Layer {
     const TensorView kvh = reshape(kv.view(), {T * H_, dn_ + dv_});
     c_.be.copy_cols(kvh, 0, reshape(K.view(), {T * H_, dqk_}), 0, dn_, false);
     c_.be.copy_cols(kvh, dn_, reshape(V.view(), {T * H_, dv_}), 0, dv_, false);
-    const TensorView K2 = reshape(K.view(), {T, H_ * dqk_});
-    for (int64_t h = 0; h < H_; ++h) c_.be.copy_cols(reshape(kpe.view(), {T, dr_}), 0, K2, h * dqk_ + dn_, dr_, false);
+    // The shared RoPE key into every head: kpe's row t repeated for rows t*H + h, then one copy.
+    Tensor kpe_heads = c_.uninit({T * H_, dr_});
+    c_.be.gather_rows(reshape(kpe.view(), {T, dr_}), head_rows(T).view(), TensorView(), kpe_heads.view());
+    c_.be.copy_cols(kpe_heads.view(), 0, reshape(K.view(), {T * H_, dqk_}), dn_, dr_, false);
+  }
+
+  // [T * H] i32: t for row t*H + h of a [T*H, *] per-head view (made once per token count).
+  const Tensor& head_rows(int64_t T) {
+    if (!head_rows_.defined() || head_rows_.size(0) != T * H_) {
+      Tensor h = Tensor::host(DType::i32, {T * H_});
+      for (int64_t i = 0; i < T * H_; ++i) h.ptr<int32_t>()[i] = int32_t(i / H_);
+      head_rows_ = to_backend(c_, h);
+    }
+    return head_rows_;
   }
 
   std::unique_ptr<Saved> forward(const Batch& b, const Tensor& x, Tensor& y) override {
@@ -223,6 +235,7 @@ class AttentionLayer final : public Layer {
   Parameter *kv_a_ = nullptr, *kv_a_norm_ = nullptr, *kv_b_ = nullptr, *o_ = nullptr;
   int64_t H_, dn_, dr_, dv_, dqk_, rkv_;
   double scale_;
+  Tensor head_rows_;  // head_rows()
 };
 
 }  // namespace
