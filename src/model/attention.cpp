@@ -62,22 +62,35 @@ class AttentionLayer final : public Layer {
   // Q, K, V [T, H, *] with RoPE applied.
   void build_qkv(const Batch& b, State& s, Tensor& Q, Tensor& K, Tensor& V) {
     const int64_t T = s.x.size(0);
-    Q = c_.zeros({T, H_, dqk_});
-    K = c_.zeros({T, H_, dqk_});
-    V = c_.zeros({T, H_, dv_});
+    Q = c_.uninit({T, H_, dqk_});
+    K = c_.uninit({T, H_, dqk_});
+    V = c_.uninit({T, H_, dv_});
     linear_forward(c_, q_a_ ? s.cqn : s.h, *q_b_, reshaped(Q, {T, H_ * dqk_}), c_.recipe.linear);
     c_.be.rope(Q.view(), dn_, dr_, b.positions.view(), c_.cfg.rope_theta, false);
-    Tensor kv = c_.zeros({T, H_ * (dn_ + dv_)});
+    Tensor kv = c_.uninit({T, H_ * (dn_ + dv_)});
     linear_forward(c_, s.ckvn, *kv_b_, kv, c_.recipe.linear);
-    Tensor kpe = c_.zeros({T, 1, dr_});  // shared RoPE key
+    Tensor kpe = c_.uninit({T, 1, dr_});  // shared RoPE key
     c_.be.copy_cols(s.ckv.view(), rkv_, reshape(kpe.view(), {T, dr_}), 0, dr_, false);
     c_.be.rope(kpe.view(), 0, dr_, b.positions.view(), c_.cfg.rope_theta, false);
-    const TensorView K2 = reshape(K.view(), {T, H_ * dqk_}), V2 = reshape(V.view(), {T, H_ * dv_});
-    for (int64_t h = 0; h < H_; ++h) {
-      c_.be.copy_cols(kv.view(), h * (dn_ + dv_), K2, h * dqk_, dn_, false);
-      c_.be.copy_cols(kv.view(), h * (dn_ + dv_) + dn_, V2, h * dv_, dv_, false);
-      c_.be.copy_cols(reshape(kpe.view(), {T, dr_}), 0, K2, h * dqk_ + dn_, dr_, false);
+    // Every head's k_nope and v in one copy each: kv [T, H*(dn+dv)] is [T*H, dn+dv] row-major,
+    // K [T*H, dqk] and V [T*H, dv].
+    const TensorView kvh = reshape(kv.view(), {T * H_, dn_ + dv_});
+    c_.be.copy_cols(kvh, 0, reshape(K.view(), {T * H_, dqk_}), 0, dn_, false);
+    c_.be.copy_cols(kvh, dn_, reshape(V.view(), {T * H_, dv_}), 0, dv_, false);
+    // The shared RoPE key into every head: kpe's row t repeated for rows t*H + h, then one copy.
+    Tensor kpe_heads = c_.uninit({T * H_, dr_});
+    c_.be.gather_rows(reshape(kpe.view(), {T, dr_}), head_rows(T).view(), TensorView(), kpe_heads.view());
+    c_.be.copy_cols(kpe_heads.view(), 0, reshape(K.view(), {T * H_, dqk_}), dn_, dr_, false);
+  }
+
+  // [T * H] i32: t for row t*H + h of a [T*H, *] per-head view (made once per token count).
+  const Tensor& head_rows(int64_t T) {
+    if (!head_rows_.defined() || head_rows_.size(0) != T * H_) {
+      Tensor h = Tensor::host(DType::i32, {T * H_});
+      for (int64_t i = 0; i < T * H_; ++i) h.ptr<int32_t>()[i] = int32_t(i / H_);
+      head_rows_ = to_backend(c_, h);
     }
+    return head_rows_;
   }
 
   std::unique_ptr<Saved> forward(const Batch& b, const Tensor& x, Tensor& y) override {
@@ -85,36 +98,36 @@ class AttentionLayer final : public Layer {
     const int64_t T = x.size(0), D = x.size(1);
     const ScaleMode sm = c_.recipe.scale_mode;
     s->x = x;
-    s->rstd = c_.zeros({T});
-    Tensor h = c_.zeros({T, D});
+    s->rstd = c_.uninit({T});
+    Tensor h = c_.uninit({T, D});
     rmsnorm(c_, x, *norm_, h, s->rstd);
     s->h = linear_input(c_, h.view(), sm);
     if (q_a_) {
       const int64_t rq = q_a_->weight.size(0);
-      s->cq = c_.zeros({T, rq});
+      s->cq = c_.uninit({T, rq});
       linear_forward(c_, s->h, *q_a_, s->cq, c_.recipe.linear);
-      s->rstd_q = c_.zeros({T});
-      Tensor cqn = c_.zeros({T, rq});
+      s->rstd_q = c_.uninit({T});
+      Tensor cqn = c_.uninit({T, rq});
       rmsnorm(c_, s->cq, *q_a_norm_, cqn, s->rstd_q);
       s->cqn = linear_input(c_, cqn.view(), sm);
     }
-    s->ckv = c_.zeros({T, rkv_ + dr_});
+    s->ckv = c_.uninit({T, rkv_ + dr_});
     linear_forward(c_, s->h, *kv_a_, s->ckv, c_.recipe.linear);
-    Tensor ckv_c = c_.zeros({T, rkv_});
+    Tensor ckv_c = c_.uninit({T, rkv_});
     c_.be.copy_cols(s->ckv.view(), 0, ckv_c.view(), 0, rkv_, false);
-    s->rstd_kv = c_.zeros({T});
-    Tensor ckvn = c_.zeros({T, rkv_});
+    s->rstd_kv = c_.uninit({T});
+    Tensor ckvn = c_.uninit({T, rkv_});
     rmsnorm(c_, ckv_c, *kv_a_norm_, ckvn, s->rstd_kv);
     s->ckvn = linear_input(c_, ckvn.view(), sm);
 
     Tensor Q, K, V;
     build_qkv(b, *s, Q, K, V);
-    Tensor O = c_.zeros({T, H_, dv_});
-    s->lse = c_.zeros({H_, T});
+    Tensor O = c_.uninit({T, H_, dv_});
+    s->lse = c_.uninit({H_, T});
     c_.be.attention_forward(Q.view(), K.view(), V.view(), O.view(), s->lse.view(), b.seq, scale_);
     // The attention-out Linear input: E5M6 with power-of-two scales in the FP8 recipes.
     s->o = linear_input(c_, reshape(O.view(), {T, H_ * dv_}), c_.recipe.pow2_mode, c_.recipe.attn_out_cache);
-    Tensor out = c_.zeros({T, D});
+    Tensor out = c_.uninit({T, D});
     linear_forward(c_, s->o, *o_, out, c_.recipe.linear);
     y = clone(c_, x.view());
     c_.be.axpy(1.0, out.view(), 1.0, y.view());
@@ -141,49 +154,49 @@ class AttentionLayer final : public Layer {
     const int64_t T = dy.size(0), D = dy.size(1);
     const LinearPrecision prec = c_.recipe.linear;
     s.dy = dy;
-    Tensor dO = c_.zeros({T, H_, dv_});
+    Tensor dO = c_.uninit({T, H_, dv_});
     linear_backward_input(c_, dy, *o_, reshaped(dO, {T, H_ * dv_}), false, prec);
     Tensor Q, K, V;
     build_qkv(b, s, Q, K, V);  // recomputation of the up-projections
     Tensor O = s.o.restore(c_);  // [T, H*dv]
-    Tensor dQ = c_.zeros({T, H_, dqk_}), dK = c_.zeros({T, H_, dqk_}), dV = c_.zeros({T, H_, dv_});
+    Tensor dQ = c_.uninit({T, H_, dqk_}), dK = c_.uninit({T, H_, dqk_}), dV = c_.uninit({T, H_, dv_});
     c_.be.attention_backward(Q.view(), K.view(), V.view(), reshape(O.view(), {T, H_, dv_}), s.lse.view(), dO.view(),
                              dQ.view(), dK.view(), dV.view(), b.seq, scale_);
     // RoPE backward: the inverse rotation of the gradient.
     c_.be.rope(dQ.view(), dn_, dr_, b.positions.view(), c_.cfg.rope_theta, true);
-    s.dq = c_.zeros({T, H_ * dqk_});
+    s.dq = c_.uninit({T, H_ * dqk_});
     c_.be.copy(s.dq.view(), reshape(dQ.view(), {T, H_ * dqk_}));
-    s.dkv = c_.zeros({T, H_ * (dn_ + dv_)});
-    Tensor dkpe = c_.zeros({T, 1, dr_});
-    const TensorView dK2 = reshape(dK.view(), {T, H_ * dqk_}), dV2 = reshape(dV.view(), {T, H_ * dv_});
-    const TensorView dkpe2 = reshape(dkpe.view(), {T, dr_});
-    for (int64_t h = 0; h < H_; ++h) {
-      c_.be.copy_cols(dK2, h * dqk_, s.dkv.view(), h * (dn_ + dv_), dn_, false);
-      c_.be.copy_cols(dV2, h * dv_, s.dkv.view(), h * (dn_ + dv_) + dn_, dv_, false);
+    s.dkv = c_.uninit({T, H_ * (dn_ + dv_)});
+    Tensor dkpe = c_.zeros({T, 1, dr_});  // zero-filled: the heads' gradients accumulate into it
+    // dkv [T*H, dn+dv] = [dK's k_nope | dV] of every head, one copy each.
+    const TensorView dkvh = reshape(s.dkv.view(), {T * H_, dn_ + dv_});
+    c_.be.copy_cols(reshape(dK.view(), {T * H_, dqk_}), 0, dkvh, 0, dn_, false);
+    c_.be.copy_cols(reshape(dV.view(), {T * H_, dv_}), 0, dkvh, dn_, dv_, false);
+    const TensorView dK2 = reshape(dK.view(), {T, H_ * dqk_}), dkpe2 = reshape(dkpe.view(), {T, dr_});
+    for (int64_t h = 0; h < H_; ++h)
       c_.be.copy_cols(dK2, h * dqk_ + dn_, dkpe2, 0, dr_, true);  // the shared key sums over heads
-    }
     c_.be.rope(dkpe.view(), 0, dr_, b.positions.view(), c_.cfg.rope_theta, true);
 
-    s.dh = c_.zeros({T, D});
+    s.dh = c_.uninit({T, D});  // written by the first Dgrad below, then accumulated into
     if (q_a_) {
       const int64_t rq = q_a_->weight.size(0);
-      s.dcqn = c_.zeros({T, rq});
+      s.dcqn = c_.uninit({T, rq});
       linear_backward_input(c_, s.dq, *q_b_, s.dcqn, false, prec);
-      s.dcq = c_.zeros({T, rq});
+      s.dcq = c_.uninit({T, rq});
       c_.be.rmsnorm_backward(s.cq.view(), q_a_norm_->weight.view(), s.rstd_q.view(), s.dcqn.view(), s.dcq.view(),
                              TensorView(), false);
       linear_backward_input(c_, s.dcq, *q_a_, s.dh, false, prec);
     } else {
       linear_backward_input(c_, s.dq, *q_b_, s.dh, false, prec);
     }
-    s.dckvn = c_.zeros({T, rkv_});
+    s.dckvn = c_.uninit({T, rkv_});
     linear_backward_input(c_, s.dkv, *kv_b_, s.dckvn, false, prec);
-    Tensor ckv_c = c_.zeros({T, rkv_});
+    Tensor ckv_c = c_.uninit({T, rkv_});
     c_.be.copy_cols(s.ckv.view(), 0, ckv_c.view(), 0, rkv_, false);
-    Tensor dckv_c = c_.zeros({T, rkv_});
+    Tensor dckv_c = c_.uninit({T, rkv_});
     c_.be.rmsnorm_backward(ckv_c.view(), kv_a_norm_->weight.view(), s.rstd_kv.view(), s.dckvn.view(), dckv_c.view(),
                            TensorView(), false);
-    s.dckv = c_.zeros({T, rkv_ + dr_});
+    s.dckv = c_.uninit({T, rkv_ + dr_});
     c_.be.copy_cols(dckv_c.view(), 0, s.dckv.view(), 0, rkv_, false);
     c_.be.copy_cols(dkpe2, 0, s.dckv.view(), rkv_, dr_, false);
     linear_backward_input(c_, s.dckv, *kv_a_, s.dh, true, prec);
@@ -205,7 +218,7 @@ class AttentionLayer final : public Layer {
     }
     linear_backward_weight(c_, s.ckvn, s.dkv, *kv_b_, prec);
     const int64_t T = s.x.size(0);
-    Tensor ckv_c = c_.zeros({T, rkv_});
+    Tensor ckv_c = c_.uninit({T, rkv_});
     c_.be.copy_cols(s.ckv.view(), 0, ckv_c.view(), 0, rkv_, false);
     c_.be.rmsnorm_backward(ckv_c.view(), kv_a_norm_->weight.view(), s.rstd_kv.view(), s.dckvn.view(), TensorView(),
                            kv_a_norm_->grad.view(), false);
@@ -222,6 +235,7 @@ class AttentionLayer final : public Layer {
   Parameter *kv_a_ = nullptr, *kv_a_norm_ = nullptr, *kv_b_ = nullptr, *o_ = nullptr;
   int64_t H_, dn_, dr_, dv_, dqk_, rkv_;
   double scale_;
+  Tensor head_rows_;  // head_rows()
 };
 
 }  // namespace

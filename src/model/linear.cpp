@@ -32,19 +32,30 @@ TensorView reshape(const TensorView& t, std::initializer_list<int64_t> shape) {
   return v;
 }
 
-Tensor empty_like(Backend& be, const TensorView& t) {
+namespace {
+
+// A tensor of the backend with t's dtype and shape, zero-filled or not.
+Tensor alloc_like(Backend& be, const TensorView& t, bool zero, const char* what) {
+  const auto make = [&](std::initializer_list<int64_t> shape) {
+    return zero ? be.empty(t.dtype, shape) : be.uninitialized(t.dtype, shape);
+  };
   switch (t.ndim) {
-    case 1: return be.empty(t.dtype, {t.shape[0]});
-    case 2: return be.empty(t.dtype, {t.shape[0], t.shape[1]});
-    case 3: return be.empty(t.dtype, {t.shape[0], t.shape[1], t.shape[2]});
-    case 4: return be.empty(t.dtype, {t.shape[0], t.shape[1], t.shape[2], t.shape[3]});
+    case 1: return make({t.shape[0]});
+    case 2: return make({t.shape[0], t.shape[1]});
+    case 3: return make({t.shape[0], t.shape[1], t.shape[2]});
+    case 4: return make({t.shape[0], t.shape[1], t.shape[2], t.shape[3]});
     default: break;
   }
-  FP8MOE_CHECK(false, "empty_like: unsupported rank of " << t.str());
+  FP8MOE_CHECK(false, what << ": unsupported rank of " << t.str());
 }
 
+}  // namespace
+
+Tensor empty_like(Backend& be, const TensorView& t) { return alloc_like(be, t, true, "empty_like"); }
+Tensor uninitialized_like(Backend& be, const TensorView& t) { return alloc_like(be, t, false, "uninitialized_like"); }
+
 Tensor clone(Ctx& c, const TensorView& t) {
-  Tensor o = empty_like(c.be, t);
+  Tensor o = uninitialized_like(c.be, t);
   c.be.copy(o.view(), t);
   return o;
 }
@@ -104,7 +115,7 @@ void quant_weight(Ctx& c, const TensorView& w, const QuantizedView& out) {  // 1
 void quant_tokens(Ctx& c, const TensorView& x, const QuantizedView& out, ScaleMode m) {  // x [T, C] -> [C, T]
   if (c.recipe.per_tensor) {
     require_cpu_for_per_tensor(c);
-    Tensor xt = c.be.empty(x.dtype, {x.size(1), x.size(0)});
+    Tensor xt = c.be.uninitialized(x.dtype, {x.size(1), x.size(0)});
     c.be.transpose(x, xt.view());
     quantize_per_tensor(xt.view(), out, m);
   } else {
@@ -116,7 +127,7 @@ void requant_tokens(Ctx& c, const QuantizedView& in, const QuantizedView& out) {
   // same dequantize-transpose-quantize, spelled out.
   if (c.recipe.per_tensor || in.values.dtype != DType::e4m3) {
     if (c.recipe.per_tensor) require_cpu_for_per_tensor(c);
-    Tensor x = c.be.empty(DType::f32, {in.rows(), in.cols()});
+    Tensor x = c.be.uninitialized(DType::f32, {in.rows(), in.cols()});
     c.be.dequantize(in, x.view());
     quant_tokens(c, x.view(), out, c.recipe.scale_mode);
   } else {
@@ -124,7 +135,8 @@ void requant_tokens(Ctx& c, const QuantizedView& in, const QuantizedView& out) {
   }
 }
 
-// x [T, C] padded with zero rows to [rows, C] (x itself when it already has them).
+// x [T, C] padded with zero rows to [rows, C] (x itself when it already has them). The padding
+// must be zero: the zero fill of `empty` stays.
 Tensor pad_rows(Ctx& c, const Tensor& x, int64_t rows) {
   if (x.size(0) == rows) return x;
   Tensor o = c.be.empty(x.dtype(), {rows, x.size(1)});
@@ -132,7 +144,7 @@ Tensor pad_rows(Ctx& c, const Tensor& x, int64_t rows) {
   return o;
 }
 
-// x [R, C] padded with zero columns to [R, cols].
+// x [R, C] padded with zero columns to [R, cols] (zero fill kept, as in pad_rows).
 Tensor pad_cols(Ctx& c, const Tensor& x, int64_t cols) {
   if (x.size(1) == cols) return x;
   Tensor o = c.be.empty(x.dtype(), {x.size(0), cols});
@@ -157,6 +169,7 @@ Cached cache_activation(Ctx& c, const TensorView& x, DType qdtype, ScaleMode mod
     case LinearPrecision::bf16: k.full = to_bf16(c, x); break;
     case LinearPrecision::fp8: {
       const int64_t rows = pad ? round_up(k.rows, kQuantGroup) : k.rows;
+      // Zero-filled: the padding rows must be zero.
       Tensor xp = rows == k.rows ? Tensor() : c.be.empty(x.dtype, {rows, x.size(1)});
       if (xp.defined()) c.be.copy(rows_view(xp.view(), 0, k.rows), x);
       k.q = c.be.empty_quantized(rows, x.size(1), qdtype, ScaleKind::tile_1x128);
@@ -170,12 +183,12 @@ Cached cache_activation(Ctx& c, const TensorView& x, DType qdtype, ScaleMode mod
 Tensor Cached::restore(Ctx& c) const {
   if (full.defined()) {
     if (full.dtype() == c.act()) return full;
-    Tensor o = c.be.empty(c.act(), {full.size(0), full.size(1)});
+    Tensor o = c.be.uninitialized(c.act(), {full.size(0), full.size(1)});
     c.be.convert(full.view(), o.view());
     return o;
   }
   FP8MOE_CHECK(q.values.defined(), "Cached::restore: nothing cached");
-  Tensor o = c.be.empty(DType::f32, {q.values.size(0), q.values.size(1)});
+  Tensor o = c.be.uninitialized(DType::f32, {q.values.size(0), q.values.size(1)});
   c.be.dequantize(q, o.view());
   return prefix_rows(o, rows);
 }
@@ -205,7 +218,7 @@ void linear_forward(Ctx& c, const Cached& x, Parameter& w, const Tensor& y, Line
       // The Tensor Cores read E4M3: an input cached wider (E5M6) is requantized for the GEMM.
       QuantizedTensor xe4;
       if (x.q.values.dtype() != DType::e4m3) {
-        Tensor xf = c.be.empty(DType::f32, {Tp, K});
+        Tensor xf = c.be.uninitialized(DType::f32, {Tp, K});
         c.be.dequantize(x.q, xf.view());
         xe4 = c.be.empty_quantized(Tp, K, DType::e4m3, ScaleKind::tile_1x128);
         quant_act(c, xf.view(), xe4, c.recipe.pow2_mode);
@@ -214,7 +227,7 @@ void linear_forward(Ctx& c, const Cached& x, Parameter& w, const Tensor& y, Line
       if (Tp == x.rows) {
         c.be.gemm_fp8(xa, wq, y.view(), gemm_options(c, false));
       } else {
-        Tensor d = c.be.empty(DType::f32, {Tp, N});
+        Tensor d = c.be.uninitialized(DType::f32, {Tp, N});
         c.be.gemm_fp8(xa, wq, d.view(), gemm_options(c, false));
         c.be.copy(y.view(), rows_view(d.view(), 0, x.rows));
       }
@@ -277,7 +290,7 @@ void linear_backward_weight(Ctx& c, const Cached& x, const Tensor& dy, Parameter
 
 Tensor to_backend(Ctx& c, const Tensor& host) {
   if (c.be.device() == Device::cpu) return host;
-  Tensor o = empty_like(c.be, host.view());
+  Tensor o = uninitialized_like(c.be, host.view());
   c.be.copy(o.view(), host.view());
   return o;
 }

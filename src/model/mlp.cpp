@@ -35,12 +35,12 @@ void MlpState::account(std::vector<MemoryItem>& items, const std::string& layer,
 void mlp_forward(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& out, ScaleMode) {
   const int64_t T = st.in.rows, F = p.gate->weight.size(0);
   const LinearPrecision prec = c.recipe.linear;
-  Tensor g = c.zeros({T, F}), u = c.zeros({T, F});  // [T, F] act
+  Tensor g = c.uninit({T, F}), u = c.uninit({T, F});  // [T, F] act
   fwd(c, p, st.in, *p.gate, g);
   fwd(c, p, st.in, *p.up, u);
   st.g = cache_activation(c, g.view(), DType::e4m3, c.recipe.scale_mode, false, prec);
   st.u = cache_activation(c, u.view(), DType::e4m3, c.recipe.scale_mode, false, prec);
-  Tensor a = c.zeros({T, F});  // [T, F] act: SwiGLU output, not kept
+  Tensor a = c.uninit({T, F});  // [T, F] act: SwiGLU output, not kept
   c.be.swiglu_forward(g.view(), u.view(), a.view());
   fwd(c, p, linear_input(c, a.view(), c.recipe.scale_mode), *p.down, out);
 }
@@ -49,16 +49,16 @@ void mlp_backward_input(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& 
                         ScaleMode dy_mode, const Tensor* combine_grad) {
   const int64_t T = st.in.rows, F = p.gate->weight.size(0);
   st.dy = dy;
-  Tensor da = c.zeros({T, F});  // [T, F]
+  Tensor da = c.uninit({T, F});  // [T, F]
   bwd_input(c, p, dy, *p.down, da, false, dy_mode);
   // Recompute the SwiGLU output from its cached input.
   Tensor g = st.g.restore(c), u = st.u.restore(c);  // [T, F] act
-  Tensor a = c.zeros({T, F});
+  Tensor a = c.uninit({T, F});
   c.be.swiglu_forward(g.view(), u.view(), a.view());
   st.a = linear_input(c, a.view(), c.recipe.scale_mode);
   if (combine_grad) c.be.rows_dot(da.view(), a.view(), combine_grad->view());
-  st.dg = c.zeros({T, F});
-  st.du = c.zeros({T, F});
+  st.dg = c.uninit({T, F});
+  st.du = c.uninit({T, F});
   c.be.swiglu_backward(g.view(), u.view(), da.view(), st.dg.view(), st.du.view());
   st.g.reset();
   st.u.reset();
@@ -96,11 +96,11 @@ class MlpLayer final : public Layer {
     auto s = std::make_unique<State>();
     const int64_t T = x.size(0), D = x.size(1);
     s->x = x;
-    s->rstd = c_.zeros({T});
-    Tensor h = c_.zeros({T, D});  // [T, D] norm output: not kept
+    s->rstd = c_.uninit({T});
+    Tensor h = c_.uninit({T, D});  // [T, D] norm output: not kept
     rmsnorm(c_, x, *norm_, h, s->rstd);
     s->mlp.in = linear_input(c_, h.view(), c_.recipe.scale_mode);
-    Tensor out = c_.zeros({T, D});
+    Tensor out = c_.uninit({T, D});
     mlp_forward(c_, p_, s->mlp, out, c_.recipe.scale_mode);
     y = clone(c_, x.view());
     c_.be.axpy(1.0, out.view(), 1.0, y.view());
@@ -114,7 +114,7 @@ class MlpLayer final : public Layer {
   void backward_input(const Batch&, Saved& saved, const Tensor& dy, Tensor& dx) override {
     auto& s = static_cast<State&>(saved);
     const int64_t T = dy.size(0), D = dy.size(1);
-    s.dh = c_.zeros({T, D});
+    s.dh = c_.uninit({T, D});  // written by the gate's Dgrad (accumulate = false), then the up's adds
     mlp_backward_input(c_, p_, s.mlp, dy, s.dh, false, c_.recipe.scale_mode);
     dx = clone(c_, dy.view());
     c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(), TensorView(),

@@ -79,24 +79,24 @@ struct Model::Impl {
   double head_loss(const Tensor& h, Parameter& norm_w, const Tensor& targets, double weight, double grad_scale,
                    bool backward, const Tensor& dh, Tensor* logits_out) {
     const int64_t T = h.size(0), D = h.size(1), V = cfg.vocab_size;
-    Tensor rstd = ctx.zeros({T}), hn = ctx.zeros({T, D});
+    Tensor rstd = ctx.uninit({T}), hn = ctx.uninit({T, D});
     model::rmsnorm(ctx, h, norm_w, hn, rstd);
     const Cached hin = model::cache_activation(ctx, hn.view(), DType::e4m3, ScaleMode::fp32, false, head_prec());
-    Tensor logits = ctx.zeros({T, V});
+    Tensor logits = ctx.uninit({T, V});
     model::linear_forward(ctx, hin, *head, logits, head_prec());
     if (logits_out) *logits_out = logits;
     const Tensor tg = be.to_host(targets);
     int64_t valid = 0;
     for (int64_t t = 0; t < T; ++t) valid += tg.ptr<int32_t>()[t] >= 0;
     const double n = double(std::max<int64_t>(valid, 1));
-    Tensor losses = ctx.zeros({T});
-    Tensor dlogits = backward ? ctx.zeros({T, V}) : Tensor();
+    Tensor losses = ctx.uninit({T});
+    Tensor dlogits = backward ? ctx.uninit({T, V}) : Tensor();
     be.cross_entropy(logits.view(), targets.view(), losses.view(), backward ? dlogits.view() : TensorView(),
                      grad_scale * weight / n);
     double sum = 0;
     for (double v : model::to_doubles(ctx, losses)) sum += v;
     if (backward) {
-      Tensor dhn = ctx.zeros({T, D});
+      Tensor dhn = ctx.uninit({T, D});
       model::linear_backward_input(ctx, dlogits, *head, dhn, false, head_prec());
       model::linear_backward_weight(ctx, hin, dlogits, *head, head_prec());
       be.rmsnorm_backward(h.view(), norm_w.weight.view(), rstd.view(), dhn.view(), dh.view(), norm_w.grad.view(), true);
@@ -118,16 +118,16 @@ struct Model::Impl {
     }
     ids = model::to_backend(ctx, ids);
     tg2 = model::to_backend(ctx, tg2);
-    Tensor e = ctx.zeros({T, D}), en = ctx.zeros({T, D}), rstd_e = ctx.zeros({T});
+    Tensor e = ctx.uninit({T, D}), en = ctx.uninit({T, D}), rstd_e = ctx.uninit({T});
     be.embedding_forward(ids.view(), embed->weight.view(), e.view());
     model::rmsnorm(ctx, e, *enorm, en, rstd_e);
-    Tensor hn = ctx.zeros({T, D}), rstd_h = ctx.zeros({T});
+    Tensor hn = ctx.uninit({T, D}), rstd_h = ctx.uninit({T});
     model::rmsnorm(ctx, h, *hnorm, hn, rstd_h);
-    Tensor cat = ctx.zeros({T, 2 * D});  // [enorm(e); hnorm(h)]
+    Tensor cat = ctx.uninit({T, 2 * D});  // [enorm(e); hnorm(h)]
     be.copy_cols(en.view(), 0, cat.view(), 0, D, false);
     be.copy_cols(hn.view(), 0, cat.view(), D, D, false);
     const Cached catin = model::linear_input(ctx, cat.view(), recipe.scale_mode);
-    Tensor x = ctx.zeros({T, D});
+    Tensor x = ctx.uninit({T, D});
     model::linear_forward(ctx, catin, *eh, x, recipe.linear);
     // Sublayer numbers of the records: the trunk's, the main head, then eh, the block, the head.
     const size_t sub = trunk.size() + 1;
@@ -155,7 +155,7 @@ struct Model::Impl {
       record(sub + 1 + i, mtp[i]->name(), "aux", mtp[i]->aux_loss(*saved[i]));
       st.expert_loads.push_back(std::move(loads));
     }
-    Tensor dx = ctx.zeros({T, D}), logits;
+    Tensor dx = ctx.zeros({T, D}), logits;  // zero-filled: head_loss adds its gradient into it
     st.mtp_loss = head_loss(x, *mtp_norm, tg2, cfg.mtp_loss_weight, b.grad_scale, backward, dx,
                             recording ? &logits : nullptr);
     const size_t head_sub = sub + 1 + mtp.size();
@@ -174,17 +174,17 @@ struct Model::Impl {
       dx = dprev;
     }
     record(sub, L, "dy", dx);
-    Tensor dcat = ctx.zeros({T, 2 * D});
+    Tensor dcat = ctx.uninit({T, 2 * D});
     model::linear_backward_input(ctx, dx, *eh, dcat, false, recipe.linear);
     model::linear_backward_weight(ctx, catin, dx, *eh, recipe.linear);
-    Tensor den = ctx.zeros({T, D}), dhn = ctx.zeros({T, D}), de = ctx.zeros({T, D});
+    Tensor den = ctx.uninit({T, D}), dhn = ctx.uninit({T, D}), de = ctx.uninit({T, D});
     be.copy_cols(dcat.view(), 0, den.view(), 0, D, false);
     be.copy_cols(dcat.view(), D, dhn.view(), 0, D, false);
     be.rmsnorm_backward(e.view(), enorm->weight.view(), rstd_e.view(), den.view(), de.view(), enorm->grad.view(), false);
     be.embedding_backward(ids.view(), de.view(), embed->grad.view());
     be.rmsnorm_backward(h.view(), hnorm->weight.view(), rstd_h.view(), dhn.view(), dh.view(), hnorm->grad.view(), true);
     if (recording) {  // eh's own share of dh, computed once more on its own
-      Tensor dh_eh = ctx.zeros({T, D});
+      Tensor dh_eh = ctx.uninit({T, D});
       be.rmsnorm_backward(h.view(), hnorm->weight.view(), rstd_h.view(), dhn.view(), dh_eh.view(), TensorView(), false);
       record(sub, L, "dx", dh_eh);
     }
@@ -322,8 +322,8 @@ Batch Model::make_batch(const TensorView& tokens, const TensorView& targets) con
   const int64_t T = b.batch * b.seq;
   FP8MOE_CHECK(b.seq <= m.cfg.max_position_embeddings,
                "tokens: sequence length " << b.seq << " exceeds max_position_embeddings = " << m.cfg.max_position_embeddings);
-  b.tokens = m.be.empty(DType::i32, {T});
-  b.targets = m.be.empty(DType::i32, {T});
+  b.tokens = m.be.uninitialized(DType::i32, {T});
+  b.targets = m.be.uninitialized(DType::i32, {T});
   m.be.copy(b.tokens.view(), model::reshape(tokens, {T}));
   m.be.copy(b.targets.view(), model::reshape(targets, {T}));
   Tensor pos = Tensor::host(DType::i32, {T});
@@ -334,7 +334,7 @@ Batch Model::make_batch(const TensorView& tokens, const TensorView& targets) con
 
 Tensor Model::embed_forward(const Batch& b) {
   auto& m = *impl_;
-  Tensor x = m.ctx.zeros({b.tokens_count(), m.cfg.hidden_size});
+  Tensor x = m.ctx.uninit({b.tokens_count(), m.cfg.hidden_size});
   m.be.embedding_forward(b.tokens.view(), m.embed->weight.view(), x.view());
   return x;
 }
@@ -345,7 +345,7 @@ void Model::embed_backward(const Batch& b, const Tensor& dx0) {
 
 Tensor Model::head_forward_backward(const Batch& b, const Tensor& h, double grad_scale, StepStats& st, bool backward) {
   auto& m = *impl_;
-  Tensor dh = m.ctx.zeros({h.size(0), h.size(1)});
+  Tensor dh = m.ctx.zeros({h.size(0), h.size(1)});  // zero-filled: the heads add their gradients into it
   st.main_loss = m.head_loss(h, *m.norm, b.targets, 1.0, grad_scale, backward, dh, &m.last_logits);
   const size_t sub = m.trunk.size();
   m.record(sub, "head", "x", h);
