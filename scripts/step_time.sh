@@ -4,7 +4,8 @@
 #   scripts/step_time.sh [config] [steps] [backend]     (defaults: configs/wide.json 12 cuda)
 # FP8MOE_BIN (folder with fp8moe, default build/bin) and FP8MOE_DATA (text, default the shared
 # tinyshakespeare) as in gpu_train_check.sh; FP8MOE_ARGS (more train options, default
-# "--ema-every 1000": the step without the EMA's host snapshot, docs/PERF.md). Output under $OUT
+# "--ema-every 1000 --ckpt-every 0": the step without the EMA's host snapshot, docs/PERF.md, and no
+# checkpoint at the end, which for configs/gemm.json is ~17 GB to write). Output under $OUT
 # (default ./step_time_out).
 set -u
 CFG=${1:-configs/wide.json}
@@ -13,7 +14,7 @@ BACKEND=${3:-cuda}
 OUT=${OUT:-$PWD/step_time_out}
 CLI=${FP8MOE_BIN:-build/bin}/fp8moe
 DATA=${FP8MOE_DATA:-../shared/data/tinyshakespeare.txt}
-ARGS=${FP8MOE_ARGS---ema-every 1000}
+ARGS=${FP8MOE_ARGS---ema-every 1000 --ckpt-every 0}
 mkdir -p "$OUT"
 for r in bf16 fp8; do
   timeout --signal=KILL 240 "$CLI" train -c "$CFG" --backend "$BACKEND" --recipe "$r" --data "$DATA" --steps "$STEPS" \
