@@ -87,6 +87,7 @@ struct Trainer::Impl {
     FP8MOE_CHECK(opt.steps > 0 && opt.grad_accum > 0, "train: steps and grad_accum must be positive");
     FP8MOE_CHECK(opt.moments == "bf16" || opt.moments == "f32", "train: moments must be bf16 or f32, got '" << opt.moments << "'");
     FP8MOE_CHECK(opt.mtp_switch >= 0 && opt.mtp_switch <= 1, "train: mtp_switch must be in [0, 1], got " << opt.mtp_switch);
+    FP8MOE_CHECK(opt.ckpt_every >= 0, "train: ckpt_every must be >= 0 (0: no checkpoints), got " << opt.ckpt_every);
     recipe = Recipe::from_name(opt.recipe);
     validate_config(cfg, recipe);
     backend = make_backend(opt.backend == "auto" ? pick_backend(opt.quiet) : opt.backend);

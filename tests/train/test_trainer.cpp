@@ -111,7 +111,9 @@ TEST(Trainer, MtpWeightFollowsItsSchedule) {
   o.steps = 6;
   o.mtp_weight_after = 0.1;
   o.mtp_switch = 0.5;
+  o.ckpt_every = 0;  // and no checkpoint is written
   Trainer(o).run();
+  EXPECT_FALSE(fs::exists(fs::path(o.out_dir) / "checkpoint.safetensors"));
   const auto m = read_metrics(o.out_dir);
   ASSERT_EQ(m.size(), 6u);
   for (const auto& j : m) {
@@ -122,6 +124,9 @@ TEST(Trainer, MtpWeightFollowsItsSchedule) {
   }
   o.mtp_switch = 1.5;
   fp8moe::testing::expect_error([&] { Trainer t(o); }, "mtp_switch");
+  o.mtp_switch = 0.5;
+  o.ckpt_every = -1;
+  fp8moe::testing::expect_error([&] { Trainer t(o); }, "ckpt_every");
   fs::remove_all(dir);
 }
 
