@@ -31,6 +31,8 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
       ->capture_default_str();
   cmd->add_option("--mtp-switch", o.mtp_switch, "fraction of the steps after which --mtp-weight-after applies")
       ->capture_default_str();
+  cmd->add_option("--peak-tflops", o.peak_tflops,
+                  "peak TFLOPS for the MFU (default: the GPU's dense BF16 Tensor Core peak; the CPU has none)");
   cmd->add_flag("--eval-ema", o.eval_ema, "validate on the EMA weights");
   cmd->add_option("--eval-every", o.eval_every, "steps between validations")->capture_default_str();
   cmd->add_option("--eval-batches", o.eval_batches, "validation micro-batches")->capture_default_str();

@@ -89,6 +89,9 @@ class Backend {
   // High-water mark of the bytes of this backend's tensors since it was made, or -1 where the
   // backend cannot tell.
   virtual int64_t device_memory_peak() const { return -1; }
+  // Dense BF16 Tensor Core peak of the device in TFLOPS (the denominator of the MFU the trainer
+  // reports), or 0 where the backend does not know it.
+  virtual double peak_bf16_tflops() const { return 0; }
   QuantizedTensor empty_quantized(int64_t rows, int64_t cols, DType dtype, ScaleKind kind);
   // Asynchronous device-to-host snapshots (the parameter EMA): host memory the device copies into
   // without staging (page-locked on a GPU), a copy ordered after the work queued so far that

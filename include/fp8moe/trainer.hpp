@@ -33,6 +33,7 @@ struct TrainOptions {
   // MTP loss weight schedule (report §4.2: 0.3 for the first 10T of 14.8T tokens, then 0.1): from
   // step mtp_switch * steps on, the weight is mtp_weight_after; < 0 keeps the config's throughout.
   double mtp_weight_after = -1, mtp_switch = 10.0 / 14.8;
+  double peak_tflops = 0;           // MFU denominator; 0 = the backend's dense BF16 peak (none on CPU)
   bool eval_ema = false;            // validation on the EMA weights instead of the live ones
   int64_t eval_every = 50, eval_batches = 8, log_every = 10, ckpt_every = 100;
   uint64_t seed = 1234;

@@ -250,6 +250,16 @@ class CudaBackend final : public Backend {
     return int64_t(high);
   }
 
+  // Hopper (sm_90): 4096 dense BF16 FLOPs per SM per clock at the 1830 MHz of NVIDIA's datasheets
+  // (989.4 TFLOPS on the 132 SMs of an H100 SXM or H200); 0 for other architectures.
+  double peak_bf16_tflops() const override {
+    int dev = 0, major = 0, sms = 0;
+    FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
+    FP8MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    FP8MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    return major == 9 ? double(sms) * 4096.0 * 1.83e9 / 1e12 : 0.0;
+  }
+
   void quantize_1x128(const TensorView& x, const QuantizedView& out, ScaleMode mode) override {
     FP8MOE_TIMED_OP("quantize_1x128");
     if (out.values.dtype == DType::e5m6) return cuda::quantize_1x128_e5m6_cuda(x, out, mode, nullptr);

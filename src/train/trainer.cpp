@@ -251,6 +251,9 @@ struct Trainer::Impl {
     const int64_t B = cfg.batch_size, S = cfg.seq_len;
     const int64_t start_step = step;
     const double flops_tok = train_flops_per_token(cfg, S);
+    // MFU: model FLOPs (fwd + bwd) per second over the dense BF16 peak, for every recipe (so the
+    // recipes compare on one scale).
+    const double peak_tflops = opt.peak_tflops > 0 ? opt.peak_tflops : backend->peak_bf16_tflops();
     std::ofstream metrics(fs::path(opt.out_dir) / "metrics.jsonl", opt.resume ? std::ios::app : std::ios::trunc);
     if (!opt.quiet)
       std::printf("fp8moe train: %s (%.1fM params, %.1fM active), recipe %s, backend %s, data %s (%zu train / %zu val bytes)\n",
@@ -320,6 +323,11 @@ struct Trainer::Impl {
                        {"mtp_loss", agg.mtp_loss}, {"mtp_weight", mtp_weight}, {"balance_loss", agg.balance_loss}, {"lr", lr},
                        {"grad_norm", norm},  {"tokens_per_s", tok_s},          {"tflops", flops_tok * tok_s / 1e12},
                        {"rss_bytes", resident_bytes()}};
+      char mfu[32] = "";
+      if (peak_tflops > 0) {
+        j["mfu"] = flops_tok * tok_s / 1e12 / peak_tflops;
+        std::snprintf(mfu, sizeof mfu, " (MFU %.1f%%)", 100.0 * j["mfu"].get<double>());
+      }
       const bool last = step + 1 == opt.steps;
       if ((step + 1) % opt.eval_every == 0 || last) {
         double v = evaluate();
@@ -330,10 +338,10 @@ struct Trainer::Impl {
       metrics << j.dump() << "\n";
       metrics.flush();
       if (!opt.quiet && ((step + 1) % opt.log_every == 0 || last || step == 0))
-        std::printf("step %6lld | loss %.4f | val %s | lr %.2e | norm %.3f | %.0f tok/s | %.3f TFLOPS | rss %.0f MiB\n",
+        std::printf("step %6lld | loss %.4f | val %s | lr %.2e | norm %.3f | %.0f tok/s | %.3f TFLOPS%s | rss %.0f MiB\n",
                     (long long)step, agg.main_loss,
                     j.contains("val_loss") ? std::to_string(j["val_loss"].get<double>()).substr(0, 6).c_str() : "  -   ",
-                    double(lr), norm, tok_s, flops_tok * tok_s / 1e12, double(resident_bytes()) / 1048576.0);
+                    double(lr), norm, tok_s, flops_tok * tok_s / 1e12, mfu, double(resident_bytes()) / 1048576.0);
       if (!opt.quiet) std::fflush(stdout);  // progress reaches logs and pipes as it happens
       if ((step + 1) % opt.log_every == 0 || last) {
         sum.final_loss = loss_acc / double(loss_n);

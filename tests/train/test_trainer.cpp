@@ -111,10 +111,12 @@ TEST(Trainer, MtpWeightFollowsItsSchedule) {
   o.steps = 6;
   o.mtp_weight_after = 0.1;
   o.mtp_switch = 0.5;
-  o.ckpt_every = 0;  // and no checkpoint is written
+  o.ckpt_every = 0;     // and no checkpoint is written
+  o.peak_tflops = 0.5;  // and the MFU is reported against this peak
   Trainer(o).run();
   EXPECT_FALSE(fs::exists(fs::path(o.out_dir) / "checkpoint.safetensors"));
   const auto m = read_metrics(o.out_dir);
+  for (const auto& j : m) EXPECT_DOUBLE_EQ(j["mfu"].get<double>(), j["tflops"].get<double>() / 0.5) << j["step"];
   ASSERT_EQ(m.size(), 6u);
   for (const auto& j : m) {
     const double w = j["mtp_weight"].get<double>();
