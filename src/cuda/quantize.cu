@@ -7,7 +7,8 @@
 //   quantize_1x128    x [R, C] f32|bf16 -> q [R, C], s [ceil(C/128), ld(R)]  (one pass, 4 lanes per tile)
 //   quantize_128x128  w [R, C]          -> q [R, C], s [ceil(R/128), ceil(C/128)]
 //   quantize_128x1    x [T, C]          -> q [C, T], s [ceil(T/128), ld(C)]  (128x128 tiles through smem)
-//   requantize_128x1  q [T, C] 1x128    -> q [C, T] 1x128 along T            (dequantize, transpose, requantize)
+//   requantize_128x1  q [T, C] 1x128    -> q [C, T] 1x128 along T            (dequantize, transpose, requantize;
+//                                                                               persistent CTAs, cp.async stages)
 //   transpose_128x128 q [G*R, C] 128x128 -> q [G*C, R] 128x128, per group     (bytes and block scales moved)
 //   dequantize        q [R, C] any kind -> [R, C] f32|bf16
 // Output dtypes: e4m3, e5m2 (e5m6 has no device conversion here and is refused).
@@ -16,6 +17,9 @@
 #include "fp8moe/codecs.hpp"
 #include "kernel_api.hpp"
 #include "quantize_device.cuh"
+
+#include <algorithm>
+#include <mutex>
 
 namespace fp8moe::cuda {
 
@@ -141,9 +145,10 @@ __global__ void __launch_bounds__(256, sizeof(Tin) == 2 ? 3 : 2) quantize_128x12
 // ---- 128x1 (transposing) ----
 // One CTA of 256 threads per 128 tokens x 128 channels of x [T, C] (one output scale group per
 // channel); out q [C, T] rows of 128 bytes, s [ceil(T/128), ld(C)].
-// Input either a plain tensor (Tin = f32|bf16) or, for requantize, FP8 values [T, C] with 1x128
-// scales s_in [ceil(C/128), ld(T)] (Tin = uint8_t; value = decode(q) * s_in, the FP32 product of
-// the CPU dequantizer).
+// Input either a plain tensor (Tin = f32|bf16) or, for requantize's fallback (values not 16-byte
+// aligned or C % 16 != 0; the vector path is requantize_128x1_kernel below), FP8 values [T, C] with
+// 1x128 scales s_in [ceil(C/128), ld(T)] (Tin = uint8_t; value = decode(q) * s_in, the FP32
+// product of the CPU dequantizer).
 //   1. each thread loads TPT token rows x VEC channels as 16-byte vectors (kept in registers in the
 //      input encoding): each warp-wide load covers whole 128..512-byte row pieces;
 //   2. per-channel amax: over the thread's tokens, the warp's lanes of the same channels (shuffles),
@@ -298,6 +303,178 @@ __global__ void __launch_bounds__(256) quantize_128x1_kernel(const Tin* __restri
       for (int b = 0; b < 16; ++b)
         if (t + b < T) dst[b] = uint8_t(w[b / 4] >> (8 * (b % 4)));
     }
+  }
+}
+
+// ---- requantize 128x1 (FP8 input, the vector path) ----
+// Persistent CTAs of 256 threads walk the 128-token x 128-channel tiles of x [T, C] (tile id =
+// token block * CB + channel block, CTA b taking b, b + grid, ...); per tile:
+//   0. the tile's 16 KiB of bytes and its 128 token scales come into a shared stage by cp.async
+//      (16-byte pieces, zero-filled past T and C), kRqStages - 1 tiles ahead of the one in work;
+//   1. warp w takes tokens 16w..16w+15, lane l channels 4l..4l+3 (one 32-bit word per token, a
+//      warp reading whole 128-byte rows): decode (paired conversion) times the token's scale, kept
+//      as 64 FP32 products in registers, per-channel amax over its 16 tokens in the thread;
+//   2. the amax of the 8 warps through shared memory; 128 threads compute scales and reciprocals;
+//   3. each thread encodes its 16 tokens of each of its 4 channels into one 16-byte unit of the
+//      transposed byte tile [128 channels][128 tokens], unit u of row c stored at u ^ ((c / 4) % 8);
+//   4. the tile goes out as 128-byte rows of q [C, T] with 16-byte stores.
+// NOTES: the 128x1 kernel above ran this at 73% of the copy bandwidth: with 1-byte inputs its CTA
+// moved 16 KiB in per its fixed costs (scale loads, barriers, amax shuffles, smem round trip),
+// loads were issued only at CTA start (no bytes in flight while a CTA reduced, encoded and
+// stored), and each element was decoded and multiplied twice. Here the next tiles' loads are
+// always in flight (cp.async stages), the products are computed once (5-6 instructions an element:
+// a quarter load from shared memory, half a paired decode, a conversion to FP32, two products, an
+// amax, half a paired encode), the amax needs no shuffles (a thread's channel has 16 tokens, the
+// warps meet in shared memory) and a unit is a whole 16-byte store. Phase-1 reads, phase-3 unit
+// writes (8 lanes per phase write 8 distinct units of 8 rows) and phase-4 row reads are free of
+// bank conflicts. Bit-exact as the 128x1 kernel: same products, same scale arithmetic.
+constexpr int kRqStages = 3;
+constexpr int kRqIn = 128 * 128;                  // input bytes of a stage
+constexpr int kRqStage = kRqIn + 128 * 4;         // + the tile's 128 token scales
+constexpr int kRqSmem = kRqStages * kRqStage + 128 * 128 + 8 * 128 * 4 + 128 * 4;  // + out tile, amax, 1/s
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const uint32_t d = uint32_t(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  const uint32_t d = uint32_t(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(gmem), "r"(valid ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Tile walk of a persistent CTA: channel block cb, token block tb; advanced by gridDim.x tiles.
+struct RqWalk {
+  int64_t cb, tb;
+  __device__ void advance(int64_t step_c, int64_t step_t, int64_t CB) {
+    cb += step_c;
+    tb += step_t;
+    if (cb >= CB) {
+      cb -= CB;
+      ++tb;
+    }
+  }
+};
+
+template <bool kInE5M2, bool kE5M2, bool kVecOut>
+__global__ void __launch_bounds__(256, 2) requantize_128x1_kernel(const uint8_t* __restrict__ x,
+                                                                  const float* __restrict__ s_in, int64_t ld_in,
+                                                                  uint8_t* __restrict__ q, float* __restrict__ s,
+                                                                  int64_t T, int64_t C, int64_t ld, float max_finite,
+                                                                  bool pow2) {
+  extern __shared__ __align__(16) uint8_t rq_smem[];
+  uint8_t* const tile = rq_smem + kRqStages * kRqStage;  // [channel][token] bytes, swizzled units
+  float* const red = reinterpret_cast<float*>(tile + 128 * 128);  // [8 warps][128 channels]
+  float* const inv_s = red + 8 * 128;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t CB = (C + 127) / 128, TB = (T + 127) / 128;
+  const int64_t step_c = gridDim.x % CB, step_t = gridDim.x / CB;
+  RqWalk load{int64_t(blockIdx.x) % CB, int64_t(blockIdx.x) / CB}, work = load;
+  int load_stage = 0;
+
+  // Stage of the tile at `load` (an empty group past the last tile), then the next tile.
+  auto issue = [&] {
+    if (load.tb < TB) {
+      const int64_t t0 = load.tb * 128, c0 = load.cb * 128;
+      uint8_t* st = rq_smem + load_stage * kRqStage;
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const int i = tid + 256 * m, row = i / 8, col = (i % 8) * 16;
+        const bool ok = t0 + row < T && c0 + col < C;
+        cp_async16(st + row * 128 + col, ok ? x + (t0 + row) * C + c0 + col : x, ok);
+      }
+      if (tid < 128) {
+        const bool ok = t0 + tid < T;
+        cp_async4(st + kRqIn + tid * 4, ok ? s_in + load.cb * ld_in + t0 + tid : s_in, ok);
+      }
+      load.advance(step_c, step_t, CB);
+      load_stage = load_stage == kRqStages - 1 ? 0 : load_stage + 1;
+    }
+    cp_async_commit();
+  };
+
+#pragma unroll
+  for (int i = 0; i < kRqStages - 1; ++i) issue();
+  for (int stage = 0; work.tb < TB; stage = stage == kRqStages - 1 ? 0 : stage + 1) {
+    issue();  // into the stage read in the previous iteration, behind its barriers
+    cp_async_wait<kRqStages - 1>();
+    __syncthreads();
+    const int64_t t0 = work.tb * 128, c0 = work.cb * 128;
+    const uint8_t* st = rq_smem + stage * kRqStage;
+
+    // 1. products and the thread's per-channel amax
+    float v[16][4];
+    float am[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int k4 = 0; k4 < 4; ++k4) {
+      const float4 s4 = *reinterpret_cast<const float4*>(st + kRqIn + (warp * 16 + k4 * 4) * 4);
+      const float sk[4] = {s4.x, s4.y, s4.z, s4.w};
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const int k = k4 * 4 + kk;
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(st + (warp * 16 + k) * 128 + lane * 4);
+        const float2 a = decode2<kInE5M2>(w), b = decode2<kInE5M2>(w >> 16);
+        v[k][0] = __fmul_rn(a.x, sk[kk]);
+        v[k][1] = __fmul_rn(a.y, sk[kk]);
+        v[k][2] = __fmul_rn(b.x, sk[kk]);
+        v[k][3] = __fmul_rn(b.y, sk[kk]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) am[j] = amax_nan(am[j], v[k][j]);
+      }
+    }
+    *reinterpret_cast<float4*>(red + warp * 128 + lane * 4) = make_float4(am[0], am[1], am[2], am[3]);
+    __syncthreads();
+
+    // 2. scales
+    if (tid < 128) {
+      float amax = red[tid];
+#pragma unroll
+      for (int w = 1; w < 8; ++w) amax = amax_nan(amax, red[w * 128 + tid]);
+      const float sc = scale_of(amax, max_finite, pow2);
+      inv_s[tid] = inv_scale(sc);
+      if (c0 + tid < C) s[work.tb * ld + c0 + tid] = sc;
+    }
+    __syncthreads();
+
+    // 3. one 16-byte unit (tokens 16w..16w+15) per channel into the transposed tile
+    const float4 r4 = *reinterpret_cast<const float4*>(inv_s + lane * 4);
+    const float r[4] = {r4.x, r4.y, r4.z, r4.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t u[4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const uint32_t lo = encode2<kE5M2>(__fmul_rn(v[4 * m][j], r[j]), __fmul_rn(v[4 * m + 1][j], r[j]));
+        const uint32_t hi = encode2<kE5M2>(__fmul_rn(v[4 * m + 2][j], r[j]), __fmul_rn(v[4 * m + 3][j], r[j]));
+        u[m] = lo | (hi << 16);
+      }
+      const int cl = lane * 4 + j;
+      *reinterpret_cast<uint4*>(tile + cl * 128 + (warp ^ (lane % 8)) * 16) = make_uint4(u[0], u[1], u[2], u[3]);
+    }
+    __syncthreads();
+
+    // 4. 128-byte rows of q [C, T]
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int i = tid + 256 * m, cl = i / 8, k16 = i % 8;
+      const int64_t cc = c0 + cl, t = t0 + k16 * 16;
+      if (cc >= C || t >= T) continue;
+      const uint4 val = *reinterpret_cast<const uint4*>(tile + cl * 128 + (k16 ^ ((cl / 4) % 8)) * 16);
+      uint8_t* dst = q + cc * T + t;
+      if constexpr (kVecOut) {
+        *reinterpret_cast<uint4*>(dst) = val;
+      } else {
+        const uint32_t w[4] = {val.x, val.y, val.z, val.w};
+#pragma unroll
+        for (int b = 0; b < 16; ++b)
+          if (t + b < T) dst[b] = uint8_t(w[b / 4] >> (8 * (b % 4)));
+      }
+    }
+    work.advance(step_c, step_t, CB);
   }
 }
 
@@ -500,6 +677,38 @@ void launch_128x1(const Tin* x, const float* s_in, int64_t ld_in, bool in_vec_ok
   fill_padding(out.scales, C, stream);
 }
 
+// The requantizer's vector path (x 16-byte aligned, C % 16 == 0): persistent CTAs, as many as fit
+// at once, each walking an equal share of the tiles (within one).
+template <bool kInE5M2>
+void launch_requantize(const uint8_t* x, const float* s_in, int64_t ld_in, const QuantizedView& out, int64_t T,
+                       int64_t C, ScaleMode mode, cudaStream_t stream) {
+  const float mf = float(max_finite(out.values.dtype));
+  const bool pow2 = mode == ScaleMode::pow2, e5m2 = out.values.dtype == DType::e5m2;
+  const bool out_vec_ok = T % 16 == 0 && aligned16(out.values.data);
+  const int64_t ld = out.scales.size(1), tiles = ((T + 127) / 128) * ((C + 127) / 128);
+  auto go = [&](auto e5, auto vo) {
+    auto kernel = requantize_128x1_kernel<kInE5M2, decltype(e5)::value, decltype(vo)::value>;
+    static int per_sm = 0;
+    static std::once_flag once;
+    std::call_once(once, [&] {
+      FP8MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRqSmem));
+      FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, kRqSmem));
+      per_sm = std::max(per_sm, 1);
+    });
+    const int64_t resident = int64_t(per_sm) * device_props().multiProcessorCount;
+    const int64_t rounds = (tiles + resident - 1) / resident;
+    const int grid = int((tiles + rounds - 1) / rounds);
+    kernel<<<grid, 256, kRqSmem, stream>>>(x, s_in, ld_in, out.values.ptr<uint8_t>(), out.scales.ptr<float>(), T, C,
+                                           ld, mf, pow2);
+  };
+  using T_ = std::true_type;
+  using F_ = std::false_type;
+  if (e5m2) out_vec_ok ? go(T_{}, T_{}) : go(T_{}, F_{});
+  else out_vec_ok ? go(F_{}, T_{}) : go(F_{}, F_{});
+  FP8MOE_CUDA_CHECK_LAUNCH("requantize_128x1_kernel");
+  fill_padding(out.scales, C, stream);
+}
+
 }  // namespace
 
 void quantize_128x1_cuda(const TensorView& x, const QuantizedView& out, ScaleMode mode, cudaStream_t stream,
@@ -541,10 +750,14 @@ void requantize_128x1_cuda(const QuantizedView& in, const QuantizedView& out, Sc
   const auto* s = in.scales.ptr<const float>();
   const int64_t ld_in = in.scales.size(1);
   // NOTES: the input is FP8 times finite scales, so it is always finite: no NaN check needed.
-  if (in.values.dtype == DType::e5m2)
-    launch_128x1<uint8_t, true>(x, s, ld_in, in_vec_ok, out, T, C, mode, stream, false);
+  const bool e5 = in.values.dtype == DType::e5m2;
+  if (in_vec_ok)
+    e5 ? launch_requantize<true>(x, s, ld_in, out, T, C, mode, stream)
+       : launch_requantize<false>(x, s, ld_in, out, T, C, mode, stream);
+  else if (e5)
+    launch_128x1<uint8_t, true>(x, s, ld_in, false, out, T, C, mode, stream, false);
   else
-    launch_128x1<uint8_t, false>(x, s, ld_in, in_vec_ok, out, T, C, mode, stream, false);
+    launch_128x1<uint8_t, false>(x, s, ld_in, false, out, T, C, mode, stream, false);
 }
 
 void transpose_128x128_cuda(const QuantizedView& in, const QuantizedView& out, int64_t groups, cudaStream_t stream) {

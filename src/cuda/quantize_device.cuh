@@ -113,6 +113,14 @@ __device__ __forceinline__ float2 pair16_fp8(const uint4& raw, int i) {
   return __half22float2(__half2(h));
 }
 
+// The two FP8 values of a 16-bit pair (v[0] in the low byte), decoded with one paired conversion
+// (FP8 -> f16 -> f32: exact).
+template <bool kE5M2>
+__device__ __forceinline__ float2 decode2(uint32_t pair) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair & 0xFFFFu), kE5M2 ? __NV_E5M2 : __NV_E4M3);
+  return __half22float2(__half2(h));
+}
+
 // ---- 1x128 tiles, four lanes per tile ----
 // Lanes 4k..4k+3 of a warp share one tile of 128 values; lane t holds the 16-byte input vectors
 // h * 4 + t (h < NV) of it, so each warp-wide load covers 64 contiguous input bytes of each tile it

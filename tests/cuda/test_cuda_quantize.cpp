@@ -2,6 +2,7 @@
 // both input dtypes, both scale modes, e4m3 and e5m2; plus NaN refusal and bad arguments.
 // Skips without a GPU. Run: ctest -R test_cuda_quantize (FP8MOE_SEED=<n> replays a seed).
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "cuda_test_util.hpp"
@@ -102,6 +103,49 @@ TEST_F(CudaQuantize, Requantize128x1MatchesCpuBitExact) {
       be_->requantize_128x1(to_device(*be_, in).view(), q.view(), mode);
       expect_same(to_host(*be_, q), ref, "requantize [" + std::to_string(s.r) + ", " + std::to_string(s.c) + "]");
     }
+}
+
+// Fills a device tensor with 0xFF bytes (NaN scales, NaN/-max values) so unwritten outputs show.
+void poison(Backend& be, const Tensor& t) {
+  Tensor h = Tensor::host_like(t.view());
+  std::memset(h.view().data, 0xFF, h.view().nbytes());
+  be.copy(t.view(), h.view());
+}
+
+// The requantizer's paths on poisoned outputs: T and C off multiples of 128 (and of 16: the byte
+// tail of the output rows), several tiles per CTA, e4m3/e5m2 in and out, both scale modes, and
+// input values at an address that is not 16-byte aligned (the fallback kernel).
+TEST_F(CudaQuantize, RequantizeRaggedPoisonedMatchesCpuBitExact) {
+  auto rng = make_rng();
+  const Shape shapes[] = {{1, 16}, {129, 16}, {300, 272}, {1040, 400}, {16, 4096}, {2100, 2064}, {4224, 2064}};
+  for (DType in_dt : {DType::e4m3, DType::e5m2})
+    for (DType out_dt : {DType::e4m3, DType::e5m2})
+      for (ScaleMode mode : {ScaleMode::fp32, ScaleMode::pow2})
+        for (const Shape& s : shapes)
+          for (bool misaligned : {false, true}) {
+            if (s.r * s.c > 1000000 && (in_dt != out_dt || misaligned)) continue;
+            const std::string what = "requantize " + std::string(dtype_name(in_dt)) + "->" +
+                                     std::string(dtype_name(out_dt)) + " [" + std::to_string(s.r) + ", " +
+                                     std::to_string(s.c) + "] " + (mode == ScaleMode::pow2 ? "pow2" : "fp32") +
+                                     (misaligned ? " misaligned" : "");
+            Tensor x = make_input(rng, DType::f32, s.r, s.c);
+            QuantizedTensor in = make_quantized_host(s.r, s.c, in_dt, ScaleKind::tile_1x128);
+            quantize_1x128(x.view(), in.view(), mode);
+            QuantizedTensor ref = make_quantized_host(s.c, s.r, out_dt, ScaleKind::tile_1x128);
+            requantize_128x1(in.view(), ref.view(), mode);
+            QuantizedTensor in_d = to_device(*be_, in);
+            Tensor shifted = be_->empty(in_dt, {s.r * s.c + 16});
+            QuantizedView in_v = in_d.view();
+            if (misaligned) {
+              in_v.values.data = static_cast<uint8_t*>(shifted.view().data) + 1;
+              be_->copy(in_v.values, in.values.view());
+            }
+            QuantizedTensor q = be_->empty_quantized(s.c, s.r, out_dt, ScaleKind::tile_1x128);
+            poison(*be_, q.values);
+            poison(*be_, q.scales);
+            be_->requantize_128x1(in_v, q.view(), mode);
+            expect_same(to_host(*be_, q), ref, what);
+          }
 }
 
 TEST_F(CudaQuantize, DequantizeMatchesCpu) {
