@@ -27,6 +27,9 @@ void add_bench(CLI::App& app) {
   gemm->add_option("--iters", g->iters, "timed runs per case (median)");
   gemm->add_option("--warmup", g->warmup, "untimed runs per case");
   gemm->add_option("--set", g->set, "all | fprop | wgrad | m4096 | small | tails | emulated (the Tensor Core accumulation emulation)");
+  gemm->add_option("--shapes", g->shapes,
+                   "kind:MxNxK,... instead of --set; kind: fprop (bf16 D), fprop32 (f32 D), fprop32+ (f32 D += ), "
+                   "wgrad (B 1x128, f32 D += ); e.g. fprop32:8192x4096x2048");
   gemm->add_option("--check-rows", g->check_rows, "rows of D checked against the FP64 reference");
   auto no_check = std::make_shared<bool>(false);
   gemm->add_flag("--no-check", *no_check, "skip the correctness columns");

@@ -36,9 +36,37 @@ namespace {
 using namespace bench;
 
 struct GemmCase {
-  const char* kind;  // "fprop" (B 128x128, bf16 out) | "wgrad" (B 1x128, f32 out, accumulate)
+  // "fprop" (B 128x128, bf16 D) | "fprop32" (f32 D) | "fprop32+" (f32 D += ) | "wgrad" (B 1x128,
+  // f32 D +=). The model's Linears run fprop32 and fprop32+ (Fprop, Dgrad) and wgrad.
+  std::string kind;
   int64_t M, N, K;
+  bool b_1x128() const { return kind == "wgrad"; }
+  bool f32() const { return kind != "fprop"; }
+  bool accumulate() const { return kind == "wgrad" || kind == "fprop32+"; }
 };
+
+// "kind:MxNxK,kind:MxNxK,..." (GemmBenchOptions::shapes).
+std::vector<GemmCase> parse_gemm_shapes(const std::string& list) {
+  std::vector<GemmCase> v;
+  size_t pos = 0;
+  while (pos <= list.size()) {
+    const size_t end = std::min(list.find(',', pos), list.size());
+    const std::string item = list.substr(pos, end - pos);
+    const size_t colon = item.find(':');
+    GemmCase c{colon == std::string::npos ? "" : item.substr(0, colon), 0, 0, 0};
+    long long m = 0, n = 0, k = 0;
+    char tail = 0;
+    const bool parsed = colon != std::string::npos &&
+                        std::sscanf(item.c_str() + colon + 1, "%lldx%lldx%lld%c", &m, &n, &k, &tail) == 3;
+    FP8MOE_CHECK(parsed && m > 0 && n > 0 && k > 0 &&
+                     (c.kind == "fprop" || c.kind == "fprop32" || c.kind == "fprop32+" || c.kind == "wgrad"),
+                 "bench gemm --shapes: '" << item << "' is not kind:MxNxK with kind fprop | fprop32 | fprop32+ | wgrad");
+    c.M = m, c.N = n, c.K = k;
+    v.push_back(c);
+    pos = end + 1;
+  }
+  return v;
+}
 
 std::vector<GemmCase> gemm_cases(const std::string& set) {
   const int64_t nk[6][2] = {{2112, 7168}, {24576, 1536}, {32768, 512}, {7168, 16384}, {4096, 7168}, {7168, 2048}};
@@ -76,7 +104,7 @@ bool emulated_rows(const GemmBenchOptions& opt, uint64_t seed, Timer& timer) {
   for (const GemmCase& gc : cases) {
     ++case_id;
     const int64_t M = gc.M, N = gc.N, K = gc.K;
-    const bool wgrad = std::strcmp(gc.kind, "wgrad") == 0;
+    const bool wgrad = gc.b_1x128();
     const DType ddt = wgrad ? DType::f32 : DType::bf16;
     const size_t dbytes = size_t(M * N) * dtype_size(ddt);
     DeviceBuffer a16(size_t(M * K) * 2), b16(size_t(N * K) * 2);
@@ -101,7 +129,7 @@ bool emulated_rows(const GemmBenchOptions& opt, uint64_t seed, Timer& timer) {
     const bool ok = !has_nan(e) && cd < 1e-3;
     all_ok = all_ok && ok;
     const double tflops = 2.0 * double(M) * double(N) * double(K) / (t_emu * 1e-6) / 1e12;
-    std::printf("| %s | %lld | %lld | %lld | %.0f | %.2f | %.4f | %.2e |%s\n", gc.kind, (long long)M, (long long)N,
+    std::printf("| %s | %lld | %lld | %lld | %.0f | %.2f | %.4f | %.2e |%s\n", gc.kind.c_str(), (long long)M, (long long)N,
                 (long long)K, t_emu, tflops, t_ours / t_emu, cd, ok ? "" : " FAIL");
     std::fflush(stdout);
   }
@@ -122,7 +150,8 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     std::printf("# correctness: %s\n", ok ? "all passed" : "FAILURES (see FAIL rows)");
     return ok ? 0 : 1;
   }
-  std::printf("# fprop: A 1x128 x B 128x128 -> bf16;  wgrad: A 1x128 x B 1x128 -> f32, D += A*B^T;  tile BMxBN "
+  std::printf("# fprop: A 1x128 x B 128x128 -> bf16 (fprop32: -> f32, fprop32+: f32 D += );  wgrad: A 1x128 x B 1x128 "
+              "-> f32, D += A*B^T;  tile BMxBN "
               "(/direct: epilogue without TMA-store staging; /mc2: B multicast over 2-CTA clusters)\n");
   std::printf("# calc_diff: vs FP64 product of the unquantized bf16 inputs (%d sampled rows); kerr: rel. error vs FP64 "
               "product of the dequantized FP8 inputs (rounded to bf16 for bf16 D); vs_lt: calc_diff ours vs cuBLASLt (all of D)\n",
@@ -136,7 +165,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);
 
-  const std::vector<GemmCase> cases = gemm_cases(opt.set);
+  const std::vector<GemmCase> cases = opt.shapes.empty() ? gemm_cases(opt.set) : parse_gemm_shapes(opt.shapes);
   bool all_ok = true;
   const std::vector<GemmTile> extra = extra_tiles_from_env();
   std::vector<std::vector<double>> extra_speedup(extra.size());  // chosen time / extra time, M=4096 fprop
@@ -145,9 +174,9 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   for (const GemmCase& gc : cases) {
     ++case_id;
     const int64_t M = gc.M, N = gc.N, K = gc.K;
-    const bool wgrad = std::strcmp(gc.kind, "wgrad") == 0;
+    const bool wgrad = gc.b_1x128(), acc = gc.accumulate();
     const ScaleKind bkind = wgrad ? ScaleKind::tile_1x128 : ScaleKind::block_128x128;
-    const DType ddt = wgrad ? DType::f32 : DType::bf16;
+    const DType ddt = gc.f32() ? DType::f32 : DType::bf16;
     const size_t dbytes = size_t(M * N) * dtype_size(ddt);
 
     DeviceBuffer a16(size_t(M * K) * 2), b16(size_t(N * K) * 2);
@@ -164,18 +193,18 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
                      dv_bf = dview(d_bf.p, ddt, M, N);
     const GemmTile tile = gemm_fp8_sm90_tile(M, N, K, wgrad);
 
-    // Correctness runs first: poisoned outputs (NaN) for fprop, zeroed for the accumulating wgrad.
-    FP8MOE_CUDA_CHECK(cudaMemset(d_ours.p, wgrad ? 0x00 : 0xFF, dbytes));
-    FP8MOE_CUDA_CHECK(cudaMemset(d_lt.p, wgrad ? 0x00 : 0xFF, dbytes));
+    // Correctness runs first: poisoned outputs (NaN), zeroed where the GEMM accumulates.
+    FP8MOE_CUDA_CHECK(cudaMemset(d_ours.p, acc ? 0x00 : 0xFF, dbytes));
+    FP8MOE_CUDA_CHECK(cudaMemset(d_lt.p, acc ? 0x00 : 0xFF, dbytes));
     std::string err_ours, err_lt, err_bf;
     try {
-      gemm_fp8_sm90(aq.view, bq.view, dv_ours, wgrad, nullptr);
+      gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr);
       FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
     } catch (const std::exception& e) {
       err_ours = e.what();
     }
     try {
-      gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, wgrad, nullptr);
+      gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, acc, nullptr);
       FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
     } catch (const std::exception& e) {
       err_lt = e.what();
@@ -183,7 +212,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
 
     double t_ours = NAN, t_lt = NAN, t_bf = NAN, t_mc = NAN;
     if (err_ours.empty())
-      t_ours = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, wgrad, nullptr); }, opt.warmup, opt.iters);
+      t_ours = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr); }, opt.warmup, opt.iters);
     // An alternative for large tiles, timed beside the choice: 256x128 -> 128x128 (epilogue by K),
     // 128x128 -> its 2-CTA multicast variant (not picked by default).
     GemmTile alt = tile;
@@ -197,7 +226,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
       has_alt = true;
     }
     if (err_ours.empty() && has_alt)
-      t_mc = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, wgrad, nullptr, &alt); }, opt.warmup,
+      t_mc = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr, &alt); }, opt.warmup,
                              opt.iters);
     char alt_s[48] = "-";
     if (has_alt)
@@ -206,8 +235,8 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     // Extra tiles: time, then D bit for bit against the chosen tile's D (same inputs, zeroed/poisoned D).
     std::vector<std::string> extra_rows;
     if (err_ours.empty() && !extra.empty()) {
-      FP8MOE_CUDA_CHECK(cudaMemset(d_ours.p, wgrad ? 0x00 : 0xFF, dbytes));
-      gemm_fp8_sm90(aq.view, bq.view, dv_ours, wgrad, nullptr);
+      FP8MOE_CUDA_CHECK(cudaMemset(d_ours.p, acc ? 0x00 : 0xFF, dbytes));
+      gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr);
       FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
       const auto want = to_host<uint8_t>(d_ours.p, dbytes);
       for (size_t e = 0; e < extra.size(); ++e) {
@@ -215,11 +244,11 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
         double tx = NAN;
         bool same = false;
         try {
-          FP8MOE_CUDA_CHECK(cudaMemset(d_lt.p, wgrad ? 0x00 : 0xFF, dbytes));
-          gemm_fp8_sm90(aq.view, bq.view, dview(d_lt.p, ddt, M, N), wgrad, nullptr, &xt);
+          FP8MOE_CUDA_CHECK(cudaMemset(d_lt.p, acc ? 0x00 : 0xFF, dbytes));
+          gemm_fp8_sm90(aq.view, bq.view, dview(d_lt.p, ddt, M, N), acc, nullptr, &xt);
           FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
           same = to_host<uint8_t>(d_lt.p, dbytes) == want;
-          tx = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dview(d_lt.p, ddt, M, N), wgrad, nullptr, &xt); },
+          tx = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dview(d_lt.p, ddt, M, N), acc, nullptr, &xt); },
                                opt.warmup, opt.iters);
         } catch (const std::exception&) {
           continue;  // not compiled for this kind
@@ -234,10 +263,10 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
       }
     }
     if (err_lt.empty())
-      t_lt = timer.median_us([&] { gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, wgrad, nullptr); }, opt.warmup, opt.iters);
+      t_lt = timer.median_us([&] { gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, acc, nullptr); }, opt.warmup, opt.iters);
     try {
       t_bf = timer.median_us(
-          [&] { gemm_bf16_cublaslt(dview(a16.p, DType::bf16, M, K), dview(b16.p, DType::bf16, N, K), dv_bf, wgrad, nullptr); },
+          [&] { gemm_bf16_cublaslt(dview(a16.p, DType::bf16, M, K), dview(b16.p, DType::bf16, N, K), dv_bf, acc, nullptr); },
           opt.warmup, opt.iters);
     } catch (const std::exception& e) {
       err_bf = e.what();
@@ -246,16 +275,16 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     double cd = NAN, kerr = NAN, vs_lt = NAN;
     bool ok = err_ours.empty();
     if (opt.check && err_ours.empty()) {
-      // Re-run the correctness outputs: the timing loops above accumulated into D for wgrad.
-      FP8MOE_CUDA_CHECK(cudaMemset(d_ours.p, wgrad ? 0x00 : 0xFF, dbytes));
-      gemm_fp8_sm90(aq.view, bq.view, dv_ours, wgrad, nullptr);
+      // Re-run the correctness outputs: the timing loops above accumulated into D.
+      FP8MOE_CUDA_CHECK(cudaMemset(d_ours.p, acc ? 0x00 : 0xFF, dbytes));
+      gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr);
       if (err_lt.empty()) {
-        FP8MOE_CUDA_CHECK(cudaMemset(d_lt.p, wgrad ? 0x00 : 0xFF, dbytes));
-        gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, wgrad, nullptr);
+        FP8MOE_CUDA_CHECK(cudaMemset(d_lt.p, acc ? 0x00 : 0xFF, dbytes));
+        gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, acc, nullptr);
       }
       FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
-      const std::vector<double> ours = d_to_doubles(d_ours.p, M, N, !wgrad ? false : true);
-      if (err_lt.empty()) vs_lt = calc_diff(ours, d_to_doubles(d_lt.p, M, N, wgrad));
+      const std::vector<double> ours = d_to_doubles(d_ours.p, M, N, gc.f32());
+      if (err_lt.empty()) vs_lt = calc_diff(ours, d_to_doubles(d_lt.p, M, N, gc.f32()));
 
       // FP64 references on sampled rows.
       const int R = int(std::min<int64_t>(opt.check_rows, M));
@@ -291,13 +320,13 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
           ref_unq[size_t(i * N + n)] = su;
           // bf16 D: compare with the reference rounded the same way, so kerr shows kernel error
           // (Tensor Core accumulation) rather than the output format's rounding.
-          ref_deq[size_t(i * N + n)] = wgrad ? sd : double(bf16_round(float(sd)));
+          ref_deq[size_t(i * N + n)] = gc.f32() ? sd : double(bf16_round(float(sd)));
           got[size_t(i * N + n)] = ours[size_t(m * N + n)];
         }
       }
       cd = calc_diff(got, ref_unq);
       kerr = rel_error(got, ref_deq);
-      ok = !has_nan(ours) && cd < 1e-3 && kerr < (wgrad ? 1e-3 : 2e-3);
+      ok = !has_nan(ours) && cd < 1e-3 && kerr < (gc.f32() ? 1e-3 : 2e-3);
     }
     all_ok = all_ok && ok;
 
@@ -307,7 +336,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     char tile_s[32];
     std::snprintf(tile_s, sizeof tile_s, "%dx%d%s%s", tile.block_m, tile.block_n, tile.tma_epilogue ? "" : "/direct",
                   tile.multicast > 1 ? "/mc2" : "");
-    std::printf("| %s | %lld | %lld | %lld | %s | %.1f | %.0f | %.0f | %.0f | %.3f | %.2e | %.2e | %.2e | %s |%s\n", gc.kind,
+    std::printf("| %s | %lld | %lld | %lld | %s | %.1f | %.0f | %.0f | %.0f | %.3f | %.2e | %.2e | %.2e | %s |%s\n", gc.kind.c_str(),
                 (long long)M, (long long)N, (long long)K, tile_s, t_ours, tf(t_ours), tf(t_lt), tf(t_bf), ratio, cd, kerr,
                 vs_lt, alt_s, ok ? "" : " FAIL");
     for (const std::string& r : extra_rows) std::printf("%s\n", r.c_str());

@@ -16,6 +16,7 @@ struct GemmBenchOptions {
   bool check = true;         // correctness columns (host FP64 reference on sampled rows)
   int check_rows = 16;       // rows of D compared against the FP64 reference
   std::string set = "all";   // all | fprop | wgrad | m4096 | small | tails | emulated
+  std::string shapes;        // "kind:MxNxK,..." instead of the set (kinds: bench.cpp, GemmCase)
   uint64_t seed = 0;         // 0: fresh random seed (printed)
 };
 
