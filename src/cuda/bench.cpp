@@ -152,12 +152,13 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   }
   std::printf("# fprop: A 1x128 x B 128x128 -> bf16 (fprop32: -> f32, fprop32+: f32 D += );  wgrad: A 1x128 x B 1x128 "
               "-> f32, D += A*B^T;  tile BMxBN "
-              "(/direct: epilogue without TMA-store staging; /mc2: B multicast over 2-CTA clusters)\n");
+              "(/direct: epilogue without TMA-store staging; /mc2: B multicast over 2-CTA clusters; /pipe: pipelined "
+              "mainloop; /f32: FP32 staging for f32 D)\n");
   std::printf("# calc_diff: vs FP64 product of the unquantized bf16 inputs (%d sampled rows); kerr: rel. error vs FP64 "
               "product of the dequantized FP8 inputs (rounded to bf16 for bf16 D); vs_lt: calc_diff ours vs cuBLASLt (all of D)\n",
               opt.check_rows);
-  std::printf("# alt us: another tile timed beside the choice (256x128 -> 128x128; 128x128 -> B multicast over 2-CTA "
-              "clusters, max active clusters: fprop %d, fprop/direct %d, wgrad %d of %d SM pairs)\n",
+  std::printf("# alt us: another tile timed beside the choice (256x128 -> 128x128; 128x128/f32 -> 128x192/f32; 128x128 -> "
+              "B multicast over 2-CTA clusters, max active clusters: fprop %d, fprop/direct %d, wgrad %d of %d SM pairs)\n",
               gemm_fp8_sm90_max_active_clusters({128, 128, true, 2}, false),
               gemm_fp8_sm90_max_active_clusters({128, 128, false, 2}, false),
               gemm_fp8_sm90_max_active_clusters({128, 128, true, 2}, true), prop.multiProcessorCount / 2);
@@ -191,7 +192,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     DeviceBuffer d_ours(dbytes), d_lt(dbytes), d_bf(dbytes);
     const TensorView dv_ours = dview(d_ours.p, ddt, M, N), dv_lt = dview(d_lt.p, ddt, M, N),
                      dv_bf = dview(d_bf.p, ddt, M, N);
-    const GemmTile tile = gemm_fp8_sm90_tile(M, N, K, wgrad);
+    const GemmTile tile = gemm_fp8_sm90_tile(M, N, K, wgrad, gc.f32());
 
     // Correctness runs first: poisoned outputs (NaN), zeroed where the GEMM accumulates.
     FP8MOE_CUDA_CHECK(cudaMemset(d_ours.p, acc ? 0x00 : 0xFF, dbytes));
@@ -213,12 +214,16 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     double t_ours = NAN, t_lt = NAN, t_bf = NAN, t_mc = NAN;
     if (err_ours.empty())
       t_ours = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr); }, opt.warmup, opt.iters);
-    // An alternative for large tiles, timed beside the choice: 256x128 -> 128x128 (epilogue by K),
-    // 128x128 -> its 2-CTA multicast variant (not picked by default).
+    // An alternative for large tiles, timed beside the choice: 256x128 -> 128x128 (epilogue by K;
+    // f32 D: the pipelined FP32-staged one), 128x128 -> its 2-CTA multicast variant (not picked by
+    // default; f32 D: the FP32-staged 128x192, which the heuristic avoids for its 3 stages).
     GemmTile alt = tile;
     bool has_alt = false;
     if (tile.block_m == 256) {
-      alt = {128, 128, !(K >= 4096), 1};
+      alt = gc.f32() && !wgrad ? GemmTile{128, 128, true, 1, true, true} : GemmTile{128, 128, !(K >= 4096), 1};
+      has_alt = true;
+    } else if (tile.block_m == 128 && tile.block_n == 128 && tile.f32_staging) {
+      alt = {128, 192, true, 1, false, true};
       has_alt = true;
     } else if (tile.block_m == 128 && tile.block_n == 128) {
       alt.multicast = 2;
@@ -228,10 +233,8 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     if (err_ours.empty() && has_alt)
       t_mc = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr, &alt); }, opt.warmup,
                              opt.iters);
-    char alt_s[48] = "-";
-    if (has_alt)
-      std::snprintf(alt_s, sizeof alt_s, "%dx%d%s%s %.1f", alt.block_m, alt.block_n, alt.tma_epilogue ? "" : "/direct",
-                    alt.multicast > 1 ? "/mc2" : "", t_mc);
+    char alt_s[64] = "-";
+    if (has_alt) std::snprintf(alt_s, sizeof alt_s, "%s %.1f", tile_name(alt).c_str(), t_mc);
     // Extra tiles: time, then D bit for bit against the chosen tile's D (same inputs, zeroed/poisoned D).
     std::vector<std::string> extra_rows;
     if (err_ours.empty() && !extra.empty()) {
@@ -333,11 +336,9 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     const double flops = 2.0 * double(M) * double(N) * double(K);
     auto tf = [&](double us) { return std::isnan(us) ? NAN : flops / (us * 1e-6) / 1e12; };
     const double ratio = t_lt / t_ours;
-    char tile_s[32];
-    std::snprintf(tile_s, sizeof tile_s, "%dx%d%s%s", tile.block_m, tile.block_n, tile.tma_epilogue ? "" : "/direct",
-                  tile.multicast > 1 ? "/mc2" : "");
+    const std::string tile_s = tile_name(tile);
     std::printf("| %s | %lld | %lld | %lld | %s | %.1f | %.0f | %.0f | %.0f | %.3f | %.2e | %.2e | %.2e | %s |%s\n", gc.kind.c_str(),
-                (long long)M, (long long)N, (long long)K, tile_s, t_ours, tf(t_ours), tf(t_lt), tf(t_bf), ratio, cd, kerr,
+                (long long)M, (long long)N, (long long)K, tile_s.c_str(), t_ours, tf(t_ours), tf(t_lt), tf(t_bf), ratio, cd, kerr,
                 vs_lt, alt_s, ok ? "" : " FAIL");
     for (const std::string& r : extra_rows) std::printf("%s\n", r.c_str());
     if (!err_ours.empty()) std::printf("#   ours: %s\n", err_ours.c_str());

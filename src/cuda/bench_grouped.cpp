@@ -448,8 +448,9 @@ int run_grouped_bench(const GroupedBenchOptions& opt) {
     p.d_alt = std::make_unique<DeviceBuffer>(dbytes);
     const bool wgrad = gc.kind == Kind::wgrad;
     const int64_t rows_all = wgrad ? gc.G * gc.N : p.seg.rows();
-    const GemmTile tile = wgrad ? grouped_gemm_tile(rows_all, gc.K, p.seg.rows() / gc.G, true)
-                                : grouped_gemm_tile(rows_all, gc.N, gc.K, false);
+    // The m-grouped cases write bf16 D, the Wgrad f32.
+    const GemmTile tile = wgrad ? grouped_gemm_tile(rows_all, gc.K, p.seg.rows() / gc.G, true, true)
+                                : grouped_gemm_tile(rows_all, gc.N, gc.K, false, false);
     // Correctness outputs start poisoned (NaN) when overwritten, zeroed when accumulated.
     const int fill = p.accumulate ? 0x00 : 0xFF;
     auto run_fresh = [&](const std::function<void()>& fn, void* d) {

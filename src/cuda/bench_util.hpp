@@ -106,7 +106,7 @@ inline bool has_nan(const std::vector<double>& x) {
   return false;
 }
 
-// FP8MOE_BENCH_TILES="128x192,128x128/pipe,128x160/direct,...": extra tiles timed on every case
+// FP8MOE_BENCH_TILES="128x192,128x128/pipe,128x160/direct,128x192/f32,...": extra tiles timed on every case
 // (where compiled for its kind), each checked bit for bit against the chosen tile's D.
 inline std::vector<GemmTile> extra_tiles_from_env() {
   std::vector<GemmTile> v;
@@ -124,6 +124,7 @@ inline std::vector<GemmTile> extra_tiles_from_env() {
     t.tma_epilogue = item.find("/direct") == std::string::npos;
     t.pipelined = item.find("/pipe") != std::string::npos;
     t.multicast = item.find("/mc2") != std::string::npos ? 2 : 1;
+    t.f32_staging = item.find("/f32") != std::string::npos;
     v.push_back(t);
   }
   return v;
@@ -131,8 +132,8 @@ inline std::vector<GemmTile> extra_tiles_from_env() {
 
 inline std::string tile_name(const GemmTile& t) {
   char b[64];
-  std::snprintf(b, sizeof b, "%dx%d%s%s%s", t.block_m, t.block_n, t.tma_epilogue ? "" : "/direct",
-                t.multicast > 1 ? "/mc2" : "", t.pipelined ? "/pipe" : "");
+  std::snprintf(b, sizeof b, "%dx%d%s%s%s%s", t.block_m, t.block_n, t.tma_epilogue ? "" : "/direct",
+                t.multicast > 1 ? "/mc2" : "", t.pipelined ? "/pipe" : "", t.f32_staging ? "/f32" : "");
   return b;
 }
 

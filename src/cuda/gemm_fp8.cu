@@ -47,8 +47,8 @@ bool sm90_available() {
   return p.major == 9 && p.minor == 0;
 }
 
-GemmTile gemm_fp8_sm90_tile(int64_t M, int64_t N, int64_t K, bool b_1x128) {
-  return choose_gemm_tile(M, N, K, b_1x128, device_props().multiProcessorCount);
+GemmTile gemm_fp8_sm90_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, bool d_f32) {
+  return choose_gemm_tile(M, N, K, b_1x128, device_props().multiProcessorCount, /*grouped=*/false, d_f32);
 }
 
 void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorView& d, bool accumulate,
@@ -66,7 +66,7 @@ void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorV
   if (M == 0 || N == 0) return;
 
   const bool b_1x128 = b.kind == ScaleKind::tile_1x128;
-  const GemmTile t = tile ? *tile : gemm_fp8_sm90_tile(M, N, K, b_1x128);
+  const GemmTile t = tile ? *tile : gemm_fp8_sm90_tile(M, N, K, b_1x128, d.dtype == DType::f32);
 
   GemmMaps maps{};
   maps.a = make_values_map(a.values, uint32_t(t.block_m), "a.values");

@@ -6,7 +6,7 @@
 // go to the larger tile (less global traffic). Small M thus gets narrow N tiles that spread B over
 // all SMs. Tiles of 128 rows and up then go through a wave model calibrated on measured times
 // (choose_gemm_tile): the pipelined 128x128, 128x192 (fewer waves for N = 2112, fewer epilogues
-// for short K) or 256x128.
+// for short K) or 256x128; for f32 D the FP32-staged variants of the first two.
 #pragma once
 #include <cstdint>
 #include <tuple>
@@ -27,20 +27,27 @@ struct GemmTile {
   // Pipelined mainloop (1d2d, 128-row tiles): each math warpgroup queues the WGMMAs of K block
   // k+1 before it promotes block k, holding two accumulator sets.
   bool pipelined = false;
+  // 1d2d: the TMA-store epilogue stages FP32 (for f32 D: TMA store, or TMA reduce-add for D +=);
+  // else BF16 (for bf16 D). A D of the other dtype takes the direct global-store epilogue. The
+  // FP32 staging tile is twice the size and costs a pipeline stage. 1d1d (Wgrad) tiles always
+  // stage FP32 and leave this false.
+  bool f32_staging = false;
 };
 
 // A compiled tile as a type: gemm_launch.cuh instantiates the kernel for each entry of the lists
 // below, and gemm_tiles() lists the same shapes at run time.
-template <int BM, int BN, bool kTmaEpi = true, int kMC = 1, bool kPipe = false>
+template <int BM, int BN, bool kTmaEpi = true, int kMC = 1, bool kPipe = false, bool kF32Stg = false>
 struct TileConfig {
-  static constexpr GemmTile tile() { return {BM, BN, kTmaEpi, kMC, kPipe}; }
+  static constexpr GemmTile tile() { return {BM, BN, kTmaEpi, kMC, kPipe, kF32Stg}; }
 };
 using Tiles1d2d = std::tuple<TileConfig<64, 16>, TileConfig<64, 32>, TileConfig<64, 64>, TileConfig<64, 128>,
                              TileConfig<128, 16>, TileConfig<128, 32>, TileConfig<128, 64>, TileConfig<128, 128>,
                              TileConfig<128, 128, false>, TileConfig<128, 128, true, 2>, TileConfig<128, 128, false, 2>,
                              TileConfig<128, 128, true, 1, true>, TileConfig<128, 128, false, 1, true>,
                              TileConfig<128, 160, false>, TileConfig<128, 192>, TileConfig<128, 192, false>,
-                             TileConfig<256, 128, false>>;
+                             TileConfig<256, 128, false>,
+                             // FP32 staging (f32 D), for the large-problem tiles only: 4 and 3 stages.
+                             TileConfig<128, 128, true, 1, true, true>, TileConfig<128, 192, true, 1, false, true>>;
 using Tiles1d1d = std::tuple<TileConfig<64, 64>, TileConfig<64, 128>, TileConfig<128, 64>, TileConfig<128, 128>,
                              TileConfig<128, 128, true, 2>>;
 
@@ -54,6 +61,22 @@ inline const std::vector<GemmTile>& gemm_tiles(bool b_1x128) {
   static const std::vector<GemmTile> k1d2d = tile_list(static_cast<Tiles1d2d*>(nullptr));
   static const std::vector<GemmTile> k1d1d = tile_list(static_cast<Tiles1d1d*>(nullptr));
   return b_1x128 ? k1d1d : k1d2d;
+}
+
+// Pipeline stages of a compiled tile, as GemmTraits computes them (gemm_launch.cuh asserts that
+// the two agree): the shared memory left after the epilogue's staging tiles (one per math
+// warpgroup, [64, BLOCK_N] bf16 or f32 in boxes of 128 bytes per row), in stages of the A, B and
+// scale tiles of one 128-wide K block, at most 10.
+constexpr int gemm_tile_stages(const GemmTile& t, bool b_1x128) {
+  const int math_wg = t.block_m / 64 > 2 ? 2 : t.block_m / 64;
+  const int waves = t.block_m / (64 * math_wg);
+  const int stage_bytes = t.block_m * 128 + t.block_n * 128 + t.block_m * 4 + (b_1x128 ? t.block_n * 4 : 0);
+  const int elem = b_1x128 || t.f32_staging ? 4 : 2;
+  const int boxes = (t.block_n * elem + 127) / 128;
+  const bool staged = t.tma_epilogue && waves == 1 && t.block_n % (128 / elem) == 0;
+  const int staging = staged ? math_wg * boxes * 64 * 128 : 0;
+  const int s = (232448 - 1024 - 512 - staging) / stage_bytes;
+  return s > 10 ? 10 : s;
 }
 
 // Tiles of the grouped GEMMs: at most 128 rows (one expert block) and no multicast, since the
@@ -75,12 +98,15 @@ inline double gemm_tile_cost(const GemmTile& t, int64_t M, int64_t N, int num_sm
   return double(waves) * per_block;
 }
 
-// grouped: only tiles with grouped_tile_ok (M = the rows of all groups together).
-inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, int num_sms, bool grouped = false) {
+// grouped: only tiles with grouped_tile_ok (M = the rows of all groups together). d_f32: D is f32
+// (1d2d: picks the FP32-staged variant where one is compiled; 1d1d D is always f32).
+inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, int num_sms, bool grouped,
+                                 bool d_f32) {
   GemmTile best{};
   double best_cost = -1;
   for (const GemmTile& t : gemm_tiles(b_1x128)) {
     if ((!t.tma_epilogue && t.block_m != 256) || t.multicast != 1) continue;  // variants picked below
+    if (t.f32_staging) continue;                                                // f32 D: chosen below
     if (t.pipelined || t.block_n > 128) continue;  // chosen below
     // 256-row tiles only pay off with long K (measured: for K <= 2048 the staged 128x128 epilogue
     // wins) and many rows.
@@ -101,21 +127,39 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
   // NOTES: the pipelined mainloop is not used for 1x128 B (Wgrad): reading the per-column s_b from
   // shared memory during the promotion made it 13-17% slower than the plain 128x128 (H200).
   // 128x128 B (Fprop/Dgrad), 128-row tiles and up: a calibrated wave model over the three fastest
-  // kernels (H200, 2026-11-29, M = 4096). Per wave: num_k_blocks * c_k + c_e (the epilogue), in
-  // units of one pipelined 128x128 K block (~0.45 us): 128x128/pipe 1 + 1.9, 128x192 1.415 + 3.1,
-  // 256x128/direct 2.02 + 6.4 (K >= 4096 only).
+  // kernels (H200, 2026-11-29, M = 4096, bf16 D). Per wave: num_k_blocks * c_k + c_e (the
+  // epilogue), in units of one pipelined 128x128 K block (~0.45 us): 128x128/pipe 1 + 1.9,
+  // 128x192 1.415 + 3.1, 256x128/direct 2.02 + 6.4 (K >= 4096 only).
+  // NOTES (f32 D): the FP32-staged variants 128x128/pipe/f32 and 128x192/f32 store through TMA
+  // (reduce-add for D +=) while the next tile's WGMMAs run, as bf16 D does; before them every f32
+  // D took the direct masked stores (8192x4096x2048: 0.290 ms vs ~0.13 ms with bf16 D). Their
+  // staging tiles are twice as large, which costs a stage: 128x128/pipe 4 (bf16: 5), 128x192 3
+  // (bf16: 4). The pipelined mainloop holds two stages, the plain one one, so both still have
+  // about two K blocks (~0.9 us and ~1.3 us) of loads in flight; yet 3 stages leave no slack, so
+  // for f32 D the tile with enough stages (>= 4, 128x128/pipe/f32) is preferred: 128x192/f32 is
+  // taken only when the model says it is at least kFewStagesMargin faster. The f32 epilogue
+  // constants (c_e times kF32Epilogue: twice the bytes staged and stored) and the margin are
+  // estimates, not yet calibrated on the H200: `fp8moe bench gemm --shapes fprop32:...` with
+  // FP8MOE_BENCH_TILES=128x128/pipe/f32,128x192/f32 measures both.
   if (!b_1x128 && best.block_m >= 128 && best.block_n == 128) {
     const double kb = double(K / 128);
     auto waves = [&](int bm, int bn) {
       const int64_t tiles = ((M + bm - 1) / bm) * ((N + bn - 1) / bn);
       return double((tiles + num_sms - 1) / num_sms);
     };
-    const double c128 = waves(128, 128) * (kb * 1.0 + 1.9);
-    const double c192 = waves(128, 192) * (kb * 1.415 + 3.1);
-    const double c256 = !grouped && K >= 4096 && M >= 1024 ? waves(256, 128) * (kb * 2.02 + 6.4) : 1e300;
-    if (c128 <= c192 && c128 <= c256) best = {128, 128, true, 1, true};
-    else if (c192 <= c256) best = {128, 192, true, 1, false};
+    constexpr double kF32Epilogue = 2.0, kFewStagesMargin = 1.03;
+    constexpr GemmTile t128 = {128, 128, true, 1, true}, t192 = {128, 192, true, 1, false};
+    const double ce = d_f32 ? kF32Epilogue : 1.0;
+    const bool few_stages_192 =
+        d_f32 && gemm_tile_stages({128, 192, true, 1, false, true}, false) < gemm_tile_stages({128, 128, true, 1, true, true}, false);
+    const double c128 = waves(128, 128) * (kb * 1.0 + 1.9 * ce);
+    const double c192 = waves(128, 192) * (kb * 1.415 + 3.1 * ce) * (few_stages_192 ? kFewStagesMargin : 1.0);
+    const double c256 = !grouped && K >= 4096 && M >= 1024 ? waves(256, 128) * (kb * 2.02 + 6.4 * ce) : 1e300;
+    if (c128 <= c192 && c128 <= c256) best = t128;
+    else if (c192 <= c256) best = t192;
     else best = {256, 128, false, 1, false};
+    // The FP32-staged variant of the same shape (256x128/direct has no staging tile).
+    best.f32_staging = d_f32 && best.tma_epilogue;
   }
   return best;
 }

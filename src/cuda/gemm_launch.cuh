@@ -158,10 +158,12 @@ inline EpilogueArgs make_epilogue(const TensorView& d, bool accumulate, GemmMaps
   return e;
 }
 
-template <int BM, int BN, bool kB1x128, bool kTmaEpi, int kMC, bool kPipe, Grouping kG>
+template <int BM, int BN, bool kB1x128, bool kTmaEpi, int kMC, bool kPipe, bool kF32Stg, Grouping kG>
 void launch_kernel(const GemmMaps& maps, GemmKernelArgs args, cudaStream_t stream) {
-  using T = GemmTraits<BM, BN, kB1x128, kTmaEpi, kMC, kPipe>;
-  auto kernel = sm90_fp8_gemm_kernel<BM, BN, kB1x128, kTmaEpi, kMC, kPipe, kG>;
+  using T = GemmTraits<BM, BN, kB1x128, kTmaEpi, kMC, kPipe, kF32Stg>;
+  static_assert(gemm_tile_stages(TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>::tile(), kB1x128) == T::kStages,
+                "gemm_tile_stages (gemm_heuristics.hpp) must follow GemmTraits");
+  auto kernel = sm90_fp8_gemm_kernel<BM, BN, kB1x128, kTmaEpi, kMC, kPipe, kG, kF32Stg>;
   static std::once_flag once;
   std::call_once(once, [&] {
     FP8MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
@@ -170,7 +172,8 @@ void launch_kernel(const GemmMaps& maps, GemmKernelArgs args, cudaStream_t strea
   const int64_t rows = sched_rows<kG, BM>(args.M, args.group);
   const int64_t units = int64_t((rows + BM * kMC - 1) / (BM * kMC)) * int64_t((args.N + BN - 1) / BN);
   const int grid = int(std::min<int64_t>(units, device_props().multiProcessorCount / kMC)) * kMC;
-  // TMA-store epilogue only when D has the staging dtype (the caller checked alignment).
+  // TMA-store epilogue only when D has the staging dtype (the caller checked alignment); else
+  // the direct stores (e.g. a bf16-staged tile forced on f32 D).
   args.epi.tma_store = args.epi.tma_store && T::kTmaStoreOk && (args.epi.d_f32 == T::kStageF32);
   if constexpr (kMC == 1) {
     kernel<<<grid, T::kNumThreads, T::kSmemBytes, stream>>>(maps.a, maps.b, maps.sa, maps.sb, maps.d, args);
@@ -193,15 +196,16 @@ void launch_kernel(const GemmMaps& maps, GemmKernelArgs args, cudaStream_t strea
 }
 
 // Launches the instantiation of TileConfig C when it is tile t (and compiled for grouping kG).
-template <bool kB1x128, Grouping kG, int BM, int BN, bool kTmaEpi, int kMC, bool kPipe>
-bool try_launch(TileConfig<BM, BN, kTmaEpi, kMC, kPipe>, const GemmTile& t, const GemmMaps& maps,
+template <bool kB1x128, Grouping kG, int BM, int BN, bool kTmaEpi, int kMC, bool kPipe, bool kF32Stg>
+bool try_launch(TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>, const GemmTile& t, const GemmMaps& maps,
                 const GemmKernelArgs& args, cudaStream_t stream) {
-  if constexpr (kG != Grouping::none && !grouped_tile_ok(TileConfig<BM, BN, kTmaEpi, kMC, kPipe>::tile())) {
+  if constexpr (kG != Grouping::none && !grouped_tile_ok(TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>::tile())) {
     return false;
   } else {
-    if (t.block_m != BM || t.block_n != BN || t.tma_epilogue != kTmaEpi || t.multicast != kMC || t.pipelined != kPipe)
+    if (t.block_m != BM || t.block_n != BN || t.tma_epilogue != kTmaEpi || t.multicast != kMC ||
+        t.pipelined != kPipe || t.f32_staging != kF32Stg)
       return false;
-    launch_kernel<BM, BN, kB1x128, kTmaEpi, kMC, kPipe, kG>(maps, args, stream);
+    launch_kernel<BM, BN, kB1x128, kTmaEpi, kMC, kPipe, kF32Stg, kG>(maps, args, stream);
     return true;
   }
 }
@@ -219,7 +223,8 @@ void launch_gemm(const GemmTile& t, const GemmMaps& maps, const GemmKernelArgs& 
   using Tiles = std::conditional_t<kB1x128, Tiles1d1d, Tiles1d2d>;
   const bool ok = launch_tile<kB1x128, kG>(t, maps, args, stream, static_cast<Tiles*>(nullptr));
   FP8MOE_CHECK(ok, op << ": tile " << t.block_m << "x" << t.block_n << (t.tma_epilogue ? "" : "/direct")
-                      << (t.multicast > 1 ? "/mc2" : "") << (t.pipelined ? "/pipe" : "") << " is not compiled for "
+                      << (t.multicast > 1 ? "/mc2" : "") << (t.pipelined ? "/pipe" : "")
+                      << (t.f32_staging ? "/f32" : "") << " is not compiled for "
                       << (kB1x128 ? "1x128" : "128x128") << " B scales"
                       << (kG == Grouping::none ? "" : " in the grouped kernels"));
 }

@@ -43,7 +43,7 @@ template <Grouping kG>
 void launch_m_grouped(const QuantizedView& a, const QuantizedView& b, const GroupArgs& group, const TensorView& d,
                       bool accumulate, cudaStream_t stream, const GemmTile* tile, const char* op) {
   const int64_t rows = a.rows(), N = group.b_rows, K = a.cols();
-  const GemmTile t = tile ? *tile : grouped_gemm_tile(rows, N, K, false);
+  const GemmTile t = tile ? *tile : grouped_gemm_tile(rows, N, K, false, d.dtype == DType::f32);
   check_grouped_tile(t, op);
   GemmMaps maps{};
   maps.a = make_values_map(a.values, uint32_t(t.block_m), "a.values");
@@ -62,8 +62,8 @@ void launch_m_grouped(const QuantizedView& a, const QuantizedView& b, const Grou
 
 }  // namespace
 
-GemmTile grouped_gemm_tile(int64_t rows, int64_t N, int64_t K, bool b_1x128) {
-  return choose_gemm_tile(rows, N, K, b_1x128, device_props().multiProcessorCount, /*grouped=*/true);
+GemmTile grouped_gemm_tile(int64_t rows, int64_t N, int64_t K, bool b_1x128, bool d_f32) {
+  return choose_gemm_tile(rows, N, K, b_1x128, device_props().multiProcessorCount, /*grouped=*/true, d_f32);
 }
 
 void grouped_gemm_fp8_contiguous_cuda(const QuantizedView& a, const QuantizedView& b, const TensorView& row_group,

@@ -16,8 +16,8 @@ namespace fp8moe::cuda {
 // paired stores, else masked single stores). `tile` overrides the heuristic when non-null.
 void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorView& d, bool accumulate,
                    cudaStream_t stream, const GemmTile* tile = nullptr);
-// The tile the heuristic picks for this problem.
-GemmTile gemm_fp8_sm90_tile(int64_t M, int64_t N, int64_t K, bool b_1x128);
+// The tile the heuristic picks for this problem (d_f32: D is f32, else bf16).
+GemmTile gemm_fp8_sm90_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, bool d_f32);
 // cudaOccupancyMaxActiveClusters of the launch `tile` would use (1 for tiles without clusters).
 int gemm_fp8_sm90_max_active_clusters(const GemmTile& tile, bool b_1x128);
 // True when the current device can run the sm_90a kernels.

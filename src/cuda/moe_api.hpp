@@ -40,7 +40,8 @@ void grouped_gemm_fp8_masked_cuda(const QuantizedView& a, const QuantizedView& b
 void grouped_wgrad_fp8_cuda(const QuantizedView& dy_t, const QuantizedView& x_t, const TensorView& offsets,
                             const TensorView& d, bool accumulate, cudaStream_t stream, const GemmTile* tile = nullptr);
 // The tile the heuristic picks for `rows` output rows of all groups together (the rows of the
-// contiguous layout, G * M_max, or G * N for the Wgrad), N columns and K (Wgrad: tokens per group).
-GemmTile grouped_gemm_tile(int64_t rows, int64_t N, int64_t K, bool b_1x128);
+// contiguous layout, G * M_max, or G * N for the Wgrad), N columns and K (Wgrad: tokens per group);
+// d_f32: D is f32 (else bf16; the Wgrad's D is always f32).
+GemmTile grouped_gemm_tile(int64_t rows, int64_t N, int64_t K, bool b_1x128, bool d_f32);
 
 }  // namespace fp8moe::cuda

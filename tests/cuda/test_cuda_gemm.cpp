@@ -3,10 +3,13 @@
 //      equal the CPU reference bit for bit, for every compiled tile shape (layout bugs show here);
 //   2. random inputs against the CPU reference on the same quantized inputs (kernel error, FP32
 //      rounding level) and against the unquantized FP64 product (calc_diff < 1e-3, recipe error);
-//   3. outputs poisoned with NaN, a padded row stride with sentinels, accumulation into D, and
-//      bad arguments. Skips without a Hopper GPU.
+//   3. outputs poisoned with NaN, a padded row stride with sentinels, accumulation into D (for
+//      every tile: TMA reduce-add of the FP32-staged tiles), and bad arguments. Skips without a
+//      Hopper GPU;
+//   4. the tile heuristic (host only, runs without a GPU): f32 D gets the FP32-staged variants.
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "cuda_test_util.hpp"
 #include "fp8moe/codecs.hpp"
@@ -14,15 +17,20 @@
 namespace fp8moe::testing {
 namespace {
 
-// A device D [M, N] view over a buffer with row stride N + pad, pad columns set to a sentinel.
+// A device D [M, N] view over a buffer with row stride N + pad, pad columns set to a sentinel;
+// D itself NaN, or `init` (host [M, N]) when given.
 struct PaddedD {
   Tensor buf;
   TensorView view;
   int64_t M, N, ld;
-  PaddedD(Backend& be, DType dt, int64_t m, int64_t n, int64_t pad) : M(m), N(n), ld(n + pad) {
+  PaddedD(Backend& be, DType dt, int64_t m, int64_t n, int64_t pad, const Tensor* init = nullptr)
+      : M(m), N(n), ld(n + pad) {
     Tensor h = Tensor::host(dt, {M, ld});
-    for (int64_t i = 0; i < M * ld; ++i)
-      store_float(h.view(), i, (i % ld) < N ? std::numeric_limits<float>::quiet_NaN() : 1024.0f);
+    for (int64_t i = 0; i < M * ld; ++i) {
+      const int64_t r = i / ld, c = i % ld;
+      const float v = init ? load_float(init->view(), r * N + c) : std::numeric_limits<float>::quiet_NaN();
+      store_float(h.view(), i, c < N ? v : 1024.0f);
+    }
     buf = to_device(be, h);
     view = buf.view();
     view.shape[1] = N;
@@ -78,7 +86,7 @@ TEST_F(CudaGemm, SmallIntegersExactForEveryTile) {
           const int64_t mis = first_mismatch(got, ref);
           EXPECT_EQ(mis, -1) << (b_1x128 ? "1d1d" : "1d2d") << " tile " << t.block_m << "x" << t.block_n
                              << (t.tma_epilogue ? " tma-epilogue" : " direct-epilogue") << " multicast " << t.multicast
-                             << (t.pipelined ? " pipelined" : "") << " M=" << c.M
+                             << (t.pipelined ? " pipelined" : "") << (t.f32_staging ? " f32-staging" : "") << " M=" << c.M
                              << " N=" << c.N << " K=" << c.K << " " << dtype_name(dt) << ": first mismatch at ["
                              << (mis >= 0 ? mis / c.N : 0) << ", " << (mis >= 0 ? mis % c.N : 0) << "] got "
                              << (mis >= 0 ? load_float(got.view(), mis) : 0) << " want "
@@ -93,7 +101,9 @@ TEST_F(CudaGemm, SmallIntegersExactForEveryTile) {
 
 TEST_F(CudaGemm, RandomAgainstReferenceAndFp64) {
   auto rng = make_rng();
-  const Case cases[] = {{256, 512, 1024}, {77, 264, 640}, {1000, 136, 2048}, {64, 2112, 7168}};
+  // The last two pick the FP32-staged 128x128/pipe and 128x192 tiles (f32 D) on an H200, with M
+  // and N tails (N = 2000 is no multiple of 192).
+  const Case cases[] = {{256, 512, 1024}, {77, 264, 640}, {1000, 136, 2048}, {64, 2112, 7168}, {1000, 1544, 512}, {1100, 2000, 512}};
   for (bool b_1x128 : {false, true})
     for (const Case& c : cases) {
       const ScaleKind bkind = b_1x128 ? ScaleKind::tile_1x128 : ScaleKind::block_128x128;
@@ -126,9 +136,12 @@ TEST_F(CudaGemm, RandomAgainstReferenceAndFp64) {
       // NOTES: the Tensor Cores keep a limited-precision sum inside each 128-block (report §3.3.2),
       // so against ideal FP32 promotion the error is above FP32 rounding; it is bounded here and
       // printed, together with the distance to the emulated Tensor Core accumulation.
-      EXPECT_LT(kerr, 1e-3) << "kernel error vs CPU reference, M=" << c.M << " N=" << c.N << " K=" << c.K;
-      EXPECT_LT(cd, 1e-3) << "calc_diff vs unquantized product, M=" << c.M << " N=" << c.N << " K=" << c.K;
-      std::cout << "[ info     ] " << (b_1x128 ? "1d1d" : "1d2d") << " M=" << c.M << " N=" << c.N << " K=" << c.K
+      const cuda::GemmTile t = cuda::gemm_fp8_sm90_tile(c.M, c.N, c.K, b_1x128, true);
+      const std::string tile = std::to_string(t.block_m) + "x" + std::to_string(t.block_n) +
+                               (t.pipelined ? "/pipe" : "") + (t.f32_staging ? "/f32" : "");
+      EXPECT_LT(kerr, 1e-3) << "kernel error vs CPU reference, M=" << c.M << " N=" << c.N << " K=" << c.K << " tile " << tile;
+      EXPECT_LT(cd, 1e-3) << "calc_diff vs unquantized product, M=" << c.M << " N=" << c.N << " K=" << c.K << " tile " << tile;
+      std::cout << "[ info     ] " << (b_1x128 ? "1d1d" : "1d2d") << " M=" << c.M << " N=" << c.N << " K=" << c.K << " tile " << tile
                 << " rel err vs fp32-promotion ref " << kerr << ", vs tensor-core emulation " << kerr_tc
                 << ", calc_diff vs unquantized " << cd << "\n";
     }
@@ -152,6 +165,47 @@ TEST_F(CudaGemm, AccumulatesIntoF32) {
     Tensor d = to_device(*be_, c0);
     be_->gemm_fp8(to_device(*be_, a).view(), to_device(*be_, b).view(), d.view(), acc_opt);
     EXPECT_EQ(first_mismatch(be_->to_host(d), ref), -1) << (b_1x128 ? "1d1d" : "1d2d");
+  }
+}
+
+// D += A * B^T for every compiled tile (the FP32-staged 1d2d tiles and the 1d1d tiles reduce-add
+// through TMA, the others add in the direct stores), exact small integers, a padded row stride
+// whose sentinels must survive, M and N tails (N no multiple of 128 or 192). The last case has
+// more 128x128 and 128x192 tiles than the H200 has SMs, so each CTA reuses its staging tiles.
+TEST_F(CudaGemm, AccumulatesIntoF32ForEveryTile) {
+  auto rng = make_rng();
+  const Case cases[] = {{300, 264, 512}, {129, 520, 256}, {64, 200, 128}, {2125, 1544, 256}};
+  for (bool b_1x128 : {false, true}) {
+    const ScaleKind bkind = b_1x128 ? ScaleKind::tile_1x128 : ScaleKind::block_128x128;
+    for (const Case& c : cases) {
+      QuantizedTensor a = small_int_quantized(rng, c.M, c.K, ScaleKind::tile_1x128);
+      QuantizedTensor b = small_int_quantized(rng, c.N, c.K, bkind);
+      QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
+      Tensor c0 = Tensor::host(DType::f32, {c.M, c.N});
+      std::uniform_int_distribution<int> v(-100, 100);
+      for (int64_t i = 0; i < c.M * c.N; ++i) c0.ptr<float>()[i] = float(v(rng));
+      Tensor ref = Tensor::host(DType::f32, {c.M, c.N});
+      std::memcpy(ref.ptr<float>(), c0.ptr<float>(), size_t(c.M * c.N) * 4);
+      GemmOptions acc_opt;
+      acc_opt.accumulate = true;
+      gemm_fp8_ref(a.view(), b.view(), ref.view(), acc_opt);
+      for (const cuda::GemmTile& t : cuda::gemm_tiles(b_1x128)) {
+        PaddedD d(*be_, DType::f32, c.M, c.N, 4, &c0);
+        cuda::gemm_fp8_sm90(ad.view(), bd.view(), d.view, true, nullptr, &t);
+        be_->synchronize();
+        bool pads_ok = false;
+        Tensor got = d.fetch(*be_, pads_ok);
+        const int64_t mis = first_mismatch(got, ref);
+        EXPECT_EQ(mis, -1) << (b_1x128 ? "1d1d" : "1d2d") << " tile " << t.block_m << "x" << t.block_n
+                           << (t.tma_epilogue ? "" : "/direct") << (t.multicast > 1 ? "/mc2" : "")
+                           << (t.pipelined ? "/pipe" : "") << (t.f32_staging ? "/f32" : "") << " M=" << c.M
+                           << " N=" << c.N << " K=" << c.K << ": first mismatch at [" << (mis >= 0 ? mis / c.N : 0)
+                           << ", " << (mis >= 0 ? mis % c.N : 0) << "] got " << (mis >= 0 ? load_float(got.view(), mis) : 0)
+                           << " want " << (mis >= 0 ? load_float(ref.view(), mis) : 0);
+        EXPECT_TRUE(pads_ok) << "write past N (row padding changed), tile " << t.block_m << "x" << t.block_n
+                             << (t.f32_staging ? "/f32" : "");
+      }
+    }
   }
 }
 
@@ -227,6 +281,55 @@ TEST_F(CudaGemm, RejectsBadArguments) {
   odd.accum.mode = AccumMode::tensor_core;
   odd.accum.promote_every = 48;
   EXPECT_THROW(be_->gemm_fp8(a.view(), b.view(), d.view(), odd), Error);
+}
+
+// The tile heuristic (host only, no GPU needed; 132 SMs as on the H200).
+bool compiled(const cuda::GemmTile& t, bool b_1x128) {
+  for (const cuda::GemmTile& x : cuda::gemm_tiles(b_1x128))
+    if (x.block_m == t.block_m && x.block_n == t.block_n && x.tma_epilogue == t.tma_epilogue &&
+        x.multicast == t.multicast && x.pipelined == t.pipelined && x.f32_staging == t.f32_staging)
+      return true;
+  return false;
+}
+
+TEST(CudaGemmHeuristic, F32DGetsTheFp32StagedTiles) {
+  // The FP32-staged variants: whole 32-column boxes, and at least 3 stages beside their staging.
+  EXPECT_EQ(cuda::gemm_tile_stages({128, 128, true, 1, true, true}, false), 4);
+  EXPECT_EQ(cuda::gemm_tile_stages({128, 192, true, 1, false, true}, false), 3);
+  EXPECT_EQ(cuda::gemm_tile_stages({128, 128, true, 1, true}, false), 5);
+  EXPECT_EQ(cuda::gemm_tile_stages({128, 192}, false), 4);
+  const int64_t Ms[] = {1, 64, 200, 1000, 4096, 8192};
+  const int64_t Ns[] = {16, 136, 1536, 2112, 4096, 7168, 16384};
+  const int64_t Ks[] = {128, 512, 2048, 4096, 16384};
+  for (bool grouped : {false, true})
+    for (bool b_1x128 : {false, true})
+      for (int64_t M : Ms)
+        for (int64_t N : Ns)
+          for (int64_t K : Ks) {
+            const cuda::GemmTile tb = cuda::choose_gemm_tile(M, N, K, b_1x128, 132, grouped, false);
+            const cuda::GemmTile tf = cuda::choose_gemm_tile(M, N, K, b_1x128, 132, grouped, true);
+            const std::string what = std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K) +
+                                     (b_1x128 ? " 1d1d" : " 1d2d") + (grouped ? " grouped" : "");
+            EXPECT_TRUE(compiled(tb, b_1x128) && compiled(tf, b_1x128)) << what;
+            EXPECT_FALSE(tb.f32_staging) << what;
+            if (grouped) {
+              EXPECT_TRUE(cuda::grouped_tile_ok(tf)) << what;
+            }
+            // f32 D: the shape may differ (fewer stages), never the kind of tile below 128x128.
+            if (!b_1x128 && tb.block_m == 128 && tb.block_n >= 128) {
+              EXPECT_TRUE(tf.f32_staging) << what;
+            }
+            if (b_1x128 || tb.block_m < 128 || tb.block_n < 128) {
+              EXPECT_EQ(tf.block_m, tb.block_m) << what;
+              EXPECT_EQ(tf.block_n, tb.block_n) << what;
+              EXPECT_FALSE(tf.f32_staging) << what;
+            }
+          }
+  // The model's shared-expert Dgrad: bf16 D keeps 128x192, f32 D takes the 4-stage 128x128.
+  const cuda::GemmTile b = cuda::choose_gemm_tile(8192, 4096, 2048, false, 132, false, false);
+  const cuda::GemmTile f = cuda::choose_gemm_tile(8192, 4096, 2048, false, 132, false, true);
+  EXPECT_TRUE(b.block_n == 192 && !b.f32_staging);
+  EXPECT_TRUE(f.block_n == 128 && f.pipelined && f.f32_staging);
 }
 
 }  // namespace

@@ -26,7 +26,7 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 std::string tile_str(const cuda::GemmTile& t) {
   return std::to_string(t.block_m) + "x" + std::to_string(t.block_n) + (t.tma_epilogue ? "" : "/direct") +
-         (t.pipelined ? "/pipe" : "");
+         (t.pipelined ? "/pipe" : "") + (t.f32_staging ? "/f32" : "");
 }
 
 std::vector<cuda::GemmTile> grouped_tiles(bool b_1x128) {
@@ -133,7 +133,9 @@ TEST_F(CudaGroupedGemm, ContiguousSmallIntegersExactForEveryTile) {
 
 TEST_F(CudaGroupedGemm, ContiguousAccumulatesAndLeavesPaddingForEveryTile) {
   auto rng = make_rng();
-  const ContiguousCase cases[] = {{3, 150, 256, 256, 100, {2}}, {1, 100, 128, 128, 0, {}}};
+  // The last case has more 128x128 and 128x192 tiles than the H200 has SMs (each CTA's staging
+  // tiles are reused), and N = 1280 is no multiple of 192.
+  const ContiguousCase cases[] = {{3, 150, 256, 256, 100, {2}}, {1, 100, 128, 128, 0, {}}, {8, 340, 1280, 256, 37, {3}}};
   for (const ContiguousCase& c : cases) {
     const ExpertRows L = expert_rows(random_expert_counts(rng, c.G, c.mean, c.empty), c.extra);
     const int64_t R = L.rows();
@@ -165,7 +167,9 @@ TEST_F(CudaGroupedGemm, ContiguousRandomAgainstReference) {
   const ContiguousCase cases[] = {{1, 300, 256, 128, 0, {}},
                                   {3, 200, 384, 640, 0, {1}},
                                   {4, 256, 512, 1024, 128, {2}},
-                                  {8, 128, 256, 2048, 0, {0, 5}}};
+                                  {8, 128, 256, 2048, 0, {0, 5}},
+                                  // large enough for the 128-row tiles (f32 D: their FP32-staged variants)
+                                  {8, 340, 1280, 256, 37, {3}}};
   for (const ContiguousCase& c : cases) {
     const ExpertRows L = expert_rows(random_expert_counts(rng, c.G, c.mean, c.empty), c.extra);
     const int64_t R = L.rows(), N = c.N, K = c.K;
@@ -186,7 +190,9 @@ TEST_F(CudaGroupedGemm, ContiguousRandomAgainstReference) {
       cpu_->grouped_gemm_fp8_contiguous(a.q, b.q, rg, c.G, want, {});
       Tensor d = poisoned(*be_, dt, R, N);
       be_->grouped_gemm_fp8_contiguous(ad, bd, rgd, c.G, d, {});
-      check_random(be_->to_host(d), want, exact, "contiguous " + c.str() + " " + std::string(dtype_name(dt)));
+      check_random(be_->to_host(d), want, exact,
+                   "contiguous " + c.str() + " " + std::string(dtype_name(dt)) + " tile " +
+                       tile_str(cuda::grouped_gemm_tile(R, N, K, false, dt == DType::f32)));
     }
   }
 }

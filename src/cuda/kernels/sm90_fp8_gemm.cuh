@@ -15,8 +15,8 @@
 // 160/192 meet two 128-row scale blocks of B; the promotion picks s_b per column group through a
 // compile-time boundary. The grid is persistent (one CTA per SM), tiles come from TileScheduler.
 //
-// Shared memory: per math warpgroup a staging tile for the epilogue (bf16 for 1d2d, f32 for
-// 1d1d; StagingTile in epilogue.cuh), then per stage: A tile [BLOCK_M, 128] e4m3 (128B-swizzled,
+// Shared memory: per math warpgroup a staging tile for the epilogue (1d2d: bf16, or f32 for the
+// kF32Stg variants; 1d1d: f32; StagingTile in epilogue.cuh), then per stage: A tile [BLOCK_M, 128] e4m3 (128B-swizzled,
 // K-major), B tile [BLOCK_N, 128] e4m3, s_a [BLOCK_M] f32, and for 1d1d s_b [BLOCK_N] f32.
 // Epilogue: when D's dtype is the staging dtype and its rows are 16-byte aligned, each math
 // warpgroup writes its 64 x BLOCK_N result into its staging tile and one thread issues TMA stores
@@ -44,7 +44,8 @@ namespace fp8moe::cuda {
 constexpr int kBlockK = 128;
 constexpr int kMaxSmemBytes = 232448;  // sm_90 opt-in limit per block
 
-template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue = true, int kMC = 1, bool kPipe = false>
+template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue = true, int kMC = 1, bool kPipe = false,
+          bool kF32Stg = false>
 struct GemmTraits {
   // kPipe: the WGMMAs of K block k+1 are issued before block k is promoted (two accumulator sets).
   static constexpr bool kPipelined = kPipe;
@@ -60,7 +61,8 @@ struct GemmTraits {
   static constexpr int kSmemSA = BLOCK_M * 4;                 // [BLOCK_M] f32
   static constexpr int kSmemSB = kB1x128 ? BLOCK_N * 4 : 0;   // [BLOCK_N] f32 (1d1d only)
   static constexpr int kStageBytes = kSmemA + kSmemB + kSmemSA + kSmemSB;
-  static constexpr bool kStageF32 = kB1x128;  // epilogue staging dtype: f32 (Wgrad) or bf16
+  // Epilogue staging dtype: f32 (Wgrad; 1d2d kF32Stg variants, for f32 D) or bf16 (1d2d).
+  static constexpr bool kStageF32 = kB1x128 || kF32Stg;
   using Staging = StagingTile<BLOCK_N, kStageF32>;
   // TMA-store epilogue only for tiles at least one 128-byte box wide.
   // NOTES: the staging tiles cost pipeline stages (128x128 1d2d: 5 instead of 6); for long K the
@@ -87,6 +89,9 @@ struct GemmTraits {
   static_assert(!kPipe || kWaves == 1, "pipelined mainloop: one wave per warpgroup (registers)");
   static_assert(kSmemA % 1024 == 0 && kSmemB % 1024 == 0, "swizzle-128B tiles need 1024-byte alignment");
   static_assert(kStages >= 2, "shared memory too small for two stages");
+  // kF32Stg: 1d2d only (1d1d stages f32 anyway), and only where the staged epilogue is used.
+  static_assert(!kF32Stg || (!kB1x128 && kTmaStoreOk), "kF32Stg: a 1d2d tile with the TMA-store epilogue");
+  static_assert(!kTmaStoreOk || Staging::kBoxes * Staging::kBoxCols == BLOCK_N, "staging: whole boxes");
   static_assert(kMC == 1 || (kMC == 2 && BLOCK_N % 16 == 0), "multicast: 1 or 2 CTAs, B halves of whole swizzle atoms");
 };
 
@@ -121,8 +126,9 @@ struct GemmKernelArgs {
   GroupArgs group;      // grouped kernels only
 };
 
-template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue, int kMC, bool kPipe, Grouping kG>
-__global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue, kMC, kPipe>::kNumThreads, 1)
+template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue, int kMC, bool kPipe, Grouping kG,
+          bool kF32Stg = false>
+__global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue, kMC, kPipe, kF32Stg>::kNumThreads, 1)
     sm90_fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,   // A [M, K] e4m3, box [BLOCK_M, 128]
                          const __grid_constant__ CUtensorMap tmap_b,   // B [N, K] e4m3, box [BLOCK_N / kMC, 128]
                          const __grid_constant__ CUtensorMap tmap_sa,  // s_a [K/128, ld(M)] f32, box [1, BLOCK_M]
@@ -130,7 +136,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
                          const __grid_constant__ CUtensorMap tmap_d,   // D [M, N], box [64, 128 B], 128B swizzle
                          const GemmKernelArgs args) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using T = GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue, kMC, kPipe>;
+  using T = GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue, kMC, kPipe, kF32Stg>;
   using Mma = WgmmaFp8<BLOCK_N>;
   constexpr int STAGES = T::kStages;
   constexpr int kNumAccum = Mma::kNumAccum;  // BLOCK_N / 2 f32 per thread
