@@ -328,6 +328,8 @@ __global__ void __launch_bounds__(256) quantize_128x1_kernel(const Tin* __restri
 // warps meet in shared memory) and a unit is a whole 16-byte store. Phase-1 reads, phase-3 unit
 // writes (8 lanes per phase write 8 distinct units of 8 rows) and phase-4 row reads are free of
 // bank conflicts. Bit-exact as the 128x1 kernel: same products, same scale arithmetic.
+// Measured on the H200 (x [8192, 7168], `fp8moe bench quant`): 40.5 us, 78.4% of copy, from 43.1 us
+// (73.0%) with the 128x1 kernel: better, still short of the 90% of the other quantizers.
 constexpr int kRqStages = 3;
 constexpr int kRqIn = 128 * 128;                  // input bytes of a stage
 constexpr int kRqStage = kRqIn + 128 * 4;         // + the tile's 128 token scales
