@@ -105,20 +105,18 @@ __device__ __forceinline__ float2 pair16(const uint4& raw, int i) {
   }
 }
 
-// Values 2i and 2i + 1 of a 16-byte vector of FP8 values, decoded as a pair (FP8 -> f16 -> f32: exact).
-template <bool kE5M2>
-__device__ __forceinline__ float2 pair16_fp8(const uint4& raw, int i) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(word16(raw, i / 2) >> (16 * (i % 2))),
-                                                   kE5M2 ? __NV_E5M2 : __NV_E4M3);
-  return __half22float2(__half2(h));
-}
-
 // The two FP8 values of a 16-bit pair (v[0] in the low byte), decoded with one paired conversion
 // (FP8 -> f16 -> f32: exact).
 template <bool kE5M2>
 __device__ __forceinline__ float2 decode2(uint32_t pair) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair & 0xFFFFu), kE5M2 ? __NV_E5M2 : __NV_E4M3);
   return __half22float2(__half2(h));
+}
+
+// Values 2i and 2i + 1 of a 16-byte vector of FP8 values, decoded as a pair.
+template <bool kE5M2>
+__device__ __forceinline__ float2 pair16_fp8(const uint4& raw, int i) {
+  return decode2<kE5M2>(word16(raw, i / 2) >> (16 * (i % 2)));
 }
 
 // ---- 1x128 tiles, four lanes per tile ----
