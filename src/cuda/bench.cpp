@@ -31,21 +31,6 @@ namespace fp8moe::cuda {
 
 using namespace bench;
 
-namespace {
-
-using namespace bench;
-
-struct GemmCase {
-  // "fprop" (B 128x128, bf16 D) | "fprop32" (f32 D) | "fprop32+" (f32 D += ) | "wgrad" (B 1x128,
-  // f32 D +=). The model's Linears run fprop32 and fprop32+ (Fprop, Dgrad) and wgrad.
-  std::string kind;
-  int64_t M, N, K;
-  bool b_1x128() const { return kind == "wgrad"; }
-  bool f32() const { return kind != "fprop"; }
-  bool accumulate() const { return kind == "wgrad" || kind == "fprop32+"; }
-};
-
-// "kind:MxNxK,kind:MxNxK,..." (GemmBenchOptions::shapes).
 std::vector<GemmCase> parse_gemm_shapes(const std::string& list) {
   std::vector<GemmCase> v;
   size_t pos = 0;
@@ -67,6 +52,10 @@ std::vector<GemmCase> parse_gemm_shapes(const std::string& list) {
   }
   return v;
 }
+
+namespace {
+
+using namespace bench;
 
 std::vector<GemmCase> gemm_cases(const std::string& set) {
   const int64_t nk[6][2] = {{2112, 7168}, {24576, 1536}, {32768, 512}, {7168, 16384}, {4096, 7168}, {7168, 2048}};

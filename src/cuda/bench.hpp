@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace fp8moe::cuda {
 
@@ -16,9 +17,23 @@ struct GemmBenchOptions {
   bool check = true;         // correctness columns (host FP64 reference on sampled rows)
   int check_rows = 16;       // rows of D compared against the FP64 reference
   std::string set = "all";   // all | fprop | wgrad | m4096 | small | tails | emulated
-  std::string shapes;        // "kind:MxNxK,..." instead of the set (kinds: bench.cpp, GemmCase)
+  std::string shapes;        // "kind:MxNxK,..." instead of the set (kinds: GemmCase)
   uint64_t seed = 0;         // 0: fresh random seed (printed)
 };
+
+// One problem of `bench gemm`.
+struct GemmCase {
+  // "fprop" (B 128x128, bf16 D) | "fprop32" (f32 D) | "fprop32+" (f32 D += ) | "wgrad" (B 1x128,
+  // f32 D +=). The model's Linears run fprop32 and fprop32+ (Fprop, Dgrad) and wgrad.
+  std::string kind;
+  int64_t M, N, K;
+  bool b_1x128() const { return kind == "wgrad"; }
+  bool f32() const { return kind != "fprop"; }
+  bool accumulate() const { return kind == "wgrad" || kind == "fprop32+"; }
+};
+
+// "kind:MxNxK,kind:MxNxK,..." (GemmBenchOptions::shapes); throws naming the bad item.
+std::vector<GemmCase> parse_gemm_shapes(const std::string& list);
 
 struct QuantBenchOptions {
   int iters = 30;
