@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -35,10 +36,11 @@ bool cuda_device_available() {
 namespace {
 
 // FP8MOE_PROFILE_OPS=1: every op records a CUDA event before and after itself on the stream all
-// ops use; the GPU time between the two is added to a per-op table, printed (sorted by total
-// time) when the backend is destroyed, with the sum against the wall time of the profiled span:
-// the rest is the time the GPU waited for the host. Nothing synchronizes per op, so the run keeps
-// its speed; an op that calls another op (an allocation inside a GEMM) counts both.
+// ops use; the GPU time between the two is added to a per-op table, printed when the backend is
+// destroyed (sorted by the time after each op's first call), with the sum against the wall time
+// of the profiled span: the rest is the time the GPU waited for the host. Nothing synchronizes per
+// op, so the run keeps its speed; an op that calls another op counts both, and its events are read
+// only after it has ended.
 // FP8MOE_PROFILE_OPS=shapes: the GEMMs count per problem (dtypes, M x N x K, transposes).
 class OpTimes {
  public:
@@ -48,23 +50,29 @@ class OpTimes {
   }
   bool enabled() const { return enabled_; }
   bool by_shape() const { return by_shape_; }
-  // The pair of events of a new op, recorded around it.
-  std::pair<cudaEvent_t, cudaEvent_t> begin(std::string op) {
-    if (pending_.size() == kBatch) resolve();
+  // A new op: its id, with its start event recorded on the stream all ops use. end(id) records
+  // its stop event.
+  int64_t begin(std::string op) {
+    if (pending_.size() >= kBatch) resolve();
     if (free_.empty()) {
       cudaEvent_t a = nullptr, b = nullptr;
       FP8MOE_CUDA_CHECK(cudaEventCreate(&a));
       FP8MOE_CUDA_CHECK(cudaEventCreate(&b));
       free_.push_back({a, b});
     }
-    const auto ev = free_.back();
+    pending_.push_back({std::move(op), free_.back(), false});
     free_.pop_back();
-    pending_.push_back({std::move(op), ev});
     if (!started_) {
       started_ = true;
       t0_ = std::chrono::steady_clock::now();
     }
-    return ev;
+    FP8MOE_CUDA_CHECK(cudaEventRecord(pending_.back().ev.first, 0));
+    return base_ + int64_t(pending_.size()) - 1;
+  }
+  void end(int64_t id) {
+    Pending& p = pending_[size_t(id - base_)];
+    (void)cudaEventRecord(p.ev.second, 0);
+    p.ended = true;
   }
   void print() {
     if (!enabled_ || !started_) return;
@@ -92,26 +100,33 @@ class OpTimes {
   OpTimes()
       : enabled_(std::getenv("FP8MOE_PROFILE_OPS") != nullptr),
         by_shape_(enabled_ && std::string_view(std::getenv("FP8MOE_PROFILE_OPS")) == "shapes") {}
-  // Waits for the recorded ops, adds their times and recycles their events.
+  // Adds the times of the ops that have ended, oldest first, up to the first one still running
+  // (an op that encloses others ends after them), and recycles their events.
   void resolve() {
-    if (pending_.empty()) return;
-    FP8MOE_CUDA_CHECK(cudaEventSynchronize(pending_.back().second.second));
-    t_last_ = std::chrono::steady_clock::now();
-    for (const auto& [op, ev] : pending_) {
+    while (!pending_.empty() && pending_.front().ended) {
+      const Pending& p = pending_.front();
       float ms = 0;
-      FP8MOE_CUDA_CHECK(cudaEventSynchronize(ev.second));
-      FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, ev.first, ev.second));
-      auto& e = table_[op];
+      FP8MOE_CUDA_CHECK(cudaEventSynchronize(p.ev.second));
+      FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, p.ev.first, p.ev.second));
+      t_last_ = std::chrono::steady_clock::now();
+      auto& e = table_[p.op];
       if (e.calls++ == 0) e.first = ms * 1e-3;
       e.total += ms * 1e-3;
-      free_.push_back(ev);
+      free_.push_back(p.ev);
+      pending_.pop_front();
+      ++base_;
     }
-    pending_.clear();
   }
   bool enabled_, by_shape_;
   bool started_ = false;
   std::chrono::steady_clock::time_point t0_, t_last_;
-  std::vector<std::pair<std::string, std::pair<cudaEvent_t, cudaEvent_t>>> pending_;
+  struct Pending {
+    std::string op;
+    std::pair<cudaEvent_t, cudaEvent_t> ev;  // start, stop
+    bool ended;
+  };
+  std::deque<Pending> pending_;  // in the order the ops began; pending_[i] has id base_ + i
+  int64_t base_ = 0;
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> free_;
   struct Entry {
     int64_t calls = 0;
@@ -128,20 +143,19 @@ class TimedOp {
     auto& t = OpTimes::get();
     if (!t.enabled()) return;
     if constexpr (std::is_same_v<Shape, std::nullptr_t>) {
-      ev_ = t.begin(op);
+      id_ = t.begin(op);
     } else {
-      ev_ = t.begin(t.by_shape() ? std::string(op) + " " + shape() : std::string(op));
+      id_ = t.begin(t.by_shape() ? std::string(op) + " " + shape() : std::string(op));
     }
-    FP8MOE_CUDA_CHECK(cudaEventRecord(ev_.first, 0));
   }
   ~TimedOp() {
-    if (ev_.second) (void)cudaEventRecord(ev_.second, 0);
+    if (id_ >= 0) OpTimes::get().end(id_);
   }
   TimedOp(const TimedOp&) = delete;
   TimedOp& operator=(const TimedOp&) = delete;
 
  private:
-  std::pair<cudaEvent_t, cudaEvent_t> ev_{nullptr, nullptr};
+  int64_t id_ = -1;
 };
 #define FP8MOE_TIMED_OP(op) const TimedOp timed_op_(op)
 #define FP8MOE_TIMED_GEMM(op, a, b, ta, tb) const TimedOp timed_op_(op, [&] { return gemm_shape(a, b, ta, tb); })
