@@ -413,17 +413,11 @@ void check_accum(const GemmOptions& opt, const char* op) {
                "accum.promote_every (N_c) must be 0 (never) or a positive multiple of 32, got " << ac.promote_every);
 }
 
-// e4m3 values with `kind` scales, both contiguous on the GPU, values 16-byte aligned (the 8-byte
-// loads of every row then stay aligned, K being a multiple of 128).
+// The operands: e4m3 values with `kind` scales, both contiguous on the GPU, values 16-byte aligned
+// (the 8-byte loads of every row then stay aligned, K being a multiple of 128); the scales are
+// read one float at a time, so their alignment is free.
 void check_emu_operand(const QuantizedView& q, const char* op, const char* arg, ScaleKind kind) {
-  check_quantized(q, arg, kind);
-  FP8MOE_CHECK(q.values.dtype == DType::e4m3, arg << ": the FP8 GEMMs take e4m3 values, got " << q.values.str());
-  FP8MOE_CHECK(q.values.device == Device::cuda && q.scales.device == Device::cuda,
-               op << ": " << arg << " must be on the GPU, got " << q.values.str());
-  const std::string values = std::string(arg) + ".values", scales = std::string(arg) + ".scales";
-  check_row_major(q.values, values.c_str());
-  check_row_major(q.scales, scales.c_str());
-  FP8MOE_CHECK(aligned16(q.values.data), op << ": " << values << " must be 16-byte aligned");
+  check_operand(q, op, arg, kind, /*scales_aligned=*/false);
 }
 
 EmuOperand emu_operand(const QuantizedView& q) {
@@ -451,22 +445,11 @@ EmuArgs emu_args(const QuantizedView& a, const QuantizedView& b, const TensorVie
   return args;
 }
 
-// Checks shared by the two m-grouped GEMMs (A, the stacked weights B [groups * N, K]); returns N.
+// Checks shared by the two m-grouped GEMMs; returns N.
 int64_t check_m_grouped_emu(const QuantizedView& a, const QuantizedView& b, int64_t groups, const char* op) {
   check_emu_operand(a, op, "a", ScaleKind::tile_1x128);
   check_emu_operand(b, op, "b", ScaleKind::block_128x128);
-  const int64_t K = a.cols();
-  FP8MOE_CHECK(groups > 0, op << ": groups must be positive, got " << groups);
-  FP8MOE_CHECK(b.rows() % groups == 0,
-               "b: " << b.rows() << " rows do not split into " << groups << " groups (b is [G * N, K])");
-  const int64_t N = b.rows() / groups;
-  FP8MOE_CHECK(N % kQuantGroup == 0,
-               "b: N = " << N << " per group must be a multiple of 128 (one 128x128 scale block per expert)");
-  FP8MOE_CHECK(b.cols() == K, "b: expected K = " << K << " columns (b is [G * N, K]), got " << b.values.str());
-  FP8MOE_CHECK(K % kQuantGroup == 0 && K > 0, "a: K = " << K << " must be a positive multiple of 128 (pad K with zeros)");
-  FP8MOE_CHECK(a.rows() < (int64_t(1) << 31) && b.rows() < (int64_t(1) << 31) && K < (int64_t(1) << 31),
-               op << ": the rows of a and b and K must be below 2^31");
-  return N;
+  return check_m_grouped_shapes(a, b, groups, op);
 }
 
 }  // namespace

@@ -61,18 +61,37 @@ inline void check_row_major(const TensorView& t, const char* arg) {
                arg << ": expected a contiguous row-major 2-D tensor, got " << t.str());
 }
 
-// Checks of an operand of the sm_90a kernels (`op` names the caller): e4m3 values with `kind`
-// scales, both contiguous, on the GPU and 16-byte aligned (the TMA's requirements).
-inline void check_operand(const QuantizedView& q, const char* op, const char* arg, ScaleKind kind) {
+// Checks of an operand of the FP8 GEMMs (`op` names the caller): e4m3 values with `kind` scales,
+// both contiguous, on the GPU, the values 16-byte aligned and, where `scales_aligned` (the sm_90a
+// kernels: the TMA's requirements), the scales too.
+inline void check_operand(const QuantizedView& q, const char* op, const char* arg, ScaleKind kind,
+                          bool scales_aligned = true) {
   check_quantized(q, arg, kind);
-  FP8MOE_CHECK(q.values.dtype == DType::e4m3, arg << ": the sm90 kernel takes e4m3 values, got " << q.values.str());
+  FP8MOE_CHECK(q.values.dtype == DType::e4m3, arg << ": the FP8 GEMMs take e4m3 values, got " << q.values.str());
   FP8MOE_CHECK(q.values.device == Device::cuda && q.scales.device == Device::cuda,
                op << ": " << arg << " must be on the GPU, got " << q.values.str());
   const std::string values = std::string(arg) + ".values", scales = std::string(arg) + ".scales";
   check_row_major(q.values, values.c_str());
   check_row_major(q.scales, scales.c_str());
-  FP8MOE_CHECK(aligned16(q.values.data) && aligned16(q.scales.data),
-               op << ": " << values << " and " << scales << " must be 16-byte aligned");
+  FP8MOE_CHECK(aligned16(q.values.data), op << ": " << values << " must be 16-byte aligned");
+  FP8MOE_CHECK(!scales_aligned || aligned16(q.scales.data), op << ": " << scales << " must be 16-byte aligned");
+}
+
+// The shapes of an m-grouped GEMM (contiguous or masked, and their emulation): A [rows, K], the
+// stacked weights B [groups * N, K], N and K multiples of 128. Returns N, the columns of D.
+inline int64_t check_m_grouped_shapes(const QuantizedView& a, const QuantizedView& b, int64_t groups, const char* op) {
+  const int64_t K = a.cols();
+  FP8MOE_CHECK(groups > 0, op << ": groups must be positive, got " << groups);
+  FP8MOE_CHECK(b.rows() % groups == 0,
+               "b: " << b.rows() << " rows do not split into " << groups << " groups (b is [G * N, K])");
+  const int64_t N = b.rows() / groups;
+  FP8MOE_CHECK(N % 128 == 0,
+               "b: N = " << N << " per group must be a multiple of 128 (one 128x128 scale block per expert)");
+  FP8MOE_CHECK(b.cols() == K, "b: expected K = " << K << " columns (b is [G * N, K]), got " << b.values.str());
+  FP8MOE_CHECK(K % 128 == 0 && K > 0, "a: K = " << K << " must be a positive multiple of 128 (pad K with zeros)");
+  FP8MOE_CHECK(a.rows() < (int64_t(1) << 31) && b.rows() < (int64_t(1) << 31) && K < (int64_t(1) << 31),
+               op << ": the rows of a and b and K must be below 2^31");
+  return N;
 }
 
 // D [M, N] f32 | bf16 with row-major rows (the row stride may exceed N).

@@ -18,22 +18,11 @@ namespace fp8moe::cuda {
 
 namespace {
 
-// Checks shared by both kinds: A, the stacked weights B [groups * N, K], sizes and the GPU.
-// Returns N, the columns of D.
+// Checks shared by both kinds: the operands, their shapes and the GPU. Returns N, the columns of D.
 int64_t check_m_grouped(const QuantizedView& a, const QuantizedView& b, int64_t groups, const char* op) {
   check_operand(a, op, "a", ScaleKind::tile_1x128);
   check_operand(b, op, "b", ScaleKind::block_128x128);
-  const int64_t K = a.cols();
-  FP8MOE_CHECK(groups > 0, op << ": groups must be positive, got " << groups);
-  FP8MOE_CHECK(b.rows() % groups == 0,
-               "b: " << b.rows() << " rows do not split into " << groups << " groups (b is [G * N, K])");
-  const int64_t N = b.rows() / groups;
-  FP8MOE_CHECK(N % kBlockK == 0,
-               "b: N = " << N << " per group must be a multiple of 128 (one 128x128 scale block per expert)");
-  FP8MOE_CHECK(b.cols() == K, "b: expected K = " << K << " columns (b is [G * N, K]), got " << b.values.str());
-  FP8MOE_CHECK(K % kBlockK == 0 && K > 0, "a: K = " << K << " must be a positive multiple of 128 (pad K with zeros)");
-  FP8MOE_CHECK(a.rows() < (int64_t(1) << 31) && b.rows() < (int64_t(1) << 31) && K < (int64_t(1) << 31),
-               op << ": the rows of a and b and K must be below 2^31");
+  const int64_t N = check_m_grouped_shapes(a, b, groups, op);
   FP8MOE_CHECK(sm90_available(), op << ": the sm_90a kernel needs a Hopper (compute capability 9.0) GPU, got "
                                     << device_props().major << "." << device_props().minor);
   return N;
