@@ -31,6 +31,7 @@ std::string_view op_name(Op op) {
     case Op::attention_backward: return "attention_backward";
     case Op::swiglu_forward: return "swiglu_forward";
     case Op::swiglu_backward: return "swiglu_backward";
+    case Op::swiglu_backward_fp8: return "swiglu_backward_fp8";
     case Op::cross_entropy: return "cross_entropy";
     case Op::moe_route: return "moe_route";
     case Op::moe_route_backward: return "moe_route_backward";
@@ -94,6 +95,23 @@ void Backend::swiglu_forward(const TensorView&, const TensorView&, const TensorV
 void Backend::swiglu_backward(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
                               const TensorView&) {
   FP8MOE_UNSUPPORTED(swiglu_backward);
+}
+// The unfused path: gate and up dequantized to f32 temporaries, then the two float ops.
+void Backend::swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView& up, const TensorView& dout,
+                                  const TensorView& out, const TensorView& dgate, const TensorView& dup) {
+  FP8MOE_CHECK(dout.ndim == 2, "swiglu_backward_fp8: dout must be 2-D, got " << dout.str());
+  const int64_t T = dout.size(0), F = dout.size(1);
+  for (auto [q, name] : {std::pair{&gate, "gate"}, {&up, "up"}}) {
+    FP8MOE_CHECK(q->values.ndim == 2 && q->rows() >= T && q->cols() == F,
+                 "swiglu_backward_fp8: " << name << " " << q->values.str() << " must be [R >= " << T << ", " << F
+                                         << "] (dout " << dout.str() << ")");
+  }
+  Tensor g = uninitialized(DType::f32, {gate.rows(), F}), u = uninitialized(DType::f32, {up.rows(), F});
+  dequantize(gate, g.view());
+  dequantize(up, u.view());
+  const TensorView gv(g.view().data, DType::f32, {T, F}, device()), uv(u.view().data, DType::f32, {T, F}, device());
+  if (out.defined()) swiglu_forward(gv, uv, out);
+  swiglu_backward(gv, uv, dout, dgate, dup);
 }
 void Backend::cross_entropy(const TensorView&, const TensorView&, const TensorView&, const TensorView&, double) {
   FP8MOE_UNSUPPORTED(cross_entropy);

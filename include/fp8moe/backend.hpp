@@ -39,6 +39,7 @@ enum class Op : uint8_t {
   attention_backward,
   swiglu_forward,
   swiglu_backward,
+  swiglu_backward_fp8,
   cross_entropy,
   moe_route,
   moe_route_backward,
@@ -162,6 +163,15 @@ class Backend {
   // dgate, dup [T, F] (overwritten) from dout [T, F].
   virtual void swiglu_backward(const TensorView& gate, const TensorView& up, const TensorView& dout,
                                const TensorView& dgate, const TensorView& dup);
+  // The SwiGLU backward from its FP8-cached input in one pass, without f32 copies of gate and up:
+  // gate, up [R, F] 1x128-scaled, both e4m3 or both e5m2 (R >= T: rows past T, a row-padded
+  // cache's, are not read), g = decode(q) * scale, u likewise (the FP32 product of dequantize);
+  // dout [T, F] f32 -> out [T, F] f32 = silu(g) * u (the recomputed forward output; undefined: not
+  // written) and dgate, dup [T, F] f32 (overwritten). Bit-identical to dequantize followed by
+  // swiglu_forward and swiglu_backward on the same backend, which is what the default runs (through
+  // f32 temporaries).
+  virtual void swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView& up, const TensorView& dout,
+                                   const TensorView& out, const TensorView& dgate, const TensorView& dup);
   // losses [T] = -log softmax(logits[t])[targets[t]] (0 where targets[t] < 0); when dlogits is defined,
   // dlogits [T, V] = grad_scale * (softmax - onehot) (0 rows for ignored targets). logits float.
   virtual void cross_entropy(const TensorView& logits, const TensorView& targets, const TensorView& losses,

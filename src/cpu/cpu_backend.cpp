@@ -130,6 +130,10 @@ class CpuBackend final : public Backend {
                        const TensorView& du) override {
     cpu::swiglu_backward(g, u, dout, dg, du);
   }
+  void swiglu_backward_fp8(const QuantizedView& g, const QuantizedView& u, const TensorView& dout,
+                           const TensorView& out, const TensorView& dg, const TensorView& du) override {
+    cpu::swiglu_backward_fp8(g, u, dout, out, dg, du);
+  }
   void cross_entropy(const TensorView& logits, const TensorView& targets, const TensorView& losses,
                      const TensorView& dlogits, double grad_scale) override {
     cpu::cross_entropy(logits, targets, losses, dlogits, grad_scale);

@@ -53,6 +53,10 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
 void swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out);
 void swiglu_backward(const TensorView& gate, const TensorView& up, const TensorView& dout, const TensorView& dgate,
                      const TensorView& dup);
+// The FP8-cached input's recomputation and backward in one pass (f32 only): bit-identical to
+// dequantize, swiglu_forward and swiglu_backward.
+void swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView& up, const TensorView& dout,
+                         const TensorView& out, const TensorView& dgate, const TensorView& dup);
 
 void moe_route(const TensorView& logits, const TensorView& bias, const TensorView& scores, const TensorView& idx,
                const TensorView& weights, int64_t n_group, int64_t topk_group, bool norm, double scaling);

@@ -384,6 +384,11 @@ class CudaBackend final : public Backend {
     FP8MOE_TIMED_OP("swiglu_backward");
     cuda::cuda_swiglu_backward(gate, up, dout, dgate, dup);
   }
+  void swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView& up, const TensorView& dout,
+                           const TensorView& out, const TensorView& dgate, const TensorView& dup) override {
+    FP8MOE_TIMED_OP("swiglu_backward_fp8");
+    cuda::cuda_swiglu_backward_fp8(gate, up, dout, out, dgate, dup);
+  }
   void cross_entropy(const TensorView& logits, const TensorView& targets, const TensorView& losses,
                      const TensorView& dlogits, double grad_scale) override {
     FP8MOE_TIMED_OP("cross_entropy");

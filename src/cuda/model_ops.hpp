@@ -62,6 +62,9 @@ void cuda_attention_backward(const TensorView& q, const TensorView& k, const Ten
 void cuda_swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out);
 void cuda_swiglu_backward(const TensorView& gate, const TensorView& up, const TensorView& dout,
                           const TensorView& dgate, const TensorView& dup);
+// Bit-identical to cuda dequantize + cuda_swiglu_forward + cuda_swiglu_backward (shared device math).
+void cuda_swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView& up, const TensorView& dout,
+                              const TensorView& out, const TensorView& dgate, const TensorView& dup);
 
 // ---- MoE routing and row movement (model_ops_moe.cu) ----
 void cuda_moe_route(const TensorView& logits, const TensorView& bias, const TensorView& scores, const TensorView& idx,

@@ -1,12 +1,14 @@
 // CUDA elementwise and data-movement model ops: convert, axpy, copy_cols, transpose, token
 // embedding (forward gather, deterministic backward scatter-add), SwiGLU forward/backward and
-// rotary position embedding. Semantics are those of src/cpu/ops_dense.cpp, ops_embed_loss.cpp,
-// ops_mlp.cpp and ops_attention.cpp (rope); tests: tests/cuda/test_cuda_model_ops.cpp.
+// rotary position embedding, and the SwiGLU backward from the FP8-cached input. Semantics are
+// those of src/cpu/ops_dense.cpp, ops_embed_loss.cpp, ops_mlp.cpp and ops_attention.cpp (rope);
+// tests: tests/cuda/test_cuda_model_ops.cpp, tests/cpu/test_backend_ops.cpp (swiglu_backward_fp8).
 // NOTES: float products and sums that the CPU rounds separately use __fmul_rn / __fadd_rn so
 // that nvcc does not contract them into FMAs: axpy, embedding_backward and the AdamW update are
 // then bit-identical to the CPU.
 #include "model_ops.hpp"
 #include "model_ops_util.cuh"
+#include "quantize_device.cuh"
 
 namespace fp8moe::cuda {
 
@@ -71,24 +73,102 @@ __global__ void embedding_forward_kernel(const int32_t* __restrict__ ids, const 
   }
 }
 
+// The per-element arithmetic of SwiGLU, shared by the kernels on f32 inputs and the one on the
+// FP8-cached input, which are then bit-identical (expf differs from the CPU's std::exp in the last
+// bits, so all of them are within rounding of the CPU ops, not bit-identical to them).
+__device__ __forceinline__ float swiglu_value(float g, float u) {
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+__device__ __forceinline__ void swiglu_grad(float g, float u, float d, float& dg, float& du) {
+  const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
+  const float silu = __fmul_rn(g, s);
+  du = __fmul_rn(d, silu);
+  // d * u * s * (1 + g * (1 - s)), left to right as in C++.
+  dg = __fmul_rn(__fmul_rn(__fmul_rn(d, u), s), __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s))));
+}
+
 __global__ void swiglu_forward_kernel(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ o,
                                       int64_t n) {
-  FP8MOE_GRID_STRIDE(i, n) {
-    const float gi = g[i];
-    o[i] = __fmul_rn(__fdiv_rn(gi, __fadd_rn(1.0f, expf(-gi))), u[i]);
-  }
+  FP8MOE_GRID_STRIDE(i, n) o[i] = swiglu_value(g[i], u[i]);
 }
 
 __global__ void swiglu_backward_kernel(const float* __restrict__ g, const float* __restrict__ u,
                                        const float* __restrict__ d, float* __restrict__ dg, float* __restrict__ du,
                                        int64_t n) {
   FP8MOE_GRID_STRIDE(i, n) {
-    const float gi = g[i], di = d[i];
-    const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gi)));
-    const float silu = __fmul_rn(gi, s);
-    du[i] = __fmul_rn(di, silu);
-    // d * u * s * (1 + g * (1 - s)), left to right as in C++.
-    dg[i] = __fmul_rn(__fmul_rn(__fmul_rn(di, u[i]), s), __fadd_rn(1.0f, __fmul_rn(gi, __fsub_rn(1.0f, s))));
+    float dgi, dui;
+    swiglu_grad(g[i], u[i], d[i], dgi, dui);
+    du[i] = dui;
+    dg[i] = dgi;
+  }
+}
+
+// The FP8 SwiGLU input: values [R, F] bytes and 1x128 scales [ceil(F/128), ld] (group-major: the
+// scale of (r, c) at (c / 128) * ld + r).
+struct Fp8Tiles {
+  const uint8_t* __restrict__ q;
+  const float* __restrict__ s;
+  int64_t ld;
+  __device__ float scale(int64_t r, int64_t c) const { return s[(c / kQuantGroup) * ld + r]; }
+};
+
+// swiglu_backward_fp8, one element per thread: the fallback for F % 16 != 0 or unaligned tensors.
+// g = decode(q) * scale as one IEEE product (dequantize_kernel's), then swiglu_value/swiglu_grad.
+template <bool kE5M2>
+__global__ void swiglu_backward_fp8_kernel(Fp8Tiles gt, Fp8Tiles ut, const float* __restrict__ d, float* o,
+                                           float* __restrict__ dg, float* __restrict__ du, int64_t T, int64_t F) {
+  FP8MOE_GRID_STRIDE(i, T * F) {
+    const int64_t r = i / F, c = i - r * F;
+    const float g = __fmul_rn(decode<kE5M2>(gt.q[i]), gt.scale(r, c));
+    const float u = __fmul_rn(decode<kE5M2>(ut.q[i]), ut.scale(r, c));
+    if (o) o[i] = swiglu_value(g, u);
+    swiglu_grad(g, u, d[i], dg[i], du[i]);
+  }
+}
+
+// The same with 16 consecutive elements of a row per thread (F % 16 == 0, every tensor 16-byte
+// aligned): one 16-byte load of gate and of up bytes, four of dout, four 16-byte stores per
+// output; 16 elements never straddle a 128-column tile, so one scale of each per vector.
+template <bool kE5M2>
+__global__ void swiglu_backward_fp8_vec_kernel(Fp8Tiles gt, Fp8Tiles ut, const float* __restrict__ d, float* o,
+                                               float* __restrict__ dg, float* __restrict__ du, int64_t T,
+                                               int64_t F) {
+  const int64_t vpr = F / 16;  // vectors per row
+  FP8MOE_GRID_STRIDE(v, T * vpr) {
+    const int64_t r = v / vpr, c0 = (v - r * vpr) * 16, i0 = r * F + c0;
+    const uint4 graw = *reinterpret_cast<const uint4*>(gt.q + i0);
+    const uint4 uraw = *reinterpret_cast<const uint4*>(ut.q + i0);
+    const float sg = gt.scale(r, c0), su = ut.scale(r, c0);
+    float4 dv[4], ov[4], dgv[4], duv[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) dv[j] = reinterpret_cast<const float4*>(d + i0)[j];
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {  // values 2p, 2p + 1: components (2p) % 4, (2p + 1) % 4 of vector p / 2
+      const float2 g2 = pair16_fp8<kE5M2>(graw, p), u2 = pair16_fp8<kE5M2>(uraw, p);
+      const float g0 = __fmul_rn(g2.x, sg), g1 = __fmul_rn(g2.y, sg);
+      const float u0 = __fmul_rn(u2.x, su), u1 = __fmul_rn(u2.y, su);
+      const float4& dj = dv[p / 2];
+      const float d0 = p % 2 ? dj.z : dj.x, d1 = p % 2 ? dj.w : dj.y;
+      float a0, a1, dg0, dg1, du0, du1;
+      a0 = swiglu_value(g0, u0);
+      a1 = swiglu_value(g1, u1);
+      swiglu_grad(g0, u0, d0, dg0, du0);
+      swiglu_grad(g1, u1, d1, dg1, du1);
+      float4& oj = ov[p / 2];
+      float4& gj = dgv[p / 2];
+      float4& uj = duv[p / 2];
+      if (p % 2) {
+        oj.z = a0, oj.w = a1, gj.z = dg0, gj.w = dg1, uj.z = du0, uj.w = du1;
+      } else {
+        oj.x = a0, oj.y = a1, gj.x = dg0, gj.y = dg1, uj.x = du0, uj.y = du1;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (o) reinterpret_cast<float4*>(o + i0)[j] = ov[j];
+      reinterpret_cast<float4*>(dg + i0)[j] = dgv[j];
+      reinterpret_cast<float4*>(du + i0)[j] = duv[j];
+    }
   }
 }
 
@@ -245,6 +325,49 @@ void cuda_swiglu_backward(const TensorView& gate, const TensorView& up, const Te
                                                               dout.ptr<const float>(), dgate.ptr<float>(),
                                                               dup.ptr<float>(), n);
   FP8MOE_CUDA_CHECK_LAUNCH("swiglu_backward_kernel");
+}
+
+void cuda_swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView& up, const TensorView& dout,
+                              const TensorView& out, const TensorView& dgate, const TensorView& dup) {
+  const char* op = "swiglu_backward_fp8";
+  check_f32(dout, op, "dout", 2);
+  const int64_t T = dout.size(0), F = dout.size(1);
+  for (auto [q, name] : {std::pair{&gate, "gate"}, {&up, "up"}}) {
+    check_quantized(*q, name, ScaleKind::tile_1x128);
+    FP8MOE_CHECK(q->values.dtype == DType::e4m3 || q->values.dtype == DType::e5m2,
+                 op << ": " << name << " must be e4m3 or e5m2, got " << q->values.str());
+    check_dev(q->values, op, name, gate.values.dtype, 2);  // up: gate's dtype
+    check_dev(q->scales, op, name, DType::f32, 2);
+    FP8MOE_CHECK(q->rows() >= T && q->cols() == F,
+                 op << ": " << name << " " << q->values.str() << " must be [R >= " << T << ", " << F << "] (dout "
+                    << dout.str() << ")");
+  }
+  for (auto [t, name] : {std::pair{&out, "out"}, {&dgate, "dgate"}, {&dup, "dup"}}) {
+    if (t == &out && !out.defined()) continue;
+    check_f32(*t, op, name, 2);
+    FP8MOE_CHECK(t->size(0) == T && t->size(1) == F,
+                 op << ": " << name << " " << t->str() << " differs from dout " << dout.str());
+  }
+  if (T == 0 || F == 0) return;
+  const Fp8Tiles gt{gate.values.ptr<const uint8_t>(), gate.scales.ptr<const float>(), gate.scales.size(1)};
+  const Fp8Tiles ut{up.values.ptr<const uint8_t>(), up.scales.ptr<const float>(), up.scales.size(1)};
+  const float* d = dout.ptr<const float>();
+  float* o = out.defined() ? out.ptr<float>() : nullptr;
+  float *dg = dgate.ptr<float>(), *du = dup.ptr<float>();
+  auto al = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  const bool vec = F % 16 == 0 && al(gt.q) && al(ut.q) && al(d) && (!o || al(o)) && al(dg) && al(du);
+  const bool e5m2 = gate.values.dtype == DType::e5m2;
+  if (vec) {
+    const unsigned grid = grid_for(T * (F / 16), kThreads);
+    if (e5m2) swiglu_backward_fp8_vec_kernel<true><<<grid, kThreads>>>(gt, ut, d, o, dg, du, T, F);
+    else swiglu_backward_fp8_vec_kernel<false><<<grid, kThreads>>>(gt, ut, d, o, dg, du, T, F);
+    FP8MOE_CUDA_CHECK_LAUNCH("swiglu_backward_fp8_vec_kernel");
+  } else {
+    const unsigned grid = grid_for(T * F, kThreads);
+    if (e5m2) swiglu_backward_fp8_kernel<true><<<grid, kThreads>>>(gt, ut, d, o, dg, du, T, F);
+    else swiglu_backward_fp8_kernel<false><<<grid, kThreads>>>(gt, ut, d, o, dg, du, T, F);
+    FP8MOE_CUDA_CHECK_LAUNCH("swiglu_backward_fp8_kernel");
+  }
 }
 
 void cuda_rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& positions, double theta,

@@ -51,17 +51,23 @@ void mlp_backward_input(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& 
   st.dy = dy;
   Tensor da = c.uninit({T, F});  // [T, F]
   bwd_input(c, p, dy, *p.down, da, false, dy_mode);
-  // Recompute the SwiGLU output from its cached input.
-  Tensor g = st.g.restore(c), u = st.u.restore(c);  // [T, F] act
-  Tensor a = c.uninit({T, F});
-  c.be.swiglu_forward(g.view(), u.view(), a.view());
-  st.a = linear_input(c, a.view(), c.recipe.scale_mode);
-  if (combine_grad) c.be.rows_dot(da.view(), a.view(), combine_grad->view());
+  // Recompute the SwiGLU output from its cached input, and the SwiGLU backward.
+  Tensor a = c.uninit({T, F});  // [T, F] act
   st.dg = c.uninit({T, F});
   st.du = c.uninit({T, F});
-  c.be.swiglu_backward(g.view(), u.view(), da.view(), st.dg.view(), st.du.view());
+  if (st.g.q.values.defined() && st.u.q.values.defined() && c.act() == DType::f32) {
+    // FP8 cache: both straight from the FP8 tiles (no f32 copies of g and u), bit-identical to the
+    // path below.
+    c.be.swiglu_backward_fp8(st.g.q, st.u.q, da.view(), a.view(), st.dg.view(), st.du.view());
+  } else {
+    Tensor g = st.g.restore(c), u = st.u.restore(c);  // [T, F] act
+    c.be.swiglu_forward(g.view(), u.view(), a.view());
+    c.be.swiglu_backward(g.view(), u.view(), da.view(), st.dg.view(), st.du.view());
+  }
   st.g.reset();
   st.u.reset();
+  st.a = linear_input(c, a.view(), c.recipe.scale_mode);
+  if (combine_grad) c.be.rows_dot(da.view(), a.view(), combine_grad->view());
   bwd_input(c, p, st.dg, *p.gate, dx, accumulate);
   bwd_input(c, p, st.du, *p.up, dx, true);
 }

@@ -4,8 +4,10 @@
 // reports it and is skipped for that op. Filter with --gtest_filter=*cuda*, *gemm_fp8*, ...
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <random>
 
 #include "fp8moe/backend.hpp"
 #include "testing.hpp"
@@ -26,7 +28,8 @@ std::vector<Case> all_cases() {
   std::vector<Case> cases;
   for (const std::string& b : available_backends())
     for (Op op : {Op::quantize_1x128, Op::quantize_128x128, Op::quantize_128x1, Op::requantize_128x1,
-                  Op::transpose_128x128, Op::dequantize, Op::gemm_fp8, Op::gemm_bf16})  // the model ops: tests/model and tests/cuda/test_cuda_model_ops.cpp
+                  Op::transpose_128x128, Op::dequantize, Op::gemm_fp8, Op::gemm_bf16,
+                  Op::swiglu_backward_fp8})  // the other model ops: tests/model and tests/cuda/test_cuda_model_ops.cpp
       cases.push_back({b, op});
   return cases;
 }
@@ -58,6 +61,83 @@ void expect_same_bytes(Backend& be, const Tensor& got, const Tensor& want, const
   for (size_t i = 0; i < want.view().nbytes(); ++i)
     if (g[i] != w[i] && ++bad < 5) ADD_FAILURE() << what << ": byte " << i << " got " << int(g[i]) << " want " << int(w[i]);
   EXPECT_EQ(bad, 0) << what;
+}
+
+// Elementwise |got - want| <= rtol * |want| + atol * max |want|, finite (poison shows as NaN).
+void expect_close(Backend& be, const Tensor& got, const Tensor& want, double rtol, double atol, const char* what) {
+  const std::vector<double> g = to_doubles(be.to_host(got).view()), w = to_doubles(want.view());
+  ASSERT_EQ(g.size(), w.size()) << what;
+  double wmax = 0;
+  for (double v : w) wmax = std::max(wmax, std::fabs(v));
+  int64_t bad = 0;
+  for (size_t i = 0; i < g.size(); ++i)
+    if (!(std::isfinite(g[i]) && std::fabs(g[i] - w[i]) <= rtol * std::fabs(w[i]) + atol * wmax) && ++bad < 5)
+      ADD_FAILURE() << what << ": element " << i << " got " << g[i] << " want " << w[i];
+  EXPECT_EQ(bad, 0) << what;
+}
+
+// swiglu_backward_fp8 on caches gate, up [R, F] for dout [T, F] (T <= R: a row-padded cache), with
+// zero tiles (scale 1) in both inputs. The specification is dequantize followed by swiglu_forward
+// and swiglu_backward: the op must equal that path on the same backend bit for bit (the Backend
+// default runs it), and the CPU's exactly, up to expf's last bits on a GPU.
+void check_swiglu_backward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, int64_t R, int64_t T, int64_t F,
+                               DType qt, ScaleMode mode) {
+  SCOPED_TRACE(::testing::Message() << "R " << R << " T " << T << " F " << F << " " << dtype_name(qt)
+                                    << (mode == ScaleMode::pow2 ? " pow2" : " fp32"));
+  Tensor g = random_normal(rng, DType::f32, {R, F}, 3.0f), u = random_normal(rng, DType::f32, {R, F});
+  Tensor dout = random_normal(rng, DType::f32, {T, F});
+  const int64_t last = (F - 1) / kQuantGroup * kQuantGroup;  // first column of the last (partial) tile
+  float* gp = g.view().ptr<float>();
+  float* up = u.view().ptr<float>();
+  for (int64_t c = 0; c < kQuantGroup; ++c) gp[1 * F + c] = 0;  // row 1, first tile of gate
+  for (int64_t c = last; c < F; ++c) up[2 * F + c] = 0;         // row 2, last tile of up
+  for (int64_t c = 0; c < F; ++c) gp[3 * F + c] = up[3 * F + c] = 0;
+  auto gq = make_quantized_host(R, F, qt, ScaleKind::tile_1x128), uq = make_quantized_host(R, F, qt, ScaleKind::tile_1x128);
+  cpu.quantize_1x128(g, gq, mode);
+  cpu.quantize_1x128(u, uq, mode);
+  ASSERT_EQ(gq.scales.view().ptr<float>()[1], 1.0f);  // tile (row 1, group 0): zero, scale 1
+
+  // The specification on the CPU.
+  Tensor gd = Tensor::host(DType::f32, {R, F}), ud = Tensor::host(DType::f32, {R, F});
+  cpu.dequantize(gq, gd);
+  cpu.dequantize(uq, ud);
+  const TensorView gv(gd.view().data, DType::f32, {T, F}), uv(ud.view().data, DType::f32, {T, F});
+  Tensor a_want = Tensor::host(DType::f32, {T, F}), dg_want = Tensor::host(DType::f32, {T, F}),
+         du_want = Tensor::host(DType::f32, {T, F});
+  cpu.swiglu_forward(gv, uv, a_want);
+  cpu.swiglu_backward(gv, uv, dout, dg_want, du_want);
+
+  const QuantizedTensor gqb = upload(be, gq), uqb = upload(be, uq);
+  const Tensor db = upload(be, dout);
+  auto fresh = [&] {
+    Tensor t = be.empty(DType::f32, {T, F});
+    poison(be, t);
+    return t;
+  };
+  Tensor a = fresh(), dg = fresh(), du = fresh();
+  be.swiglu_backward_fp8(gqb, uqb, db, a, dg, du);
+  // The unfused path on the same backend (the Backend default): bit for bit.
+  Tensor a2 = fresh(), dg2 = fresh(), du2 = fresh();
+  be.Backend::swiglu_backward_fp8(gqb, uqb, db, a2, dg2, du2);
+  const Tensor a2h = be.to_host(a2), dg2h = be.to_host(dg2), du2h = be.to_host(du2);
+  expect_same_bytes(be, a, a2h, "out vs unfused");
+  expect_same_bytes(be, dg, dg2h, "dgate vs unfused");
+  expect_same_bytes(be, du, du2h, "dup vs unfused");
+  // Against the CPU's specification.
+  if (be.device() == Device::cpu) {
+    expect_same_bytes(be, a, a_want, "out");
+    expect_same_bytes(be, dg, dg_want, "dgate");
+    expect_same_bytes(be, du, du_want, "dup");
+  } else {
+    expect_close(be, a, a_want, 1e-5, 1e-7, "out");
+    expect_close(be, dg, dg_want, 1e-5, 1e-7, "dgate");
+    expect_close(be, du, du_want, 1e-5, 1e-7, "dup");
+  }
+  // Without out: the same gradients.
+  Tensor dg3 = fresh(), du3 = fresh();
+  be.swiglu_backward_fp8(gqb, uqb, db, TensorView(), dg3, du3);
+  expect_same_bytes(be, dg3, dg2h, "dgate without out");
+  expect_same_bytes(be, du3, du2h, "dup without out");
 }
 
 class BackendOps : public ::testing::TestWithParam<Case> {};
@@ -160,6 +240,14 @@ TEST_P(BackendOps, MatchesCpu) {
           const double tol = be->device() == Device::cpu ? 1e-5 : 5e-4;
           EXPECT_LT(rel_error(g, wv), out == DType::f32 ? tol : 8e-3) << dtype_name(out);
         }
+        break;
+      }
+      case Op::swiglu_backward_fp8: {
+        // F = 304: a partial last tile, 16-byte vectors on a GPU; F = 300: its element-wise
+        // fallback; R = 48 > T: a row-padded cache; 130 rows: two 128-row blocks of scales.
+        check_swiglu_backward_fp8(*cpu, *be, rng, 37, 37, 304, DType::e4m3, mode);
+        check_swiglu_backward_fp8(*cpu, *be, rng, 48, 37, 300, DType::e4m3, mode);
+        check_swiglu_backward_fp8(*cpu, *be, rng, 130, 130, 256, DType::e5m2, mode);
         break;
       }
       case Op::gemm_bf16: {
