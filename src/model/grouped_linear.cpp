@@ -25,13 +25,6 @@ GemmOptions options(Ctx& c, bool accumulate) {
   return o;
 }
 
-// The G stacked matrices whose first is p (model.cpp allocates routed experts' matrices so).
-TensorView stacked(const Tensor& first, int64_t groups) {
-  TensorView v = first.view();
-  v.shape[0] *= groups;
-  return v;
-}
-
 // d[g] (+)= op(a[g]) op(b[g]) for every non-empty segment g. With d_rows (Fprop, Dgrad), a[g] and
 // d[g] are the segment's rows and b[g] the g-th block of `block` rows; without (Wgrad), a[g] and
 // b[g] are the segment's rows and d[g] the g-th block.
@@ -65,26 +58,23 @@ void check_stacked(const std::vector<Parameter*>& per_expert) {
 
 void grouped_linear_forward(Ctx& c, const ExpertGroups& eg, const Cached& x, Parameter& w0, const Tensor& y) {
   if (c.recipe.linear == LinearPrecision::bf16) {  // y[g] = x[g] W[g]^T
-    const Tensor wb = to_bf16(c, stacked(w0.weight, eg.groups));
+    const Tensor wb = weight_bf16(c, w0, eg.groups, false);
     return per_segment(c, eg, x.full.view(), wb.view(), y.view(), false, true, false, w0.weight.size(0), true);
   }
-  const TensorView W = stacked(w0.weight, eg.groups);  // [G * N, K]
-  QuantizedTensor wq = c.be.empty_quantized(W.size(0), W.size(1), DType::e4m3, ScaleKind::block_128x128);
-  c.be.quantize_128x128(W, wq, c.recipe.scale_mode);
+  const QuantizedTensor wq = weight_fp8(c, w0, eg.groups, false);  // [G * N, K]
   c.be.grouped_gemm_fp8_contiguous(x.q, wq, eg.row_group.view(), eg.groups, y.view(), options(c, false));
 }
 
 void grouped_linear_backward_input(Ctx& c, const ExpertGroups& eg, const Tensor& dy, Parameter& w0, const Tensor& dx,
                                    bool accumulate, ScaleMode dy_mode) {
   if (c.recipe.linear == LinearPrecision::bf16) {  // dx[g] (+)= dy[g] W[g]
-    const Tensor dyb = to_bf16(c, dy.view()), wb = to_bf16(c, stacked(w0.weight, eg.groups));
+    const Tensor dyb = to_bf16(c, dy.view()), wb = weight_bf16(c, w0, eg.groups, true);
     return per_segment(c, eg, dyb.view(), wb.view(), dx.view(), false, false, accumulate, w0.weight.size(0), true);
   }
   const int64_t G = eg.groups, N = w0.weight.size(0), K = w0.weight.size(1), R = dy.size(0);
   QuantizedTensor dyq = c.be.empty_quantized(R, N, DType::e4m3, ScaleKind::tile_1x128);
   c.be.quantize_1x128(dy.view(), dyq, dy_mode);
-  QuantizedTensor wq = c.be.empty_quantized(G * N, K, DType::e4m3, ScaleKind::block_128x128);
-  c.be.quantize_128x128(stacked(w0.weight, G), wq, c.recipe.scale_mode);
+  const QuantizedTensor wq = weight_fp8(c, w0, G, true);
   QuantizedTensor wtq = c.be.empty_quantized(G * K, N, DType::e4m3, ScaleKind::block_128x128);  // W[g]^T stacked
   c.be.transpose_128x128(wq, wtq, G);
   c.be.grouped_gemm_fp8_contiguous(dyq, wtq, eg.row_group.view(), G, dx.view(), options(c, accumulate));

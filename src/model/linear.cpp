@@ -161,6 +161,35 @@ GemmOptions gemm_options(Ctx& c, bool accumulate) {
 
 }  // namespace
 
+TensorView stacked(const Tensor& first, int64_t groups) {
+  TensorView v = first.view();
+  v.shape[0] *= groups;
+  return v;
+}
+
+Tensor weight_bf16(Ctx& c, const Parameter& w, int64_t groups, bool last_use) {
+  WeightCache::Entry* e = c.weights.find(w);
+  Tensor t = e && e->bf16.defined() ? e->bf16 : to_bf16(c, stacked(w.weight, groups));
+  if (e && last_use) c.weights.erase(w);
+  else if (e) e->bf16 = t;
+  return t;
+}
+
+QuantizedTensor weight_fp8(Ctx& c, const Parameter& w, int64_t groups, bool last_use) {
+  WeightCache::Entry* e = c.weights.find(w);
+  QuantizedTensor q;
+  if (e && e->fp8.values.defined()) {
+    q = e->fp8;
+  } else {
+    const TensorView W = stacked(w.weight, groups);
+    q = c.be.empty_quantized(W.size(0), W.size(1), DType::e4m3, ScaleKind::block_128x128);
+    quant_weight(c, W, q);
+  }
+  if (e && last_use) c.weights.erase(w);
+  else if (e) e->fp8 = q;
+  return q;
+}
+
 Cached cache_activation(Ctx& c, const TensorView& x, DType qdtype, ScaleMode mode, bool pad, LinearPrecision prec) {
   Cached k;
   k.rows = x.size(0);
@@ -206,15 +235,14 @@ void linear_forward(Ctx& c, const Cached& x, Parameter& w, const Tensor& y, Line
   switch (prec) {
     case LinearPrecision::full: c.be.gemm(x.full.view(), W, y.view(), false, true, false); return;
     case LinearPrecision::bf16: {
-      Tensor wb = to_bf16(c, W);
+      Tensor wb = weight_bf16(c, w, 1, false);
       c.be.gemm(x.full.view(), wb.view(), y.view(), false, true, false);
       return;
     }
     case LinearPrecision::fp8: {
       const int64_t N = W.size(0), K = W.size(1), Tp = x.q.values.size(0);
       FP8MOE_CHECK(K % kQuantGroup == 0, w.name << ": FP8 Fprop needs in features (" << K << ") % 128 == 0");
-      QuantizedTensor wq = c.be.empty_quantized(N, K, DType::e4m3, ScaleKind::block_128x128);
-      quant_weight(c, W, wq);
+      const QuantizedTensor wq = weight_fp8(c, w, 1, false);
       // The Tensor Cores read E4M3: an input cached wider (E5M6) is requantized for the GEMM.
       QuantizedTensor xe4;
       if (x.q.values.dtype() != DType::e4m3) {
@@ -242,7 +270,7 @@ void linear_backward_input(Ctx& c, const Tensor& dy, Parameter& w, const Tensor&
   switch (prec) {
     case LinearPrecision::full: c.be.gemm(dy.view(), W, dx.view(), false, false, accumulate); return;
     case LinearPrecision::bf16: {
-      Tensor dyb = to_bf16(c, dy.view()), wb = to_bf16(c, W);
+      Tensor dyb = to_bf16(c, dy.view()), wb = weight_bf16(c, w, 1, true);
       c.be.gemm(dyb.view(), wb.view(), dx.view(), false, false, accumulate);
       return;
     }
@@ -252,10 +280,16 @@ void linear_backward_input(Ctx& c, const Tensor& dy, Parameter& w, const Tensor&
       Tensor dyp = pad_cols(c, dy, Np);
       QuantizedTensor dyq = c.be.empty_quantized(T, Np, DType::e4m3, ScaleKind::tile_1x128);
       quant_act(c, dyp.view(), dyq, dy_mode);
-      // w^T's 128x128 blocks are w's blocks transposed: quantize w, then move bytes and scales.
-      Tensor wp = pad_rows(c, w.weight, Np);  // [Np, K]
-      QuantizedTensor wq = c.be.empty_quantized(Np, K, DType::e4m3, ScaleKind::block_128x128);
-      quant_weight(c, wp.view(), wq);
+      // w^T's 128x128 blocks are w's blocks transposed: quantize w (or take the forward's
+      // quantization), then move bytes and scales. Padded rows: quantized here, with zero rows.
+      QuantizedTensor wq;
+      if (Np == N) {
+        wq = weight_fp8(c, w, 1, true);
+      } else {
+        Tensor wp = pad_rows(c, w.weight, Np);  // [Np, K]
+        wq = c.be.empty_quantized(Np, K, DType::e4m3, ScaleKind::block_128x128);
+        quant_weight(c, wp.view(), wq);
+      }
       QuantizedTensor wtq = c.be.empty_quantized(K, Np, DType::e4m3, ScaleKind::block_128x128);  // [K, Np]
       c.be.transpose_128x128(wq, wtq, 1);
       c.be.gemm_fp8(dyq, wtq, dx.view(), gemm_options(c, accumulate));

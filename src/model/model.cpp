@@ -8,6 +8,7 @@
 // Its loss (mean over positions that have a t+2 in the sequence) enters with mtp_loss_weight.
 #include <cmath>
 #include <map>
+#include <optional>
 #include <random>
 
 #include "model_internal.hpp"
@@ -365,6 +366,9 @@ StepStats Model::Impl::run(Model& model, const TensorView& tokens, const TensorV
   st.tokens = b.tokens_count();
   if (backward) m.memory = MemoryAccount{};
   m.records.clear();
+  // A forward alone uses each weight once: nothing to share.
+  std::optional<model::WeightCache::Pass> pass;
+  if (backward) pass.emplace(m.ctx.weights);
   Tensor x = model.embed_forward(b);
   std::vector<std::unique_ptr<Saved>> saved;
   for (auto& layer : m.trunk) {

@@ -3,6 +3,7 @@
 // GEMMs per recipe, and the layer classes. Not a public header: users see include/fp8moe/model.hpp.
 #pragma once
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -10,10 +11,49 @@
 
 namespace fp8moe::model {
 
+// The weights as the GEMMs read them (BF16, or E4M3 in 128x128 blocks), converted once per
+// forward/backward pass: the Fprop, the backward's recomputation (the MLA up-projections) and the
+// Dgrad share one conversion. Entries exist only while a pass is open (Model runs each
+// forward/backward inside one; the weights do not change within it); outside a pass every lookup
+// converts afresh. The Dgrad, a weight's last use in a pass, takes its entry out, so the memory
+// is returned as the backward proceeds.
+class WeightCache {
+ public:
+  struct Entry {
+    Tensor bf16;
+    QuantizedTensor fp8;
+  };
+  // Open for the lifetime of a Pass; the entries go when it ends.
+  class Pass {
+   public:
+    explicit Pass(WeightCache& c) : c_(c) { c_.open_ = true; }
+    ~Pass() {
+      c_.open_ = false;
+      c_.entries_.clear();
+    }
+    Pass(const Pass&) = delete;
+    Pass& operator=(const Pass&) = delete;
+
+   private:
+    WeightCache& c_;
+  };
+  // The entry of w, created empty on first use (nullptr outside a pass).
+  Entry* find(const Parameter& w) {
+    if (!open_) return nullptr;
+    return &entries_[&w];
+  }
+  void erase(const Parameter& w) { entries_.erase(&w); }
+
+ private:
+  bool open_ = false;
+  std::map<const Parameter*, Entry> entries_;
+};
+
 struct Ctx {
   Backend& be;
   const Recipe& recipe;
   const ModelConfig& cfg;
+  WeightCache weights{};
   DType act() const { return recipe.act_dtype; }
   // A zero-filled activation: for outputs that an op accumulates into (or that are read before
   // every element is written).
@@ -73,6 +113,12 @@ void linear_backward_input(Ctx& c, const Tensor& dy, Parameter& w, const Tensor&
 // w.grad [N, K] += dy^T x.
 void linear_backward_weight(Ctx& c, const Cached& x, const Tensor& dy, Parameter& w, LinearPrecision prec,
                             ScaleMode dy_mode = ScaleMode::fp32);
+
+// The G matrices stacked from w (G = 1: w itself) as the GEMMs read them, from the pass's cache
+// when one is open (WeightCache); `last_use` (the Dgrad) takes the entry out of the cache.
+TensorView stacked(const Tensor& first, int64_t groups);
+Tensor weight_bf16(Ctx& c, const Parameter& w, int64_t groups, bool last_use);
+QuantizedTensor weight_fp8(Ctx& c, const Parameter& w, int64_t groups, bool last_use);
 
 // Host <-> backend helpers for small index/weight vectors.
 Tensor to_backend(Ctx& c, const Tensor& host);

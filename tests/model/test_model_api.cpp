@@ -182,6 +182,45 @@ TEST(ModelApi, AccumulationBiasUpdateAndSafetensors) {
   EXPECT_EQ(m2.forward(tok.view(), tgt.view()).loss, m.forward(tok.view(), tgt.view()).loss);
 }
 
+// The weights converted for the GEMMs (BF16, FP8 blocks) are shared within one forward_backward
+// and never outlive it: after the weights change, a model gives the same loss and gradients, bit
+// for bit, as a fresh model built with the changed weights.
+TEST(ModelApi, ConvertedWeightsFollowWeightChanges) {
+  auto be = make_backend("cpu");
+  const ModelConfig c = tiny_config();
+  for (const char* recipe : {"bf16", "fp8"}) {
+    SCOPED_TRACE(recipe);
+    auto rng = make_rng();
+    const uint64_t seed = rng();
+    auto [tok, tgt] = random_batch(rng, c);
+    const std::vector<std::string> changed{"model.layers.0.self_attn.q_b_proj.weight",
+                                           "model.layers.0.mlp.up_proj.weight",
+                                           "model.layers.1.mlp.experts.0.down_proj.weight", "lm_head.weight"};
+    auto change = [&](Model& m) {
+      for (const auto& name : changed) {
+        Parameter& p = m.parameter(name);
+        float* w = p.weight.ptr<float>();
+        for (int64_t i = 0; i < p.weight.numel(); ++i) w[i] *= (i % 3 == 0) ? -1.5f : 0.75f;
+      }
+    };
+    auto run = [&](Model& m) {
+      m.zero_grad();
+      const double loss = m.forward_backward(tok.view(), tgt.view(), 1.0).loss;
+      std::vector<double> g{loss};
+      for (auto& p : m.parameters())
+        for (double v : to_doubles(p.grad.view())) g.push_back(v);
+      return g;
+    };
+    Model a(c, Recipe::from_name(recipe), *be, seed), b(c, Recipe::from_name(recipe), *be, seed);
+    const auto before = run(a);
+    change(a);
+    change(b);
+    const auto after = run(a);
+    EXPECT_NE(after, before);
+    EXPECT_EQ(after, run(b));
+  }
+}
+
 // record_sublayers: every sublayer's x, y, dy, dx in execution order, chained (one sublayer's y is
 // the next one's x, its dx the previous one's dy; the trunk output's gradient is the sum of the
 // head's and the MTP eh part's dx), with gradients identical to a run without records.
