@@ -58,6 +58,12 @@ QuantizedTensor Backend::empty_quantized(int64_t rows, int64_t cols, DType dtype
 }
 
 // Model ops: a backend that does not implement one says so by name.
+void Backend::zero(const TensorView& dst) {
+  FP8MOE_CHECK(dst.is_contiguous(), "zero: " << dst.str() << " is not contiguous");
+  const Tensor z = empty(DType::u8, {int64_t(dst.nbytes())});
+  copy(TensorView(dst.data, DType::u8, {int64_t(dst.nbytes())}, dst.device), z.view());
+}
+
 #define FP8MOE_UNSUPPORTED(op) FP8MOE_CHECK(false, #op ": unsupported on backend " << name())
 void Backend::gemm(const TensorView&, const TensorView&, const TensorView&, bool, bool, bool) { FP8MOE_UNSUPPORTED(gemm); }
 void Backend::convert(const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(convert); }

@@ -75,6 +75,8 @@ class Backend {
   // a read before the write shows in its tests.
   virtual Tensor uninitialized(DType dtype, std::initializer_list<int64_t> shape) { return empty(dtype, shape); }
   virtual void copy(const TensorView& dst, const TensorView& src) = 0;
+  // Every byte of a contiguous tensor set to zero, in place (the gradients before a step).
+  virtual void zero(const TensorView& dst);
   // Waits for the device's queued work; raises the first failed deferred check (set_checks).
   virtual void synchronize() {}
   // Checks whose answer is computed on the device (index ranges, NaN/Inf reaching a quantizer).

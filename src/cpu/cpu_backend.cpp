@@ -39,6 +39,11 @@ class CpuBackend final : public Backend {
                  "copy: dst " << dst.str() << " and src " << src.str() << " differ in dtype or size");
     std::memcpy(dst.data, src.data, src.nbytes());
   }
+  void zero(const TensorView& dst) override {
+    require_host(dst, "dst");
+    FP8MOE_CHECK(dst.is_contiguous(), "zero: " << dst.str() << " is not contiguous");
+    std::memset(dst.data, 0, dst.nbytes());
+  }
 
   void quantize_1x128(const TensorView& x, const QuantizedView& out, ScaleMode mode) override {
     fp8moe::quantize_1x128(x, out, mode);

@@ -204,6 +204,13 @@ class CudaBackend final : public Backend {
     FP8MOE_CUDA_CHECK(cudaMemcpy(dst.data, src.data, src.nbytes(), cudaMemcpyDefault));
   }
 
+  void zero(const TensorView& dst) override {
+    FP8MOE_TIMED_OP("zero");
+    FP8MOE_CHECK(dst.device == Device::cuda && dst.is_contiguous(),
+                 "zero: " << dst.str() << " must be a contiguous tensor on the GPU");
+    if (dst.nbytes() > 0) FP8MOE_CUDA_CHECK(cudaMemsetAsync(dst.data, 0, dst.nbytes(), nullptr));
+  }
+
   Tensor empty_host(DType dtype, std::initializer_list<int64_t> shape) override {
     FP8MOE_TIMED_OP("empty_host");
     int64_t n = 1;

@@ -306,10 +306,7 @@ void Model::set_mtp_loss_weight(double w) {
 }
 
 void Model::zero_grad() {
-  for (const Tensor& g : impl_->grad_blocks) {
-    Tensor z = model::empty_like(impl_->be, g.view());
-    impl_->be.copy(g.view(), z.view());
-  }
+  for (const Tensor& g : impl_->grad_blocks) impl_->be.zero(g.view());
 }
 
 Batch Model::make_batch(const TensorView& tokens, const TensorView& targets) const {

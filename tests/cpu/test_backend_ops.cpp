@@ -272,6 +272,25 @@ INSTANTIATE_TEST_SUITE_P(All, BackendOps, ::testing::ValuesIn(all_cases()),
                            return info.param.backend + "_" + std::string(op_name(info.param.op));
                          });
 
+// zero: every byte of the tensor, in place, on every backend; the Backend default (a copy from a
+// zero-filled tensor) does the same.
+TEST(Backends, ZeroClearsInPlace) {
+  for (const std::string& name : available_backends()) {
+    SCOPED_TRACE(name);
+    auto be = make_backend(name);
+    for (bool fallback : {false, true}) {
+      Tensor t = be->empty(DType::f32, {37, 129});
+      poison(*be, t);
+      const TensorView rows = t.view();
+      if (fallback) be->Backend::zero(rows);
+      else be->zero(rows);
+      for (double v : to_doubles(be->to_host(t))) ASSERT_EQ(v, 0.0);
+    }
+    Tensor e = be->empty(DType::bf16, {0, 8});
+    EXPECT_NO_THROW(be->zero(e.view()));
+  }
+}
+
 TEST(Backends, RegistryAndErrors) {
   auto names = available_backends();
   ASSERT_FALSE(names.empty());
