@@ -12,6 +12,7 @@ std::string_view op_name(Op op) {
     case Op::quantize_1x128: return "quantize_1x128";
     case Op::quantize_128x128: return "quantize_128x128";
     case Op::quantize_128x1: return "quantize_128x1";
+    case Op::quantize_1x128_and_128x1: return "quantize_1x128_and_128x1";
     case Op::requantize_128x1: return "requantize_128x1";
     case Op::transpose_128x128: return "transpose_128x128";
     case Op::dequantize: return "dequantize";
@@ -55,6 +56,13 @@ std::string_view op_name(Op op) {
 QuantizedTensor Backend::empty_quantized(int64_t rows, int64_t cols, DType dtype, ScaleKind kind) {
   auto ss = scale_shape(kind, rows, cols);
   return {uninitialized(dtype, {rows, cols}), uninitialized(DType::f32, {ss[0], ss[1]}), kind};
+}
+
+void Backend::quantize_1x128_and_128x1(const TensorView& x, const QuantizedView& rows, const QuantizedView& cols,
+                                       ScaleMode mode) {
+  check_quantize_1x128_and_128x1(x, rows, cols);
+  quantize_1x128(x, rows, mode);
+  quantize_128x1(x, cols, mode);
 }
 
 // Model ops: a backend that does not implement one says so by name.

@@ -19,6 +19,7 @@ enum class Op : uint8_t {
   quantize_1x128,
   quantize_128x128,
   quantize_128x1,
+  quantize_1x128_and_128x1,
   requantize_128x1,
   transpose_128x128,
   dequantize,
@@ -111,6 +112,12 @@ class Backend {
   virtual void quantize_1x128(const TensorView& x, const QuantizedView& out, ScaleMode mode) = 0;
   virtual void quantize_128x128(const TensorView& w, const QuantizedView& out, ScaleMode mode) = 0;
   virtual void quantize_128x1(const TensorView& x, const QuantizedView& out, ScaleMode mode) = 0;
+  // x [T, C] -> rows [T, C] exactly as quantize_1x128(x, rows) and cols [C, T] exactly as
+  // quantize_128x1(x, cols) write them (scales and padding included): the Linear backward's output
+  // gradient for its Dgrad and its Wgrad. The default checks both outputs, then runs the two ops
+  // (the specification); a backend may read x once for both.
+  virtual void quantize_1x128_and_128x1(const TensorView& x, const QuantizedView& rows, const QuantizedView& cols,
+                                        ScaleMode mode);
   virtual void requantize_128x1(const QuantizedView& in, const QuantizedView& out, ScaleMode mode) = 0;
   virtual void transpose_128x128(const QuantizedView& in, const QuantizedView& out, int64_t groups) = 0;
   virtual void dequantize(const QuantizedView& in, const TensorView& out) = 0;

@@ -72,6 +72,9 @@ void quantize_1x128(const TensorView& x, const QuantizedView& out, ScaleMode mod
 void quantize_128x128(const TensorView& w, const QuantizedView& out, ScaleMode mode = ScaleMode::fp32);
 // x [T, C] f32 | bf16  ->  out [C, T] 1x128-scaled along T (x^T, grouped along tokens).
 void quantize_128x1(const TensorView& x, const QuantizedView& out, ScaleMode mode = ScaleMode::fp32);
+// Raises unless rows and cols fit quantize_1x128(x, rows) and quantize_128x1(x, cols) (the checks
+// of both, before either writes): Backend::quantize_1x128_and_128x1's arguments.
+void check_quantize_1x128_and_128x1(const TensorView& x, const QuantizedView& rows, const QuantizedView& cols);
 // Per-tensor quantization (the coarse baseline the report improves on), written in either layout
 // with every scale equal to the tensor's amax / max_finite, so the GEMMs consume it unchanged.
 void quantize_per_tensor(const TensorView& x, const QuantizedView& out, ScaleMode mode = ScaleMode::fp32);

@@ -435,6 +435,42 @@ int run_quant_bench(const QuantBenchOptions& opt) {
     std::snprintf(shape, sizeof shape, "%lldx%lld bf16->e4m3", (long long)T, (long long)C);
     row("quantize_128x128", shape, double(T * C) * 3, us, compare(q, ref) ? "yes" : "NO");
   }
+  // The Linear backward's dy in both layouts from one read, from bf16 and from f32 (the model's
+  // dy), against the two quantizers it replaces: x read once, both outputs and their scales written.
+  Tensor xf_h = Tensor::host(DType::f32, {T, C});
+  for (int64_t i = 0; i < T * C; ++i) xf_h.ptr<float>()[i] = load_float(xh_t.view(), i);
+  DeviceBuffer xf(size_t(T * C) * 4);
+  FP8MOE_CUDA_CHECK(cudaMemcpy(xf.p, xf_h.view().data, xf.bytes, cudaMemcpyHostToDevice));
+  std::vector<std::string> versus;
+  for (const Tensor* in_h : {&xh_t, &xf_h}) {
+    const DType dt = in_h->dtype();
+    const TensorView in = dt == DType::f32 ? dview(xf.p, dt, T, C) : xv;
+    DeviceQuantized rows(T, C, ScaleKind::tile_1x128), cols(C, T, ScaleKind::tile_1x128);
+    const double us_rows = timer.median_us([&] { quantize_1x128_cuda(in, rows.view, ScaleMode::fp32, nullptr, false); },
+                                           opt.warmup, opt.iters);
+    const double us_cols = timer.median_us([&] { quantize_128x1_cuda(in, cols.view, ScaleMode::fp32, nullptr, false); },
+                                           opt.warmup, opt.iters);
+    const double us = timer.median_us(  // last: its outputs are the ones checked
+        [&] { quantize_1x128_and_128x1_cuda(in, rows.view, cols.view, ScaleMode::fp32, nullptr, false); }, opt.warmup,
+        opt.iters);
+    QuantizedTensor ref_rows = make_quantized_host(T, C, DType::e4m3, ScaleKind::tile_1x128),
+                    ref_cols = make_quantized_host(C, T, DType::e4m3, ScaleKind::tile_1x128);
+    fp8moe::quantize_1x128(in_h->view(), ref_rows.view(), ScaleMode::fp32);
+    fp8moe::quantize_128x1(in_h->view(), ref_cols.view(), ScaleMode::fp32);
+    const bool exact_rows = compare(rows, ref_rows), exact_cols = compare(cols, ref_cols);
+    std::snprintf(shape, sizeof shape, "%lldx%lld %s->e4m3 + [C,T] e4m3", (long long)T, (long long)C,
+                  std::string(dtype_name(dt)).c_str());
+    const double bytes = double(T * C) * double(dtype_size(dt) + 2) + scale_bytes_tc +
+                         double((T + 127) / 128 * scale_ld(C)) * 4;
+    row("quantize_1x128_and_128x1", shape, bytes, us, exact_rows && exact_cols ? "yes" : "NO");
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "# quantize_1x128_and_128x1 from %s: %.1f us against quantize_1x128 + quantize_128x1 %.1f + %.1f = "
+                  "%.1f us (%.2fx)",
+                  std::string(dtype_name(dt)).c_str(), us, us_rows, us_cols, us_rows + us_cols, (us_rows + us_cols) / us);
+    versus.push_back(line);
+  }
+  for (const std::string& l : versus) std::printf("%s\n", l.c_str());
   std::printf("# bit-exact: %s\n", all_exact ? "all cases" : "MISMATCH");
   return all_exact ? 0 : 1;
 }

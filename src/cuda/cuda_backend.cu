@@ -294,6 +294,13 @@ class CudaBackend final : public Backend {
     FP8MOE_TIMED_OP("quantize_128x1");
     cuda::quantize_128x1_cuda(x, out, mode, nullptr, true);
   }
+  void quantize_1x128_and_128x1(const TensorView& x, const QuantizedView& rows, const QuantizedView& cols,
+                                ScaleMode mode) override {
+    // E5M6 rows (quantize_1x128 only): the two ops.
+    if (rows.values.dtype == DType::e5m6) return Backend::quantize_1x128_and_128x1(x, rows, cols, mode);
+    FP8MOE_TIMED_OP("quantize_1x128_and_128x1");
+    cuda::quantize_1x128_and_128x1_cuda(x, rows, cols, mode, nullptr, true);
+  }
   void requantize_128x1(const QuantizedView& in, const QuantizedView& out, ScaleMode mode) override {
     FP8MOE_TIMED_OP("requantize_128x1");
     cuda::requantize_128x1_cuda(in, out, mode, nullptr);

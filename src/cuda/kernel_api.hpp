@@ -55,6 +55,10 @@ void quantize_128x128_cuda(const TensorView& w, const QuantizedView& out, ScaleM
                            bool check_finite);
 void quantize_128x1_cuda(const TensorView& x, const QuantizedView& out, ScaleMode mode, cudaStream_t stream,
                          bool check_finite);
+// x [T, C] -> rows [T, C] as quantize_1x128_cuda writes it and cols [C, T] as quantize_128x1_cuda
+// does (rows and cols e4m3 or e5m2), in one pass over x where the shapes allow (quantize.cu).
+void quantize_1x128_and_128x1_cuda(const TensorView& x, const QuantizedView& rows, const QuantizedView& cols,
+                                   ScaleMode mode, cudaStream_t stream, bool check_finite);
 void requantize_128x1_cuda(const QuantizedView& in, const QuantizedView& out, ScaleMode mode, cudaStream_t stream);
 void transpose_128x128_cuda(const QuantizedView& in, const QuantizedView& out, int64_t groups, cudaStream_t stream);
 void dequantize_cuda(const QuantizedView& in, const TensorView& out, cudaStream_t stream);

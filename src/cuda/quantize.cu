@@ -7,6 +7,8 @@
 //   quantize_1x128    x [R, C] f32|bf16 -> q [R, C], s [ceil(C/128), ld(R)]  (one pass, 4 lanes per tile)
 //   quantize_128x128  w [R, C]          -> q [R, C], s [ceil(R/128), ceil(C/128)]
 //   quantize_128x1    x [T, C]          -> q [C, T], s [ceil(T/128), ld(C)]  (128x128 tiles through smem)
+//   quantize_1x128_and_128x1 x [T, C]  -> the outputs of quantize_1x128 and quantize_128x1 from one read
+//                                         of x (the 128x1 kernel's tiles also write the rows)
 //   requantize_128x1  q [T, C] 1x128    -> q [C, T] 1x128 along T            (dequantize, transpose, requantize;
 //                                                                               persistent CTAs, cp.async stages)
 //   transpose_128x128 q [G*R, C] 128x128 -> q [G*C, R] 128x128, per group     (bytes and block scales moved)
@@ -125,15 +127,9 @@ __global__ void __launch_bounds__(256, sizeof(Tin) == 2 ? 3 : 2) quantize_128x12
   for (int p = 0; p < PASSES; ++p) {
     const int64_t r = r0 + rr + p * ROWS_PER_PASS;
     uint32_t out[VEC / 4];
-#pragma unroll
-    for (int i = 0; i < VEC / 4; ++i) {
-      const float2 a = pair16<Tin>(raw[p], 2 * i), b = pair16<Tin>(raw[p], 2 * i + 1);
-      const float v[4] = {a.x, a.y, b.x, b.y};
-      out[i] = quantize4<kE5M2>(v, inv);
-    }
+    quantize_vec16<Tin, kE5M2>(raw[p], AsIs{}, inv, out);
     if (kVec && r < R && c < C) {
-      if constexpr (VEC == 8) *reinterpret_cast<uint2*>(q + r * C + c) = make_uint2(out[0], out[1]);
-      else *reinterpret_cast<uint32_t*>(q + r * C + c) = out[0];
+      store_words(q + r * C + c, out);
     } else if (!kVec && r < R) {
 #pragma unroll
       for (int i = 0; i < VEC; ++i)
@@ -156,6 +152,15 @@ __global__ void __launch_bounds__(256, sizeof(Tin) == 2 ? 3 : 2) quantize_128x12
 //   3. each thread encodes its TPT tokens of each of its channels into one TPT-byte unit and writes
 //      it to the transposed byte tile [128 channels][128 tokens] in shared memory;
 //   4. the tile is written out as 128-byte rows of q with 16-byte stores.
+// With kRows (quantize_1x128_and_128x1; f32|bf16 input, vector path) the same tile also yields the
+// row-major 1x128 output of its 128 tokens (RowsOut): in phase 2 each thread's amax of each of its
+// tokens over its VEC channels, reduced over the CHUNKS lanes holding the token block (rows_amax),
+// gives the token's scale and reciprocal (shared memory, like the channels'); in phase 3 each
+// thread encodes its VEC channels of each of its tokens and stores them, VEC bytes, straight to
+// q_rows [T, C] (a token block's CHUNKS lanes write 128 contiguous bytes). NaN/Inf needs no test
+// of the token amaxes: every element is in a channel amax, which is tested. Per element this adds
+// an amax, a product and half a paired conversion to the 128x1 work, and the reads stay one; the
+// aim is the 128x1 kernel's time plus the rows' bytes (not yet measured: `fp8moe bench quant`).
 // NOTES: the byte tile is XOR-swizzled by units (unit u of channel row c at u ^ swz(c)) so that the
 // unit writes of phase 3 (8, 16 or 4 bytes per lane) and the 16-byte row reads of phase 4 are both
 // free of bank conflicts; bf16 swizzles at 8-byte granularity, so a 16-byte read may find its two
@@ -176,16 +181,25 @@ struct T128x1 {
   __device__ static int swz(int c) { return ((c / VEC) * SWZ) % NU; }
 };
 
-template <class Tin, bool kInE5M2, bool kE5M2, bool kVecIn, bool kVecOut>
+// The kRows output: x's 1x128 quantization, q [T, C] and s [ceil(C/128), ld] (quantize_1x128's).
+struct RowsOut {
+  uint8_t* q = nullptr;
+  float* s = nullptr;
+  int64_t ld = 0;
+};
+
+template <class Tin, bool kInE5M2, bool kE5M2, bool kVecIn, bool kVecOut, bool kRows>
 __global__ void __launch_bounds__(256) quantize_128x1_kernel(const Tin* __restrict__ x, const float* __restrict__ s_in,
                                                              int64_t ld_in, uint8_t* __restrict__ q,
                                                              float* __restrict__ s, int64_t T, int64_t C, int64_t ld,
-                                                             float max_finite, bool pow2, bool check) {
+                                                             RowsOut rows, float max_finite, bool pow2, bool check) {
   using L = T128x1<Tin>;
   constexpr bool kFp8In = sizeof(Tin) == 1;
+  static_assert(!kRows || (kVecIn && !kFp8In), "the 1x128 output needs f32|bf16 input on the vector path");
   __shared__ __align__(16) uint8_t tile[128 * 128];  // [channel][token] bytes, swizzled units
   __shared__ __align__(16) float red[8][128];
   __shared__ __align__(16) float inv_s[128];
+  __shared__ __align__(16) float inv_rows[kRows ? 128 : 4];  // kRows: 1 / scale of the tile's tokens
   const int64_t t0 = int64_t(blockIdx.y) * 128, c0 = int64_t(blockIdx.x) * 128;
   const int chunk = threadIdx.x % L::CHUNKS, tb = threadIdx.x / L::CHUNKS;
   const int64_t c = c0 + chunk * L::VEC;
@@ -217,10 +231,13 @@ __global__ void __launch_bounds__(256) quantize_128x1_kernel(const Tin* __restri
     }
   };
 
-  // 2. per-channel amax and scales
+  // 2. per-channel amax and scales (kRows: per-token too)
   float pa[L::VEC];
+  float ta[L::TPT];  // kRows: the thread's amax of each of its tokens
 #pragma unroll
   for (int j = 0; j < L::VEC; ++j) pa[j] = 0.0f;
+#pragma unroll
+  for (int k = 0; k < L::TPT; ++k) ta[k] = 0.0f;
 #pragma unroll
   for (int k = 0; k < L::TPT; ++k)
 #pragma unroll
@@ -228,7 +245,19 @@ __global__ void __launch_bounds__(256) quantize_128x1_kernel(const Tin* __restri
       const float2 p = pair(k, i);
       pa[2 * i] = amax_nan(pa[2 * i], p.x);
       pa[2 * i + 1] = amax_nan(pa[2 * i + 1], p.y);
+      if constexpr (kRows) ta[k] = amax_nan(amax_nan(ta[k], p.x), p.y);
     }
+  if constexpr (kRows) {
+    // The token block's CHUNKS lanes (aligned in the warp) hold its tokens' 128 channels; lane
+    // chunk < TPT ends up with token tb * TPT + chunk.
+    const float amax = rows_amax<L::TPT, L::CHUNKS>(ta);
+    if (chunk < L::TPT) {
+      const int tl = tb * L::TPT + chunk;
+      const float sc = scale_of(amax, max_finite, pow2);
+      inv_rows[tl] = inv_scale(sc);
+      if (t0 + tl < T) rows.s[(c0 / 128) * rows.ld + t0 + tl] = sc;
+    }
+  }
 #pragma unroll
   for (int o = L::CHUNKS; o < 32; o *= 2)
 #pragma unroll
@@ -251,7 +280,23 @@ __global__ void __launch_bounds__(256) quantize_128x1_kernel(const Tin* __restri
   }
   __syncthreads();
 
-  // 3. encode into the transposed byte tile, two channels at a time: channel 2i + e gets the unit
+  // 3a. (kRows) each of the thread's tokens: its VEC channels to q_rows [T, C], one store.
+  if constexpr (kRows) {
+#pragma unroll
+    for (int k4 = 0; k4 < L::TPT; k4 += 4) {
+      const float4 r4 = *reinterpret_cast<const float4*>(&inv_rows[tb * L::TPT + k4]);
+      const float r[4] = {r4.x, r4.y, r4.z, r4.w};
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const int64_t t = t0 + tb * L::TPT + k4 + kk;
+        uint32_t w[L::VEC / 4];
+        quantize_vec16<Tin, kE5M2>(raw[k4 + kk], AsIs{}, r[kk], w);
+        if (t < T && c < C) store_words(rows.q + t * C + c, w);
+      }
+    }
+  }
+
+  // 3b. encode into the transposed byte tile, two channels at a time: channel 2i + e gets the unit
   // of bytes encode(value(token k) * r), k < TPT, in words[e] (token k in byte k % 4 of word k / 4).
 #pragma unroll
   for (int i = 0; i < L::VEC / 2; ++i) {
@@ -653,30 +698,37 @@ void quantize_128x128_cuda(const TensorView& w, const QuantizedView& out, ScaleM
 
 namespace {
 
-// Shared launcher of the transposing kernels: input x [T, C] (values, or FP8 values + scales).
+// Shared launcher of the transposing kernels: input x [T, C] (values, or FP8 values + scales);
+// with `rows` (f32|bf16 input on the vector path, rows in out's dtype) x's 1x128 quantization too.
 template <class Tin, bool kInE5M2>
 void launch_128x1(const Tin* x, const float* s_in, int64_t ld_in, bool in_vec_ok, const QuantizedView& out,
-                  int64_t T, int64_t C, ScaleMode mode, cudaStream_t stream, bool check) {
+                  const QuantizedView* rows, int64_t T, int64_t C, ScaleMode mode, cudaStream_t stream, bool check) {
   const float mf = float(max_finite(out.values.dtype));
   const bool pow2 = mode == ScaleMode::pow2, e5m2 = out.values.dtype == DType::e5m2;
   const bool out_vec_ok = T % 16 == 0 && aligned16(out.values.data);
   FP8MOE_CHECK((T + 127) / 128 < 65536, "quantize_128x1: too many token blocks (" << T << " tokens)");
   const dim3 grid(unsigned((C + 127) / 128), unsigned((T + 127) / 128));
   const int64_t ld = out.scales.size(1);
-  auto go = [&](auto e5, auto vi, auto vo) {
-    quantize_128x1_kernel<Tin, kInE5M2, decltype(e5)::value, decltype(vi)::value, decltype(vo)::value>
-        <<<grid, 256, 0, stream>>>(x, s_in, ld_in, out.values.ptr<uint8_t>(), out.scales.ptr<float>(), T, C, ld, mf,
-                                   pow2, check);
+  const RowsOut ro = rows ? RowsOut{rows->values.ptr<uint8_t>(), rows->scales.ptr<float>(), rows->scales.size(1)}
+                          : RowsOut{};
+  auto go = [&](auto e5, auto vi, auto vo, auto kr) {
+    quantize_128x1_kernel<Tin, kInE5M2, decltype(e5)::value, decltype(vi)::value, decltype(vo)::value,
+                          decltype(kr)::value><<<grid, 256, 0, stream>>>(
+        x, s_in, ld_in, out.values.ptr<uint8_t>(), out.scales.ptr<float>(), T, C, ld, ro, mf, pow2, check);
   };
   using T_ = std::true_type;
   using F_ = std::false_type;
   auto go2 = [&](auto e5) {
-    if (in_vec_ok) out_vec_ok ? go(e5, T_{}, T_{}) : go(e5, T_{}, F_{});
-    else out_vec_ok ? go(e5, F_{}, T_{}) : go(e5, F_{}, F_{});
+    if constexpr (sizeof(Tin) > 1) {
+      if (rows) return out_vec_ok ? go(e5, T_{}, T_{}, T_{}) : go(e5, T_{}, F_{}, T_{});
+    }
+    if (in_vec_ok) out_vec_ok ? go(e5, T_{}, T_{}, F_{}) : go(e5, T_{}, F_{}, F_{});
+    else out_vec_ok ? go(e5, F_{}, T_{}, F_{}) : go(e5, F_{}, F_{}, F_{});
   };
   e5m2 ? go2(T_{}) : go2(F_{});
   FP8MOE_CUDA_CHECK_LAUNCH("quantize_128x1_kernel");
   fill_padding(out.scales, C, stream);
+  if (rows) fill_padding(rows->scales, T, stream);
 }
 
 // The requantizer's vector path (x 16-byte aligned, C % 16 == 0): persistent CTAs, as many as fit
@@ -727,10 +779,42 @@ void quantize_128x1_cuda(const TensorView& x, const QuantizedView& out, ScaleMod
   const bool in_vec_ok = aligned16(x.data) && (C * int64_t(dtype_size(x.dtype))) % 16 == 0;
   reset_flag(stream, check_finite);
   if (x.dtype == DType::bf16)
-    launch_128x1<__nv_bfloat16, false>(x.ptr<const __nv_bfloat16>(), nullptr, 0, in_vec_ok, out, T, C, mode, stream,
-                                       check_finite);
+    launch_128x1<__nv_bfloat16, false>(x.ptr<const __nv_bfloat16>(), nullptr, 0, in_vec_ok, out, nullptr, T, C, mode,
+                                       stream, check_finite);
   else
-    launch_128x1<float, false>(x.ptr<const float>(), nullptr, 0, in_vec_ok, out, T, C, mode, stream, check_finite);
+    launch_128x1<float, false>(x.ptr<const float>(), nullptr, 0, in_vec_ok, out, nullptr, T, C, mode, stream,
+                               check_finite);
+  raise_if_flagged(stream, check_finite, "x");
+}
+
+void quantize_1x128_and_128x1_cuda(const TensorView& x, const QuantizedView& rows, const QuantizedView& cols,
+                                   ScaleMode mode, cudaStream_t stream, bool check_finite) {
+  check_quantize_1x128_and_128x1(x, rows, cols);
+  check_device(x, "x");
+  check_device(rows.values, "rows.values");
+  check_device(rows.scales, "rows.scales");
+  check_device(cols.values, "cols.values");
+  check_device(cols.scales, "cols.scales");
+  check_out_dtype(rows, "rows");
+  check_out_dtype(cols, "cols");
+  const int64_t T = x.size(0), C = x.size(1);
+  if (T == 0 || C == 0) return;
+  // NOTES: the 128x1 kernel writes the rows too where its vector path applies (x 16-byte aligned,
+  // C a multiple of the 16-byte vector's values) and both outputs share one FP8 dtype; other
+  // shapes and dtype pairs (C = 130, rows e5m2 and cols e4m3) take the two kernels, x read twice.
+  const bool fused = aligned16(x.data) && (C * int64_t(dtype_size(x.dtype))) % 16 == 0 &&
+                     aligned16(rows.values.data) && rows.values.dtype == cols.values.dtype;
+  if (!fused) {
+    quantize_1x128_cuda(x, rows, mode, stream, check_finite);
+    quantize_128x1_cuda(x, cols, mode, stream, check_finite);
+    return;
+  }
+  reset_flag(stream, check_finite);
+  if (x.dtype == DType::bf16)
+    launch_128x1<__nv_bfloat16, false>(x.ptr<const __nv_bfloat16>(), nullptr, 0, true, cols, &rows, T, C, mode,
+                                       stream, check_finite);
+  else
+    launch_128x1<float, false>(x.ptr<const float>(), nullptr, 0, true, cols, &rows, T, C, mode, stream, check_finite);
   raise_if_flagged(stream, check_finite, "x");
 }
 
@@ -757,9 +841,9 @@ void requantize_128x1_cuda(const QuantizedView& in, const QuantizedView& out, Sc
     e5 ? launch_requantize<true>(x, s, ld_in, out, T, C, mode, stream)
        : launch_requantize<false>(x, s, ld_in, out, T, C, mode, stream);
   else if (e5)
-    launch_128x1<uint8_t, true>(x, s, ld_in, false, out, T, C, mode, stream, false);
+    launch_128x1<uint8_t, true>(x, s, ld_in, false, out, nullptr, T, C, mode, stream, false);
   else
-    launch_128x1<uint8_t, false>(x, s, ld_in, false, out, T, C, mode, stream, false);
+    launch_128x1<uint8_t, false>(x, s, ld_in, false, out, nullptr, T, C, mode, stream, false);
 }
 
 void transpose_128x128_cuda(const QuantizedView& in, const QuantizedView& out, int64_t groups, cudaStream_t stream) {

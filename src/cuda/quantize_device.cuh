@@ -119,6 +119,52 @@ __device__ __forceinline__ float2 pair16_fp8(const uint4& raw, int i) {
   return decode2<kE5M2>(word16(raw, i / 2) >> (16 * (i % 2)));
 }
 
+// The bytes encode(f(value) * r) of the 16 / sizeof(Tin) values of one 16-byte vector of f32 or
+// bf16 values, as little-endian words (one or two).
+template <class Tin, bool kE5M2, class F>
+__device__ __forceinline__ void quantize_vec16(const uint4& raw, F f, float r, uint32_t (&w)[4 / sizeof(Tin)]) {
+#pragma unroll
+  for (int i = 0; i < int(4 / sizeof(Tin)); ++i) {
+    const float2 a = f(pair16<Tin>(raw, 2 * i)), b = f(pair16<Tin>(raw, 2 * i + 1));
+    const float v[4] = {a.x, a.y, b.x, b.y};
+    w[i] = quantize4<kE5M2>(v, r);
+  }
+}
+
+// One or two words to dst as one store (dst aligned to their size).
+template <int N>
+__device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t (&w)[N]) {
+  static_assert(N == 1 || N == 2);
+  if constexpr (N == 2) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  else *reinterpret_cast<uint32_t*>(dst) = w[0];
+}
+
+// Row amaxes of a group of kLanes lanes (aligned, a power of two) that each hold partial amaxes
+// v[k] (>= 0 or NaN) of the same kRows rows (a power of two <= kLanes): lane l gets the group's
+// amax of row l % kRows, NaN propagating as amax_nan. Recursive halving (each step a lane keeps
+// half of the rows it still holds and trades the other half with its partner) takes kRows - 1 +
+// log2(kLanes / kRows) shuffles, where kRows separate lanes_amax would take kRows * log2(kLanes).
+// v is overwritten. Every lane of the warp must take part.
+template <int kRows, int kLanes>
+__device__ __forceinline__ float rows_amax(float (&v)[kRows]) {
+  static_assert(kRows >= 1 && kRows <= kLanes && kLanes <= 32 && (kRows & (kRows - 1)) == 0 &&
+                (kLanes & (kLanes - 1)) == 0);
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int o = kRows / 2; o >= 1; o /= 2) {
+    const bool hi = lane & o;  // of the 2o rows held, keep [o, 2o) (hi) or [0, o) in v[0, o)
+#pragma unroll
+    for (int i = 0; i < o; ++i) {
+      const float give = hi ? v[i] : v[i + o], keep = hi ? v[i + o] : v[i];
+      v[i] = amax_nan(keep, __shfl_xor_sync(0xffffffffu, give, o));
+    }
+  }
+  float a = v[0];
+#pragma unroll
+  for (int o = kRows; o < kLanes; o *= 2) a = amax_nan(a, __shfl_xor_sync(0xffffffffu, a, o));
+  return a;
+}
+
 // ---- 1x128 tiles, four lanes per tile ----
 // Lanes 4k..4k+3 of a warp share one tile of 128 values; lane t holds the 16-byte input vectors
 // h * 4 + t (h < NV) of it, so each warp-wide load covers 64 contiguous input bytes of each tile it
@@ -177,16 +223,10 @@ __device__ __forceinline__ void store_tile_1x128(uint8_t* __restrict__ dst, int 
   for (int h = 0; h < L::NV; ++h) {
     const int c = (h * 4 + t) * L::VEC;
     uint32_t w[L::VEC / 4];
-#pragma unroll
-    for (int i = 0; i < L::VEC / 4; ++i) {
-      const float2 a = f(pair16<Tin>(raw[h], 2 * i)), b = f(pair16<Tin>(raw[h], 2 * i + 1));
-      const float v[4] = {a.x, a.y, b.x, b.y};
-      w[i] = quantize4<kE5M2>(v, r);
-    }
+    quantize_vec16<Tin, kE5M2>(raw[h], f, r, w);
     if constexpr (kVec) {
       if (c >= limit) continue;
-      if constexpr (L::VEC == 8) *reinterpret_cast<uint2*>(dst + c) = make_uint2(w[0], w[1]);
-      else *reinterpret_cast<uint32_t*>(dst + c) = w[0];
+      store_words(dst + c, w);
     } else {
 #pragma unroll
       for (int i = 0; i < L::VEC; ++i)

@@ -54,8 +54,9 @@ class AttentionLayer final : public Layer {
     Cached ckvn;             // [T, rkv] input of kv_b_proj
     Cached o;                // [T, H*dv] attention output = o_proj input
     Tensor lse;              // [H, T]
-    // Output gradients kept from B for W.
-    Tensor dy, dq, dcqn, dcq, dkv, dckvn, dckv, dh;
+    // Output gradients kept from B for W: the Linears' (as their Wgrads read them), the norms'.
+    WgradDy dy, dq, dcq, dkv, dckv;
+    Tensor dcqn, dckvn, dh;
   };
 
   // q [T, H*dqk] and kv [T, H*(dn+dv)] from the cached Linear inputs (the up-projections), then
@@ -153,9 +154,8 @@ class AttentionLayer final : public Layer {
     auto& s = static_cast<State&>(saved);
     const int64_t T = dy.size(0), D = dy.size(1);
     const LinearPrecision prec = c_.recipe.linear;
-    s.dy = dy;
     Tensor dO = c_.uninit({T, H_, dv_});
-    linear_backward_input(c_, dy, *o_, reshaped(dO, {T, H_ * dv_}), false, prec);
+    s.dy = linear_backward_input(c_, dy, *o_, reshaped(dO, {T, H_ * dv_}), false, prec);
     Tensor Q, K, V;
     build_qkv(b, s, Q, K, V);  // recomputation of the up-projections
     Tensor O = s.o.restore(c_);  // [T, H*dv]
@@ -164,12 +164,12 @@ class AttentionLayer final : public Layer {
                              dQ.view(), dK.view(), dV.view(), b.seq, scale_);
     // RoPE backward: the inverse rotation of the gradient.
     c_.be.rope(dQ.view(), dn_, dr_, b.positions.view(), c_.cfg.rope_theta, true);
-    s.dq = c_.uninit({T, H_ * dqk_});
-    c_.be.copy(s.dq.view(), reshape(dQ.view(), {T, H_ * dqk_}));
-    s.dkv = c_.uninit({T, H_ * (dn_ + dv_)});
+    Tensor dq = c_.uninit({T, H_ * dqk_});
+    c_.be.copy(dq.view(), reshape(dQ.view(), {T, H_ * dqk_}));
+    Tensor dkv = c_.uninit({T, H_ * (dn_ + dv_)});
     Tensor dkpe = c_.zeros({T, 1, dr_});  // zero-filled: the heads' gradients accumulate into it
     // dkv [T*H, dn+dv] = [dK's k_nope | dV] of every head, one copy each.
-    const TensorView dkvh = reshape(s.dkv.view(), {T * H_, dn_ + dv_});
+    const TensorView dkvh = reshape(dkv.view(), {T * H_, dn_ + dv_});
     c_.be.copy_cols(reshape(dK.view(), {T * H_, dqk_}), 0, dkvh, 0, dn_, false);
     c_.be.copy_cols(reshape(dV.view(), {T * H_, dv_}), 0, dkvh, dn_, dv_, false);
     const TensorView dK2 = reshape(dK.view(), {T, H_ * dqk_}), dkpe2 = reshape(dkpe.view(), {T, dr_});
@@ -181,25 +181,25 @@ class AttentionLayer final : public Layer {
     if (q_a_) {
       const int64_t rq = q_a_->weight.size(0);
       s.dcqn = c_.uninit({T, rq});
-      linear_backward_input(c_, s.dq, *q_b_, s.dcqn, false, prec);
-      s.dcq = c_.uninit({T, rq});
-      c_.be.rmsnorm_backward(s.cq.view(), q_a_norm_->weight.view(), s.rstd_q.view(), s.dcqn.view(), s.dcq.view(),
+      s.dq = linear_backward_input(c_, dq, *q_b_, s.dcqn, false, prec);
+      Tensor dcq = c_.uninit({T, rq});
+      c_.be.rmsnorm_backward(s.cq.view(), q_a_norm_->weight.view(), s.rstd_q.view(), s.dcqn.view(), dcq.view(),
                              TensorView(), false);
-      linear_backward_input(c_, s.dcq, *q_a_, s.dh, false, prec);
+      s.dcq = linear_backward_input(c_, dcq, *q_a_, s.dh, false, prec);
     } else {
-      linear_backward_input(c_, s.dq, *q_b_, s.dh, false, prec);
+      s.dq = linear_backward_input(c_, dq, *q_b_, s.dh, false, prec);
     }
     s.dckvn = c_.uninit({T, rkv_});
-    linear_backward_input(c_, s.dkv, *kv_b_, s.dckvn, false, prec);
+    s.dkv = linear_backward_input(c_, dkv, *kv_b_, s.dckvn, false, prec);
     Tensor ckv_c = c_.uninit({T, rkv_});
     c_.be.copy_cols(s.ckv.view(), 0, ckv_c.view(), 0, rkv_, false);
     Tensor dckv_c = c_.uninit({T, rkv_});
     c_.be.rmsnorm_backward(ckv_c.view(), kv_a_norm_->weight.view(), s.rstd_kv.view(), s.dckvn.view(), dckv_c.view(),
                            TensorView(), false);
-    s.dckv = c_.uninit({T, rkv_ + dr_});
-    c_.be.copy_cols(dckv_c.view(), 0, s.dckv.view(), 0, rkv_, false);
-    c_.be.copy_cols(dkpe2, 0, s.dckv.view(), rkv_, dr_, false);
-    linear_backward_input(c_, s.dckv, *kv_a_, s.dh, true, prec);
+    Tensor dckv = c_.uninit({T, rkv_ + dr_});
+    c_.be.copy_cols(dckv_c.view(), 0, dckv.view(), 0, rkv_, false);
+    c_.be.copy_cols(dkpe2, 0, dckv.view(), rkv_, dr_, false);
+    s.dckv = linear_backward_input(c_, dckv, *kv_a_, s.dh, true, prec);
     dx = clone(c_, dy.view());
     c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(), TensorView(), true);
   }

@@ -4,8 +4,9 @@
 //   Fprop  y [R, N] = x (1x128) * W[g]^T (128x128), g = row_group[r]
 //   Dgrad  dx [R, K] (+)= dy (1x128) * (W[g]^T)^T: the stacked W[g]^T [G * K, N], 128x128, the
 //          blocks of the quantized W[g] transposed (transpose_128x128)
-//   Wgrad  dW[g] += dy^T x over g's segment: dy^T [N, R] quantized along tokens, x^T [K, R]
-//          requantized from the cached 1x128 tiles (the report's path), segments from offsets.
+//   Wgrad  dW[g] += dy^T x over g's segment: dy^T [N, R] quantized along tokens (by the Dgrad, in
+//          the pass that quantizes its dy, and kept: WgradDy), x^T [K, R] requantized from the
+//          cached 1x128 tiles (the report's path), segments from offsets.
 // The same numbers as one Linear per expert on that expert's rows: 1x128 tiles are per row,
 // 128x128 blocks never span two experts (N, K % 128 == 0), and 128-token Wgrad blocks never span
 // two segments.
@@ -65,34 +66,36 @@ void grouped_linear_forward(Ctx& c, const ExpertGroups& eg, const Cached& x, Par
   c.be.grouped_gemm_fp8_contiguous(x.q, wq, eg.row_group.view(), eg.groups, y.view(), options(c, false));
 }
 
-void grouped_linear_backward_input(Ctx& c, const ExpertGroups& eg, const Tensor& dy, Parameter& w0, const Tensor& dx,
-                                   bool accumulate, ScaleMode dy_mode) {
+WgradDy grouped_linear_backward_input(Ctx& c, const ExpertGroups& eg, const Tensor& dy, Parameter& w0,
+                                      const Tensor& dx, bool accumulate, ScaleMode dy_mode) {
   if (c.recipe.linear == LinearPrecision::bf16) {  // dx[g] (+)= dy[g] W[g]
     const Tensor dyb = to_bf16(c, dy.view()), wb = weight_bf16(c, w0, eg.groups, true);
-    return per_segment(c, eg, dyb.view(), wb.view(), dx.view(), false, false, accumulate, w0.weight.size(0), true);
+    per_segment(c, eg, dyb.view(), wb.view(), dx.view(), false, false, accumulate, w0.weight.size(0), true);
+    return {dy, {}};
   }
+  // R is a multiple of 128 (segments padded to 128 rows) and N too (validated): the Dgrad's dy and
+  // the Wgrad's dy^T come from one pass.
   const int64_t G = eg.groups, N = w0.weight.size(0), K = w0.weight.size(1), R = dy.size(0);
   QuantizedTensor dyq = c.be.empty_quantized(R, N, DType::e4m3, ScaleKind::tile_1x128);
-  c.be.quantize_1x128(dy.view(), dyq, dy_mode);
+  QuantizedTensor dyt = c.be.empty_quantized(N, R, DType::e4m3, ScaleKind::tile_1x128);  // dy^T along tokens
+  c.be.quantize_1x128_and_128x1(dy.view(), dyq, dyt, dy_mode);
   const QuantizedTensor wq = weight_fp8(c, w0, G, true);
   QuantizedTensor wtq = c.be.empty_quantized(G * K, N, DType::e4m3, ScaleKind::block_128x128);  // W[g]^T stacked
   c.be.transpose_128x128(wq, wtq, G);
   c.be.grouped_gemm_fp8_contiguous(dyq, wtq, eg.row_group.view(), G, dx.view(), options(c, accumulate));
+  return {Tensor(), dyt};
 }
 
-void grouped_linear_backward_weight(Ctx& c, const ExpertGroups& eg, const Cached& x, const Tensor& dy, Parameter& w0,
-                                    ScaleMode dy_mode) {
+void grouped_linear_backward_weight(Ctx& c, const ExpertGroups& eg, const Cached& x, const WgradDy& dy, Parameter& w0) {
   if (c.recipe.linear == LinearPrecision::bf16) {  // dW[g] += dy[g]^T x[g]
-    const Tensor dyb = to_bf16(c, dy.view());
+    const Tensor dyb = to_bf16(c, dy.full.view());
     return per_segment(c, eg, dyb.view(), x.full.view(), stacked(w0.grad, eg.groups), true, false, true,
                        w0.weight.size(0), false);
   }
-  const int64_t N = w0.weight.size(0), K = w0.weight.size(1), R = dy.size(0);
-  QuantizedTensor a = c.be.empty_quantized(N, R, DType::e4m3, ScaleKind::tile_1x128);  // dy^T along tokens
-  c.be.quantize_128x1(dy.view(), a, dy_mode);
+  const int64_t K = w0.weight.size(1), R = dy.t.values.size(1);
   QuantizedTensor b = c.be.empty_quantized(K, R, DType::e4m3, ScaleKind::tile_1x128);  // x^T along tokens
   c.be.requantize_128x1(x.q, b, c.recipe.scale_mode);
-  c.be.grouped_wgrad_fp8(a, b, eg.offsets.view(), stacked(w0.grad, eg.groups), options(c, true));
+  c.be.grouped_wgrad_fp8(dy.t, b, eg.offsets.view(), stacked(w0.grad, eg.groups), options(c, true));
 }
 
 }  // namespace fp8moe::model

@@ -5,7 +5,8 @@
 //         cached in BF16.
 //   fp8   E4M3 operands: x 1x128 tiles, w 128x128 blocks (Fprop), dy 1x128 and w^T 128x128
 //         (Dgrad, w's quantized blocks transposed), dy^T and x^T grouped 1x128 along tokens (Wgrad,
-//         x^T from the cached FP8 tiles by dequantize-transpose-requantize as the report does);
+//         x^T from the cached FP8 tiles by dequantize-transpose-requantize as the report does; dy
+//         and dy^T quantized together by the Dgrad, dy^T kept for the Wgrad: WgradDy);
 //         promotion per the recipe's AccumConfig; FP32 output and FP32 accumulation into the
 //         master gradient.
 // FP8 GEMMs need K % 128 == 0: Fprop's K (in features) is validated with the config, Dgrad's K (out
@@ -264,22 +265,30 @@ void linear_forward(Ctx& c, const Cached& x, Parameter& w, const Tensor& y, Line
   }
 }
 
-void linear_backward_input(Ctx& c, const Tensor& dy, Parameter& w, const Tensor& dx, bool accumulate,
-                           LinearPrecision prec, ScaleMode dy_mode) {
+WgradDy linear_backward_input(Ctx& c, const Tensor& dy, Parameter& w, const Tensor& dx, bool accumulate,
+                              LinearPrecision prec, ScaleMode dy_mode) {
   const TensorView& W = w.weight.view();  // [N, K]
   switch (prec) {
-    case LinearPrecision::full: c.be.gemm(dy.view(), W, dx.view(), false, false, accumulate); return;
+    case LinearPrecision::full: c.be.gemm(dy.view(), W, dx.view(), false, false, accumulate); return {dy, {}};
     case LinearPrecision::bf16: {
       Tensor dyb = to_bf16(c, dy.view()), wb = weight_bf16(c, w, 1, true);
       c.be.gemm(dyb.view(), wb.view(), dx.view(), false, false, accumulate);
-      return;
+      return {dy, {}};
     }
     case LinearPrecision::fp8: {
       const int64_t N = W.size(0), K = W.size(1), T = dy.size(0), Np = round_up(N, kQuantGroup);
-      // NOTES: N is this GEMM's K; zero columns of dy meet zero rows of w, adding nothing.
-      Tensor dyp = pad_cols(c, dy, Np);
+      const int64_t Tp = round_up(T, kQuantGroup);
       QuantizedTensor dyq = c.be.empty_quantized(T, Np, DType::e4m3, ScaleKind::tile_1x128);
-      quant_act(c, dyp.view(), dyq, dy_mode);
+      QuantizedTensor dyt = c.be.empty_quantized(N, Tp, DType::e4m3, ScaleKind::tile_1x128);  // dy^T along tokens
+      if (Np == N && Tp == T && !c.recipe.per_tensor) {
+        c.be.quantize_1x128_and_128x1(dy.view(), dyq, dyt, dy_mode);  // dy read once for both
+      } else {
+        // NOTES: dy's two quantizations apart where their inputs differ, this GEMM's K (N) padded
+        // with zero columns (zero columns of dy meet zero rows of w, adding nothing) or the Wgrad's
+        // K (tokens) with zero rows, and in the per-tensor ablation (its own quantizer, CPU only).
+        quant_act(c, pad_cols(c, dy, Np).view(), dyq, dy_mode);
+        quant_tokens(c, pad_rows(c, dy, Tp).view(), dyt, dy_mode);
+      }
       // w^T's 128x128 blocks are w's blocks transposed: quantize w (or take the forward's
       // quantization), then move bytes and scales. Padded rows: quantized here, with zero rows.
       QuantizedTensor wq;
@@ -293,30 +302,30 @@ void linear_backward_input(Ctx& c, const Tensor& dy, Parameter& w, const Tensor&
       QuantizedTensor wtq = c.be.empty_quantized(K, Np, DType::e4m3, ScaleKind::block_128x128);  // [K, Np]
       c.be.transpose_128x128(wq, wtq, 1);
       c.be.gemm_fp8(dyq, wtq, dx.view(), gemm_options(c, accumulate));
-      return;
+      return {Tensor(), dyt};
     }
   }
+  return {};
 }
 
-void linear_backward_weight(Ctx& c, const Cached& x, const Tensor& dy, Parameter& w, LinearPrecision prec,
-                            ScaleMode dy_mode) {
+void linear_backward_weight(Ctx& c, const Cached& x, const WgradDy& dy, Parameter& w, LinearPrecision prec) {
   if (!w.trainable) return;
   const TensorView& G = w.grad.view();  // [N, K]
   switch (prec) {
-    case LinearPrecision::full: c.be.gemm(dy.view(), x.full.view(), G, true, false, true); return;
+    case LinearPrecision::full: c.be.gemm(dy.full.view(), x.full.view(), G, true, false, true); return;
     case LinearPrecision::bf16: {
-      Tensor dyb = to_bf16(c, dy.view());
+      Tensor dyb = to_bf16(c, dy.full.view());
       c.be.gemm(dyb.view(), x.full.view(), G, true, false, true);
       return;
     }
     case LinearPrecision::fp8: {
-      const int64_t N = G.size(0), K = G.size(1), Tp = x.q.values.size(0);
-      Tensor dyp = pad_rows(c, dy, Tp);  // [Tp, N]
-      QuantizedTensor a = c.be.empty_quantized(N, Tp, DType::e4m3, ScaleKind::tile_1x128);  // dy^T along tokens
-      quant_tokens(c, dyp.view(), a, dy_mode);
+      const int64_t K = G.size(1), Tp = x.q.values.size(0);
+      FP8MOE_CHECK(dy.t.values.defined() && dy.t.values.size(1) == Tp,
+                   w.name << ": the Wgrad's dy^T (" << (dy.t.values.defined() ? dy.t.values.view().str() : "none")
+                          << ") does not cover the cached input's " << Tp << " tokens");
       QuantizedTensor b = c.be.empty_quantized(K, Tp, DType::e4m3, ScaleKind::tile_1x128);  // x^T along tokens
       requant_tokens(c, x.q, b);
-      c.be.gemm_fp8(a, b, G, gemm_options(c, true));
+      c.be.gemm_fp8(dy.t, b, G, gemm_options(c, true));
       return;
     }
   }

@@ -14,15 +14,14 @@ void fwd(Ctx& c, const MlpParams& p, const Cached& x, Parameter& w, const Tensor
   if (p.grouped) return grouped_linear_forward(c, *p.grouped, x, w, y);
   linear_forward(c, x, w, y, c.recipe.linear);
 }
-void bwd_input(Ctx& c, const MlpParams& p, const Tensor& dy, Parameter& w, const Tensor& dx, bool accumulate,
-               ScaleMode dy_mode = ScaleMode::fp32) {
+WgradDy bwd_input(Ctx& c, const MlpParams& p, const Tensor& dy, Parameter& w, const Tensor& dx, bool accumulate,
+                  ScaleMode dy_mode = ScaleMode::fp32) {
   if (p.grouped) return grouped_linear_backward_input(c, *p.grouped, dy, w, dx, accumulate, dy_mode);
-  linear_backward_input(c, dy, w, dx, accumulate, c.recipe.linear, dy_mode);
+  return linear_backward_input(c, dy, w, dx, accumulate, c.recipe.linear, dy_mode);
 }
-void bwd_weight(Ctx& c, const MlpParams& p, const Cached& x, const Tensor& dy, Parameter& w,
-                ScaleMode dy_mode = ScaleMode::fp32) {
-  if (p.grouped) return grouped_linear_backward_weight(c, *p.grouped, x, dy, w, dy_mode);
-  linear_backward_weight(c, x, dy, w, c.recipe.linear, dy_mode);
+void bwd_weight(Ctx& c, const MlpParams& p, const Cached& x, const WgradDy& dy, Parameter& w) {
+  if (p.grouped) return grouped_linear_backward_weight(c, *p.grouped, x, dy, w);
+  linear_backward_weight(c, x, dy, w, c.recipe.linear);
 }
 
 }  // namespace
@@ -48,32 +47,34 @@ void mlp_forward(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& out, Sc
 void mlp_backward_input(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& dy, const Tensor& dx, bool accumulate,
                         ScaleMode dy_mode, const Tensor* combine_grad) {
   const int64_t T = st.in.rows, F = p.gate->weight.size(0);
-  st.dy = dy;
   Tensor da = c.uninit({T, F});  // [T, F]
-  bwd_input(c, p, dy, *p.down, da, false, dy_mode);
+  st.dy = bwd_input(c, p, dy, *p.down, da, false, dy_mode);
   // Recompute the SwiGLU output from its cached input, and the SwiGLU backward.
   Tensor a = c.uninit({T, F});  // [T, F] act
-  st.dg = c.uninit({T, F});
-  st.du = c.uninit({T, F});
+  Tensor dg = c.uninit({T, F}), du = c.uninit({T, F});
   if (st.g.q.values.defined() && st.u.q.values.defined() && c.act() == DType::f32) {
     // FP8 cache: both straight from the FP8 tiles (no f32 copies of g and u), bit-identical to the
     // path below.
-    c.be.swiglu_backward_fp8(st.g.q, st.u.q, da.view(), a.view(), st.dg.view(), st.du.view());
+    c.be.swiglu_backward_fp8(st.g.q, st.u.q, da.view(), a.view(), dg.view(), du.view());
   } else {
     Tensor g = st.g.restore(c), u = st.u.restore(c);  // [T, F] act
     c.be.swiglu_forward(g.view(), u.view(), a.view());
-    c.be.swiglu_backward(g.view(), u.view(), da.view(), st.dg.view(), st.du.view());
+    c.be.swiglu_backward(g.view(), u.view(), da.view(), dg.view(), du.view());
   }
   st.g.reset();
   st.u.reset();
   st.a = linear_input(c, a.view(), c.recipe.scale_mode);
   if (combine_grad) c.be.rows_dot(da.view(), a.view(), combine_grad->view());
-  bwd_input(c, p, st.dg, *p.gate, dx, accumulate);
-  bwd_input(c, p, st.du, *p.up, dx, true);
+  // Released after their last use: the FP8 Dgrads below add the dy^T they keep for the Wgrads.
+  da = Tensor();
+  a = Tensor();
+  st.dg = bwd_input(c, p, dg, *p.gate, dx, accumulate);
+  dg = Tensor();
+  st.du = bwd_input(c, p, du, *p.up, dx, true);
 }
 
-void mlp_backward_weight(Ctx& c, const MlpParams& p, MlpState& st, ScaleMode dy_mode) {
-  bwd_weight(c, p, st.a, st.dy, *p.down, dy_mode);
+void mlp_backward_weight(Ctx& c, const MlpParams& p, MlpState& st) {
+  bwd_weight(c, p, st.a, st.dy, *p.down);
   bwd_weight(c, p, st.in, st.dg, *p.gate);
   bwd_weight(c, p, st.in, st.du, *p.up);
   st = MlpState{};
@@ -129,7 +130,7 @@ class MlpLayer final : public Layer {
 
   void backward_weight(const Batch&, Saved& saved) override {
     auto& s = static_cast<State&>(saved);
-    mlp_backward_weight(c_, p_, s.mlp, c_.recipe.scale_mode);
+    mlp_backward_weight(c_, p_, s.mlp);
     c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
                            norm_->grad.view(), false);
     s = State{};

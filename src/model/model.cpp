@@ -98,8 +98,8 @@ struct Model::Impl {
     for (double v : model::to_doubles(ctx, losses)) sum += v;
     if (backward) {
       Tensor dhn = ctx.uninit({T, D});
-      model::linear_backward_input(ctx, dlogits, *head, dhn, false, head_prec());
-      model::linear_backward_weight(ctx, hin, dlogits, *head, head_prec());
+      const model::WgradDy dl = model::linear_backward_input(ctx, dlogits, *head, dhn, false, head_prec());
+      model::linear_backward_weight(ctx, hin, dl, *head, head_prec());
       be.rmsnorm_backward(h.view(), norm_w.weight.view(), rstd.view(), dhn.view(), dh.view(), norm_w.grad.view(), true);
     }
     return sum / n;
@@ -176,8 +176,8 @@ struct Model::Impl {
     }
     record(sub, L, "dy", dx);
     Tensor dcat = ctx.uninit({T, 2 * D});
-    model::linear_backward_input(ctx, dx, *eh, dcat, false, recipe.linear);
-    model::linear_backward_weight(ctx, catin, dx, *eh, recipe.linear);
+    const model::WgradDy deh = model::linear_backward_input(ctx, dx, *eh, dcat, false, recipe.linear);
+    model::linear_backward_weight(ctx, catin, deh, *eh, recipe.linear);
     Tensor den = ctx.uninit({T, D}), dhn = ctx.uninit({T, D}), de = ctx.uninit({T, D});
     be.copy_cols(dcat.view(), 0, den.view(), 0, D, false);
     be.copy_cols(dcat.view(), D, dhn.view(), 0, D, false);

@@ -104,15 +104,25 @@ inline Cached linear_input(Ctx& c, const TensorView& x, ScaleMode mode = ScaleMo
 }
 MemoryItem account_item(const std::string& layer, const std::string& name, const TensorView& t);
 
+// A Linear's output gradient dy [T, N] as its Wgrad reads it, returned by its Dgrad and kept until
+// backward-for-weights, which a pipeline schedule may defer:
+//   full, bf16  full: dy itself (the BF16 Wgrad converts it)
+//   fp8   t: dy^T [N, Tp] E4M3, 1x128 tiles along tokens, zero tokens past T (Tp = T rounded up
+//         to 128, the rows of the cached Linear input); quantized in the same pass as the Dgrad's
+//         dy tiles where the two shapes agree (Backend::quantize_1x128_and_128x1).
+struct WgradDy {
+  Tensor full;
+  QuantizedTensor t;
+};
+
 // The three GEMMs of a Linear y [T, N] = x [T, K] w^T (w [N, K] master), in precision `prec`
 // (the recipe's Linear precision, or bf16/full for the head and the gate).
 void linear_forward(Ctx& c, const Cached& x, Parameter& w, const Tensor& y, LinearPrecision prec);
-// dx [T, K] (+)= dy [T, N] w. dy_mode: scale mode of dy's FP8 tiles.
-void linear_backward_input(Ctx& c, const Tensor& dy, Parameter& w, const Tensor& dx, bool accumulate,
-                           LinearPrecision prec, ScaleMode dy_mode = ScaleMode::fp32);
-// w.grad [N, K] += dy^T x.
-void linear_backward_weight(Ctx& c, const Cached& x, const Tensor& dy, Parameter& w, LinearPrecision prec,
-                            ScaleMode dy_mode = ScaleMode::fp32);
+// dx [T, K] (+)= dy [T, N] w; returns dy for the Wgrad. dy_mode: scale mode of dy's FP8 tiles.
+WgradDy linear_backward_input(Ctx& c, const Tensor& dy, Parameter& w, const Tensor& dx, bool accumulate,
+                              LinearPrecision prec, ScaleMode dy_mode = ScaleMode::fp32);
+// w.grad [N, K] += dy^T x, dy as the Dgrad returned it.
+void linear_backward_weight(Ctx& c, const Cached& x, const WgradDy& dy, Parameter& w, LinearPrecision prec);
 
 // The G matrices stacked from w (G = 1: w itself) as the GEMMs read them, from the pass's cache
 // when one is open (WeightCache); `last_use` (the Dgrad) takes the entry out of the cache.
@@ -140,10 +150,9 @@ struct ExpertGroups {
 // Raises unless the Parameters (one matrix kind, expert by expert) are rows of one stacked tensor.
 void check_stacked(const std::vector<Parameter*>& per_expert);
 void grouped_linear_forward(Ctx& c, const ExpertGroups& eg, const Cached& x, Parameter& w0, const Tensor& y);
-void grouped_linear_backward_input(Ctx& c, const ExpertGroups& eg, const Tensor& dy, Parameter& w0, const Tensor& dx,
-                                   bool accumulate, ScaleMode dy_mode);
-void grouped_linear_backward_weight(Ctx& c, const ExpertGroups& eg, const Cached& x, const Tensor& dy, Parameter& w0,
-                                    ScaleMode dy_mode);
+WgradDy grouped_linear_backward_input(Ctx& c, const ExpertGroups& eg, const Tensor& dy, Parameter& w0,
+                                      const Tensor& dx, bool accumulate, ScaleMode dy_mode);
+void grouped_linear_backward_weight(Ctx& c, const ExpertGroups& eg, const Cached& x, const WgradDy& dy, Parameter& w0);
 
 // SwiGLU MLP (dense MLP, shared expert, one routed expert, or all routed experts grouped) on a
 // cached normalized input.
@@ -156,7 +165,7 @@ struct MlpParams {
 struct MlpState {
   Cached in;        // the input as its gate/up Linears consumed it
   Cached g, u;      // the SwiGLU input (gate and up outputs), cached for the recomputation
-  Tensor dy, dg, du;  // output gradients kept from B for W
+  WgradDy dy, dg, du;  // output gradients kept from B for W
   Cached a;         // the recomputed SwiGLU output, kept from B for the down_proj Wgrad
   void account(std::vector<MemoryItem>& items, const std::string& layer, const std::string& prefix) const;
 };
@@ -167,7 +176,7 @@ void mlp_forward(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& out, Sc
 // routed expert fed w * dy is w times the gradient of its combine weight.
 void mlp_backward_input(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& dy, const Tensor& dx,
                         bool accumulate, ScaleMode dy_mode, const Tensor* combine_grad = nullptr);
-void mlp_backward_weight(Ctx& c, const MlpParams& p, MlpState& st, ScaleMode dy_mode);
+void mlp_backward_weight(Ctx& c, const MlpParams& p, MlpState& st);
 
 // Looks up parameters by name (the model's list, filled before layers are built).
 using ParamLookup = std::function<Parameter*(const std::string&)>;

@@ -193,11 +193,10 @@ class MoeLayer final : public Layer {
 
   void backward_weight(const Batch&, Saved& saved) override {
     auto& s = static_cast<State&>(saved);
-    const ScaleMode pow2 = c_.recipe.pow2_mode;
-    if (shared_.gate) mlp_backward_weight(c_, shared_, s.shared, pow2);
-    if (grouped_) mlp_backward_weight(c_, grouped_params(s), s.experts, pow2);
+    if (shared_.gate) mlp_backward_weight(c_, shared_, s.shared);
+    if (grouped_) mlp_backward_weight(c_, grouped_params(s), s.experts);
     for (size_t e = 0; e < s.expert.size(); ++e)
-      if (s.expert[e].in.defined()) mlp_backward_weight(c_, experts_[e], s.expert[e], pow2);
+      if (s.expert[e].in.defined()) mlp_backward_weight(c_, experts_[e], s.expert[e]);
     // The gate's Wgrad needs h in full precision: recompute the norm.
     const int64_t T = s.x.size(0), D = s.x.size(1);
     Tensor h = c_.uninit({T, D}), rstd = c_.uninit({T});

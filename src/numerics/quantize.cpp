@@ -191,6 +191,14 @@ void quantize_128x1(const TensorView& x, const QuantizedView& out, ScaleMode mod
   quantize_rows_1x128([&](int64_t c, int64_t t) { return load_float(x, t * C + c); }, "x", out, mode);
 }
 
+void check_quantize_1x128_and_128x1(const TensorView& x, const QuantizedView& rows, const QuantizedView& cols) {
+  check_tensor(x, "x", {DType::f32, DType::bf16}, 2);
+  check_quantized(rows, "rows", ScaleKind::tile_1x128);
+  check_shape(rows.values, "rows.values", {x.size(0), x.size(1)});
+  check_quantized(cols, "cols", ScaleKind::tile_1x128);
+  check_shape(cols.values, "cols.values", {x.size(1), x.size(0)});
+}
+
 void requantize_128x1(const QuantizedView& in, const QuantizedView& out, ScaleMode mode) {
   check_quantized(in, "in", ScaleKind::tile_1x128);
   check_quantized(out, "out", ScaleKind::tile_1x128);

@@ -27,8 +27,8 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.backend << "/" << op_na
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
   for (const std::string& b : available_backends())
-    for (Op op : {Op::quantize_1x128, Op::quantize_128x128, Op::quantize_128x1, Op::requantize_128x1,
-                  Op::transpose_128x128, Op::dequantize, Op::gemm_fp8, Op::gemm_bf16,
+    for (Op op : {Op::quantize_1x128, Op::quantize_128x128, Op::quantize_128x1, Op::quantize_1x128_and_128x1,
+                  Op::requantize_128x1, Op::transpose_128x128, Op::dequantize, Op::gemm_fp8, Op::gemm_bf16,
                   Op::swiglu_backward_fp8})  // the other model ops: tests/model and tests/cuda/test_cuda_model_ops.cpp
       cases.push_back({b, op});
   return cases;
@@ -140,6 +140,32 @@ void check_swiglu_backward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, 
   expect_same_bytes(be, du3, du2h, "dup without out");
 }
 
+// quantize_1x128_and_128x1 of x [T, C] against the CPU's quantize_1x128 and quantize_128x1, bit for
+// bit (values, scales, scale padding), outputs poisoned; through the op and through the Backend
+// default (the two ops) on the same backend.
+void check_1x128_and_128x1(Backend& cpu, Backend& be, const Tensor& x, DType rows_dt, DType cols_dt, ScaleMode mode) {
+  const int64_t T = x.size(0), C = x.size(1);
+  SCOPED_TRACE(::testing::Message() << "x " << x.view().str() << " rows " << dtype_name(rows_dt) << " cols "
+                                    << dtype_name(cols_dt) << (mode == ScaleMode::pow2 ? " pow2" : " fp32"));
+  auto want_rows = make_quantized_host(T, C, rows_dt, ScaleKind::tile_1x128);
+  auto want_cols = make_quantized_host(C, T, cols_dt, ScaleKind::tile_1x128);
+  cpu.quantize_1x128(x, want_rows, mode);
+  cpu.quantize_128x1(x, want_cols, mode);
+  const Tensor dx = upload(be, x);
+  for (bool fallback : {false, true}) {
+    SCOPED_TRACE(fallback ? "Backend default" : "op");
+    auto rows = be.empty_quantized(T, C, rows_dt, ScaleKind::tile_1x128);
+    auto cols = be.empty_quantized(C, T, cols_dt, ScaleKind::tile_1x128);
+    for (const Tensor* t : {&rows.values, &rows.scales, &cols.values, &cols.scales}) poison(be, *t);
+    if (fallback) be.Backend::quantize_1x128_and_128x1(dx, rows, cols, mode);
+    else be.quantize_1x128_and_128x1(dx, rows, cols, mode);
+    expect_same_bytes(be, rows.values, want_rows.values, "rows.values");
+    expect_same_bytes(be, rows.scales, want_rows.scales, "rows.scales");
+    expect_same_bytes(be, cols.values, want_cols.values, "cols.values");
+    expect_same_bytes(be, cols.scales, want_cols.scales, "cols.scales");
+  }
+}
+
 class BackendOps : public ::testing::TestWithParam<Case> {};
 
 TEST_P(BackendOps, MatchesCpu) {
@@ -172,6 +198,16 @@ TEST_P(BackendOps, MatchesCpu) {
         }
         expect_same_bytes(*be, got.values, want.values, "values");
         expect_same_bytes(*be, got.scales, want.scales, "scales");
+        break;
+      }
+      case Op::quantize_1x128_and_128x1: {
+        // x [200, 384] bf16 and [200, 136] f32: T off 128 (and 16), C off 128 in the second; one
+        // output dtype, two, and E5M6 rows (which only the 1x128 quantizer writes).
+        const Tensor xf = random_normal(rng, DType::f32, {M, N}, 2.0f);
+        check_1x128_and_128x1(*cpu, *be, x, DType::e4m3, DType::e4m3, mode);
+        check_1x128_and_128x1(*cpu, *be, xf, DType::e5m2, DType::e5m2, mode);
+        check_1x128_and_128x1(*cpu, *be, xf, DType::e5m2, DType::e4m3, mode);
+        check_1x128_and_128x1(*cpu, *be, x, DType::e5m6, DType::e4m3, mode);
         break;
       }
       case Op::quantize_128x128: {
@@ -288,6 +324,39 @@ TEST(Backends, ZeroClearsInPlace) {
     }
     Tensor e = be->empty(DType::bf16, {0, 8});
     EXPECT_NO_THROW(be->zero(e.view()));
+  }
+}
+
+// quantize_1x128_and_128x1 checks both outputs (the checks of the two quantizers) before it writes
+// either, on every backend and in the Backend default.
+TEST(Backends, Quantize1x128And128x1RefusesBadArguments) {
+  for (const std::string& name : available_backends()) {
+    SCOPED_TRACE(name);
+    auto be = make_backend(name);
+    const int64_t T = 200, C = 136;
+    const Tensor x = be->empty(DType::f32, {T, C});
+    const auto rows = be->empty_quantized(T, C, DType::e4m3, ScaleKind::tile_1x128);
+    const auto cols = be->empty_quantized(C, T, DType::e4m3, ScaleKind::tile_1x128);
+    const auto square = be->empty_quantized(T, T, DType::e4m3, ScaleKind::tile_1x128);
+    const auto blocks = be->empty_quantized(C, T, DType::e4m3, ScaleKind::block_128x128);
+    const Tensor x_i32 = be->empty(DType::i32, {T, C}), bad_scales = be->empty(DType::f32, {2, T});
+    for (bool fallback : {false, true}) {
+      auto run = [&](const TensorView& xv, const QuantizedView& r, const QuantizedView& c) {
+        if (fallback) be->Backend::quantize_1x128_and_128x1(xv, r, c, ScaleMode::fp32);
+        else be->quantize_1x128_and_128x1(xv, r, c, ScaleMode::fp32);
+      };
+      poison(*be, rows.values);
+      expect_error([&] { run(x, rows, rows); }, "cols.values: expected shape [136, 200]");
+      expect_error([&] { run(x, square, cols); }, "rows.values: expected shape [200, 136]");
+      expect_error([&] { run(x, rows, blocks); }, "cols: expected 1x128 scales");
+      expect_error([&] { run(x, rows, {cols.values.view(), bad_scales.view(), ScaleKind::tile_1x128}); },
+                   "cols.scales: expected shape");
+      expect_error([&] { run(x_i32, rows, cols); }, "x: expected dtype f32|bf16");
+      // Refused before anything was written: rows still holds the poison.
+      const Tensor h = be->to_host(rows.values);
+      const auto* b = static_cast<const uint8_t*>(h.view().data);
+      EXPECT_TRUE(std::all_of(b, b + h.view().nbytes(), [](uint8_t v) { return v == 0xFF; }));
+    }
   }
 }
 

@@ -1,5 +1,6 @@
 // CUDA quantizers against the CPU quantizers, bit for bit (values and scales), on ragged shapes,
-// both input dtypes, both scale modes, e4m3 and e5m2; plus NaN refusal and bad arguments.
+// both input dtypes, both scale modes, e4m3 and e5m2; plus NaN refusal and bad arguments. The
+// one-pass quantize_1x128_and_128x1 against the two CPU quantizers it stands for.
 // Skips without a GPU. Run: ctest -R test_cuda_quantize (FP8MOE_SEED=<n> replays a seed).
 #include <cmath>
 #include <cstring>
@@ -146,6 +147,98 @@ TEST_F(CudaQuantize, RequantizeRaggedPoisonedMatchesCpuBitExact) {
             be_->requantize_128x1(in_v, q.view(), mode);
             expect_same(to_host(*be_, q), ref, what);
           }
+}
+
+std::string shape_name(const Shape& s) { return "[" + std::to_string(s.r) + ", " + std::to_string(s.c) + "]"; }
+
+// x [T, C] -> rows and cols through the op on poisoned outputs, against the CPU's quantize_1x128
+// and quantize_128x1. `shift` elements moves x off its 16-byte alignment (the two kernels' path).
+void expect_1x128_and_128x1(Backend& be, const Tensor& x, DType rows_dt, DType cols_dt, ScaleMode mode, int64_t shift,
+                            const std::string& what) {
+  const int64_t T = x.size(0), C = x.size(1);
+  QuantizedTensor ref_rows = make_quantized_host(T, C, rows_dt, ScaleKind::tile_1x128);
+  QuantizedTensor ref_cols = make_quantized_host(C, T, cols_dt, ScaleKind::tile_1x128);
+  quantize_1x128(x.view(), ref_rows.view(), mode);
+  quantize_128x1(x.view(), ref_cols.view(), mode);
+  Tensor buf = be.empty(x.dtype(), {T * C + shift});
+  const TensorView xd(static_cast<char*>(buf.view().data) + shift * int64_t(dtype_size(x.dtype())), x.dtype(), {T, C},
+                      Device::cuda);
+  be.copy(xd, x.view());
+  QuantizedTensor rows = be.empty_quantized(T, C, rows_dt, ScaleKind::tile_1x128);
+  QuantizedTensor cols = be.empty_quantized(C, T, cols_dt, ScaleKind::tile_1x128);
+  for (const Tensor* t : {&rows.values, &rows.scales, &cols.values, &cols.scales}) poison(be, *t);
+  be.quantize_1x128_and_128x1(xd, rows.view(), cols.view(), mode);
+  expect_same(to_host(be, rows), ref_rows, what + " rows");
+  expect_same(to_host(be, cols), ref_cols, what + " cols");
+}
+
+// T off 128 and off 16 (the byte tail of the transposed rows), C off 128 (136: the fused kernel's
+// partial channel block; 130: not a whole number of 16-byte vectors, the two kernels), many token
+// blocks; both input dtypes, both scale modes, e4m3 and e5m2; an all-zero channel (a zero 128x1
+// tile, scale 1) besides make_input's zero 1x128 tile, tiny row and outliers.
+TEST_F(CudaQuantize, Quantize1x128And128x1MatchesCpuBitExact) {
+  auto rng = make_rng();
+  const Shape shapes[] = {{1, 128}, {200, 128}, {200, 136}, {384, 136}, {384, 7168},
+                          {8192, 128}, {8192, 256}, {3, 130}, {257, 130}};
+  for (DType in : {DType::bf16, DType::f32})
+    for (DType out : {DType::e4m3, DType::e5m2})
+      for (ScaleMode mode : {ScaleMode::fp32, ScaleMode::pow2})
+        for (const Shape& s : shapes) {
+          Tensor x = make_input(rng, in, s.r, s.c);
+          for (int64_t t = 0; t < s.r; ++t) store_float(x.view(), t * s.c + s.c - 1, 0.0f);
+          expect_1x128_and_128x1(*be_, x, out, out, mode, 0,
+                                 std::string(dtype_name(in)) + "->" + std::string(dtype_name(out)) + " " +
+                                     shape_name(s) + (mode == ScaleMode::pow2 ? " pow2" : " fp32"));
+        }
+}
+
+// The shapes and dtypes the fused kernel leaves to the two kernels: x not 16-byte aligned, rows and
+// cols in different dtypes, E5M6 rows (the 1x128 quantizer's own kernel).
+TEST_F(CudaQuantize, Quantize1x128And128x1FallbacksMatchCpuBitExact) {
+  auto rng = make_rng();
+  for (const Shape& s : {Shape{200, 136}, Shape{384, 256}})
+    for (ScaleMode mode : {ScaleMode::fp32, ScaleMode::pow2}) {
+      const std::string what = shape_name(s) + (mode == ScaleMode::pow2 ? " pow2" : " fp32");
+      Tensor xb = make_input(rng, DType::bf16, s.r, s.c), xf = make_input(rng, DType::f32, s.r, s.c);
+      expect_1x128_and_128x1(*be_, xb, DType::e4m3, DType::e4m3, mode, 1, "misaligned bf16 " + what);
+      expect_1x128_and_128x1(*be_, xf, DType::e4m3, DType::e4m3, mode, 2, "misaligned f32 " + what);
+      expect_1x128_and_128x1(*be_, xf, DType::e5m2, DType::e4m3, mode, 0, "e5m2 rows, e4m3 cols " + what);
+      expect_1x128_and_128x1(*be_, xb, DType::e5m6, DType::e4m3, mode, 0, "e5m6 rows " + what);
+    }
+}
+
+// NaN/Inf anywhere (first, middle, last element: the tails of both layouts) is refused as
+// quantize_128x1 refuses it, on the fused kernel's shapes and on the two kernels' (C = 130); the
+// flag does not stick; deferred checks raise at the next synchronize.
+TEST_F(CudaQuantize, Quantize1x128And128x1RefusesNonFiniteInput) {
+  auto rng = make_rng();
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (DType in : {DType::f32, DType::bf16})
+    for (const Shape& s : {Shape{64, 256}, Shape{200, 136}, Shape{200, 130}})
+      for (float bad : {nan, inf, -inf})
+        for (int64_t at : {int64_t(0), s.r / 2 * s.c + s.c / 2, s.r * s.c - 1}) {
+          Tensor x = random_normal(rng, in, {s.r, s.c});
+          store_float(x.view(), at, bad);
+          const Tensor xd = to_device(*be_, x);
+          QuantizedTensor rows = be_->empty_quantized(s.r, s.c, DType::e4m3, ScaleKind::tile_1x128);
+          QuantizedTensor cols = be_->empty_quantized(s.c, s.r, DType::e4m3, ScaleKind::tile_1x128);
+          const std::string what = std::string(dtype_name(in)) + " " + shape_name(s) + " " + std::to_string(bad) +
+                                   " at " + std::to_string(at);
+          EXPECT_THROW(be_->quantize_128x1(xd.view(), cols.view(), ScaleMode::fp32), Error) << what;
+          EXPECT_THROW(be_->quantize_1x128_and_128x1(xd.view(), rows.view(), cols.view(), ScaleMode::fp32), Error)
+              << what;
+        }
+  Tensor x = random_normal(rng, DType::f32, {200, 136});
+  QuantizedTensor rows = be_->empty_quantized(200, 136, DType::e4m3, ScaleKind::tile_1x128);
+  QuantizedTensor cols = be_->empty_quantized(136, 200, DType::e4m3, ScaleKind::tile_1x128);
+  EXPECT_NO_THROW(be_->quantize_1x128_and_128x1(to_device(*be_, x).view(), rows.view(), cols.view(), ScaleMode::fp32));
+  x.ptr<float>()[7] = nan;
+  const Tensor xd = to_device(*be_, x);
+  be_->set_checks(Backend::Checks::deferred);
+  EXPECT_NO_THROW(be_->quantize_1x128_and_128x1(xd.view(), rows.view(), cols.view(), ScaleMode::fp32));
+  expect_error([&] { be_->synchronize(); }, "non-finite");
+  EXPECT_NO_THROW(be_->synchronize());
+  be_->set_checks(Backend::Checks::immediate);
 }
 
 TEST_F(CudaQuantize, DequantizeMatchesCpu) {
