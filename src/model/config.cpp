@@ -236,15 +236,18 @@ Recipe Recipe::from_name(std::string_view name) {
   if (name == "fp64") {
     r.act_dtype = DType::f64;
     r.attn_out_cache = DType::f64;
+    r.attn_compute = DType::f64;
   } else if (name == "fp32") {
   } else if (name == "bf16") {
     r.linear = LinearPrecision::bf16;
     r.head_bf16 = true;
     r.attn_out_cache = DType::bf16;
+    r.attn_compute = DType::bf16;
   } else if (name == "fp8" || name == "fp8-no-promotion" || name == "fp8-per-tensor") {
     r.linear = LinearPrecision::fp8;
     r.head_bf16 = true;
     r.attn_out_cache = DType::e5m6;
+    r.attn_compute = DType::bf16;
     // NOTES: AccumMode::fp32 sums each 128-wide K group exactly in FP32 and promotes with the
     // scales: the report's promotion every N_c = 128, without the 14-bit truncation inside a group.
     if (name == "fp8-no-promotion") r.accum = AccumConfig{AccumMode::tensor_core, 14, 0};

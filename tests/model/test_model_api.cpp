@@ -260,7 +260,7 @@ class NoModelOps final : public Backend {
 TEST(ModelApi, UnsupportedOpsNameThemselves) {
   NoModelOps be;
   try {
-    be.attention_forward({}, {}, {}, {}, {}, 1, 1.0);
+    be.attention_forward({}, {}, {}, {}, {}, 1, 1.0, DType::f32);
     ADD_FAILURE();
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "attention_forward: unsupported on backend bare");
