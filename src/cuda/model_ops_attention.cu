@@ -64,20 +64,26 @@ __device__ __forceinline__ void load_tile(float* dst, int stride, const float* _
   }
 }
 
+// dot[rr] = rows[r0 + rr] . x over D columns for this warp's rows of a tile (rows [32, D], read as
+// broadcasts; x this lane's row of the other tile), FMAs in column order.
+__device__ __forceinline__ void warp_dots(const float* rows, const float* x, int D, int r0,
+                                          float (&dot)[kRowsPerWarp]) {
+#pragma unroll
+  for (int rr = 0; rr < kRowsPerWarp; ++rr) dot[rr] = 0.0f;
+  for (int d = 0; d < D; ++d) {
+    const float xd = x[d];
+#pragma unroll
+    for (int rr = 0; rr < kRowsPerWarp; ++rr) dot[rr] = fmaf(rows[(r0 + rr) * D + d], xd, dot[rr]);
+  }
+}
+
 // The forward's scaled scores s[rr] of this warp's rows r0 + rr of the query tile at i0 (Qs
-// [32, Dk], read as broadcasts) against key j0 + lane (Ks [32, ks], lane-indexed), -inf where
-// masked (a key after the query, a row past the sequence end).
+// [32, Dk]) against key j0 + lane (Ks [32, ks], lane-indexed), -inf where masked (a key after the
+// query, a row past the sequence end).
 __device__ __forceinline__ void tile_scores(const float* Qs, const float* Ks, int Dk, int ks, int r0, int lane,
                                             int64_t i0, int64_t j0, int64_t S, float scale,
                                             float (&s)[kRowsPerWarp]) {
-#pragma unroll
-  for (int rr = 0; rr < kRowsPerWarp; ++rr) s[rr] = 0.0f;
-  const float* kr = Ks + lane * ks;
-  for (int d = 0; d < Dk; ++d) {
-    const float kv = kr[d];
-#pragma unroll
-    for (int rr = 0; rr < kRowsPerWarp; ++rr) s[rr] = fmaf(Qs[(r0 + rr) * Dk + d], kv, s[rr]);
-  }
+  warp_dots(Qs, Ks + lane * ks, Dk, r0, s);
   const int64_t j = j0 + lane;
 #pragma unroll
   for (int rr = 0; rr < kRowsPerWarp; ++rr) {
@@ -226,19 +232,9 @@ __global__ void __launch_bounds__(kWarps * 32) attention_dq_kernel(
     load_tile<kBf16>(Ks, ks, k, b, S, H, h, j0, Dk);
     load_tile<kBf16>(Vs, vs, v, b, S, H, h, j0, Dv);
     __syncthreads();
-    float s[kRowsPerWarp] = {}, dp[kRowsPerWarp] = {};
-    const float* kr = Ks + lane * ks;
-    for (int d = 0; d < Dk; ++d) {
-      const float kv = kr[d];
-#pragma unroll
-      for (int rr = 0; rr < kRowsPerWarp; ++rr) s[rr] = fmaf(Qs[(r0 + rr) * Dk + d], kv, s[rr]);
-    }
-    const float* vr = Vs + lane * vs;
-    for (int d = 0; d < Dv; ++d) {
-      const float vv = vr[d];
-#pragma unroll
-      for (int rr = 0; rr < kRowsPerWarp; ++rr) dp[rr] = fmaf(Gs[(r0 + rr) * Dv + d], vv, dp[rr]);
-    }
+    float s[kRowsPerWarp], dp[kRowsPerWarp];
+    warp_dots(Qs, Ks + lane * ks, Dk, r0, s);
+    warp_dots(Gs, Vs + lane * vs, Dv, r0, dp);
     const int64_t j = j0 + lane;
     float ds[kRowsPerWarp];
 #pragma unroll
@@ -308,19 +304,9 @@ __global__ void __launch_bounds__(kWarps * 32) attention_dkv_kernel(
     }
     __syncthreads();
     // Scores of query i0 + lane against this warp's keys.
-    float s[kRowsPerWarp] = {}, dp[kRowsPerWarp] = {};
-    const float* qr = Qs + lane * qs;
-    for (int d = 0; d < Dk; ++d) {
-      const float qv = qr[d];
-#pragma unroll
-      for (int rr = 0; rr < kRowsPerWarp; ++rr) s[rr] = fmaf(Ks[(r0 + rr) * Dk + d], qv, s[rr]);
-    }
-    const float* gr = Gs + lane * gs;
-    for (int d = 0; d < Dv; ++d) {
-      const float gv = gr[d];
-#pragma unroll
-      for (int rr = 0; rr < kRowsPerWarp; ++rr) dp[rr] = fmaf(Vs[(r0 + rr) * Dv + d], gv, dp[rr]);
-    }
+    float s[kRowsPerWarp], dp[kRowsPerWarp];
+    warp_dots(Ks, Qs + lane * qs, Dk, r0, s);
+    warp_dots(Vs, Gs + lane * gs, Dv, r0, dp);
     const int64_t i = i0 + lane;
     float p[kRowsPerWarp], ds[kRowsPerWarp];
 #pragma unroll

@@ -14,8 +14,11 @@ model_recipe.hpp; src/model/linear.cpp, attention.cpp, mlp.cpp, moe.cpp, model.c
   1. every Linear's GEMM operands (q_a/q_b/q, kv_a, kv_b, o_proj, dense MLP, shared and routed
      experts, eh_proj, lm_head of both heads): Fprop bf16(x) bf16(W)^T, Dgrad bf16(dy) bf16(W), Wgrad
      bf16(dy)^T bf16(x) with x the BF16 copy cached in the forward (Bf16Linear);
-  2. the attention output O: cached in BF16 as o_proj's input, and the softmax backward's
-     rowsum(dO * O) reads that cached copy (Bf16CausalAttention);
+  2. attention (Bf16CausalAttention; src/cpu/ops_attention.cpp): its GEMMs' operands, Q, K, V,
+     the probabilities P and, backward, dO and dS (scores bf16(Q) bf16(K)^T, out bf16(P) bf16(V),
+     dV = bf16(P)^T bf16(dO), dP = bf16(dO) bf16(V)^T, dQ = bf16(dS) bf16(K), dK = bf16(dS)^T
+     bf16(Q)); the output O is cached in BF16 as o_proj's input, and the softmax backward's
+     rowsum(dO * O) reads that cached copy with the unrounded dO;
   3. SwiGLU (Bf16SwiGLU): the gate/up outputs are cached in BF16 and the backward recomputes
      silu(g) * u from them; the down projection reads bf16(silu(g) * u) of the unrounded g, u in
      the forward and of the recomputed one in its Wgrad; a routed expert's output gradient w * dy
@@ -145,28 +148,31 @@ class Bf16SwiGLU(torch.autograd.Function):
 
 
 class Bf16CausalAttention(torch.autograd.Function):
-    """softmax(Q K^T * scale, causal) V [B, H, S, dv], with the bf16 recipe's backward: the
-    attention output is cached in BF16 (it is the o_proj input) and the softmax backward's
-    rowsum(dO * O) reads that cached copy (src/model/attention.cpp)."""
+    """softmax(Q K^T * scale, causal) V [B, H, S, dv] as the bf16 recipe computes it: BF16 GEMM
+    operands (Q, K, V, P; backward dO, dS), the attention output cached in BF16 (it is the o_proj
+    input) and the softmax backward's rowsum(dO * O) reading that cached copy and the unrounded dO
+    (src/cpu/ops_attention.cpp, src/model/attention.cpp)."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale):
         S = q.shape[-2]
-        scores = (q @ k.transpose(-1, -2)) * scale
+        qb, kb, vb = bf16(q), bf16(k), bf16(v)
+        scores = (qb @ kb.transpose(-1, -2)) * scale
         mask = torch.ones(S, S, dtype=torch.bool).tril()
         p = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
-        o = p @ v
-        ctx.save_for_backward(q, k, v, p, bf16(o))
+        o = bf16(p) @ vb
+        ctx.save_for_backward(qb, kb, vb, p, bf16(o))
         ctx.scale = scale
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, p, o_cached = ctx.saved_tensors
-        dv = p.transpose(-1, -2) @ do
-        dp = do @ v.transpose(-1, -2)
-        ds = p * (dp - (do * o_cached).sum(-1, keepdim=True)) * ctx.scale
-        return ds @ k, ds.transpose(-1, -2) @ q, dv, None
+        qb, kb, vb, p, o_cached = ctx.saved_tensors
+        dob = bf16(do)
+        dv = bf16(p).transpose(-1, -2) @ dob
+        dp = dob @ vb.transpose(-1, -2)
+        ds = bf16(p * (dp - (do * o_cached).sum(-1, keepdim=True)) * ctx.scale)
+        return ds @ kb, ds.transpose(-1, -2) @ qb, dv, None
 
 
 class Reference:
