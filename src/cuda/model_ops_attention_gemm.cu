@@ -10,7 +10,8 @@
 //          buffers that the following GEMMs read; the FP32 scores are only read.
 // Per chunk of nb sequences, with FP32 score workspaces W [nb, H, S, ldw] (ldw = S rounded up to
 // 4, so every row starts 16-byte aligned) and, for bf16, BF16 ones Wb [nb, H, S, ldb] (ldb = S
-// rounded up to 8, likewise); operands Q, K, V, dout read as BF16 copies in bf16:
+// rounded up to 8, likewise); operands Q, K, V, dout read as BF16 copies in bf16 (heads padded
+// to 8 columns, likewise):
 //   forward    W = scale * Q K^T; softmax rows with the causal mask -> P (zeros above the
 //              diagonal: in place in f32, bf(P) into Wb in bf16) and lse [H, T] = max + log(sum),
 //              the scaled scores' log-sum-exp; out = P V.
@@ -20,8 +21,8 @@
 //              bf16); dv = P^T dout, dq = dS K, dk = dS^T Q.
 // The GEMMs cover the whole S x S square (the zeros above the diagonal are multiplied, not
 // skipped); the row kernels neither read nor exponentiate above the diagonal.
-// Operands are per (sequence, head) views into [T, H, D] tensors (or their BF16 copies, same
-// layout): row stride H * D, head h at offset h * D, sequence b at b * S * H * D. One
+// Operands are per (sequence, head) views into [T, H, D] tensors (or their BF16 copies [T, H, Dp],
+// likewise with Dp): row stride H * D, head h at offset h * D, sequence b at b * S * H * D. One
 // strided-batched GEMM covers the heads of one sequence (batch stride D) or, when a chunk has more
 // sequences than heads, one head of every sequence (batch stride S * H * D); the GEMM loops over
 // the other index. Alignment prefs are the least of the base pointer's and the strides'
@@ -47,6 +48,9 @@ constexpr int kRowThreads = 256;  // one warp per score row, 8 rows per block
 
 int64_t score_ld(int64_t S) { return round_up(S, 4); }
 int64_t score_ld_bf16(int64_t S) { return round_up(S, 8); }
+// The head stride of the BF16 operand copies [rows, H, Dp]: D rounded up to 8, so that every row
+// and head of a BF16 GEMM operand starts 16-byte aligned whatever D.
+int64_t head_ld_bf16(int64_t D) { return round_up(D, 8); }
 
 // The workspace of a chunk of nb sequences, carved from one stream-ordered allocation in
 // 256-byte aligned pieces (byte offsets): the FP32 score buffers (one forward, two backward) and,
@@ -64,10 +68,10 @@ struct Workspace {
     for (int i = 0; i < buffers; ++i) scores[i] = take(nb * H * S * score_ld(S) * 4);
     if (!bf16) return;
     for (int i = 0; i < buffers; ++i) scores_bf16[i] = take(nb * H * S * score_ld_bf16(S) * 2);
-    q = take(nb * S * H * Dk * 2);
-    k = take(nb * S * H * Dk * 2);
-    v = take(nb * S * H * Dv * 2);
-    if (backward) dout = take(nb * S * H * Dv * 2);
+    q = take(nb * S * H * head_ld_bf16(Dk) * 2);
+    k = take(nb * S * H * head_ld_bf16(Dk) * 2);
+    v = take(nb * S * H * head_ld_bf16(Dv) * 2);
+    if (backward) dout = take(nb * S * H * head_ld_bf16(Dv) * 2);
   }
 };
 
@@ -284,13 +288,19 @@ Operand scores_bf16(const uint16_t* w, int64_t S, int64_t H) {
   return {w, ldb, H * S * ldb, S * ldb, true};
 }
 
-// Sequences b0 .. b0 + nb - 1 of x [T, H, D] f32 converted to BF16 into dst (the same layout),
-// as the chunk's operand.
+// Sequences b0 .. b0 + nb - 1 of x [T, H, D] f32 converted to BF16 into dst [nb * S, H, Dp]
+// (Dp = head_ld_bf16(D); the padding columns are never read), as the chunk's operand: one
+// elementwise pass.
 Operand heads_bf16(const TensorView& x, int64_t b0, int64_t nb, int64_t S, void* dst) {
-  const int64_t H = x.size(1), D = x.size(2), n = nb * S * H * D;
-  cuda_convert(TensorView(const_cast<float*>(x.ptr<const float>()) + b0 * S * H * D, DType::f32, {n}, Device::cuda),
-               TensorView(dst, DType::bf16, {n}, Device::cuda));
-  return {dst, H * D, S * H * D, D, true};
+  const int64_t H = x.size(1), D = x.size(2), Dp = head_ld_bf16(D), rows = nb * S * H;
+  float* src = const_cast<float*>(x.ptr<const float>()) + b0 * S * H * D;
+  if (Dp == D)
+    cuda_convert(TensorView(src, DType::f32, {rows * D}, Device::cuda),
+                 TensorView(dst, DType::bf16, {rows * D}, Device::cuda));
+  else
+    cuda_copy_cols(TensorView(src, DType::f32, {rows, D}, Device::cuda), 0,
+                   TensorView(dst, DType::bf16, {rows, Dp}, Device::cuda), 0, D, false);
+  return {dst, H * Dp, S * H * Dp, Dp, true};
 }
 
 }  // namespace
