@@ -81,7 +81,7 @@ void add_bench(CLI::App& app) {
       throw CLI::RuntimeError("bench permute: bit-exactness check failed", 2);
   });
   auto at = std::make_shared<fp8moe::cuda::AttentionBenchOptions>();
-  auto* attention = bench->add_subcommand("attention", "FP32 causal attention: the cuBLASLt GEMM path vs the "
+  auto* attention = bench->add_subcommand("attention", "Causal attention: the cuBLASLt GEMM path vs the "
                                                        "FlashAttention-style kernels, forward and backward");
   attention->add_option("--iters", at->iters, "timed runs per case (median)");
   attention->add_option("--warmup", at->warmup, "untimed runs per case");
@@ -90,6 +90,8 @@ void add_bench(CLI::App& app) {
   attention->add_option("--heads", at->heads, "heads H");
   attention->add_option("--dk", at->dk, "query/key head dim");
   attention->add_option("--dv", at->dv, "value head dim");
+  attention->add_option("--compute", at->compute, "GEMM operands: f32, or bf16 (FP32 accumulation)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
   attention->add_option("--seed", at->seed, "random seed (0: fresh)");
   attention->callback([at] {
     require_gpu();

@@ -95,12 +95,12 @@ void Backend::rmsnorm_backward(const TensorView&, const TensorView&, const Tenso
 }
 void Backend::rope(const TensorView&, int64_t, int64_t, const TensorView&, double, bool) { FP8MOE_UNSUPPORTED(rope); }
 void Backend::attention_forward(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
-                                const TensorView&, int64_t, double) {
+                                const TensorView&, int64_t, double, DType) {
   FP8MOE_UNSUPPORTED(attention_forward);
 }
 void Backend::attention_backward(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
                                  const TensorView&, const TensorView&, const TensorView&, const TensorView&,
-                                 const TensorView&, int64_t, double) {
+                                 const TensorView&, int64_t, double, DType) {
   FP8MOE_UNSUPPORTED(attention_backward);
 }
 void Backend::swiglu_forward(const TensorView&, const TensorView&, const TensorView&) {

@@ -159,14 +159,17 @@ class Backend {
   virtual void rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& positions, double theta,
                     bool inverse);
   // Causal attention within sequences of seq_len rows (T = B * seq_len): q, k [T, H, Dk], v [T, H, Dv]
-  // -> out [T, H, Dv], lse [H, T] (log-sum-exp of the scaled scores, for the backward).
+  // -> out [T, H, Dv], lse [H, T] (log-sum-exp of the scaled scores, for the backward). compute is
+  // the precision of the GEMM operands: the tensors' dtype (exact) or bf16 (Q, K, V, dout and the
+  // probabilities and score gradients rounded to BF16, FP32 accumulation; src/cpu/ops_attention.cpp).
   virtual void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v,
-                                 const TensorView& out, const TensorView& lse, int64_t seq_len, double scale);
-  // dq, dk, dv (overwritten) from dout [T, H, Dv], out and lse of the forward.
+                                 const TensorView& out, const TensorView& lse, int64_t seq_len, double scale,
+                                 DType compute);
+  // dq, dk, dv (overwritten) from dout [T, H, Dv], out and lse of the forward (same compute).
   virtual void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                                   const TensorView& out, const TensorView& lse, const TensorView& dout,
                                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                                  int64_t seq_len, double scale);
+                                  int64_t seq_len, double scale, DType compute);
   // out [T, F] = silu(gate) * up.
   virtual void swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out);
   // dgate, dup [T, F] (overwritten) from dout [T, F].

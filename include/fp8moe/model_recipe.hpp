@@ -2,15 +2,20 @@
 // how activations are cached for backward, and the ablations of the FP8 recipe.
 //   fp64              FD-check mode: master weights, activations and GEMMs in FP64 (CPU only).
 //   fp32              everything in FP32: the oracle the PyTorch reference is compared with.
-//   bf16              every GEMM with BF16 inputs and FP32 accumulation; Linear inputs cached BF16.
+//   bf16              every Linear GEMM with BF16 inputs and FP32 accumulation; Linear inputs
+//                     cached BF16.
 //   fp8               the report: Fprop/Dgrad/Wgrad of every Linear (experts included) in E4M3 with
 //                     1x128 activation tiles and 128x128 weight blocks, FP32 promotion every 128 K;
 //                     embedding, output head (BF16 GEMM), MoE gate (FP32), norms and attention
-//                     (FP32) in higher precision; Linear inputs cached in FP8, the attention-out
-//                     Linear input in E5M6 with power-of-two scales, SwiGLU input cached in FP8.
+//                     (FP32) in higher precision; Linear inputs cached in FP8, the attention-out Linear input in E5M6 with
+//                     power-of-two scales, SwiGLU input cached in FP8.
 //   fp8-no-promotion  fp8 with the Tensor Core accumulation emulated at 14 bits and never promoted.
 //   fp8-per-tensor    fp8 with one scale per tensor instead of tiles/blocks.
-// Master weights and weight gradients are FP32 in every recipe but fp64.
+// Master weights and weight gradients are FP32 in every recipe but fp64. Attention runs in the
+// activation precision in every recipe unless set_attention("bf16") gives its GEMMs BF16 operands
+// with FP32 accumulation (the report keeps attention in "BF16 or FP32"; `fp8moe train --attention
+// bf16`): 5-6% faster steps on an H200, and FP8 drifted 0.5-1.3% above BF16 in 3000-step runs
+// with it (docs/ACCURACY.md), so it is not the default.
 #pragma once
 #include <string>
 #include <string_view>
@@ -35,6 +40,12 @@ struct Recipe {
   // activations before MoE dispatch and the activation gradients before the MoE down projection.
   ScaleMode pow2_mode = ScaleMode::pow2;
   DType attn_out_cache = DType::f32;     // dtype of the cached attention-out Linear input
+  // Attention's GEMM operands (Backend::attention_forward's compute): the activation dtype
+  // ("exact", every recipe's default) or bf16 (BF16 operands, FP32 accumulation).
+  DType attn_compute = DType::f32;
+  // "exact" | "bf16"; throws on others.
+  void set_attention(std::string_view mode);
+  std::string attention() const;
 
   bool is_fp8() const { return linear == LinearPrecision::fp8; }
   // The routed experts run over all segments of the expert-sorted layout at once (grouped FP8

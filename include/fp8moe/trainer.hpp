@@ -18,6 +18,7 @@ namespace fp8moe {
 struct TrainOptions {
   std::string model_config = "configs/tiny.json";
   std::string recipe = "fp8";
+  std::string attention = "exact";  // attention GEMM operands: exact (activation dtype) | bf16
   std::string backend = "auto";     // auto = cuda when a GPU is present, else cpu
   std::string data;                 // text file or folder; empty = the default corpus
   std::string out_dir = "runs/default";

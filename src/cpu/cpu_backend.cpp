@@ -120,13 +120,13 @@ class CpuBackend final : public Backend {
     cpu::rope(x, col0, rot, pos, theta, inv);
   }
   void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                         const TensorView& lse, int64_t seq_len, double scale) override {
-    cpu::attention_forward(q, k, v, out, lse, seq_len, scale);
+                         const TensorView& lse, int64_t seq_len, double scale, DType compute) override {
+    cpu::attention_forward(q, k, v, out, lse, seq_len, scale, compute);
   }
   void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                           const TensorView& lse, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                          const TensorView& dv, int64_t seq_len, double scale) override {
-    cpu::attention_backward(q, k, v, out, lse, dout, dq, dk, dv, seq_len, scale);
+                          const TensorView& dv, int64_t seq_len, double scale, DType compute) override {
+    cpu::attention_backward(q, k, v, out, lse, dout, dq, dk, dv, seq_len, scale, compute);
   }
   void swiglu_forward(const TensorView& g, const TensorView& u, const TensorView& out) override {
     cpu::swiglu_forward(g, u, out);

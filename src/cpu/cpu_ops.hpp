@@ -45,10 +45,10 @@ void rmsnorm_backward(const TensorView& x, const TensorView& w, const TensorView
 
 void rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& positions, double theta, bool inverse);
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                       const TensorView& lse, int64_t seq_len, double scale);
+                       const TensorView& lse, int64_t seq_len, double scale, DType compute);
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                         const TensorView& lse, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                        const TensorView& dv, int64_t seq_len, double scale);
+                        const TensorView& dv, int64_t seq_len, double scale, DType compute);
 
 void swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out);
 void swiglu_backward(const TensorView& gate, const TensorView& up, const TensorView& dout, const TensorView& dgate,

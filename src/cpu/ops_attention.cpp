@@ -1,10 +1,21 @@
 // CPU rotary position embedding and causal softmax attention (forward with the log-sum-exp kept,
-// backward recomputing the probabilities from it, as FlashAttention does). Attention runs in the
-// activation precision in every recipe: the report keeps attention out of FP8.
+// backward recomputing the probabilities from it, as FlashAttention does). The report keeps
+// attention out of FP8, in BF16 or FP32; `compute` picks the precision of its GEMM operands:
+//   the tensors' dtype  the exact path (fp32, fp64 recipes): every product and sum in FP64.
+//   bf16                the bf16 and FP8 recipes: BF16 GEMM operands, FP32 accumulation. With
+//                       bf(x) = x rounded to nearest even BF16 (codecs.hpp bf16_round):
+//     forward   s = scale * bf(Q) bf(K)^T; causal softmax of s -> P (FP32) and lse = max +
+//               log(sum) of s, as on the exact path; out = bf(P) bf(V).
+//     backward  P = exp(s - lse) from bf(Q), bf(K) as the forward's scores; Di = rowsum(dout *
+//               out) from the unrounded dout and out; dv = bf(P)^T bf(dout); dP = bf(dout) bf(V)^T;
+//               dS = P * (dP - Di) * scale (FP32); dq = bf(dS) bf(K); dk = bf(dS)^T bf(Q).
+//   Sums run in FP64 here (the exact sums that FP32 accumulation approximates); P and dS are
+//   rounded to FP32 before their BF16 rounding, the values the CUDA kernels hold.
 #include <cmath>
 #include <vector>
 
 #include "cpu_ops.hpp"
+#include "fp8moe/codecs.hpp"
 
 namespace fp8moe::cpu {
 
@@ -39,9 +50,9 @@ void rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& posi
 
 namespace {
 
-template <class T>
-void check_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                     const TensorView& lse, int64_t seq_len, const char* op) {
+// Checks the arguments; true when `compute` rounds the GEMM operands to BF16.
+bool check_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                     const TensorView& lse, int64_t seq_len, DType compute, const char* op) {
   const DType dt = q.dtype;
   check_op_tensor(q, op, "q", dt, 3);
   check_op_tensor(k, op, "k", dt, 3);
@@ -54,19 +65,37 @@ void check_attention(const TensorView& q, const TensorView& k, const TensorView&
   check_shape(out, (std::string(op) + ": out").c_str(), {N, H, Dv});
   check_shape(lse, (std::string(op) + ": lse").c_str(), {H, N});
   FP8MOE_CHECK(seq_len > 0 && N % seq_len == 0, op << ": seq_len = " << seq_len << " must divide T = " << N);
+  FP8MOE_CHECK(compute == DType::bf16 || compute == dt, op << ": compute = " << dtype_name(compute)
+                                                           << " must be bf16 or the tensors' dtype "
+                                                           << dtype_name(dt));
+  return compute == DType::bf16;
 }
+
+// The values of x as a GEMM reads them: x itself, or (bf16) a copy rounded to BF16 in `copy`.
+template <class T>
+const T* gemm_operand(const TensorView& x, bool bf16, std::vector<T>& copy) {
+  const T* p = x.ptr<const T>();
+  if (!bf16) return p;
+  copy.resize(size_t(x.numel()));
+  for (size_t i = 0; i < copy.size(); ++i) copy[i] = T(bf16_round(float(p[i])));
+  return copy.data();
+}
+
+// A probability or score gradient as the next GEMM reads it: FP32, then BF16 (bf16), or exact.
+double gemm_weight(double x, bool bf16) { return bf16 ? double(bf16_round(float(x))) : x; }
 
 }  // namespace
 
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                       const TensorView& lse, int64_t seq_len, double scale) {
+                       const TensorView& lse, int64_t seq_len, double scale, DType compute) {
   dispatch_float(q, "attention_forward", "q", [&](auto tag) {
     using T = decltype(tag);
-    check_attention<T>(q, k, v, out, lse, seq_len, "attention_forward");
+    const bool bf = check_attention(q, k, v, out, lse, seq_len, compute, "attention_forward");
     const int64_t N = q.size(0), H = q.size(1), Dk = q.size(2), Dv = v.size(2), S = seq_len, B = N / S;
-    const T* Q = q.ptr<const T>();
-    const T* K = k.ptr<const T>();
-    const T* V = v.ptr<const T>();
+    std::vector<T> qc, kc, vc;
+    const T* Q = gemm_operand(q, bf, qc);
+    const T* K = gemm_operand(k, bf, kc);
+    const T* V = gemm_operand(v, bf, vc);
 #pragma omp parallel if (N * S * H * (Dk + Dv) > 4 * kParallelWork)
     {
       std::vector<double> p(static_cast<size_t>(S)), acc(static_cast<size_t>(Dv));
@@ -89,7 +118,7 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
             std::fill(acc.begin(), acc.end(), 0.0);
             for (int64_t j = 0; j <= i; ++j) {
               const T* vj = V + ((b * S + j) * H + h) * Dv;
-              const double w = p[size_t(j)] / sum;
+              const double w = gemm_weight(p[size_t(j)] / sum, bf);
               for (int64_t d = 0; d < Dv; ++d) acc[size_t(d)] += w * double(vj[d]);
             }
             T* o = out.ptr<T>() + (ti * H + h) * Dv;
@@ -102,10 +131,10 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
 
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                         const TensorView& lse, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                        const TensorView& dv, int64_t seq_len, double scale) {
+                        const TensorView& dv, int64_t seq_len, double scale, DType compute) {
   dispatch_float(q, "attention_backward", "q", [&](auto tag) {
     using T = decltype(tag);
-    check_attention<T>(q, k, v, out, lse, seq_len, "attention_backward");
+    const bool bf = check_attention(q, k, v, out, lse, seq_len, compute, "attention_backward");
     const int64_t N = q.size(0), H = q.size(1), Dk = q.size(2), Dv = v.size(2), S = seq_len, B = N / S;
     check_op_tensor(dout, "attention_backward", "dout", q.dtype, 3);
     check_shape(dout, "attention_backward: dout", {N, H, Dv});
@@ -115,11 +144,13 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
     check_shape(dk, "attention_backward: dk", {N, H, Dk});
     check_op_tensor(dv, "attention_backward", "dv", q.dtype, 3);
     check_shape(dv, "attention_backward: dv", {N, H, Dv});
-    const T* Q = q.ptr<const T>();
-    const T* K = k.ptr<const T>();
-    const T* V = v.ptr<const T>();
+    std::vector<T> qc, kc, vc, gc;
+    const T* Q = gemm_operand(q, bf, qc);
+    const T* K = gemm_operand(k, bf, kc);
+    const T* V = gemm_operand(v, bf, vc);
     const T* O = out.ptr<const T>();
-    const T* G = dout.ptr<const T>();
+    const T* G = dout.ptr<const T>();  // Di's dout, unrounded
+    const T* Gr = gemm_operand(dout, bf, gc);  // the GEMMs' dout
     // One (sequence, head) per task: dk and dv of a head only receive from queries of that head.
 #pragma omp parallel if (N * S * H * (Dk + Dv) > 2 * kParallelWork)
     {
@@ -134,6 +165,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
             const int64_t ti = b * S + i;
             const T* qi = Q + (ti * H + h) * Dk;
             const T* gi = G + (ti * H + h) * Dv;
+            const T* gri = Gr + (ti * H + h) * Dv;
             const T* oi = O + (ti * H + h) * Dv;
             const double l = lse.ptr<const T>()[h * N + ti];
             double Di = 0;  // rowsum(dout * out)
@@ -144,13 +176,13 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
               const T* vj = V + ((b * S + j) * H + h) * Dv;
               double s = 0;
               for (int64_t d = 0; d < Dk; ++d) s += double(qi[d]) * double(kj[d]);
-              const double pj = std::exp(s * scale - l);
+              const double pj = std::exp(s * scale - l), pw = gemm_weight(pj, bf);
               double dp = 0;
               for (int64_t d = 0; d < Dv; ++d) {
-                dp += double(gi[d]) * double(vj[d]);
-                dvb[size_t(j * Dv + d)] += pj * double(gi[d]);
+                dp += double(gri[d]) * double(vj[d]);
+                dvb[size_t(j * Dv + d)] += pw * double(gri[d]);
               }
-              const double ds = pj * (dp - Di) * scale;
+              const double ds = gemm_weight(pj * (dp - Di) * scale, bf);
               for (int64_t d = 0; d < Dk; ++d) {
                 dqa[size_t(d)] += ds * double(kj[d]);
                 dkb[size_t(j * Dk + d)] += ds * double(qi[d]);

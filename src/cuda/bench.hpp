@@ -74,6 +74,7 @@ struct AttentionBenchOptions {
   int64_t heads = 16;
   int64_t dk = 192;
   int64_t dv = 128;
+  std::string compute = "f32";  // f32 | bf16: the GEMM operands (cuda_attention_forward's compute)
   uint64_t seed = 0;     // 0: fresh random seed (printed)
 };
 

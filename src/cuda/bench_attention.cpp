@@ -1,12 +1,14 @@
-// `fp8moe bench attention` (bench.hpp): the CUDA causal attention's two FP32 paths (model_ops.hpp,
+// `fp8moe bench attention` (bench.hpp): the CUDA causal attention's two paths (model_ops.hpp,
 // AttentionPath) side by side on one shape, by default the hidden-2048 config's (B = 8 sequences of
-// 512 tokens, 16 heads, Dk 192, Dv 128). Timing as in bench.cpp (bench_util.hpp): L2 flushed before
-// every timed run, median. The backward is timed on the forward's out and lse.
+// 512 tokens, 16 heads, Dk 192, Dv 128), in FP32 or (--compute bf16) with BF16 GEMM operands.
+// Timing as in bench.cpp (bench_util.hpp): L2 flushed before every timed run, median. The backward
+// is timed on the forward's out and lse.
 // FLOPs as the trainer counts them (train_flops_per_token): 2 * (Dk + Dv) per (query, key) pair
 // with seq_len / 2 keys per query on average, the backward twice the forward (its recomputation of
 // the scores not counted).
 // Check: the GEMM path's outputs against the flash kernels', max |gemm - flash| / max |flash| per
-// tensor below 1e-4.
+// tensor below 1e-4 in FP32; 1e-2 in bf16, where the two paths' FP32 values of P and dS differ in
+// the last bits and so may round to neighbouring BF16 values (2^-8 apart) before they multiply.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -59,6 +61,10 @@ int run_attention_bench(const AttentionBenchOptions& opt) {
   FP8MOE_CHECK(B > 0 && S > 0 && H > 0 && Dk > 0 && Dv > 0, "bench attention: every dimension must be positive");
   const uint64_t seed = opt.seed ? opt.seed : (uint64_t(std::random_device{}()) << 32) | std::random_device{}();
   const double scale = 1.0 / std::sqrt(double(Dk));
+  FP8MOE_CHECK(opt.compute == "f32" || opt.compute == "bf16",
+               "bench attention: compute '" << opt.compute << "' must be f32 or bf16");
+  const DType compute = opt.compute == "bf16" ? DType::bf16 : DType::f32;
+  const double tolerance = compute == DType::bf16 ? 1e-2 : 1e-4;
   Heads q(T, H, Dk), k(T, H, Dk), v(T, H, Dv), dout(T, H, Dv), dq(T, H, Dk), dk(T, H, Dk), dv(T, H, Dv);
   Heads out_f(T, H, Dv), out_g(T, H, Dv), dq_g(T, H, Dk), dk_g(T, H, Dk), dv_g(T, H, Dv);
   DeviceBuffer lse_f(size_t(H * T) * 4), lse_g(size_t(H * T) * 4);
@@ -68,16 +74,17 @@ int run_attention_bench(const AttentionBenchOptions& opt) {
   v.randomize(seed + 2);
   dout.randomize(seed + 3);
 
-  const size_t per = cuda_attention_score_bytes(S, H);
+  const size_t fwd_per = cuda_attention_workspace_bytes(S, H, Dk, Dv, compute, false),
+               bwd_per = cuda_attention_workspace_bytes(S, H, Dk, Dv, compute, true);
   const double fwd_flops = 2.0 * double(T) * (double(S) / 2.0) * double(H) * double(Dk + Dv), bwd_flops = 2 * fwd_flops;
-  std::printf("# fp8moe bench attention on %s: B = %lld sequences of %lld, H = %lld, Dk = %lld, Dv = %lld, FP32, "
+  std::printf("# fp8moe bench attention on %s: B = %lld sequences of %lld, H = %lld, Dk = %lld, Dv = %lld, compute %s, "
               "seed %llu, median of %d, L2 flushed\n",
-              prop.name, (long long)B, (long long)S, (long long)H, (long long)Dk, (long long)Dv,
+              prop.name, (long long)B, (long long)S, (long long)H, (long long)Dk, (long long)Dv, opt.compute.c_str(),
               (unsigned long long)seed, opt.iters);
-  std::printf("# GEMM path score workspace: %.0f MiB per sequence and buffer; cap %.0f MiB; forward %.0f MiB, backward "
-              "%.0f MiB (for all %lld sequences)\n",
-              double(per) / (1 << 20), double(kAttentionWorkspaceCap) / (1 << 20), double(B * per) / (1 << 20),
-              double(2 * B * per) / (1 << 20), (long long)B);
+  std::printf("# GEMM path workspace per sequence: forward %.1f MiB, backward %.1f MiB; cap %.0f MiB; for all %lld "
+              "sequences forward %.0f MiB, backward %.0f MiB\n",
+              double(fwd_per) / (1 << 20), double(bwd_per) / (1 << 20), double(kAttentionWorkspaceCap) / (1 << 20),
+              (long long)B, double(B * fwd_per) / (1 << 20), double(B * bwd_per) / (1 << 20));
   std::printf("# causal FLOPs: forward %.2f G, backward %.2f G (2x forward)\n", fwd_flops / 1e9, bwd_flops / 1e9);
   std::printf("| path | forward us | forward TFLOPS | backward us | backward TFLOPS |\n|---|---|---|---|---|\n");
   std::fflush(stdout);
@@ -89,16 +96,17 @@ int run_attention_bench(const AttentionBenchOptions& opt) {
     const bool gemm = paths[p] == AttentionPath::gemm;
     const TensorView& out = gemm ? out_g.view : out_f.view;
     const TensorView& lse = gemm ? lse_gv : lse_fv;
-    us[p][0] = timer.median_us([&] { cuda_attention_forward(q.view, k.view, v.view, out, lse, S, scale, paths[p]); },
+    us[p][0] = timer.median_us([&] { cuda_attention_forward(q.view, k.view, v.view, out, lse, S, scale, compute, paths[p]); },
                                opt.warmup, opt.iters);
     // Both backwards take the flash forward's out and lse.
     us[p][1] = timer.median_us(
         [&] {
           cuda_attention_backward(q.view, k.view, v.view, out_f.view, lse_fv, dout.view, gemm ? dq_g.view : dq.view,
-                                  gemm ? dk_g.view : dk.view, gemm ? dv_g.view : dv.view, S, scale, paths[p]);
+                                  gemm ? dk_g.view : dk.view, gemm ? dv_g.view : dv.view, S, scale, compute,
+                                  paths[p]);
         },
         opt.warmup, opt.iters);
-    std::printf("| %s | %.1f | %.2f | %.1f | %.2f |\n", gemm ? "gemm (cuBLASLt FP32)" : "flash (CUDA cores)",
+    std::printf("| %s | %.1f | %.2f | %.1f | %.2f |\n", gemm ? "gemm (cuBLASLt)" : "flash (CUDA cores)",
                 us[p][0], fwd_flops / (us[p][0] * 1e6), us[p][1], bwd_flops / (us[p][1] * 1e6));
     std::fflush(stdout);
   }
@@ -111,8 +119,8 @@ int run_attention_bench(const AttentionBenchOptions& opt) {
   const double worst = *std::max_element(diffs, diffs + 5);
   std::printf("# speedup gemm / flash: forward %.2fx, backward %.2fx\n", us[0][0] / us[1][0], us[0][1] / us[1][1]);
   std::printf("# gemm vs flash, max |diff| / max |flash|: out %.1e, lse %.1e, dq %.1e, dk %.1e, dv %.1e (%s)\n",
-              diffs[0], diffs[1], diffs[2], diffs[3], diffs[4], worst < 1e-4 ? "ok" : "MISMATCH");
-  return worst < 1e-4 ? 0 : 1;
+              diffs[0], diffs[1], diffs[2], diffs[3], diffs[4], worst < tolerance ? "ok" : "MISMATCH");
+  return worst < tolerance ? 0 : 1;
 }
 
 }  // namespace fp8moe::cuda

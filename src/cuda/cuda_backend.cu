@@ -379,15 +379,15 @@ class CudaBackend final : public Backend {
     cuda::cuda_rope(x, col0, rot, positions, theta, inverse);
   }
   void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                         const TensorView& lse, int64_t seq_len, double scale) override {
+                         const TensorView& lse, int64_t seq_len, double scale, DType compute) override {
     FP8MOE_TIMED_OP("attention_forward");
-    cuda::cuda_attention_forward(q, k, v, out, lse, seq_len, scale);
+    cuda::cuda_attention_forward(q, k, v, out, lse, seq_len, scale, compute);
   }
   void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                           const TensorView& lse, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                          const TensorView& dv, int64_t seq_len, double scale) override {
+                          const TensorView& dv, int64_t seq_len, double scale, DType compute) override {
     FP8MOE_TIMED_OP("attention_backward");
-    cuda::cuda_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, seq_len, scale);
+    cuda::cuda_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, seq_len, scale, compute);
   }
   void swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out) override {
     FP8MOE_TIMED_OP("swiglu_forward");

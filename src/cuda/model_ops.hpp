@@ -39,25 +39,28 @@ void cuda_rmsnorm_backward(const TensorView& x, const TensorView& w, const Tenso
                            const TensorView& dx, const TensorView& dw, bool accumulate_dx);
 void cuda_rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& positions, double theta,
                bool inverse);
-// Attention runs one of two FP32 paths (model_ops_attention.cu): `gemm` materializes the scores
-// of a chunk of sequences in a stream-ordered workspace [chunk, H, seq_len, seq_len] f32 (one
-// buffer forward, two backward) and does the matrix work as cuBLASLt FP32 GEMMs; `flash` is the
+// Attention computes in FP32 or with BF16 GEMM operands (compute f32 | bf16, as the CPU op) on
+// one of two paths (model_ops_attention.cu): `gemm` materializes the scores of a chunk of
+// sequences in a stream-ordered workspace ([chunk, H, seq_len, seq_len] f32 per score buffer, one
+// forward, two backward; in bf16 also their BF16 copies and BF16 copies of the chunk's operands)
+// and does the matrix work as cuBLASLt GEMMs with FP32 accumulation; `flash` is the
 // FlashAttention-2-style kernels (no workspace; head dims up to 256). `automatic` takes `gemm`
-// when one sequence's buffers fit in `workspace_cap` bytes, `flash` otherwise. The Backend uses
-// the defaults; tests and the benchmark force a path or a smaller cap (which makes more chunks).
+// when one sequence's workspace fits in `workspace_cap` bytes, `flash` otherwise. The Backend
+// uses the defaults; tests and the benchmark force a path or a smaller cap (more chunks).
 enum class AttentionPath { automatic, gemm, flash };
 constexpr size_t kAttentionWorkspaceCap = size_t(512) << 20;
-// Bytes of one score buffer of one sequence on the GEMM path (a chunk of n sequences takes n of
-// these forward, 2n backward).
-size_t cuda_attention_score_bytes(int64_t seq_len, int64_t H);
+// Bytes of the GEMM path's workspace per sequence, forward or backward (a chunk of n sequences
+// takes at most n times this).
+size_t cuda_attention_workspace_bytes(int64_t seq_len, int64_t H, int64_t Dk, int64_t Dv, DType compute,
+                                      bool backward);
 void cuda_attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                            const TensorView& lse, int64_t seq_len, double scale,
+                            const TensorView& lse, int64_t seq_len, double scale, DType compute,
                             AttentionPath path = AttentionPath::automatic,
                             size_t workspace_cap = kAttentionWorkspaceCap);
 void cuda_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                              const TensorView& lse, const TensorView& dout, const TensorView& dq,
                              const TensorView& dk, const TensorView& dv, int64_t seq_len, double scale,
-                             AttentionPath path = AttentionPath::automatic,
+                             DType compute, AttentionPath path = AttentionPath::automatic,
                              size_t workspace_cap = kAttentionWorkspaceCap);
 void cuda_swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out);
 void cuda_swiglu_backward(const TensorView& gate, const TensorView& up, const TensorView& dout,

@@ -84,16 +84,18 @@ cublasStatus_t cublaslt_heuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t 
 
 // ---- the attention's GEMM path (model_ops_attention_gemm.cu; model_ops_attention.cu checks the
 // arguments and dispatches) ----
-// Sequences per chunk such that `buffers` score buffers of a chunk (cuda_attention_score_bytes per
-// sequence) fit in `cap` bytes, balanced over the chunks; 0 when one sequence does not fit.
-int64_t attention_gemm_chunk(int64_t B, int64_t seq_len, int64_t H, int buffers, size_t cap);
-// cuda_attention_forward / _backward's contracts with checked arguments, T > 0, H > 0, and
-// `chunk` from attention_gemm_chunk (1 buffer forward, 2 backward); di [H, T] = rowsum(dout * out).
+// Sequences per chunk such that a chunk's workspace (per_sequence bytes a sequence,
+// cuda_attention_workspace_bytes) fits in `cap` bytes, balanced over the chunks; 0 when one
+// sequence does not fit.
+int64_t attention_gemm_chunk(int64_t B, size_t per_sequence, size_t cap);
+// cuda_attention_forward / _backward's contracts with checked arguments, T > 0, H > 0, BF16
+// operands when bf16, and `chunk` from attention_gemm_chunk (with the forward's or the
+// backward's workspace); di [H, T] = rowsum(dout * out).
 void attention_gemm_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                            const TensorView& lse, int64_t seq_len, double scale, int64_t chunk);
+                            const TensorView& lse, int64_t seq_len, double scale, bool bf16, int64_t chunk);
 void attention_gemm_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& lse,
                              const float* di, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                             const TensorView& dv, int64_t seq_len, double scale, int64_t chunk);
+                             const TensorView& dv, int64_t seq_len, double scale, bool bf16, int64_t chunk);
 
 // Stable sort of the positions 0..n-1 by key: keys_out [n] = sorted keys, pos_out [n] = the
 // positions, ascending within one key. keys [n] i32 device, each in [0, nkeys). Queued on
@@ -117,6 +119,8 @@ __device__ __forceinline__ uint16_t f32_to_bf16(float x) {
   if (isnan(x)) return uint16_t(((u >> 16) & 0x8000u) | 0x7FFFu);
   return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
+// x rounded to BF16 and back (codecs.hpp bf16_round).
+__device__ __forceinline__ float bf16_rounded(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 // Element i of a f32 | f64 | bf16 array as double, and its store from double (via float for f32
 // and bf16), the CPU's load_any / store_any.

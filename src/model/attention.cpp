@@ -125,7 +125,8 @@ class AttentionLayer final : public Layer {
     build_qkv(b, *s, Q, K, V);
     Tensor O = c_.uninit({T, H_, dv_});
     s->lse = c_.uninit({H_, T});
-    c_.be.attention_forward(Q.view(), K.view(), V.view(), O.view(), s->lse.view(), b.seq, scale_);
+    c_.be.attention_forward(Q.view(), K.view(), V.view(), O.view(), s->lse.view(), b.seq, scale_,
+                           c_.recipe.attn_compute);
     // The attention-out Linear input: E5M6 with power-of-two scales in the FP8 recipes.
     s->o = linear_input(c_, reshape(O.view(), {T, H_ * dv_}), c_.recipe.pow2_mode, c_.recipe.attn_out_cache);
     Tensor out = c_.uninit({T, D});
@@ -161,7 +162,7 @@ class AttentionLayer final : public Layer {
     Tensor O = s.o.restore(c_);  // [T, H*dv]
     Tensor dQ = c_.uninit({T, H_, dqk_}), dK = c_.uninit({T, H_, dqk_}), dV = c_.uninit({T, H_, dv_});
     c_.be.attention_backward(Q.view(), K.view(), V.view(), reshape(O.view(), {T, H_, dv_}), s.lse.view(), dO.view(),
-                             dQ.view(), dK.view(), dV.view(), b.seq, scale_);
+                             dQ.view(), dK.view(), dV.view(), b.seq, scale_, c_.recipe.attn_compute);
     // RoPE backward: the inverse rotation of the gradient.
     c_.be.rope(dQ.view(), dn_, dr_, b.positions.view(), c_.cfg.rope_theta, true);
     Tensor dq = c_.uninit({T, H_ * dqk_});

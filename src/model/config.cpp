@@ -236,6 +236,7 @@ Recipe Recipe::from_name(std::string_view name) {
   if (name == "fp64") {
     r.act_dtype = DType::f64;
     r.attn_out_cache = DType::f64;
+    r.attn_compute = DType::f64;
   } else if (name == "fp32") {
   } else if (name == "bf16") {
     r.linear = LinearPrecision::bf16;
@@ -256,6 +257,18 @@ Recipe Recipe::from_name(std::string_view name) {
   }
   return r;
 }
+
+void Recipe::set_attention(std::string_view mode) {
+  if (mode == "exact") {
+    attn_compute = act_dtype;
+  } else if (mode == "bf16") {
+    attn_compute = DType::bf16;
+  } else {
+    FP8MOE_CHECK(false, "unknown attention precision '" << mode << "' (expected exact or bf16)");
+  }
+}
+
+std::string Recipe::attention() const { return attn_compute == DType::bf16 ? "bf16" : "exact"; }
 
 std::vector<std::string> Recipe::names() { return {"fp64", "fp32", "bf16", "fp8", "fp8-no-promotion", "fp8-per-tensor"}; }
 

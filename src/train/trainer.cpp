@@ -89,6 +89,7 @@ struct Trainer::Impl {
     FP8MOE_CHECK(opt.mtp_switch >= 0 && opt.mtp_switch <= 1, "train: mtp_switch must be in [0, 1], got " << opt.mtp_switch);
     FP8MOE_CHECK(opt.ckpt_every >= 0, "train: ckpt_every must be >= 0 (0: no checkpoints), got " << opt.ckpt_every);
     recipe = Recipe::from_name(opt.recipe);
+    recipe.set_attention(opt.attention);
     validate_config(cfg, recipe);
     backend = make_backend(opt.backend == "auto" ? pick_backend(opt.quiet) : opt.backend);
     // Device-side checks are raised once per micro-batch (the synchronize below), not per op.
@@ -147,6 +148,7 @@ struct Trainer::Impl {
                       {"sampler_epoch", std::to_string(ss.epoch)},
                       {"sampler_index", std::to_string(ss.index)},
                       {"recipe", recipe.name},
+                      {"attention", recipe.attention()},
                       {"model_config", config_to_json(cfg)}});
   }
 
@@ -181,6 +183,10 @@ struct Trainer::Impl {
     sampler->set_state({std::stoull(meta("sampler_epoch")), std::stoull(meta("sampler_index"))});
     FP8MOE_CHECK(meta("recipe") == recipe.name, ckpt_path << ": checkpoint was trained with recipe '" << meta("recipe")
                                                           << "', this run asks for '" << recipe.name << "'");
+    const auto att = f.metadata.find("attention");  // absent before the option: exact
+    const std::string attention = att == f.metadata.end() ? "exact" : att->second;
+    FP8MOE_CHECK(attention == recipe.attention(), ckpt_path << ": checkpoint was trained with --attention " << attention
+                                                            << ", this run asks for " << recipe.attention());
   }
 
   // First parameter whose weight or gradient holds a NaN/Inf, for the error message.
@@ -256,9 +262,9 @@ struct Trainer::Impl {
     const double peak_tflops = opt.peak_tflops > 0 ? opt.peak_tflops : backend->peak_bf16_tflops();
     std::ofstream metrics(fs::path(opt.out_dir) / "metrics.jsonl", opt.resume ? std::ios::app : std::ios::trunc);
     if (!opt.quiet)
-      std::printf("fp8moe train: %s (%.1fM params, %.1fM active), recipe %s, backend %s, data %s (%zu train / %zu val bytes)\n",
+      std::printf("fp8moe train: %s (%.1fM params, %.1fM active), recipe %s%s, backend %s, data %s (%zu train / %zu val bytes)\n",
                   cfg.name.c_str(), double(count_parameters(cfg).total) / 1e6, double(count_parameters(cfg).activated) / 1e6,
-                  recipe.name.c_str(), backend->name().c_str(), corpus->source().c_str(), corpus->train().size(),
+                  recipe.name.c_str(), recipe.attention() == "bf16" ? " (attention bf16)" : "", backend->name().c_str(), corpus->source().c_str(), corpus->train().size(),
                   corpus->validation().size());
     TrainSummary sum;
     std::vector<int32_t> windows;

@@ -3,7 +3,8 @@
 // heads, ragged head dims), device outputs poisoned with NaN before each run. Ops whose CUDA
 // arithmetic repeats the CPU's roundings are compared bit for bit (data movement, axpy, convert,
 // embedding and scatter-add backward, AdamW); the others within FP32 tolerances (1e-5 relative,
-// attention 1e-4, bf16 outputs per bf16 rounding). Skips without a GPU.
+// attention 1e-4, bf16 outputs per bf16 rounding; attention with BF16 operands as its NOTES
+// say). Skips without a GPU.
 // Run: build/tests/cuda/test_cuda_model_ops, or ctest -R CudaModelOps (FP8MOE_SEED=<n> replays a seed).
 #include <algorithm>
 #include <cmath>
@@ -350,42 +351,104 @@ const char* path_name(AttentionPath p) {
   return p == AttentionPath::gemm ? " gemm" : p == AttentionPath::flash ? " flash" : " automatic";
 }
 
-// Attention on one CUDA path against the CPU op: the forward's out and lse, and the backward
-// (given the CPU's out and lse, so checked on its own) dq, dk, dv; device outputs poisoned.
-// `cap` is the GEMM path's workspace cap.
+// ||got - want|| / ||want|| over a tensor.
+double rel_norm(const Tensor& got, const Tensor& want) {
+  const std::vector<double> g = to_doubles(got.view()), w = to_doubles(want.view());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    num += (g[i] - w[i]) * (g[i] - w[i]);
+    den += w[i] * w[i];
+  }
+  return std::sqrt(num / den);
+}
+
+// Sequence lengths off the 32-row tiles, several heads and sequences, Dk != Dv, and the
+// hidden-2048 config's heads (seq_len 512, Dk 192, Dv 128). The GEMM path batches over heads
+// where H >= B and over sequences otherwise (B=4 H=2, B=2 H=1); head dims past the flash kernels'
+// 256 only on it.
+const AttnCase kAttnCases[] = {{3, 37, 3, 40, 24}, {2, 70, 2, 96, 64},   {1, 33, 1, 256, 200}, {4, 1, 2, 8, 8},
+                               {2, 64, 1, 17, 129}, {2, 512, 2, 192, 128}, {2, 45, 2, 300, 40}};
+
+// Attention on one CUDA path against the CPU op in one compute (f32 or bf16): the forward's out
+// and lse, and the backward (given the CPU's out and lse, so checked on its own) dq, dk, dv;
+// device outputs poisoned. `cap` is the GEMM path's workspace cap.
 class CudaAttention : public CudaModelOps {
  protected:
   struct Want {
     Tensor q, k, v, out, lse, dout, dq, dk, dv;
+    DType compute;
   };
   struct Got {
     Tensor out, lse, dq, dk, dv;
   };
 
-  Want reference(const AttnCase& c) {
+  // The CPU op on the inputs of `in` (q, k, v, dout) in `compute`.
+  Want cpu_outputs(const AttnCase& c, const Want& in, DType compute) {
     const int64_t T = c.B * c.S;
-    Want w{randn({T, c.H, c.Dk}), randn({T, c.H, c.Dk}), randn({T, c.H, c.Dv}), nan_host(DType::f32, {T, c.H, c.Dv}),
-           nan_host(DType::f32, {c.H, T}), randn({T, c.H, c.Dv}), nan_host(DType::f32, {T, c.H, c.Dk}),
-           nan_host(DType::f32, {T, c.H, c.Dk}), nan_host(DType::f32, {T, c.H, c.Dv})};
-    cpu_->attention_forward(w.q, w.k, w.v, w.out, w.lse, c.S, scale(c));
-    cpu_->attention_backward(w.q, w.k, w.v, w.out, w.lse, w.dout, w.dq, w.dk, w.dv, c.S, scale(c));
+    Want w{in.q, in.k, in.v, nan_host(DType::f32, {T, c.H, c.Dv}), nan_host(DType::f32, {c.H, T}), in.dout,
+           nan_host(DType::f32, {T, c.H, c.Dk}), nan_host(DType::f32, {T, c.H, c.Dk}),
+           nan_host(DType::f32, {T, c.H, c.Dv}), compute};
+    cpu_->attention_forward(w.q, w.k, w.v, w.out, w.lse, c.S, scale(c), compute);
+    cpu_->attention_backward(w.q, w.k, w.v, w.out, w.lse, w.dout, w.dq, w.dk, w.dv, c.S, scale(c), compute);
     return w;
   }
 
+  // Fresh random inputs and the CPU op's outputs in `compute`.
+  Want reference(const AttnCase& c, DType compute) {
+    const int64_t T = c.B * c.S;
+    Want in{randn({T, c.H, c.Dk}), randn({T, c.H, c.Dk}), randn({T, c.H, c.Dv}), {}, {}, randn({T, c.H, c.Dv}),
+            {},                    {},                    {},                    compute};
+    return cpu_outputs(c, in, compute);
+  }
+
+  // The CUDA op on w's inputs in w's compute.
   Got run(const AttnCase& c, const Want& w, AttentionPath path, size_t cap = kAttentionWorkspaceCap) {
     const int64_t T = c.B * c.S;
     Got g{poisoned(DType::f32, {T, c.H, c.Dv}), poisoned(DType::f32, {c.H, T}), poisoned(DType::f32, {T, c.H, c.Dk}),
           poisoned(DType::f32, {T, c.H, c.Dk}), poisoned(DType::f32, {T, c.H, c.Dv})};
     const Tensor qd = dev(w.q), kd = dev(w.k), vd = dev(w.v);
-    cuda_attention_forward(qd, kd, vd, g.out, g.lse, c.S, scale(c), path, cap);
-    cuda_attention_backward(qd, kd, vd, dev(w.out), dev(w.lse), dev(w.dout), g.dq, g.dk, g.dv, c.S, scale(c), path,
-                            cap);
+    cuda_attention_forward(qd, kd, vd, g.out, g.lse, c.S, scale(c), w.compute, path, cap);
+    cuda_attention_backward(qd, kd, vd, dev(w.out), dev(w.lse), dev(w.dout), g.dq, g.dk, g.dv, c.S, scale(c),
+                            w.compute, path, cap);
     return {host(g.out), host(g.lse), host(g.dq), host(g.dk), host(g.dv)};
   }
 
-  void expect_matches(const Got& g, const Want& w, const std::string& what) {
-    expect_close(g.out, w.out, 1e-4, "attention_forward out" + what);
+  // NOTES: bf16 tolerances. The CUDA paths differ from the CPU op only in the order of their FP32
+  // sums (the CPU sums exactly in FP64), which moves the FP32 values of P and dS by ~1e-7
+  // relative; where one sits that close to the midpoint of two BF16 values, its BF16 rounding
+  // flips, a change of one BF16 step (2^-8 to 2^-7 relative) in one term of a GEMM. Some 1e-4 of
+  // them flip: simulated on these cases (FP32 sums against FP64 ones, four seeds), the worst
+  // element is off by 3e-4 of the tensor's largest and the worst tensor by 7e-5 in relative
+  // norm. A rounding of
+  // the CPU op left out (or one added) moves every term by up to 2^-9 relative: 1.4e-3 to 4e-3 in
+  // relative norm per affected tensor, and the exact op is 2.6e-3 or more away from the bf16 one
+  // (checked below on the GPU's results). Hence: out, dq, dk, dv within 5e-4 relative norm and
+  // elementwise within 1e-3 of the value plus 1e-3 of the tensor's largest; lse, which no BF16
+  // rounding follows, within the FP32 tolerance.
+  // With S = 1 (P = 1), dq and dk are bf(dS) bf(k) with dS = (bf(dout) . bf(v) - dout . bf(v)) *
+  // scale, a difference of roundings (~5e-3) that FP32 gets to ~2e-7 absolute: one flip in some
+  // 100 rows moves a row by a whole BF16 step (at most 2^-7 = 7.8e-3 relative), so those compare
+  // elementwise within 1e-2 relative, plus 1e-5 absolute for the rows where dS nearly cancels.
+  static constexpr double kBf16RelNorm = 5e-4;
+
+  void expect_matches(const AttnCase& c, const Got& g, const Want& w, const std::string& what) {
     expect_close(g.lse, w.lse, 1e-4, "attention_forward lse" + what);
+    if (w.compute == DType::bf16) {
+      const std::pair<const Tensor*, const Tensor*> pairs[] = {{&g.out, &w.out}, {&g.dq, &w.dq}, {&g.dk, &w.dk},
+                                                               {&g.dv, &w.dv}};
+      const char* names[] = {"attention_forward out", "attention_backward dq", "attention_backward dk",
+                             "attention_backward dv"};
+      for (int i = 0; i < 4; ++i) {
+        if (c.S == 1 && (i == 1 || i == 2)) {
+          expect_close(*pairs[i].first, *pairs[i].second, 1e-2, names[i] + what, 0, 1e-5);
+          continue;
+        }
+        expect_close(*pairs[i].first, *pairs[i].second, 1e-3, names[i] + what, 1e-3);
+        EXPECT_LT(rel_norm(*pairs[i].first, *pairs[i].second), kBf16RelNorm) << names[i] << what;
+      }
+      return;
+    }
+    expect_close(g.out, w.out, 1e-4, "attention_forward out" + what);
     // NOTES: with S = 1 the exact dq, dk are 0 (p = 1, out = v, so dout.v - rowsum(dout*out) = 0),
     // which FP32 gives as ~1e-8 roundoff of two O(1) sums: an absolute floor of 1e-6 covers it.
     expect_close(g.dq, w.dq, 1e-4, "attention_backward dq" + what, 1e-4, 1e-6);
@@ -404,52 +467,77 @@ class CudaAttention : public CudaModelOps {
   static double scale(const AttnCase& c) { return 1.0 / std::sqrt(double(c.Dk)); }
 };
 
-// Both paths on sequence lengths off the 32-row tiles, several heads and sequences, Dk != Dv, and
-// the hidden-2048 config's heads (seq_len 512, Dk 192, Dv 128). The GEMM path batches over heads
-// where H >= B and over sequences otherwise (B=4 H=2, B=2 H=1); head dims past the flash kernels'
-// 256 only on it.
 TEST_F(CudaAttention, BothPathsMatchCpu) {
-  for (const AttnCase c : {AttnCase{3, 37, 3, 40, 24}, AttnCase{2, 70, 2, 96, 64}, AttnCase{1, 33, 1, 256, 200},
-                           AttnCase{4, 1, 2, 8, 8}, AttnCase{2, 64, 1, 17, 129}, AttnCase{2, 512, 2, 192, 128},
-                           AttnCase{2, 45, 2, 300, 40}}) {
-    const Want w = reference(c);
+  for (const AttnCase& c : kAttnCases) {
+    const Want w = reference(c, DType::f32);
     for (AttentionPath path : {AttentionPath::flash, AttentionPath::gemm}) {
       if (path == AttentionPath::flash && std::max(c.Dk, c.Dv) > 256) continue;
-      expect_matches(run(c, w, path), w, c.str() + path_name(path));
+      expect_matches(c, run(c, w, path), w, c.str() + path_name(path));
     }
   }
 }
 
-// The GEMM path over several chunks, run to run bit-identical; the automatic choice (the GEMM
-// path under the default cap, the flash kernels when one sequence is over the cap) gives the
-// forced path's bits; a forced GEMM path over the cap is an error.
+// BF16 GEMM operands (the bf16 and FP8 recipes) on both paths against the CPU op's bf16; the
+// same results are out of that tolerance against the exact CPU op, so the check tells the two
+// computes apart (with S = 1 the exact dq, dk are 0: not compared).
+TEST_F(CudaAttention, Bf16BothPathsMatchCpu) {
+  for (const AttnCase& c : kAttnCases) {
+    const Want w = reference(c, DType::bf16), exact = cpu_outputs(c, w, DType::f32);
+    for (AttentionPath path : {AttentionPath::flash, AttentionPath::gemm}) {
+      if (path == AttentionPath::flash && std::max(c.Dk, c.Dv) > 256) continue;
+      const std::string what = c.str() + path_name(path) + " bf16";
+      const Got g = run(c, w, path);
+      expect_matches(c, g, w, what);
+      EXPECT_GT(rel_norm(g.out, exact.out), 2 * kBf16RelNorm) << "out vs the exact op" << what;
+      EXPECT_GT(rel_norm(g.dv, exact.dv), 2 * kBf16RelNorm) << "dv vs the exact op" << what;
+      if (c.S > 1) {
+        EXPECT_GT(rel_norm(g.dq, exact.dq), 2 * kBf16RelNorm) << "dq vs the exact op" << what;
+        EXPECT_GT(rel_norm(g.dk, exact.dk), 2 * kBf16RelNorm) << "dk vs the exact op" << what;
+      }
+    }
+  }
+}
+
+// In both computes: the GEMM path over several chunks, run to run bit-identical; the automatic
+// choice (the GEMM path under the default cap, the flash kernels when one sequence is over the
+// cap) gives the forced path's bits; a forced GEMM path over the cap is an error.
 TEST_F(CudaAttention, GemmPathChunksAndDispatch) {
   const AttnCase c{5, 37, 2, 40, 24};
-  const Want w = reference(c);
-  const size_t per = cuda_attention_score_bytes(c.S, c.H);
-  // The forward takes one score buffer per sequence, the backward two. A cap of 6 buffers: the
-  // forward in one chunk of 5 sequences (batched over sequences), the backward in chunks of 3
-  // (over sequences) and 2 (over heads); a cap of 2: forward chunks of 2, 2, 1, backward of 1.
-  for (int64_t n : {3, 1}) {
-    const Got g = run(c, w, AttentionPath::gemm, size_t(2 * n) * per);
-    expect_matches(g, w, c.str() + " gemm, cap of " + std::to_string(2 * n) + " score buffers");
+  for (DType compute : {DType::f32, DType::bf16}) {
+    const Want w = reference(c, compute);
+    const std::string what = c.str() + " " + std::string(dtype_name(compute));
+    const size_t fwd = cuda_attention_workspace_bytes(c.S, c.H, c.Dk, c.Dv, compute, false),
+                 bwd = cuda_attention_workspace_bytes(c.S, c.H, c.Dk, c.Dv, compute, true);
+    // In f32 the backward's workspace is twice the forward's (two score buffers). A cap of 3
+    // backward sequences: the forward in one chunk of 5 sequences (batched over sequences), the
+    // backward in chunks of 3 (over sequences) and 2 (over heads); a cap of 1: forward chunks of
+    // 2, 2, 1, backward of 1. In bf16 (BF16 copies of the scores and of the operands besides)
+    // the forward's chunks differ.
+    for (int64_t n : {3, 1}) {
+      const Got g = run(c, w, AttentionPath::gemm, size_t(n) * bwd);
+      expect_matches(c, g, w, what + " gemm, cap of " + std::to_string(n) + " backward sequences");
+    }
+    const Got g1 = run(c, w, AttentionPath::gemm), g2 = run(c, w, AttentionPath::gemm);
+    expect_same_bits(g1, g2, what + " gemm, run to run");
+    expect_same_bits(run(c, w, AttentionPath::automatic), g1, what + " automatic vs gemm");
+    ASSERT_LT(fwd, bwd);
+    expect_same_bits(run(c, w, AttentionPath::automatic, fwd - 1), run(c, w, AttentionPath::flash),
+                     what + " automatic over the cap vs flash");
+    expect_error([&] { run(c, w, AttentionPath::gemm, fwd - 1); }, "over the cap");
   }
-  const Got g1 = run(c, w, AttentionPath::gemm), g2 = run(c, w, AttentionPath::gemm);
-  expect_same_bits(g1, g2, c.str() + " gemm, run to run");
-  expect_same_bits(run(c, w, AttentionPath::automatic), g1, c.str() + " automatic vs gemm");
-  expect_same_bits(run(c, w, AttentionPath::automatic, per - 1), run(c, w, AttentionPath::flash),
-                   c.str() + " automatic over the cap vs flash");
-  expect_error([&] { run(c, w, AttentionPath::gemm, per - 1); }, "over the cap");
 }
 
 TEST_F(CudaModelOps, AttentionRejectsBadArguments) {
   Tensor q = poisoned(DType::f32, {10, 2, 8}), v = poisoned(DType::f32, {10, 2, 8});
   Tensor l = poisoned(DType::f32, {2, 10});
-  expect_error([&] { cuda_attention_forward(q, q, v, v, l, 3, 1.0); }, "seq_len = 3");
+  expect_error([&] { cuda_attention_forward(q, q, v, v, l, 3, 1.0, DType::f32); }, "seq_len = 3");
   Tensor lbad = poisoned(DType::f32, {10, 2});
-  expect_error([&] { cuda_attention_forward(q, q, v, v, lbad, 5, 1.0); }, "lse");
+  expect_error([&] { cuda_attention_forward(q, q, v, v, lbad, 5, 1.0, DType::f32); }, "lse");
   Tensor qbig = poisoned(DType::f32, {10, 2, 300});
-  expect_error([&] { cuda_attention_forward(qbig, qbig, v, v, l, 5, 1.0, AttentionPath::flash); }, "Dk = 300");
+  expect_error([&] { cuda_attention_forward(qbig, qbig, v, v, l, 5, 1.0, DType::bf16, AttentionPath::flash); },
+               "Dk = 300");
+  expect_error([&] { cuda_attention_forward(q, q, v, v, l, 5, 1.0, DType::e4m3); },
+               "attention_forward: compute = e4m3 must be bf16 or the tensors' dtype f32");
 }
 
 TEST_F(CudaModelOps, SwigluForwardBackwardMatchCpu) {

@@ -49,6 +49,14 @@ inline std::string source_dir() {
 }
 inline ModelConfig tiny_config() { return load_config(source_dir() + "/configs/tiny.json"); }
 
+// "<recipe>" or "<recipe>+<attention>" (Recipe::set_attention, e.g. "fp8+bf16").
+inline Recipe recipe_of(const std::string& spec) {
+  const size_t plus = spec.find('+');
+  Recipe r = Recipe::from_name(spec.substr(0, plus));
+  if (plus != std::string::npos) r.set_attention(spec.substr(plus + 1));
+  return r;
+}
+
 // tokens and targets [B, S] i32: targets[t] = tokens[t + 1] inside a sequence.
 inline std::pair<Tensor, Tensor> random_batch(std::mt19937_64& rng, const ModelConfig& c) {
   const int64_t B = c.batch_size, S = c.seq_len;

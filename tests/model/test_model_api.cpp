@@ -76,6 +76,25 @@ TEST(ModelConfig, BadConfigsAreRejectedWithClearMessages) {
     EXPECT_NE(std::string(e.what()).find("'hidden_size' has the wrong type"), std::string::npos) << e.what();
   }
   EXPECT_THROW(Recipe::from_name("fp4"), Error);
+  // Attention: exact (the activations' dtype) in every recipe unless set to bf16.
+  for (const std::string& name : Recipe::names()) {
+    Recipe r = Recipe::from_name(name);
+    EXPECT_EQ(r.attn_compute, r.act_dtype) << name;
+    EXPECT_EQ(r.attention(), "exact") << name;
+    r.set_attention("bf16");
+    EXPECT_EQ(r.attn_compute, DType::bf16) << name;
+    EXPECT_EQ(r.attention(), "bf16") << name;
+    r.set_attention("exact");
+    EXPECT_EQ(r.attn_compute, r.act_dtype) << name;
+  }
+  try {
+    Recipe::from_name("fp8").set_attention("fp16");
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown attention precision 'fp16' (expected exact or bf16)"),
+              std::string::npos)
+        << e.what();
+  }
   auto be = make_backend("cpu");
   c = tiny_config();
   c.hidden_size = 96;
@@ -306,7 +325,7 @@ class NoModelOps final : public Backend {
 TEST(ModelApi, UnsupportedOpsNameThemselves) {
   NoModelOps be;
   try {
-    be.attention_forward({}, {}, {}, {}, {}, 1, 1.0);
+    be.attention_forward({}, {}, {}, {}, {}, 1, 1.0, DType::f32);
     ADD_FAILURE();
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "attention_forward: unsupported on backend bare");

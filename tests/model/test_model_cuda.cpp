@@ -16,7 +16,7 @@ struct BackendRun {
 };
 
 BackendRun run_on(Backend& be, const std::string& recipe, uint64_t seed, const Tensor& tok, const Tensor& tgt) {
-  Model model(tiny_config(), Recipe::from_name(recipe), be, seed);
+  Model model(tiny_config(), recipe_of(recipe), be, seed);
   model.zero_grad();
   BackendRun r;
   r.st = model.forward_backward(tok.view(), tgt.view(), 1.0);
@@ -37,7 +37,7 @@ TEST_P(ModelCuda, MatchesCpuPerTensor) {
   auto cpu = make_backend("cpu"), gpu = make_backend("cuda");
   const BackendRun c = run_on(*cpu, recipe, seed, tok, tgt), g = run_on(*gpu, recipe, seed, tok, tgt);
   // fp32: summation order only; bf16/fp8: the same quantized inputs, different accumulation.
-  const bool fp8 = recipe.rfind("fp8", 0) == 0, bf16 = recipe == "bf16";
+  const bool fp8 = recipe.rfind("fp8", 0) == 0, bf16 = recipe.rfind("bf16", 0) == 0;
   // Bounds: fp32 differs by summation order only (measured ~1e-13). In bf16 and fp8 a value that
   // lands next to a rounding boundary, or a token whose top-k choice sits at a near tie, can round
   // or route differently and carry that downstream (measured over runs: bf16 logits 1.4e-6 to
@@ -63,12 +63,13 @@ TEST_P(ModelCuda, MatchesCpuPerTensor) {
 }
 
 // fp8-per-tensor is a CPU-only ablation; fp8-no-promotion runs its GEMMs on the emulation kernels
-// (bit-identical to the CPU's), the rest as fp8.
-INSTANTIATE_TEST_SUITE_P(Recipes, ModelCuda, ::testing::Values("fp32", "bf16", "fp8", "fp8-no-promotion"),
+// (bit-identical to the CPU's), the rest as fp8. "+bf16": attention GEMMs on BF16 operands.
+INSTANTIATE_TEST_SUITE_P(Recipes, ModelCuda,
+                         ::testing::Values("fp32", "bf16", "fp8", "fp8-no-promotion", "bf16+bf16", "fp8+bf16"),
                          [](const auto& info) {
                            std::string n = info.param;
                            for (char& ch : n)
-                             if (ch == '-') ch = '_';
+                             if (ch == '-' || ch == '+') ch = '_';
                            return n;
                          });
 

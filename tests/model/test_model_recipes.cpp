@@ -21,7 +21,7 @@ struct RecipeRun {
 RecipeRun run_recipe(const std::string& recipe, uint64_t seed, const Tensor& tok, const Tensor& tgt,
                      const ModelConfig& cfg = tiny_config()) {
   auto be = make_backend("cpu");
-  Model model(cfg, Recipe::from_name(recipe), *be, seed);
+  Model model(cfg, recipe_of(recipe), *be, seed);
   model.zero_grad();
   RecipeRun r;
   const auto t0 = std::chrono::steady_clock::now();
@@ -81,14 +81,18 @@ TEST(ModelRecipes, DenseAgainstFp32) {
   c.n_routed_experts = 0;
   c.first_k_dense_replace = c.num_hidden_layers;
   compare_recipes(c, {{"bf16", {2e-4, 2e-3, 1e-3, 2e-3}},
+                      {"bf16+bf16", {2e-4, 2e-3, 1e-3, 2e-3}},
                       {"fp8", {5e-3, 2e-2, 1e-2, 3e-3}},
+                      {"fp8+bf16", {5e-3, 2e-2, 1e-2, 3e-3}},
                       {"fp8-no-promotion", {5e-3, 2e-2, 1e-2, 3e-3}},
                       {"fp8-per-tensor", {1e-2, 5e-2, 2e-2, 5e-3}}});
 }
 
 TEST(ModelRecipes, MoeAgainstFp32) {
   compare_recipes(tiny_config(), {{"bf16", {1e-3, 2e-3, 2e-2, 2e-3}},
+                                  {"bf16+bf16", {1e-3, 2e-3, 2e-2, 2e-3}},
                                   {"fp8", {5e-3, 2e-2, 5e-2, 3e-3}},
+                                  {"fp8+bf16", {5e-3, 2e-2, 5e-2, 3e-3}},
                                   {"fp8-no-promotion", {5e-3, 2e-2, 5e-2, 3e-3}},
                                   {"fp8-per-tensor", {1e-2, 5e-2, 1e-1, 5e-3}}});
 }

@@ -100,6 +100,25 @@ TEST(Trainer, LossFallsAndResumeIsBitIdentical) {
   ASSERT_EQ(ca.tensors.size(), cb.tensors.size());
   for (auto& [name, t] : ca.tensors)
     EXPECT_EQ(std::memcmp(t.view().data, cb.tensors.at(name).view().data, t.view().nbytes()), 0) << name;
+  // The attention precision belongs to the run: resuming with another is refused, and it moves the
+  // first loss (same weights and batch) by BF16 rounding only.
+  TrainOptions c = b;
+  c.attention = "bf16";
+  try {
+    Trainer(c).run();
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("trained with --attention exact, this run asks for bf16"), std::string::npos)
+        << e.what();
+  }
+  TrainOptions d = a;
+  d.out_dir = (dir / "attention_bf16").string();
+  d.attention = "bf16";
+  d.steps = 1;
+  Trainer(d).run();
+  const double l0 = ma[0]["loss"].get<double>(), l0_bf16 = read_metrics(d.out_dir)[0]["loss"].get<double>();
+  EXPECT_NE(l0_bf16, l0);
+  EXPECT_NEAR(l0_bf16, l0, 1e-3 * l0);
   fs::remove_all(dir);
 }
 
