@@ -17,9 +17,6 @@ void add_train(CLI::App& app) {
   auto* cmd = app.add_subcommand("train", "Train DeepSeek-V3-mini with the FP8 recipe");
   cli::add_train_options(cmd, opt);
   cmd->add_option("-r,--recipe", opt.recipe, "bf16 | fp8 | fp8-no-promotion | fp8-per-tensor | fp32")->capture_default_str();
-  cmd->add_option("--attention", opt.attention,
-                  "attention GEMM operands: exact (the activations' dtype) | bf16 (BF16, FP32 accumulation)")
-      ->capture_default_str();
   cmd->add_flag("--resume", opt.resume, "continue from the checkpoint in --out");
   cmd->callback([] {
     std::signal(SIGINT, on_interrupt);

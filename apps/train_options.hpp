@@ -20,6 +20,9 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--warmup", o.warmup_frac, "warm-up fraction of the steps")->capture_default_str();
   cmd->add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   cmd->add_option("--clip", o.clip, "gradient norm clip (0: off)")->capture_default_str();
+  cmd->add_option("--attention", o.attention,
+                  "attention GEMM operands: exact (the activations' dtype) | bf16 (BF16, FP32 accumulation)")
+      ->capture_default_str();
   cmd->add_option("--moments", o.moments, "AdamW moment precision: bf16 | f32")->capture_default_str();
   cmd->add_option("--ema-decay", o.ema_decay, "decay per step of the CPU-memory parameter EMA")->capture_default_str();
   cmd->add_option("--ema-every", o.ema_every,
