@@ -71,7 +71,7 @@ WgradDy grouped_linear_backward_input(Ctx& c, const ExpertGroups& eg, const Tens
   if (c.recipe.linear == LinearPrecision::bf16) {  // dx[g] (+)= dy[g] W[g]
     const Tensor dyb = to_bf16(c, dy.view()), wb = weight_bf16(c, w0, eg.groups, true);
     per_segment(c, eg, dyb.view(), wb.view(), dx.view(), false, false, accumulate, w0.weight.size(0), true);
-    return {dy, {}};
+    return {dyb, {}};  // converted once for the Dgrad and the Wgrad
   }
   // R is a multiple of 128 (segments padded to 128 rows) and N too (validated): the Dgrad's dy and
   // the Wgrad's dy^T come from one pass.
@@ -88,9 +88,8 @@ WgradDy grouped_linear_backward_input(Ctx& c, const ExpertGroups& eg, const Tens
 
 void grouped_linear_backward_weight(Ctx& c, const ExpertGroups& eg, const Cached& x, const WgradDy& dy, Parameter& w0) {
   if (c.recipe.linear == LinearPrecision::bf16) {  // dW[g] += dy[g]^T x[g]
-    const Tensor dyb = to_bf16(c, dy.full.view());
-    return per_segment(c, eg, dyb.view(), x.full.view(), stacked(w0.grad, eg.groups), true, false, true,
-                       w0.weight.size(0), false);
+    return per_segment(c, eg, dy.full.view(), x.full.view(), stacked(w0.grad, eg.groups), true, false, true,
+                       w0.weight.size(0), false);  // dy in BF16 (the Dgrad's)
   }
   const int64_t K = w0.weight.size(1), R = dy.t.values.size(1);
   QuantizedTensor b = c.be.empty_quantized(K, R, DType::e4m3, ScaleKind::tile_1x128);  // x^T along tokens

@@ -273,7 +273,7 @@ WgradDy linear_backward_input(Ctx& c, const Tensor& dy, Parameter& w, const Tens
     case LinearPrecision::bf16: {
       Tensor dyb = to_bf16(c, dy.view()), wb = weight_bf16(c, w, 1, true);
       c.be.gemm(dyb.view(), wb.view(), dx.view(), false, false, accumulate);
-      return {dy, {}};
+      return {dyb, {}};  // converted once for the Dgrad and the Wgrad
     }
     case LinearPrecision::fp8: {
       const int64_t N = W.size(0), K = W.size(1), T = dy.size(0), Np = round_up(N, kQuantGroup);
@@ -314,8 +314,7 @@ void linear_backward_weight(Ctx& c, const Cached& x, const WgradDy& dy, Paramete
   switch (prec) {
     case LinearPrecision::full: c.be.gemm(dy.full.view(), x.full.view(), G, true, false, true); return;
     case LinearPrecision::bf16: {
-      Tensor dyb = to_bf16(c, dy.full.view());
-      c.be.gemm(dyb.view(), x.full.view(), G, true, false, true);
+      c.be.gemm(dy.full.view(), x.full.view(), G, true, false, true);  // dy in BF16 (the Dgrad's)
       return;
     }
     case LinearPrecision::fp8: {

@@ -106,7 +106,8 @@ MemoryItem account_item(const std::string& layer, const std::string& name, const
 
 // A Linear's output gradient dy [T, N] as its Wgrad reads it, returned by its Dgrad and kept until
 // backward-for-weights, which a pipeline schedule may defer:
-//   full, bf16  full: dy itself (the BF16 Wgrad converts it)
+//   full  full: dy itself
+//   bf16  full: dy in BF16, converted once for the Dgrad and the Wgrad
 //   fp8   t: dy^T [N, Tp] E4M3, 1x128 tiles along tokens, zero tokens past T (Tp = T rounded up
 //         to 128, the rows of the cached Linear input); quantized in the same pass as the Dgrad's
 //         dy tiles where the two shapes agree (Backend::quantize_1x128_and_128x1).
