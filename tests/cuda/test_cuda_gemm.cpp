@@ -65,6 +65,30 @@ struct Case {
   int64_t M, N, K;
 };
 
+// Every compiled tile of the kind (1d1d: b_1x128) on the device operands, into a padded D that
+// starts NaN (pad 8) or, for D += A B^T, from `init` (pad 4): D must equal `ref` bit for bit and
+// the row padding must stay untouched.
+void expect_every_tile_exact(Backend& be, const QuantizedTensor& ad, const QuantizedTensor& bd, const Tensor& ref,
+                             DType dt, const Case& c, bool b_1x128, const Tensor* init = nullptr) {
+  for (const cuda::GemmTile& t : cuda::gemm_tiles(b_1x128)) {
+    PaddedD d(be, dt, c.M, c.N, init ? 4 : 8, init);
+    cuda::gemm_fp8_sm90(ad.view(), bd.view(), d.view, init != nullptr, nullptr, &t);
+    be.synchronize();
+    bool pads_ok = false;
+    Tensor got = d.fetch(be, pads_ok);
+    const int64_t mis = first_mismatch(got, ref);
+    const std::string tile = std::string(b_1x128 ? "1d1d" : "1d2d") + " tile " + std::to_string(t.block_m) + "x" +
+                             std::to_string(t.block_n) + (t.tma_epilogue ? "" : "/direct") +
+                             (t.multicast > 1 ? "/mc2" : "") + (t.pipelined ? "/pipe" : "") +
+                             (t.f32_staging ? "/f32" : "") + (init ? " (D +=)" : "");
+    EXPECT_EQ(mis, -1) << tile << " M=" << c.M << " N=" << c.N << " K=" << c.K << " " << dtype_name(dt)
+                       << ": first mismatch at [" << (mis >= 0 ? mis / c.N : 0) << ", " << (mis >= 0 ? mis % c.N : 0)
+                       << "] got " << (mis >= 0 ? load_float(got.view(), mis) : 0) << " want "
+                       << (mis >= 0 ? load_float(ref.view(), mis) : 0);
+    EXPECT_TRUE(pads_ok) << "write past N (row padding changed), " << tile;
+  }
+}
+
 TEST_F(CudaGemm, SmallIntegersExactForEveryTile) {
   auto rng = make_rng();
   const Case cases[] = {{128, 128, 128}, {200, 136, 384}, {64, 16, 256}, {1, 40, 128}, {300, 520, 1024}, {129, 250, 256}, {256, 704, 512}};
@@ -77,23 +101,7 @@ TEST_F(CudaGemm, SmallIntegersExactForEveryTile) {
       for (DType dt : {DType::f32, DType::bf16}) {
         Tensor ref = Tensor::host(dt, {c.M, c.N});
         gemm_fp8_ref(a.view(), b.view(), ref.view());
-        for (const cuda::GemmTile& t : cuda::gemm_tiles(b_1x128)) {
-          PaddedD d(*be_, dt, c.M, c.N, 8);
-          cuda::gemm_fp8_sm90(ad.view(), bd.view(), d.view, false, nullptr, &t);
-          be_->synchronize();
-          bool pads_ok = false;
-          Tensor got = d.fetch(*be_, pads_ok);
-          const int64_t mis = first_mismatch(got, ref);
-          EXPECT_EQ(mis, -1) << (b_1x128 ? "1d1d" : "1d2d") << " tile " << t.block_m << "x" << t.block_n
-                             << (t.tma_epilogue ? " tma-epilogue" : " direct-epilogue") << " multicast " << t.multicast
-                             << (t.pipelined ? " pipelined" : "") << (t.f32_staging ? " f32-staging" : "") << " M=" << c.M
-                             << " N=" << c.N << " K=" << c.K << " " << dtype_name(dt) << ": first mismatch at ["
-                             << (mis >= 0 ? mis / c.N : 0) << ", " << (mis >= 0 ? mis % c.N : 0) << "] got "
-                             << (mis >= 0 ? load_float(got.view(), mis) : 0) << " want "
-                             << (mis >= 0 ? load_float(ref.view(), mis) : 0);
-          EXPECT_TRUE(pads_ok) << "write past N (row padding changed), tile " << t.block_m << "x" << t.block_n
-                               << " multicast " << t.multicast;
-        }
+        expect_every_tile_exact(*be_, ad, bd, ref, dt, c, b_1x128);
       }
     }
   }
@@ -189,22 +197,7 @@ TEST_F(CudaGemm, AccumulatesIntoF32ForEveryTile) {
       GemmOptions acc_opt;
       acc_opt.accumulate = true;
       gemm_fp8_ref(a.view(), b.view(), ref.view(), acc_opt);
-      for (const cuda::GemmTile& t : cuda::gemm_tiles(b_1x128)) {
-        PaddedD d(*be_, DType::f32, c.M, c.N, 4, &c0);
-        cuda::gemm_fp8_sm90(ad.view(), bd.view(), d.view, true, nullptr, &t);
-        be_->synchronize();
-        bool pads_ok = false;
-        Tensor got = d.fetch(*be_, pads_ok);
-        const int64_t mis = first_mismatch(got, ref);
-        EXPECT_EQ(mis, -1) << (b_1x128 ? "1d1d" : "1d2d") << " tile " << t.block_m << "x" << t.block_n
-                           << (t.tma_epilogue ? "" : "/direct") << (t.multicast > 1 ? "/mc2" : "")
-                           << (t.pipelined ? "/pipe" : "") << (t.f32_staging ? "/f32" : "") << " M=" << c.M
-                           << " N=" << c.N << " K=" << c.K << ": first mismatch at [" << (mis >= 0 ? mis / c.N : 0)
-                           << ", " << (mis >= 0 ? mis % c.N : 0) << "] got " << (mis >= 0 ? load_float(got.view(), mis) : 0)
-                           << " want " << (mis >= 0 ? load_float(ref.view(), mis) : 0);
-        EXPECT_TRUE(pads_ok) << "write past N (row padding changed), tile " << t.block_m << "x" << t.block_n
-                             << (t.f32_staging ? "/f32" : "");
-      }
+      expect_every_tile_exact(*be_, ad, bd, ref, DType::f32, c, b_1x128, &c0);
     }
   }
 }
