@@ -65,6 +65,19 @@ struct Case {
   int64_t M, N, K;
 };
 
+// Small-integer operands of a case (B 1x128 for 1d1d, else 128x128), on the host and the device.
+struct SmallIntOperands {
+  QuantizedTensor a, b, ad, bd;
+};
+SmallIntOperands small_int_operands(Backend& be, std::mt19937_64& rng, const Case& c, bool b_1x128) {
+  SmallIntOperands o;
+  o.a = small_int_quantized(rng, c.M, c.K, ScaleKind::tile_1x128);
+  o.b = small_int_quantized(rng, c.N, c.K, b_1x128 ? ScaleKind::tile_1x128 : ScaleKind::block_128x128);
+  o.ad = to_device(be, o.a);
+  o.bd = to_device(be, o.b);
+  return o;
+}
+
 // Every compiled tile of the kind (1d1d: b_1x128) on the device operands, into a padded D that
 // starts NaN (pad 8) or, for D += A B^T, from `init` (pad 4): D must equal `ref` bit for bit and
 // the row padding must stay untouched.
@@ -93,15 +106,12 @@ TEST_F(CudaGemm, SmallIntegersExactForEveryTile) {
   auto rng = make_rng();
   const Case cases[] = {{128, 128, 128}, {200, 136, 384}, {64, 16, 256}, {1, 40, 128}, {300, 520, 1024}, {129, 250, 256}, {256, 704, 512}};
   for (bool b_1x128 : {false, true}) {
-    const ScaleKind bkind = b_1x128 ? ScaleKind::tile_1x128 : ScaleKind::block_128x128;
     for (const Case& c : cases) {
-      QuantizedTensor a = small_int_quantized(rng, c.M, c.K, ScaleKind::tile_1x128);
-      QuantizedTensor b = small_int_quantized(rng, c.N, c.K, bkind);
-      QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
+      const SmallIntOperands o = small_int_operands(*be_, rng, c, b_1x128);
       for (DType dt : {DType::f32, DType::bf16}) {
         Tensor ref = Tensor::host(dt, {c.M, c.N});
-        gemm_fp8_ref(a.view(), b.view(), ref.view());
-        expect_every_tile_exact(*be_, ad, bd, ref, dt, c, b_1x128);
+        gemm_fp8_ref(o.a.view(), o.b.view(), ref.view());
+        expect_every_tile_exact(*be_, o.ad, o.bd, ref, dt, c, b_1x128);
       }
     }
   }
@@ -184,11 +194,8 @@ TEST_F(CudaGemm, AccumulatesIntoF32ForEveryTile) {
   auto rng = make_rng();
   const Case cases[] = {{300, 264, 512}, {129, 520, 256}, {64, 200, 128}, {2125, 1544, 256}};
   for (bool b_1x128 : {false, true}) {
-    const ScaleKind bkind = b_1x128 ? ScaleKind::tile_1x128 : ScaleKind::block_128x128;
     for (const Case& c : cases) {
-      QuantizedTensor a = small_int_quantized(rng, c.M, c.K, ScaleKind::tile_1x128);
-      QuantizedTensor b = small_int_quantized(rng, c.N, c.K, bkind);
-      QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
+      const SmallIntOperands o = small_int_operands(*be_, rng, c, b_1x128);
       Tensor c0 = Tensor::host(DType::f32, {c.M, c.N});
       std::uniform_int_distribution<int> v(-100, 100);
       for (int64_t i = 0; i < c.M * c.N; ++i) c0.ptr<float>()[i] = float(v(rng));
@@ -196,8 +203,8 @@ TEST_F(CudaGemm, AccumulatesIntoF32ForEveryTile) {
       std::memcpy(ref.ptr<float>(), c0.ptr<float>(), size_t(c.M * c.N) * 4);
       GemmOptions acc_opt;
       acc_opt.accumulate = true;
-      gemm_fp8_ref(a.view(), b.view(), ref.view(), acc_opt);
-      expect_every_tile_exact(*be_, ad, bd, ref, DType::f32, c, b_1x128, &c0);
+      gemm_fp8_ref(o.a.view(), o.b.view(), ref.view(), acc_opt);
+      expect_every_tile_exact(*be_, o.ad, o.bd, ref, DType::f32, c, b_1x128, &c0);
     }
   }
 }
