@@ -65,13 +65,14 @@ void Backend::quantize_1x128_and_128x1(const TensorView& x, const QuantizedView&
   quantize_128x1(x, cols, mode);
 }
 
-// Model ops: a backend that does not implement one says so by name.
+// A copy from a zero-filled tensor: correct on any backend, one pass slower than a memset.
 void Backend::zero(const TensorView& dst) {
   FP8MOE_CHECK(dst.is_contiguous(), "zero: " << dst.str() << " is not contiguous");
   const Tensor z = empty(DType::u8, {int64_t(dst.nbytes())});
   copy(TensorView(dst.data, DType::u8, {int64_t(dst.nbytes())}, dst.device), z.view());
 }
 
+// Model ops: a backend that does not implement one says so by name.
 #define FP8MOE_UNSUPPORTED(op) FP8MOE_CHECK(false, #op ": unsupported on backend " << name())
 void Backend::gemm(const TensorView&, const TensorView&, const TensorView&, bool, bool, bool) { FP8MOE_UNSUPPORTED(gemm); }
 void Backend::convert(const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(convert); }

@@ -6,10 +6,10 @@
 
 #include <algorithm>
 #include <chrono>
-#include <deque>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <string>
 #include <string_view>

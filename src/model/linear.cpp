@@ -169,26 +169,16 @@ TensorView stacked(const Tensor& first, int64_t groups) {
 }
 
 Tensor weight_bf16(Ctx& c, const Parameter& w, int64_t groups, bool last_use) {
-  WeightCache::Entry* e = c.weights.find(w);
-  Tensor t = e && e->bf16.defined() ? e->bf16 : to_bf16(c, stacked(w.weight, groups));
-  if (e && last_use) c.weights.erase(w);
-  else if (e) e->bf16 = t;
-  return t;
+  return c.weights.get(w, &WeightCache::Entry::bf16, last_use, [&] { return to_bf16(c, stacked(w.weight, groups)); });
 }
 
 QuantizedTensor weight_fp8(Ctx& c, const Parameter& w, int64_t groups, bool last_use) {
-  WeightCache::Entry* e = c.weights.find(w);
-  QuantizedTensor q;
-  if (e && e->fp8.values.defined()) {
-    q = e->fp8;
-  } else {
+  return c.weights.get(w, &WeightCache::Entry::fp8, last_use, [&] {
     const TensorView W = stacked(w.weight, groups);
-    q = c.be.empty_quantized(W.size(0), W.size(1), DType::e4m3, ScaleKind::block_128x128);
+    QuantizedTensor q = c.be.empty_quantized(W.size(0), W.size(1), DType::e4m3, ScaleKind::block_128x128);
     quant_weight(c, W, q);
-  }
-  if (e && last_use) c.weights.erase(w);
-  else if (e) e->fp8 = q;
-  return q;
+    return q;
+  });
 }
 
 Cached cache_activation(Ctx& c, const TensorView& x, DType qdtype, ScaleMode mode, bool pad, LinearPrecision prec) {

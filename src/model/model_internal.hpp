@@ -37,14 +37,21 @@ class WeightCache {
    private:
     WeightCache& c_;
   };
-  // The entry of w, created empty on first use (nullptr outside a pass).
-  Entry* find(const Parameter& w) {
-    if (!open_) return nullptr;
-    return &entries_[&w];
+  // w's converted form (Entry::bf16 or Entry::fp8): the pass's, or make()'s on a miss, which the
+  // pass keeps; `last_use` takes the entry out. Outside a pass, make() every time.
+  template <class T, class Make>
+  T get(const Parameter& w, T Entry::*field, bool last_use, Make make) {
+    if (!open_) return make();
+    const auto it = entries_.try_emplace(&w).first;
+    const T v = defined(it->second.*field) ? it->second.*field : make();
+    if (last_use) entries_.erase(it);
+    else it->second.*field = v;
+    return v;
   }
-  void erase(const Parameter& w) { entries_.erase(&w); }
 
  private:
+  static bool defined(const Tensor& t) { return t.defined(); }
+  static bool defined(const QuantizedTensor& q) { return q.values.defined(); }
   bool open_ = false;
   std::map<const Parameter*, Entry> entries_;
 };
