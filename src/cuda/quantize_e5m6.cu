@@ -1,7 +1,7 @@
 // E5M6 on the GPU: 1x128 quantization (the report's cache of the attention-out Linear input, with
 // power-of-two scales) and its dequantization. No hardware conversion exists for this format, so
 // the kernel runs the integer encoder that the CPU codecs use (minifloat_encode.hpp): the same bits
-// by construction. One warp per (row, 128-column group), 4 elements per lane.
+// by construction.
 #include <cfloat>
 
 #include <cuda_bf16.h>
@@ -18,10 +18,27 @@ namespace {
 
 constexpr float kE5M6Max = 65024.0f;
 
+// Four consecutive elements of x from element i: one 16-byte (f32) or 8-byte (bf16) load when
+// `vec` (row length and base pointer aligned for it), else four scalar loads with the tail masked.
 template <class T>
-__device__ __forceinline__ float load(const T* p, int64_t i) {
-  if constexpr (sizeof(T) == 4) return p[i];
-  else return __bfloat162float(p[i]);
+__device__ __forceinline__ void load4(const T* __restrict__ x, int64_t i, int64_t n_valid, bool vec, float (&v)[4]) {
+  if (vec && n_valid >= 4) {
+    if constexpr (sizeof(T) == 4) {
+      const float4 f = *reinterpret_cast<const float4*>(x + i);
+      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    } else {
+      const uint2 u = *reinterpret_cast<const uint2*>(x + i);
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+      v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+    }
+    return;
+  }
+  for (int k = 0; k < 4; ++k) {
+    if (k >= n_valid) v[k] = 0.0f;
+    else if constexpr (sizeof(T) == 4) v[k] = x[i + k];
+    else v[k] = __bfloat162float(x[i + k]);
+  }
 }
 
 // The scale rule of quantize.hpp (compute_scale), on the device.
@@ -35,29 +52,38 @@ __device__ __forceinline__ float scale_from_amax(float amax, bool pow2) {
   return fmaxf(s, FLT_MIN);
 }
 
-// x [R, C] f32|bf16 -> q [R, C] e5m6 (uint16), scales [ceil(C/128), ld] f32 (M-major).
+// x [R, C] f32|bf16 -> q [R, C] e5m6 (uint16), scales [ceil(C/128), ld] f32 (M-major). One warp
+// per (row, 128-column group), four consecutive elements per lane; `vec`: C % 4 == 0 and x, q
+// aligned, so each lane moves its four elements with one load and one 8-byte store.
 template <class T>
 __global__ void quantize_e5m6_kernel(const T* __restrict__ x, uint16_t* __restrict__ q, float* __restrict__ scales,
-                                     int64_t R, int64_t C, int64_t ld, bool pow2, int* __restrict__ nonfinite) {
+                                     int64_t R, int64_t C, int64_t ld, bool pow2, bool vec, int* __restrict__ nonfinite) {
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   const int64_t G = (C + 127) / 128;
   if (warp >= R * G) return;
   const int64_t r = warp / G, g = warp % G;
+  const int64_t c0 = g * 128 + lane * 4, n_valid = C - c0;
   float v[4];
+  load4(x, r * C + c0, n_valid, vec, v);
   float amax = 0;
+  bool finite = true;
   for (int i = 0; i < 4; ++i) {
-    const int64_t c = g * 128 + lane * 4 + i;
-    v[i] = c < C ? load(x, r * C + c) : 0.0f;
-    if (!isfinite(v[i])) atomicExch(nonfinite, 1);
+    finite = finite && isfinite(v[i]);
     amax = fmaxf(amax, fabsf(v[i]));
   }
+  if (!finite) atomicExch(nonfinite, 1);
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
   const float s = scale_from_amax(amax, pow2);
   const float inv = __frcp_rn(s);  // the reciprocal scale of quantize.hpp: q = encode(x * (1 / s))
-  for (int i = 0; i < 4; ++i) {
-    const int64_t c = g * 128 + lane * 4 + i;
-    if (c < C) q[r * C + c] = uint16_t(minifloat_encode_bits(__float_as_uint(__fmul_rn(v[i], inv)), 5, 6, 15, true, true));
+  uint16_t code[4];
+  for (int i = 0; i < 4; ++i)
+    code[i] = uint16_t(minifloat_encode_bits(__float_as_uint(__fmul_rn(v[i], inv)), 5, 6, 15, true, true));
+  if (vec && n_valid >= 4) {
+    *reinterpret_cast<uint2*>(q + r * C + c0) =
+        make_uint2(uint32_t(code[0]) | uint32_t(code[1]) << 16, uint32_t(code[2]) | uint32_t(code[3]) << 16);
+  } else {
+    for (int i = 0; i < 4 && i < n_valid; ++i) q[r * C + c0 + i] = code[i];
   }
   if (lane == 0) scales[g * ld + r] = s;
 }
@@ -74,15 +100,49 @@ __device__ __forceinline__ float e5m6_value(uint16_t code) {
   return (code & 0x800) ? -v : v;
 }
 
-template <class T>
+// out [R, C] = decode(q) * scale, four consecutive elements of a row per thread (C % 4 == 0: an
+// 8-byte load of the codes and one 16-byte (f32) or 8-byte (bf16) store), else one per thread.
+template <class T, bool kVec>
 __global__ void dequantize_e5m6_kernel(const uint16_t* __restrict__ q, const float* __restrict__ scales, int64_t ld,
                                        T* __restrict__ out, int64_t R, int64_t C) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  constexpr int kN = kVec ? 4 : 1;
+  const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kN;
   if (i >= R * C) return;
   const int64_t r = i / C, c = i % C;
-  const float v = e5m6_value(q[i]) * scales[(c / 128) * ld + r];
-  if constexpr (sizeof(T) == 4) out[i] = v;
-  else out[i] = __float2bfloat16_rn(v);
+  const float s = scales[(c / 128) * ld + r];  // the kN elements share one 128-column group
+  float v[kN];
+  if constexpr (kVec) {
+    const uint2 u = *reinterpret_cast<const uint2*>(q + i);
+    v[0] = e5m6_value(uint16_t(u.x)) * s, v[1] = e5m6_value(uint16_t(u.x >> 16)) * s;
+    v[2] = e5m6_value(uint16_t(u.y)) * s, v[3] = e5m6_value(uint16_t(u.y >> 16)) * s;
+  } else {
+    v[0] = e5m6_value(q[i]) * s;
+  }
+  if constexpr (sizeof(T) == 4) {
+    if constexpr (kVec) *reinterpret_cast<float4*>(out + i) = make_float4(v[0], v[1], v[2], v[3]);
+    else out[i] = v[0];
+  } else {
+    if constexpr (kVec) {
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+      *reinterpret_cast<uint2*>(out + i) =
+          make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+    } else {
+      out[i] = __float2bfloat16_rn(v[0]);
+    }
+  }
+}
+
+template <class T>
+void launch_dequantize_e5m6(const QuantizedView& in, T* out, int64_t R, int64_t C, int64_t ld, cudaStream_t stream) {
+  const uint16_t* q = in.values.ptr<const uint16_t>();
+  const float* s = in.scales.ptr<const float>();
+  const bool vec = C % 4 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(out) % (4 * sizeof(T)) == 0;
+  const int64_t threads = vec ? R * C / 4 : R * C;
+  const unsigned grid = unsigned((threads + 255) / 256);
+  if (vec) dequantize_e5m6_kernel<T, true><<<grid, 256, 0, stream>>>(q, s, ld, out, R, C);
+  else dequantize_e5m6_kernel<T, false><<<grid, 256, 0, stream>>>(q, s, ld, out, R, C);
+  FP8MOE_CUDA_CHECK_LAUNCH("dequantize_e5m6_kernel");
 }
 
 __device__ int g_e5m6_nonfinite;
@@ -101,13 +161,16 @@ void quantize_1x128_e5m6_cuda(const TensorView& x, const QuantizedView& out, Sca
   clear_flag(flag, stream);
   const int64_t threads = R * G * 32;
   const unsigned grid = unsigned((threads + 255) / 256);
+  const bool vec = C % 4 == 0 && reinterpret_cast<uintptr_t>(x.data) % (4 * dtype_size(x.dtype)) == 0 &&
+                   reinterpret_cast<uintptr_t>(out.values.data) % 8 == 0;
   if (R * G > 0) {
+    const bool pow2 = mode == ScaleMode::pow2;
     if (x.dtype == DType::f32)
       quantize_e5m6_kernel<<<grid, 256, 0, stream>>>(x.ptr<const float>(), out.values.ptr<uint16_t>(),
-                                                     out.scales.ptr<float>(), R, C, ld, mode == ScaleMode::pow2, flag);
+                                                     out.scales.ptr<float>(), R, C, ld, pow2, vec, flag);
     else
       quantize_e5m6_kernel<<<grid, 256, 0, stream>>>(x.ptr<const __nv_bfloat16>(), out.values.ptr<uint16_t>(),
-                                                     out.scales.ptr<float>(), R, C, ld, mode == ScaleMode::pow2, flag);
+                                                     out.scales.ptr<float>(), R, C, ld, pow2, vec, flag);
     FP8MOE_CUDA_CHECK_LAUNCH("quantize_e5m6_kernel");
   }
   if (ld > R && G > 0) {
@@ -122,14 +185,8 @@ void dequantize_e5m6_cuda(const QuantizedView& in, const TensorView& out, cudaSt
   FP8MOE_CHECK(out.dtype == DType::f32 || out.dtype == DType::bf16, "out: expected dtype f32|bf16, got " << out.str());
   const int64_t R = in.rows(), C = in.cols(), ld = in.scales.size(1);
   if (R * C == 0) return;
-  const unsigned grid = unsigned((R * C + 255) / 256);
-  if (out.dtype == DType::f32)
-    dequantize_e5m6_kernel<<<grid, 256, 0, stream>>>(in.values.ptr<const uint16_t>(), in.scales.ptr<const float>(), ld,
-                                                     out.ptr<float>(), R, C);
-  else
-    dequantize_e5m6_kernel<<<grid, 256, 0, stream>>>(in.values.ptr<const uint16_t>(), in.scales.ptr<const float>(), ld,
-                                                     out.ptr<__nv_bfloat16>(), R, C);
-  FP8MOE_CUDA_CHECK_LAUNCH("dequantize_e5m6_kernel");
+  if (out.dtype == DType::f32) launch_dequantize_e5m6(in, out.ptr<float>(), R, C, ld, stream);
+  else launch_dequantize_e5m6(in, out.ptr<__nv_bfloat16>(), R, C, ld, stream);
 }
 
 }  // namespace fp8moe::cuda

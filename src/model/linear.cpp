@@ -123,13 +123,23 @@ void quant_tokens(Ctx& c, const TensorView& x, const QuantizedView& out, ScaleMo
     c.be.quantize_128x1(x, out, m);
   }
 }
+// The values of a cache wider than the GEMM's E4M3 (the E5M6 attention-out input) for a second
+// quantization. NOTES: with power-of-two scales BF16 holds them exactly (6 mantissa bits times
+// 2^k; only products below BF16's smallest normal could round, and those quantize to zero in
+// any E4M3 tile with a normal amax), at half the bytes of FP32.
+Tensor dequantized(Ctx& c, const QuantizedView& in, ScaleMode mode) {
+  const bool exact_in_bf16 = in.values.dtype == DType::e5m6 && mode == ScaleMode::pow2;
+  Tensor x = c.be.uninitialized(exact_in_bf16 ? DType::bf16 : DType::f32, {in.rows(), in.cols()});
+  c.be.dequantize(in, x.view());
+  return x;
+}
+
 void requant_tokens(Ctx& c, const QuantizedView& in, const QuantizedView& out) {  // [T, C] -> [C, T]
   // Per tensor, or from a cache wider than the GEMM's E4M3 (the E5M6 attention-out input): the
   // same dequantize-transpose-quantize, spelled out.
   if (c.recipe.per_tensor || in.values.dtype != DType::e4m3) {
     if (c.recipe.per_tensor) require_cpu_for_per_tensor(c);
-    Tensor x = c.be.uninitialized(DType::f32, {in.rows(), in.cols()});
-    c.be.dequantize(in, x.view());
+    const Tensor x = dequantized(c, in, c.recipe.per_tensor ? ScaleMode::fp32 : c.recipe.pow2_mode);
     quant_tokens(c, x.view(), out, c.recipe.scale_mode);
   } else {
     c.be.requantize_128x1(in, out, c.recipe.scale_mode);
@@ -237,8 +247,7 @@ void linear_forward(Ctx& c, const Cached& x, Parameter& w, const Tensor& y, Line
       // The Tensor Cores read E4M3: an input cached wider (E5M6) is requantized for the GEMM.
       QuantizedTensor xe4;
       if (x.q.values.dtype() != DType::e4m3) {
-        Tensor xf = c.be.uninitialized(DType::f32, {Tp, K});
-        c.be.dequantize(x.q, xf.view());
+        const Tensor xf = dequantized(c, x.q, c.recipe.pow2_mode);  // the E5M6 cache's scale mode
         xe4 = c.be.empty_quantized(Tp, K, DType::e4m3, ScaleKind::tile_1x128);
         quant_act(c, xf.view(), xe4, c.recipe.pow2_mode);
       }
