@@ -53,39 +53,47 @@ __device__ __forceinline__ float scale_from_amax(float amax, bool pow2) {
 }
 
 // x [R, C] f32|bf16 -> q [R, C] e5m6 (uint16), scales [ceil(C/128), ld] f32 (M-major). One warp
-// per (row, 128-column group), four consecutive elements per lane; `vec`: C % 4 == 0 and x, q
-// aligned, so each lane moves its four elements with one load and one 8-byte store.
+// per kItems consecutive (row, 128-column group) items, four consecutive elements per lane;
+// every item's load is issued before any is used (bytes in flight). `vec`: C % 4 == 0 and x, q
+// aligned, so a lane moves its four elements with one load and one 8-byte store.
+constexpr int kItems = 4;
 template <class T>
 __global__ void quantize_e5m6_kernel(const T* __restrict__ x, uint16_t* __restrict__ q, float* __restrict__ scales,
                                      int64_t R, int64_t C, int64_t ld, bool pow2, bool vec, int* __restrict__ nonfinite) {
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  const int64_t G = (C + 127) / 128;
-  if (warp >= R * G) return;
-  const int64_t r = warp / G, g = warp % G;
-  const int64_t c0 = g * 128 + lane * 4, n_valid = C - c0;
-  float v[4];
-  load4(x, r * C + c0, n_valid, vec, v);
-  float amax = 0;
+  const int64_t G = (C + 127) / 128, items = R * G;
+  float v[kItems][4];
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const int64_t it = warp * kItems + j, r = it / G, c0 = (it % G) * 128 + lane * 4;
+    if (it < items) load4(x, r * C + c0, C - c0, vec, v[j]);
+  }
   bool finite = true;
-  for (int i = 0; i < 4; ++i) {
-    finite = finite && isfinite(v[i]);
-    amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const int64_t it = warp * kItems + j, r = it / G, g = it % G, c0 = g * 128 + lane * 4, n_valid = C - c0;
+    if (it >= items) break;  // warp-uniform
+    float amax = 0;
+    for (int i = 0; i < 4; ++i) {
+      finite = finite && isfinite(v[j][i]);
+      amax = fmaxf(amax, fabsf(v[j][i]));
+    }
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    const float s = scale_from_amax(amax, pow2);
+    const float inv = __frcp_rn(s);  // the reciprocal scale of quantize.hpp: q = encode(x * (1 / s))
+    uint16_t code[4];
+    for (int i = 0; i < 4; ++i)
+      code[i] = uint16_t(minifloat_encode_bits(__float_as_uint(__fmul_rn(v[j][i], inv)), 5, 6, 15, true, true));
+    if (vec && n_valid >= 4) {
+      *reinterpret_cast<uint2*>(q + r * C + c0) =
+          make_uint2(uint32_t(code[0]) | uint32_t(code[1]) << 16, uint32_t(code[2]) | uint32_t(code[3]) << 16);
+    } else {
+      for (int i = 0; i < 4 && i < n_valid; ++i) q[r * C + c0 + i] = code[i];
+    }
+    if (lane == 0) scales[g * ld + r] = s;
   }
   if (!finite) atomicExch(nonfinite, 1);
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-  const float s = scale_from_amax(amax, pow2);
-  const float inv = __frcp_rn(s);  // the reciprocal scale of quantize.hpp: q = encode(x * (1 / s))
-  uint16_t code[4];
-  for (int i = 0; i < 4; ++i)
-    code[i] = uint16_t(minifloat_encode_bits(__float_as_uint(__fmul_rn(v[i], inv)), 5, 6, 15, true, true));
-  if (vec && n_valid >= 4) {
-    *reinterpret_cast<uint2*>(q + r * C + c0) =
-        make_uint2(uint32_t(code[0]) | uint32_t(code[1]) << 16, uint32_t(code[2]) | uint32_t(code[3]) << 16);
-  } else {
-    for (int i = 0; i < 4 && i < n_valid; ++i) q[r * C + c0 + i] = code[i];
-  }
-  if (lane == 0) scales[g * ld + r] = s;
 }
 
 __global__ void fill_padding(float* scales, int64_t R, int64_t ld, int64_t G) {
@@ -100,35 +108,41 @@ __device__ __forceinline__ float e5m6_value(uint16_t code) {
   return (code & 0x800) ? -v : v;
 }
 
-// out [R, C] = decode(q) * scale, four consecutive elements of a row per thread (C % 4 == 0: an
-// 8-byte load of the codes and one 16-byte (f32) or 8-byte (bf16) store), else one per thread.
+// out [R, C] = decode(q) * scale, eight consecutive elements of a row per thread (C % 8 == 0: a
+// 16-byte load of the codes, two 16-byte (f32) or one 16-byte (bf16) store), else one per thread.
 template <class T, bool kVec>
 __global__ void dequantize_e5m6_kernel(const uint16_t* __restrict__ q, const float* __restrict__ scales, int64_t ld,
                                        T* __restrict__ out, int64_t R, int64_t C) {
-  constexpr int kN = kVec ? 4 : 1;
+  constexpr int kN = kVec ? 8 : 1;
   const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kN;
   if (i >= R * C) return;
   const int64_t r = i / C, c = i % C;
   const float s = scales[(c / 128) * ld + r];  // the kN elements share one 128-column group
   float v[kN];
   if constexpr (kVec) {
-    const uint2 u = *reinterpret_cast<const uint2*>(q + i);
-    v[0] = e5m6_value(uint16_t(u.x)) * s, v[1] = e5m6_value(uint16_t(u.x >> 16)) * s;
-    v[2] = e5m6_value(uint16_t(u.y)) * s, v[3] = e5m6_value(uint16_t(u.y >> 16)) * s;
+    const uint4 u = *reinterpret_cast<const uint4*>(q + i);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      v[2 * k] = e5m6_value(uint16_t(w[k])) * s;
+      v[2 * k + 1] = e5m6_value(uint16_t(w[k] >> 16)) * s;
+    }
+    if constexpr (sizeof(T) == 4) {
+      reinterpret_cast<float4*>(out + i)[0] = make_float4(v[0], v[1], v[2], v[3]);
+      reinterpret_cast<float4*>(out + i)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+      uint32_t o[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+        o[k] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+      *reinterpret_cast<uint4*>(out + i) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
   } else {
     v[0] = e5m6_value(q[i]) * s;
-  }
-  if constexpr (sizeof(T) == 4) {
-    if constexpr (kVec) *reinterpret_cast<float4*>(out + i) = make_float4(v[0], v[1], v[2], v[3]);
-    else out[i] = v[0];
-  } else {
-    if constexpr (kVec) {
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
-      *reinterpret_cast<uint2*>(out + i) =
-          make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
-    } else {
-      out[i] = __float2bfloat16_rn(v[0]);
-    }
+    if constexpr (sizeof(T) == 4) out[i] = v[0];
+    else out[i] = __float2bfloat16_rn(v[0]);
   }
 }
 
@@ -136,9 +150,8 @@ template <class T>
 void launch_dequantize_e5m6(const QuantizedView& in, T* out, int64_t R, int64_t C, int64_t ld, cudaStream_t stream) {
   const uint16_t* q = in.values.ptr<const uint16_t>();
   const float* s = in.scales.ptr<const float>();
-  const bool vec = C % 4 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0 &&
-                   reinterpret_cast<uintptr_t>(out) % (4 * sizeof(T)) == 0;
-  const int64_t threads = vec ? R * C / 4 : R * C;
+  const bool vec = C % 8 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const int64_t threads = vec ? R * C / 8 : R * C;
   const unsigned grid = unsigned((threads + 255) / 256);
   if (vec) dequantize_e5m6_kernel<T, true><<<grid, 256, 0, stream>>>(q, s, ld, out, R, C);
   else dequantize_e5m6_kernel<T, false><<<grid, 256, 0, stream>>>(q, s, ld, out, R, C);
@@ -159,7 +172,7 @@ void quantize_1x128_e5m6_cuda(const TensorView& x, const QuantizedView& out, Sca
   int* flag = nullptr;
   FP8MOE_CUDA_CHECK(cudaGetSymbolAddress(reinterpret_cast<void**>(&flag), g_e5m6_nonfinite));
   clear_flag(flag, stream);
-  const int64_t threads = R * G * 32;
+  const int64_t threads = (R * G + kItems - 1) / kItems * 32;
   const unsigned grid = unsigned((threads + 255) / 256);
   const bool vec = C % 4 == 0 && reinterpret_cast<uintptr_t>(x.data) % (4 * dtype_size(x.dtype)) == 0 &&
                    reinterpret_cast<uintptr_t>(out.values.data) % 8 == 0;

@@ -256,6 +256,25 @@ TEST_P(BackendOps, MatchesCpu) {
         cpu->dequantize(q, want);
         be->dequantize(upload(*be, q), got);
         expect_same_bytes(*be, got, want, "dequantized");
+        if (mode == ScaleMode::pow2) {
+          // E5M6 off the kernels' vector paths: f32 in, 130 columns (C % 8 != 0, a partial group), bf16 out.
+          const int64_t C = 130;
+          const Tensor xo = random_normal(rng, DType::f32, {M, C}, 2.0f);
+          auto q2 = make_quantized_host(M, C, DType::e5m6, ScaleKind::tile_1x128);
+          auto g2 = be->empty_quantized(M, C, DType::e5m6, ScaleKind::tile_1x128);
+          poison(*be, g2.values);
+          poison(*be, g2.scales);
+          cpu->quantize_1x128(xo, q2, mode);
+          be->quantize_1x128(upload(*be, xo), g2, mode);
+          expect_same_bytes(*be, g2.values, q2.values, "e5m6 values, 130 columns");
+          expect_same_bytes(*be, g2.scales, q2.scales, "e5m6 scales, 130 columns");
+          Tensor want2 = Tensor::host(DType::bf16, {M, C});
+          Tensor got2 = be->empty(DType::bf16, {M, C});
+          poison(*be, got2);
+          cpu->dequantize(q2, want2);
+          be->dequantize(upload(*be, q2), got2);
+          expect_same_bytes(*be, got2, want2, "e5m6 dequantized to bf16, 130 columns");
+        }
         break;
       }
       case Op::gemm_fp8: {
