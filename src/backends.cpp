@@ -33,6 +33,7 @@ std::string_view op_name(Op op) {
     case Op::swiglu_forward: return "swiglu_forward";
     case Op::swiglu_backward: return "swiglu_backward";
     case Op::swiglu_backward_fp8: return "swiglu_backward_fp8";
+    case Op::swiglu_forward_fp8: return "swiglu_forward_fp8";
     case Op::cross_entropy: return "cross_entropy";
     case Op::moe_route: return "moe_route";
     case Op::moe_route_backward: return "moe_route_backward";
@@ -127,6 +128,20 @@ void Backend::swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView
   const TensorView gv(g.view().data, DType::f32, {T, F}, device()), uv(u.view().data, DType::f32, {T, F}, device());
   if (out.defined()) swiglu_forward(gv, uv, out);
   swiglu_backward(gv, uv, dout, dgate, dup);
+}
+// The unfused path: the three quantizations and the SwiGLU through a zero-padded f32 temporary.
+void Backend::swiglu_forward_fp8(const TensorView& gate, const TensorView& up, const QuantizedView& gq,
+                                 const QuantizedView& uq, const QuantizedView& out, ScaleMode mode) {
+  FP8MOE_CHECK(gate.ndim == 2 && up.ndim == 2 && up.size(0) == gate.size(0) && up.size(1) == gate.size(1),
+               "swiglu_forward_fp8: gate " << gate.str() << " and up " << up.str() << " must be the same [T, F]");
+  const int64_t T = gate.size(0), F = gate.size(1);
+  FP8MOE_CHECK(out.values.ndim == 2 && out.rows() >= T && out.cols() == F,
+               "swiglu_forward_fp8: out " << out.values.str() << " must be [R >= " << T << ", " << F << "]");
+  quantize_1x128(gate, gq, mode);
+  quantize_1x128(up, uq, mode);
+  Tensor a = out.rows() == T ? uninitialized(gate.dtype, {T, F}) : empty(gate.dtype, {out.rows(), F});
+  swiglu_forward(gate, up, TensorView(a.view().data, gate.dtype, {T, F}, device()));
+  quantize_1x128(a.view(), out, mode);
 }
 void Backend::cross_entropy(const TensorView&, const TensorView&, const TensorView&, const TensorView&, double) {
   FP8MOE_UNSUPPORTED(cross_entropy);

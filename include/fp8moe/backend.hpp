@@ -41,6 +41,7 @@ enum class Op : uint8_t {
   swiglu_forward,
   swiglu_backward,
   swiglu_backward_fp8,
+  swiglu_forward_fp8,
   cross_entropy,
   moe_route,
   moe_route_backward,
@@ -184,6 +185,14 @@ class Backend {
   // f32 temporaries).
   virtual void swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView& up, const TensorView& dout,
                                    const TensorView& out, const TensorView& dgate, const TensorView& dup);
+  // The SwiGLU forward of the FP8 recipes in one pass over gate and up [T, F] f32: gq, uq [T, F] =
+  // their 1x128 quantizations (the cached SwiGLU input) and out [R, F] (R >= T) = the quantization
+  // of silu(gate) * up (the down projection's input), rows past T zero tiles (codes 0, scale 1: a
+  // row-padded Linear input); all e4m3 with `mode` scales. Bit-identical to quantize_1x128(gate),
+  // quantize_1x128(up), swiglu_forward into a zero-padded [R, F] temporary and quantize_1x128 of it
+  // on the same backend, which is what the default runs.
+  virtual void swiglu_forward_fp8(const TensorView& gate, const TensorView& up, const QuantizedView& gq,
+                                  const QuantizedView& uq, const QuantizedView& out, ScaleMode mode);
   // losses [T] = -log softmax(logits[t])[targets[t]] (0 where targets[t] < 0); when dlogits is defined,
   // dlogits [T, V] = grad_scale * (softmax - onehot) (0 rows for ignored targets). logits float.
   virtual void cross_entropy(const TensorView& logits, const TensorView& targets, const TensorView& losses,

@@ -403,6 +403,11 @@ class CudaBackend final : public Backend {
     FP8MOE_TIMED_OP("swiglu_backward_fp8");
     cuda::cuda_swiglu_backward_fp8(gate, up, dout, out, dgate, dup);
   }
+  void swiglu_forward_fp8(const TensorView& gate, const TensorView& up, const QuantizedView& gq,
+                          const QuantizedView& uq, const QuantizedView& out, ScaleMode mode) override {
+    FP8MOE_TIMED_OP("swiglu_forward_fp8");
+    cuda::cuda_swiglu_forward_fp8(gate, up, gq, uq, out, mode);
+  }
   void cross_entropy(const TensorView& logits, const TensorView& targets, const TensorView& losses,
                      const TensorView& dlogits, double grad_scale) override {
     FP8MOE_TIMED_OP("cross_entropy");

@@ -68,6 +68,9 @@ void cuda_swiglu_backward(const TensorView& gate, const TensorView& up, const Te
 // Bit-identical to cuda dequantize + cuda_swiglu_forward + cuda_swiglu_backward (shared device math).
 void cuda_swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView& up, const TensorView& dout,
                               const TensorView& out, const TensorView& dgate, const TensorView& dup);
+// Bit-identical to cuda quantize_1x128 (gate, up), cuda_swiglu_forward and quantize_1x128 (out).
+void cuda_swiglu_forward_fp8(const TensorView& gate, const TensorView& up, const QuantizedView& gq,
+                             const QuantizedView& uq, const QuantizedView& out, ScaleMode mode);
 
 // ---- MoE routing and row movement (model_ops_moe.cu) ----
 void cuda_moe_route(const TensorView& logits, const TensorView& bias, const TensorView& scores, const TensorView& idx,

@@ -1,11 +1,13 @@
 // CUDA elementwise and data-movement model ops: convert, axpy, copy_cols, transpose, token
 // embedding (forward gather, deterministic backward scatter-add), SwiGLU forward/backward and
-// rotary position embedding, and the SwiGLU backward from the FP8-cached input. Semantics are
-// those of src/cpu/ops_dense.cpp, ops_embed_loss.cpp, ops_mlp.cpp and ops_attention.cpp (rope);
-// tests: tests/cuda/test_cuda_model_ops.cpp, tests/cpu/test_backend_ops.cpp (swiglu_backward_fp8).
+// rotary position embedding, the SwiGLU backward from the FP8-cached input and the FP8 recipes'
+// SwiGLU forward with its three quantizations in one pass. Semantics are those of
+// src/cpu/ops_dense.cpp, ops_embed_loss.cpp, ops_mlp.cpp, ops_attention.cpp (rope) and backends.cpp;
+// tests: tests/cuda/test_cuda_model_ops.cpp, tests/cpu/test_backend_ops.cpp (the two FP8 SwiGLU ops).
 // NOTES: float products and sums that the CPU rounds separately use __fmul_rn / __fadd_rn so
 // that nvcc does not contract them into FMAs: axpy, embedding_backward and the AdamW update are
 // then bit-identical to the CPU.
+#include "device_checks.hpp"
 #include "model_ops.hpp"
 #include "model_ops_util.cuh"
 #include "quantize_device.cuh"
@@ -168,6 +170,78 @@ __global__ void swiglu_backward_fp8_vec_kernel(Fp8Tiles gt, Fp8Tiles ut, const f
       if (o) reinterpret_cast<float4*>(o + i0)[j] = ov[j];
       reinterpret_cast<float4*>(dg + i0)[j] = dgv[j];
       reinterpret_cast<float4*>(du + i0)[j] = duv[j];
+    }
+  }
+}
+
+__device__ int g_swiglu_nonfinite;  // swiglu_forward_fp8: a tile's amax was NaN/Inf
+
+// swiglu_forward_fp8: one warp per (row, 128-column tile), four consecutive columns per lane (one
+// 16-byte load of gate and of up and 4-byte code stores when kVec: F % 4 == 0, aligned tensors).
+// Each tile's amax over the warp, its scale and codes as quantize_1x128's (quantize_device.cuh),
+// the SwiGLU value as swiglu_forward's: bit-identical to the three quantizations and the SwiGLU
+// apart. Rows T..R-1 of out get zero codes and scale 1; every scale past the rows (the scale_ld
+// padding) gets 1, as the quantizers' fill_padding writes.
+template <bool kVec>
+__global__ void swiglu_forward_fp8_kernel(const float* __restrict__ g, const float* __restrict__ u,
+                                          uint8_t* __restrict__ gq, float* __restrict__ gs, uint8_t* __restrict__ uq,
+                                          float* __restrict__ us, uint8_t* __restrict__ aq, float* __restrict__ as,
+                                          int64_t T, int64_t R, int64_t F, int64_t ld_t, int64_t ld_r, bool pow2) {
+  const int lane = threadIdx.x % 32;
+  const int64_t G = (F + 127) / 128, warps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; w < ld_r * G; w += warps) {
+    const int64_t r = w / G, tile = w - r * G, c0 = tile * 128 + lane * 4, i0 = r * F + c0;
+    const int n = int(F - c0 < 0 ? 0 : F - c0 < 4 ? F - c0 : 4);  // valid columns of this lane
+    if (r >= T) {  // padding: out's zero rows, and the scale_ld padding of all three
+      if (r < R) {
+        if (kVec && n == 4) *reinterpret_cast<uint32_t*>(aq + i0) = 0;
+        else for (int k = 0; k < n; ++k) aq[i0 + k] = 0;
+      }
+      if (lane == 0) {
+        as[tile * ld_r + r] = 1.0f;
+        if (r < ld_t) gs[tile * ld_t + r] = us[tile * ld_t + r] = 1.0f;
+      }
+      continue;
+    }
+    float gv[4] = {0, 0, 0, 0}, uv[4] = {0, 0, 0, 0}, av[4] = {0, 0, 0, 0};
+    if (kVec && n == 4) {
+      const float4 a = *reinterpret_cast<const float4*>(g + i0), b = *reinterpret_cast<const float4*>(u + i0);
+      gv[0] = a.x, gv[1] = a.y, gv[2] = a.z, gv[3] = a.w;
+      uv[0] = b.x, uv[1] = b.y, uv[2] = b.z, uv[3] = b.w;
+    } else {
+      for (int k = 0; k < n; ++k) gv[k] = g[i0 + k], uv[k] = u[i0 + k];
+    }
+    float ga = 0.0f, ua = 0.0f, aa = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (k < n) av[k] = swiglu_value(gv[k], uv[k]);
+      ga = amax_nan(ga, gv[k]);
+      ua = amax_nan(ua, uv[k]);
+      aa = amax_nan(aa, av[k]);
+    }
+    ga = lanes_amax<32>(ga);
+    ua = lanes_amax<32>(ua);
+    aa = lanes_amax<32>(aa);
+    if (lane == 0 && !(is_finite_amax(ga) && is_finite_amax(ua) && is_finite_amax(aa)))
+      atomicExch(&g_swiglu_nonfinite, 1);
+    const float sg = scale_of(ga, 448.0f, pow2), su = scale_of(ua, 448.0f, pow2), sa = scale_of(aa, 448.0f, pow2);
+    const uint32_t cg = quantize4<false>(gv, inv_scale(sg)), cu = quantize4<false>(uv, inv_scale(su)),
+                   ca = quantize4<false>(av, inv_scale(sa));
+    if (kVec && n == 4) {
+      *reinterpret_cast<uint32_t*>(gq + i0) = cg;
+      *reinterpret_cast<uint32_t*>(uq + i0) = cu;
+      *reinterpret_cast<uint32_t*>(aq + i0) = ca;
+    } else {
+      for (int k = 0; k < n; ++k) {
+        gq[i0 + k] = uint8_t(cg >> (8 * k));
+        uq[i0 + k] = uint8_t(cu >> (8 * k));
+        aq[i0 + k] = uint8_t(ca >> (8 * k));
+      }
+    }
+    if (lane == 0) {
+      gs[tile * ld_t + r] = sg;
+      us[tile * ld_t + r] = su;
+      as[tile * ld_r + r] = sa;
     }
   }
 }
@@ -368,6 +442,43 @@ void cuda_swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView& up
     else swiglu_backward_fp8_kernel<false><<<grid, kThreads>>>(gt, ut, d, o, dg, du, T, F);
     FP8MOE_CUDA_CHECK_LAUNCH("swiglu_backward_fp8_kernel");
   }
+}
+
+void cuda_swiglu_forward_fp8(const TensorView& gate, const TensorView& up, const QuantizedView& gq,
+                             const QuantizedView& uq, const QuantizedView& out, ScaleMode mode) {
+  const char* op = "swiglu_forward_fp8";
+  check_f32(gate, op, "gate", 2);
+  check_f32(up, op, "up", 2);
+  const int64_t T = gate.size(0), F = gate.size(1);
+  FP8MOE_CHECK(up.size(0) == T && up.size(1) == F, op << ": up " << up.str() << " differs from gate " << gate.str());
+  for (auto [q, name, rows] : {std::tuple{&gq, "gq", T}, {&uq, "uq", T}, {&out, "out", out.rows()}}) {
+    check_quantized(*q, name, ScaleKind::tile_1x128);
+    check_dev(q->values, op, name, DType::e4m3, 2);
+    check_dev(q->scales, op, name, DType::f32, 2);
+    FP8MOE_CHECK(q->cols() == F && rows >= T && (q == &out || q->rows() == T),
+                 op << ": " << name << " " << q->values.str() << " must be [" << (q == &out ? "R >= " : "") << T
+                    << ", " << F << "] (gate " << gate.str() << ")");
+  }
+  const int64_t R = out.rows(), ld_t = gq.scales.size(1), ld_r = out.scales.size(1), G = (F + 127) / 128;
+  FP8MOE_CHECK(uq.scales.size(1) == ld_t && ld_r >= ld_t, op << ": scale layouts of gq, uq, out differ");
+  if (F == 0 || ld_r == 0) return;
+  int* flag = nullptr;
+  FP8MOE_CUDA_CHECK(cudaGetSymbolAddress(reinterpret_cast<void**>(&flag), g_swiglu_nonfinite));
+  clear_flag(flag, nullptr);
+  auto al = [](const void* p, int n) { return (reinterpret_cast<uintptr_t>(p) % n) == 0; };
+  const bool vec = F % 4 == 0 && al(gate.data, 16) && al(up.data, 16) && al(gq.values.data, 4) &&
+                   al(uq.values.data, 4) && al(out.values.data, 4);
+  const unsigned grid = grid_for(ld_r * G * 32, kThreads);
+  const bool pow2 = mode == ScaleMode::pow2;
+  auto go = [&](auto kernel) {
+    kernel<<<grid, kThreads>>>(gate.ptr<const float>(), up.ptr<const float>(), gq.values.ptr<uint8_t>(),
+                               gq.scales.ptr<float>(), uq.values.ptr<uint8_t>(), uq.scales.ptr<float>(),
+                               out.values.ptr<uint8_t>(), out.scales.ptr<float>(), T, R, F, ld_t, ld_r, pow2);
+  };
+  if (vec) go(swiglu_forward_fp8_kernel<true>);
+  else go(swiglu_forward_fp8_kernel<false>);
+  FP8MOE_CUDA_CHECK_LAUNCH("swiglu_forward_fp8_kernel");
+  raise_if_flag_set(flag, nullptr, "gate, up", "non-finite value (NaN/Inf input is refused by the quantizers)");
 }
 
 void cuda_rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& positions, double theta,

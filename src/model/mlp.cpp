@@ -37,6 +37,21 @@ void mlp_forward(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& out, Sc
   Tensor g = c.uninit({T, F}), u = c.uninit({T, F});  // [T, F] act
   fwd(c, p, st.in, *p.gate, g);
   fwd(c, p, st.in, *p.up, u);
+  if (prec == LinearPrecision::fp8 && !c.recipe.per_tensor && c.act() == DType::f32) {
+    // One pass over g and u: their FP8 cache and the down projection's FP8 input, row-padded as
+    // linear_input pads it (bit-identical to the path below).
+    const auto quantized = [&](int64_t rows) {
+      return c.be.empty_quantized(rows, F, DType::e4m3, ScaleKind::tile_1x128);
+    };
+    Cached a;
+    a.rows = st.g.rows = st.u.rows = T;
+    st.g.q = quantized(T);
+    st.u.q = quantized(T);
+    a.q = quantized(round_up(T, kQuantGroup));
+    c.be.swiglu_forward_fp8(g.view(), u.view(), st.g.q, st.u.q, a.q, c.recipe.scale_mode);
+    fwd(c, p, a, *p.down, out);
+    return;
+  }
   st.g = cache_activation(c, g.view(), DType::e4m3, c.recipe.scale_mode, false, prec);
   st.u = cache_activation(c, u.view(), DType::e4m3, c.recipe.scale_mode, false, prec);
   Tensor a = c.uninit({T, F});  // [T, F] act: SwiGLU output, not kept

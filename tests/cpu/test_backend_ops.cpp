@@ -29,7 +29,7 @@ std::vector<Case> all_cases() {
   for (const std::string& b : available_backends())
     for (Op op : {Op::quantize_1x128, Op::quantize_128x128, Op::quantize_128x1, Op::quantize_1x128_and_128x1,
                   Op::requantize_128x1, Op::transpose_128x128, Op::dequantize, Op::gemm_fp8, Op::gemm_bf16,
-                  Op::swiglu_backward_fp8})  // the other model ops: tests/model and tests/cuda/test_cuda_model_ops.cpp
+                  Op::swiglu_backward_fp8, Op::swiglu_forward_fp8})  // the other model ops: tests/model and tests/cuda/test_cuda_model_ops.cpp
       cases.push_back({b, op});
   return cases;
 }
@@ -140,6 +140,59 @@ void check_swiglu_backward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, 
   expect_same_bytes(be, du3, du2h, "dup without out");
 }
 
+// swiglu_forward_fp8 of gate, up [T, F] into out [R, F] (R >= T: a row-padded Linear input), with
+// zero tiles in both inputs. The specification is quantize_1x128 of gate and up, swiglu_forward into
+// a zero-padded [R, F] temporary and quantize_1x128 of it: bit for bit against that path on the same
+// backend (the Backend default runs it), against the CPU's exactly for the two cached inputs and,
+// on a GPU, within one e4m3 step for the output (its SwiGLU values differ from the CPU's in expf's
+// last bits).
+void check_swiglu_forward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, int64_t T, int64_t R, int64_t F,
+                              ScaleMode mode) {
+  SCOPED_TRACE(::testing::Message() << "T " << T << " R " << R << " F " << F
+                                    << (mode == ScaleMode::pow2 ? " pow2" : " fp32"));
+  Tensor g = random_normal(rng, DType::f32, {T, F}, 3.0f), u = random_normal(rng, DType::f32, {T, F});
+  const int64_t last = (F - 1) / kQuantGroup * kQuantGroup;
+  for (int64_t c = 0; c < kQuantGroup; ++c) g.view().ptr<float>()[1 * F + c] = 0;  // row 1, first tile of gate
+  for (int64_t c = last; c < F; ++c) u.view().ptr<float>()[2 * F + c] = 0;         // row 2, last tile of up
+  auto q = [](int64_t rows, int64_t cols) { return make_quantized_host(rows, cols, DType::e4m3, ScaleKind::tile_1x128); };
+  QuantizedTensor gq_want = q(T, F), uq_want = q(T, F), out_want = q(R, F);
+  cpu.quantize_1x128(g, gq_want, mode);
+  cpu.quantize_1x128(u, uq_want, mode);
+  Tensor a = cpu.empty(DType::f32, {R, F});
+  cpu.swiglu_forward(g, u, TensorView(a.view().data, DType::f32, {T, F}));
+  cpu.quantize_1x128(a, out_want, mode);
+
+  const Tensor gb = upload(be, g), ub = upload(be, u);
+  auto fresh = [&](int64_t rows) {
+    QuantizedTensor t = be.empty_quantized(rows, F, DType::e4m3, ScaleKind::tile_1x128);
+    poison(be, t.values);
+    poison(be, t.scales);
+    return t;
+  };
+  QuantizedTensor gq = fresh(T), uq = fresh(T), out = fresh(R);
+  be.swiglu_forward_fp8(gb, ub, gq, uq, out, mode);
+  QuantizedTensor gq2 = fresh(T), uq2 = fresh(T), out2 = fresh(R);
+  be.Backend::swiglu_forward_fp8(gb, ub, gq2, uq2, out2, mode);
+  for (auto [got, ref, what] : {std::tuple{&gq, &gq2, "gate"}, {&uq, &uq2, "up"}, {&out, &out2, "out"}}) {
+    SCOPED_TRACE(what);
+    expect_same_bytes(be, got->values, be.to_host(ref->values), "values vs unfused");
+    expect_same_bytes(be, got->scales, be.to_host(ref->scales), "scales vs unfused");
+  }
+  expect_same_bytes(be, gq.values, gq_want.values, "gate values");
+  expect_same_bytes(be, gq.scales, gq_want.scales, "gate scales");
+  expect_same_bytes(be, uq.values, uq_want.values, "up values");
+  expect_same_bytes(be, uq.scales, uq_want.scales, "up scales");
+  if (be.device() == Device::cpu) {
+    expect_same_bytes(be, out.values, out_want.values, "out values");
+    expect_same_bytes(be, out.scales, out_want.scales, "out scales");
+  } else {
+    Tensor got_d = be.empty(DType::f32, {R, F}), want_d = Tensor::host(DType::f32, {R, F});
+    be.dequantize(out, got_d);
+    cpu.dequantize(out_want, want_d);
+    expect_close(be, got_d, want_d, 0.13, 1e-5, "out (dequantized)");
+  }
+}
+
 // quantize_1x128_and_128x1 of x [T, C] against the CPU's quantize_1x128 and quantize_128x1, bit for
 // bit (values, scales, scale padding), outputs poisoned; through the op and through the Backend
 // default (the two ops) on the same backend.
@@ -198,6 +251,12 @@ TEST_P(BackendOps, MatchesCpu) {
         }
         expect_same_bytes(*be, got.values, want.values, "values");
         expect_same_bytes(*be, got.scales, want.scales, "scales");
+        break;
+      }
+      case Op::swiglu_forward_fp8: {
+        check_swiglu_forward_fp8(*cpu, *be, rng, 200, 256, 136, mode);  // padded rows, a partial tile
+        check_swiglu_forward_fp8(*cpu, *be, rng, 128, 128, 384, mode);  // whole tiles, no padding
+        check_swiglu_forward_fp8(*cpu, *be, rng, 37, 128, 130, mode);   // F % 4 != 0
         break;
       }
       case Op::quantize_1x128_and_128x1: {
