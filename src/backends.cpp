@@ -26,6 +26,7 @@ std::string_view op_name(Op op) {
     case Op::embedding_forward: return "embedding_forward";
     case Op::embedding_backward: return "embedding_backward";
     case Op::rmsnorm_forward: return "rmsnorm_forward";
+    case Op::rmsnorm_forward_fp8: return "rmsnorm_forward_fp8";
     case Op::rmsnorm_backward: return "rmsnorm_backward";
     case Op::rope: return "rope";
     case Op::attention_forward: return "attention_forward";
@@ -128,6 +129,17 @@ void Backend::swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView
   const TensorView gv(g.view().data, DType::f32, {T, F}, device()), uv(u.view().data, DType::f32, {T, F}, device());
   if (out.defined()) swiglu_forward(gv, uv, out);
   swiglu_backward(gv, uv, dout, dgate, dup);
+}
+// The unfused path: the RMSNorm into a zero-padded temporary, then its quantization.
+void Backend::rmsnorm_forward_fp8(const TensorView& x, const TensorView& w, const QuantizedView& out,
+                                  const TensorView& rstd, double eps, ScaleMode mode) {
+  FP8MOE_CHECK(x.ndim == 2, "rmsnorm_forward_fp8: x must be 2-D, got " << x.str());
+  const int64_t T = x.size(0), D = x.size(1);
+  FP8MOE_CHECK(out.values.ndim == 2 && out.rows() >= T && out.cols() == D,
+               "rmsnorm_forward_fp8: out " << out.values.str() << " must be [R >= " << T << ", " << D << "]");
+  Tensor y = out.rows() == T ? uninitialized(x.dtype, {T, D}) : empty(x.dtype, {out.rows(), D});
+  rmsnorm_forward(x, w, TensorView(y.view().data, x.dtype, {T, D}, device()), rstd, eps);
+  quantize_1x128(y.view(), out, mode);
 }
 // The unfused path: the three quantizations and the SwiGLU through a zero-padded f32 temporary.
 void Backend::swiglu_forward_fp8(const TensorView& gate, const TensorView& up, const QuantizedView& gq,

@@ -34,6 +34,7 @@ enum class Op : uint8_t {
   embedding_forward,
   embedding_backward,
   rmsnorm_forward,
+  rmsnorm_forward_fp8,
   rmsnorm_backward,
   rope,
   attention_forward,
@@ -150,6 +151,12 @@ class Backend {
   // y [T, D] = x * rstd * w, rstd [T] = 1 / sqrt(mean(x^2) + eps); w [D].
   virtual void rmsnorm_forward(const TensorView& x, const TensorView& w, const TensorView& y,
                                const TensorView& rstd, double eps);
+  // The FP8 recipes' RMSNorm of a Linear input in one pass: rstd [T] as rmsnorm_forward and out
+  // [R, D] (R >= T) = the 1x128 e4m3 quantization (`mode` scales) of y, rows past T zero tiles
+  // (codes 0, scale 1: a row-padded Linear input). Bit-identical to rmsnorm_forward into a
+  // zero-padded [R, D] temporary and quantize_1x128 of it on the same backend (the default).
+  virtual void rmsnorm_forward_fp8(const TensorView& x, const TensorView& w, const QuantizedView& out,
+                                   const TensorView& rstd, double eps, ScaleMode mode);
   // dx [T, D] (+= when accumulate_dx) and dw [D] (+=) from dy [T, D]; either output may be undefined
   // (empty view) to skip it: backward-for-input and backward-for-weights.
   virtual void rmsnorm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd,

@@ -368,6 +368,11 @@ class CudaBackend final : public Backend {
     FP8MOE_TIMED_OP("rmsnorm_forward");
     cuda::cuda_rmsnorm_forward(x, w, y, rstd, eps);
   }
+  void rmsnorm_forward_fp8(const TensorView& x, const TensorView& w, const QuantizedView& out, const TensorView& rstd,
+                           double eps, ScaleMode mode) override {
+    FP8MOE_TIMED_OP("rmsnorm_forward_fp8");
+    cuda::cuda_rmsnorm_forward_fp8(x, w, out, rstd, eps, mode);
+  }
   void rmsnorm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd, const TensorView& dy,
                         const TensorView& dx, const TensorView& dw, bool accumulate_dx) override {
     FP8MOE_TIMED_OP("rmsnorm_backward");

@@ -35,6 +35,9 @@ void cuda_cross_entropy(const TensorView& logits, const TensorView& targets, con
 // model_ops_elementwise.cu) ----
 void cuda_rmsnorm_forward(const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd,
                           double eps);
+// Bit-identical to cuda_rmsnorm_forward into a zero-padded temporary and quantize_1x128 of it.
+void cuda_rmsnorm_forward_fp8(const TensorView& x, const TensorView& w, const QuantizedView& out,
+                              const TensorView& rstd, double eps, ScaleMode mode);
 void cuda_rmsnorm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd, const TensorView& dy,
                            const TensorView& dx, const TensorView& dw, bool accumulate_dx);
 void cuda_rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& positions, double theta,

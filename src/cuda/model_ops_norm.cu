@@ -1,11 +1,14 @@
-// CUDA RMSNorm forward and backward (src/cpu/ops_norm.cpp is the specification): one block per
-// row for y, rstd and dx; dw by column over row splits with a second, fixed-order pass over the
+// CUDA RMSNorm forward and backward (src/cpu/ops_norm.cpp is the specification), and the FP8
+// recipes' forward with the 1x128 quantization of its output (backends.cpp): one block per row for
+// y, rstd and dx; dw by column over row splits with a second, fixed-order pass over the
 // splits, so results do not depend on scheduling. Sums run in FP64 as on the CPU, so the FP32
 // results match it except where a sum sits on a rounding tie.
 #include <algorithm>
 
+#include "device_checks.hpp"
 #include "model_ops.hpp"
 #include "model_ops_util.cuh"
+#include "quantize_device.cuh"
 
 namespace fp8moe::cuda {
 
@@ -30,6 +33,70 @@ __global__ void __launch_bounds__(kRowThreads) rmsnorm_forward_kernel(const floa
   if (threadIdx.x == 0) rstd[t] = r;
   float* yr = y + t * D;
   for (int64_t j = threadIdx.x; j < D; j += kRowThreads) yr[j] = __fmul_rn(__fmul_rn(xr[j], r), w[j]);
+}
+
+__device__ int g_rmsnorm_nonfinite;  // rmsnorm_forward_fp8: a tile's amax was NaN/Inf
+
+// rmsnorm_forward_fp8: one block per row of the scale layout (ld_r >= R >= N rows). Rows < N: rstd
+// as rmsnorm_forward_kernel (the same loop and reduction, so the same bits), then each warp takes
+// 128-column tiles w, w + 4, ...: four consecutive y = (x * r) * w per lane (16-byte loads when
+// kVec: D % 4 == 0, aligned), the tile's amax over the warp, its scale and codes as
+// quantize_1x128's (quantize_device.cuh). Rows N..R-1: zero codes and scale 1; rows R..ld_r-1:
+// scale 1 (the scale_ld padding the quantizers' fill_padding writes).
+template <bool kVec>
+__global__ void __launch_bounds__(kRowThreads) rmsnorm_forward_fp8_kernel(const float* __restrict__ x,
+                                                                          const float* __restrict__ w,
+                                                                          uint8_t* __restrict__ q,
+                                                                          float* __restrict__ qs,
+                                                                          float* __restrict__ rstd, int64_t N,
+                                                                          int64_t R, int64_t D, int64_t ld,
+                                                                          double eps, bool pow2) {
+  __shared__ double red[kRowThreads / 32];
+  const int64_t t = blockIdx.x, G = (D + 127) / 128;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (t >= N) {
+    for (int64_t g = warp; g < G; g += kRowThreads / 32) {
+      const int64_t c0 = g * 128 + lane * 4;
+      const int n = int(D - c0 < 0 ? 0 : D - c0 < 4 ? D - c0 : 4);
+      if (t < R) {
+        if (kVec && n == 4) *reinterpret_cast<uint32_t*>(q + t * D + c0) = 0;
+        else for (int k = 0; k < n; ++k) q[t * D + c0 + k] = 0;
+      }
+      if (lane == 0) qs[g * ld + t] = 1.0f;
+    }
+    return;
+  }
+  const float* xr = x + t * D;
+  double ss = 0;
+  for (int64_t j = threadIdx.x; j < D; j += kRowThreads) ss += double(xr[j]) * double(xr[j]);
+  ss = block_sum<kRowThreads>(ss, red);
+  const float r = __double2float_rn(1.0 / sqrt(ss / double(D) + eps));
+  if (threadIdx.x == 0) rstd[t] = r;
+  for (int64_t g = warp; g < G; g += kRowThreads / 32) {
+    const int64_t c0 = g * 128 + lane * 4;
+    const int n = int(D - c0 < 0 ? 0 : D - c0 < 4 ? D - c0 : 4);
+    float xv[4] = {0, 0, 0, 0}, wv[4] = {0, 0, 0, 0}, y[4] = {0, 0, 0, 0};
+    if (kVec && n == 4) {
+      const float4 a = *reinterpret_cast<const float4*>(xr + c0), b = *reinterpret_cast<const float4*>(w + c0);
+      xv[0] = a.x, xv[1] = a.y, xv[2] = a.z, xv[3] = a.w;
+      wv[0] = b.x, wv[1] = b.y, wv[2] = b.z, wv[3] = b.w;
+    } else {
+      for (int k = 0; k < n; ++k) xv[k] = xr[c0 + k], wv[k] = w[c0 + k];
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (k < n) y[k] = __fmul_rn(__fmul_rn(xv[k], r), wv[k]);
+      amax = amax_nan(amax, y[k]);
+    }
+    amax = lanes_amax<32>(amax);
+    if (lane == 0 && !is_finite_amax(amax)) atomicExch(&g_rmsnorm_nonfinite, 1);
+    const float sc = scale_of(amax, 448.0f, pow2);
+    const uint32_t code = quantize4<false>(y, inv_scale(sc));
+    if (kVec && n == 4) *reinterpret_cast<uint32_t*>(q + t * D + c0) = code;
+    else for (int k = 0; k < n; ++k) q[t * D + c0 + k] = uint8_t(code >> (8 * k));
+    if (lane == 0) qs[g * ld + t] = sc;
+  }
 }
 
 // dx [N, D] (+)= r * w * dy - x * r^3 / D * sum(w * dy * x); one block per row.
@@ -94,6 +161,38 @@ void cuda_rmsnorm_forward(const TensorView& x, const TensorView& w, const Tensor
   rmsnorm_forward_kernel<<<unsigned(N), kRowThreads>>>(x.ptr<const float>(), w.ptr<const float>(), y.ptr<float>(),
                                                        rstd.ptr<float>(), D, eps);
   FP8MOE_CUDA_CHECK_LAUNCH("rmsnorm_forward_kernel");
+}
+
+void cuda_rmsnorm_forward_fp8(const TensorView& x, const TensorView& w, const QuantizedView& out,
+                              const TensorView& rstd, double eps, ScaleMode mode) {
+  const char* op = "rmsnorm_forward_fp8";
+  check_f32(x, op, "x", 2);
+  const int64_t N = x.size(0), D = x.size(1);
+  check_f32(w, op, "w", 1);
+  check_shape(w, "rmsnorm_forward_fp8: w", {D});
+  check_f32(rstd, op, "rstd", 1);
+  check_shape(rstd, "rmsnorm_forward_fp8: rstd", {N});
+  check_quantized(out, "out", ScaleKind::tile_1x128);
+  check_dev(out.values, op, "out", DType::e4m3, 2);
+  check_dev(out.scales, op, "out", DType::f32, 2);
+  FP8MOE_CHECK(out.rows() >= N && out.cols() == D,
+               op << ": out " << out.values.str() << " must be [R >= " << N << ", " << D << "] (x " << x.str() << ")");
+  const int64_t R = out.rows(), ld = out.scales.size(1);
+  if (ld == 0 || D == 0) return;
+  int* flag = nullptr;
+  FP8MOE_CUDA_CHECK(cudaGetSymbolAddress(reinterpret_cast<void**>(&flag), g_rmsnorm_nonfinite));
+  clear_flag(flag, nullptr);
+  auto al = [](const void* p, int n) { return (reinterpret_cast<uintptr_t>(p) % n) == 0; };
+  const bool vec = D % 4 == 0 && al(x.data, 16) && al(w.data, 16) && al(out.values.data, 4);
+  const bool pow2 = mode == ScaleMode::pow2;
+  auto go = [&](auto kernel) {
+    kernel<<<unsigned(ld), kRowThreads>>>(x.ptr<const float>(), w.ptr<const float>(), out.values.ptr<uint8_t>(),
+                                          out.scales.ptr<float>(), rstd.ptr<float>(), N, R, D, ld, eps, pow2);
+  };
+  if (vec) go(rmsnorm_forward_fp8_kernel<true>);
+  else go(rmsnorm_forward_fp8_kernel<false>);
+  FP8MOE_CUDA_CHECK_LAUNCH("rmsnorm_forward_fp8_kernel");
+  raise_if_flag_set(flag, nullptr, "x", "non-finite value (NaN/Inf input is refused by the quantizers)");
 }
 
 void cuda_rmsnorm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd, const TensorView& dy,

@@ -100,26 +100,20 @@ class AttentionLayer final : public Layer {
     const ScaleMode sm = c_.recipe.scale_mode;
     s->x = x;
     s->rstd = c_.uninit({T});
-    Tensor h = c_.uninit({T, D});
-    rmsnorm(c_, x, *norm_, h, s->rstd);
-    s->h = linear_input(c_, h.view(), sm);
+    s->h = rmsnorm_linear_input(c_, x, *norm_, s->rstd, sm);
     if (q_a_) {
       const int64_t rq = q_a_->weight.size(0);
       s->cq = c_.uninit({T, rq});
       linear_forward(c_, s->h, *q_a_, s->cq, c_.recipe.linear);
       s->rstd_q = c_.uninit({T});
-      Tensor cqn = c_.uninit({T, rq});
-      rmsnorm(c_, s->cq, *q_a_norm_, cqn, s->rstd_q);
-      s->cqn = linear_input(c_, cqn.view(), sm);
+      s->cqn = rmsnorm_linear_input(c_, s->cq, *q_a_norm_, s->rstd_q, sm);
     }
     s->ckv = c_.uninit({T, rkv_ + dr_});
     linear_forward(c_, s->h, *kv_a_, s->ckv, c_.recipe.linear);
     Tensor ckv_c = c_.uninit({T, rkv_});
     c_.be.copy_cols(s->ckv.view(), 0, ckv_c.view(), 0, rkv_, false);
     s->rstd_kv = c_.uninit({T});
-    Tensor ckvn = c_.uninit({T, rkv_});
-    rmsnorm(c_, ckv_c, *kv_a_norm_, ckvn, s->rstd_kv);
-    s->ckvn = linear_input(c_, ckvn.view(), sm);
+    s->ckvn = rmsnorm_linear_input(c_, ckv_c, *kv_a_norm_, s->rstd_kv, sm);
 
     Tensor Q, K, V;
     build_qkv(b, *s, Q, K, V);

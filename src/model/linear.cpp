@@ -366,4 +366,18 @@ void rmsnorm(Ctx& c, const Tensor& x, Parameter& w, const Tensor& y, const Tenso
   c.be.rmsnorm_forward(x.view(), w.weight.view(), y.view(), rstd.view(), c.cfg.rms_norm_eps);
 }
 
+Cached rmsnorm_linear_input(Ctx& c, const Tensor& x, Parameter& w, const Tensor& rstd, ScaleMode mode) {
+  const int64_t T = x.size(0), D = x.size(1);
+  if (c.recipe.linear == LinearPrecision::fp8 && !c.recipe.per_tensor && c.act() == DType::f32) {
+    Cached k;
+    k.rows = T;
+    k.q = c.be.empty_quantized(round_up(T, kQuantGroup), D, DType::e4m3, ScaleKind::tile_1x128);
+    c.be.rmsnorm_forward_fp8(x.view(), w.weight.view(), k.q, rstd.view(), c.cfg.rms_norm_eps, mode);
+    return k;
+  }
+  Tensor h = c.uninit({T, D});  // the norm output: not kept
+  rmsnorm(c, x, w, h, rstd);
+  return linear_input(c, h.view(), mode);
+}
+
 }  // namespace fp8moe::model

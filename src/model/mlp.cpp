@@ -119,9 +119,7 @@ class MlpLayer final : public Layer {
     const int64_t T = x.size(0), D = x.size(1);
     s->x = x;
     s->rstd = c_.uninit({T});
-    Tensor h = c_.uninit({T, D});  // [T, D] norm output: not kept
-    rmsnorm(c_, x, *norm_, h, s->rstd);
-    s->mlp.in = linear_input(c_, h.view(), c_.recipe.scale_mode);
+    s->mlp.in = rmsnorm_linear_input(c_, x, *norm_, s->rstd, c_.recipe.scale_mode);
     Tensor out = c_.uninit({T, D});
     mlp_forward(c_, p_, s->mlp, out, c_.recipe.scale_mode);
     y = clone(c_, x.view());

@@ -145,6 +145,9 @@ std::vector<double> to_doubles(Ctx& c, const Tensor& t);   // any float tensor, 
 
 // RMSNorm helpers: y = norm(x), rstd out.
 void rmsnorm(Ctx& c, const Tensor& x, Parameter& w, const Tensor& y, const Tensor& rstd);
+// linear_input(rmsnorm(x)) for a norm whose output only feeds Linears: one pass in the FP8
+// recipes (Backend::rmsnorm_forward_fp8, bit-identical), the two steps otherwise.
+Cached rmsnorm_linear_input(Ctx& c, const Tensor& x, Parameter& w, const Tensor& rstd, ScaleMode mode);
 
 // The routed experts of a MoE layer run together over the expert-sorted layout (moe_layout):
 // the group tables on the device, and the Linears as grouped FP8 GEMMs (grouped_linear.cpp) on

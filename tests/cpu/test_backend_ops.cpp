@@ -29,7 +29,8 @@ std::vector<Case> all_cases() {
   for (const std::string& b : available_backends())
     for (Op op : {Op::quantize_1x128, Op::quantize_128x128, Op::quantize_128x1, Op::quantize_1x128_and_128x1,
                   Op::requantize_128x1, Op::transpose_128x128, Op::dequantize, Op::gemm_fp8, Op::gemm_bf16,
-                  Op::swiglu_backward_fp8, Op::swiglu_forward_fp8})  // the other model ops: tests/model and tests/cuda/test_cuda_model_ops.cpp
+                  Op::swiglu_backward_fp8, Op::swiglu_forward_fp8,
+                  Op::rmsnorm_forward_fp8})  // the other model ops: tests/model and tests/cuda/test_cuda_model_ops.cpp
       cases.push_back({b, op});
   return cases;
 }
@@ -193,6 +194,51 @@ void check_swiglu_forward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, i
   }
 }
 
+// rmsnorm_forward_fp8 of x [T, D] into out [R, D] (R >= T), a zero row included: bit for bit against
+// the unfused path on the same backend (the Backend default), against the CPU's within rounding
+// (its sums run in another order on a GPU): rstd to 1e-6, the output within one e4m3 step.
+void check_rmsnorm_forward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, int64_t T, int64_t R, int64_t D,
+                               ScaleMode mode) {
+  SCOPED_TRACE(::testing::Message() << "T " << T << " R " << R << " D " << D
+                                    << (mode == ScaleMode::pow2 ? " pow2" : " fp32"));
+  constexpr double kEps = 1e-6;
+  Tensor x = random_normal(rng, DType::f32, {T, D}, 2.0f), w = random_normal(rng, DType::f32, {D}, 1.0f);
+  for (int64_t c = 0; c < D; ++c) x.view().ptr<float>()[1 * D + c] = 0;  // row 1: zero, a zero tile per group
+  QuantizedTensor want = make_quantized_host(R, D, DType::e4m3, ScaleKind::tile_1x128);
+  Tensor rstd_want = Tensor::host(DType::f32, {T});
+  cpu.rmsnorm_forward_fp8(x, w, want, rstd_want, kEps, mode);
+  {  // the CPU's own op is its unfused path
+    Tensor y = Tensor::host(DType::f32, {R, D}), r2 = Tensor::host(DType::f32, {T});
+    std::memset(y.view().data, 0, y.view().nbytes());
+    cpu.rmsnorm_forward(x, w, TensorView(y.view().data, DType::f32, {T, D}), r2, kEps);
+    QuantizedTensor q2 = make_quantized_host(R, D, DType::e4m3, ScaleKind::tile_1x128);
+    cpu.quantize_1x128(y, q2, mode);
+    expect_same_bytes(cpu, want.values, q2.values, "cpu values vs unfused");
+    expect_same_bytes(cpu, want.scales, q2.scales, "cpu scales vs unfused");
+  }
+  const Tensor xb = upload(be, x), wb = upload(be, w);
+  auto fresh = [&] {
+    QuantizedTensor t = be.empty_quantized(R, D, DType::e4m3, ScaleKind::tile_1x128);
+    poison(be, t.values);
+    poison(be, t.scales);
+    Tensor r = be.empty(DType::f32, {T});
+    poison(be, r);
+    return std::pair{t, r};
+  };
+  auto [got, rstd] = fresh();
+  be.rmsnorm_forward_fp8(xb, wb, got, rstd, kEps, mode);
+  auto [got2, rstd2] = fresh();
+  be.Backend::rmsnorm_forward_fp8(xb, wb, got2, rstd2, kEps, mode);
+  expect_same_bytes(be, got.values, be.to_host(got2.values), "values vs unfused");
+  expect_same_bytes(be, got.scales, be.to_host(got2.scales), "scales vs unfused");
+  expect_same_bytes(be, rstd, be.to_host(rstd2), "rstd vs unfused");
+  expect_close(be, rstd, rstd_want, 1e-6, 0, "rstd");
+  Tensor got_d = be.empty(DType::f32, {R, D}), want_d = Tensor::host(DType::f32, {R, D});
+  be.dequantize(got, got_d);
+  cpu.dequantize(want, want_d);
+  expect_close(be, got_d, want_d, 0.13, 1e-5, "out (dequantized)");
+}
+
 // quantize_1x128_and_128x1 of x [T, C] against the CPU's quantize_1x128 and quantize_128x1, bit for
 // bit (values, scales, scale padding), outputs poisoned; through the op and through the Backend
 // default (the two ops) on the same backend.
@@ -251,6 +297,12 @@ TEST_P(BackendOps, MatchesCpu) {
         }
         expect_same_bytes(*be, got.values, want.values, "values");
         expect_same_bytes(*be, got.scales, want.scales, "scales");
+        break;
+      }
+      case Op::rmsnorm_forward_fp8: {
+        check_rmsnorm_forward_fp8(*cpu, *be, rng, 200, 256, 384, mode);  // padded rows
+        check_rmsnorm_forward_fp8(*cpu, *be, rng, 37, 128, 130, mode);   // D % 4 != 0, a partial tile
+        check_rmsnorm_forward_fp8(*cpu, *be, rng, 128, 128, 4096, mode); // a model row
         break;
       }
       case Op::swiglu_forward_fp8: {
