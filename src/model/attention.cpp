@@ -125,8 +125,8 @@ class AttentionLayer final : public Layer {
     s->o = linear_input(c_, reshape(O.view(), {T, H_ * dv_}), c_.recipe.pow2_mode, c_.recipe.attn_out_cache);
     Tensor out = c_.uninit({T, D});
     linear_forward(c_, s->o, *o_, out, c_.recipe.linear);
-    y = clone(c_, x.view());
-    c_.be.axpy(1.0, out.view(), 1.0, y.view());
+    c_.be.axpy(1.0, x.view(), 1.0, out.view());  // the residual, into the sublayer output
+    y = out;
 
     auto& k = s->kept;
     k.push_back(account_item(name_, "x", x.view()));

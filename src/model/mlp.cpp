@@ -122,8 +122,8 @@ class MlpLayer final : public Layer {
     s->mlp.in = rmsnorm_linear_input(c_, x, *norm_, s->rstd, c_.recipe.scale_mode);
     Tensor out = c_.uninit({T, D});
     mlp_forward(c_, p_, s->mlp, out, c_.recipe.scale_mode);
-    y = clone(c_, x.view());
-    c_.be.axpy(1.0, out.view(), 1.0, y.view());
+    c_.be.axpy(1.0, x.view(), 1.0, out.view());  // the residual, into the sublayer output
+    y = out;
     s->kept.push_back(account_item(name_, "x", x.view()));
     s->kept.push_back(account_item(name_, "rstd", s->rstd.view()));
     s->mlp.in.account(s->kept, name_, "norm_out");

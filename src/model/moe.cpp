@@ -82,13 +82,14 @@ class MoeLayer final : public Layer {
     s->rstd = c_.uninit({T});
     Tensor h = c_.uninit({T, D});
     rmsnorm(c_, x, *norm_, h, s->rstd);
-    y = clone(c_, x.view());
     if (shared_.gate) {
       s->shared.in = linear_input(c_, h.view(), pow2);
       s->h = s->shared.in;
-      Tensor out = c_.uninit({T, D});
-      mlp_forward(c_, shared_, s->shared, out, pow2);
-      c_.be.axpy(1.0, out.view(), 1.0, y.view());
+      y = c_.uninit({T, D});
+      mlp_forward(c_, shared_, s->shared, y, pow2);
+      c_.be.axpy(1.0, x.view(), 1.0, y.view());  // the residual, into the shared expert's output
+    } else {
+      y = clone(c_, x.view());
     }
     // Router in the activation precision.
     Tensor logits = c_.uninit({T, E});
