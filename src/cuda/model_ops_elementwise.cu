@@ -191,26 +191,18 @@ __global__ void swiglu_forward_fp8_kernel(const float* __restrict__ g, const flo
   const int64_t G = (F + 127) / 128, warps = int64_t(gridDim.x) * blockDim.x / 32;
   for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; w < ld_r * G; w += warps) {
     const int64_t r = w / G, tile = w - r * G, c0 = tile * 128 + lane * 4, i0 = r * F + c0;
-    const int n = int(F - c0 < 0 ? 0 : F - c0 < 4 ? F - c0 : 4);  // valid columns of this lane
+    const int n = cols4(F, c0);
     if (r >= T) {  // padding: out's zero rows, and the scale_ld padding of all three
-      if (r < R) {
-        if (kVec && n == 4) *reinterpret_cast<uint32_t*>(aq + i0) = 0;
-        else for (int k = 0; k < n; ++k) aq[i0 + k] = 0;
-      }
+      if (r < R) store_codes4<kVec>(aq + i0, n, 0);
       if (lane == 0) {
         as[tile * ld_r + r] = 1.0f;
         if (r < ld_t) gs[tile * ld_t + r] = us[tile * ld_t + r] = 1.0f;
       }
       continue;
     }
-    float gv[4] = {0, 0, 0, 0}, uv[4] = {0, 0, 0, 0}, av[4] = {0, 0, 0, 0};
-    if (kVec && n == 4) {
-      const float4 a = *reinterpret_cast<const float4*>(g + i0), b = *reinterpret_cast<const float4*>(u + i0);
-      gv[0] = a.x, gv[1] = a.y, gv[2] = a.z, gv[3] = a.w;
-      uv[0] = b.x, uv[1] = b.y, uv[2] = b.z, uv[3] = b.w;
-    } else {
-      for (int k = 0; k < n; ++k) gv[k] = g[i0 + k], uv[k] = u[i0 + k];
-    }
+    float gv[4], uv[4], av[4] = {0, 0, 0, 0};
+    load_cols4<kVec>(g + i0, n, gv);
+    load_cols4<kVec>(u + i0, n, uv);
     float ga = 0.0f, ua = 0.0f, aa = 0.0f;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -227,17 +219,9 @@ __global__ void swiglu_forward_fp8_kernel(const float* __restrict__ g, const flo
     const float sg = scale_of(ga, 448.0f, pow2), su = scale_of(ua, 448.0f, pow2), sa = scale_of(aa, 448.0f, pow2);
     const uint32_t cg = quantize4<false>(gv, inv_scale(sg)), cu = quantize4<false>(uv, inv_scale(su)),
                    ca = quantize4<false>(av, inv_scale(sa));
-    if (kVec && n == 4) {
-      *reinterpret_cast<uint32_t*>(gq + i0) = cg;
-      *reinterpret_cast<uint32_t*>(uq + i0) = cu;
-      *reinterpret_cast<uint32_t*>(aq + i0) = ca;
-    } else {
-      for (int k = 0; k < n; ++k) {
-        gq[i0 + k] = uint8_t(cg >> (8 * k));
-        uq[i0 + k] = uint8_t(cu >> (8 * k));
-        aq[i0 + k] = uint8_t(ca >> (8 * k));
-      }
-    }
+    store_codes4<kVec>(gq + i0, n, cg);
+    store_codes4<kVec>(uq + i0, n, cu);
+    store_codes4<kVec>(aq + i0, n, ca);
     if (lane == 0) {
       gs[tile * ld_t + r] = sg;
       us[tile * ld_t + r] = su;

@@ -18,6 +18,15 @@ namespace {
 
 constexpr int kRowThreads = 128;
 
+// 1 / sqrt(mean(xr^2) + eps) of a row xr [D]: the FP64 sum in a fixed order; every thread of the
+// block calls it.
+__device__ __forceinline__ float row_rstd(const float* __restrict__ xr, int64_t D, double eps, double* red) {
+  double ss = 0;
+  for (int64_t j = threadIdx.x; j < D; j += kRowThreads) ss += double(xr[j]) * double(xr[j]);
+  ss = block_sum<kRowThreads>(ss, red);
+  return __double2float_rn(1.0 / sqrt(ss / double(D) + eps));
+}
+
 // y [N, D] = x * rstd * w, rstd [N]; one block per row.
 __global__ void __launch_bounds__(kRowThreads) rmsnorm_forward_kernel(const float* __restrict__ x,
                                                                       const float* __restrict__ w,
@@ -26,10 +35,7 @@ __global__ void __launch_bounds__(kRowThreads) rmsnorm_forward_kernel(const floa
   __shared__ double red[kRowThreads / 32];
   const int64_t t = blockIdx.x;
   const float* xr = x + t * D;
-  double ss = 0;
-  for (int64_t j = threadIdx.x; j < D; j += kRowThreads) ss += double(xr[j]) * double(xr[j]);
-  ss = block_sum<kRowThreads>(ss, red);
-  const float r = __double2float_rn(1.0 / sqrt(ss / double(D) + eps));
+  const float r = row_rstd(xr, D, eps, red);
   if (threadIdx.x == 0) rstd[t] = r;
   float* yr = y + t * D;
   for (int64_t j = threadIdx.x; j < D; j += kRowThreads) yr[j] = __fmul_rn(__fmul_rn(xr[j], r), w[j]);
@@ -57,32 +63,20 @@ __global__ void __launch_bounds__(kRowThreads) rmsnorm_forward_fp8_kernel(const 
   if (t >= N) {
     for (int64_t g = warp; g < G; g += kRowThreads / 32) {
       const int64_t c0 = g * 128 + lane * 4;
-      const int n = int(D - c0 < 0 ? 0 : D - c0 < 4 ? D - c0 : 4);
-      if (t < R) {
-        if (kVec && n == 4) *reinterpret_cast<uint32_t*>(q + t * D + c0) = 0;
-        else for (int k = 0; k < n; ++k) q[t * D + c0 + k] = 0;
-      }
+      if (t < R) store_codes4<kVec>(q + t * D + c0, cols4(D, c0), 0);
       if (lane == 0) qs[g * ld + t] = 1.0f;
     }
     return;
   }
   const float* xr = x + t * D;
-  double ss = 0;
-  for (int64_t j = threadIdx.x; j < D; j += kRowThreads) ss += double(xr[j]) * double(xr[j]);
-  ss = block_sum<kRowThreads>(ss, red);
-  const float r = __double2float_rn(1.0 / sqrt(ss / double(D) + eps));
+  const float r = row_rstd(xr, D, eps, red);
   if (threadIdx.x == 0) rstd[t] = r;
   for (int64_t g = warp; g < G; g += kRowThreads / 32) {
     const int64_t c0 = g * 128 + lane * 4;
-    const int n = int(D - c0 < 0 ? 0 : D - c0 < 4 ? D - c0 : 4);
-    float xv[4] = {0, 0, 0, 0}, wv[4] = {0, 0, 0, 0}, y[4] = {0, 0, 0, 0};
-    if (kVec && n == 4) {
-      const float4 a = *reinterpret_cast<const float4*>(xr + c0), b = *reinterpret_cast<const float4*>(w + c0);
-      xv[0] = a.x, xv[1] = a.y, xv[2] = a.z, xv[3] = a.w;
-      wv[0] = b.x, wv[1] = b.y, wv[2] = b.z, wv[3] = b.w;
-    } else {
-      for (int k = 0; k < n; ++k) xv[k] = xr[c0 + k], wv[k] = w[c0 + k];
-    }
+    const int n = cols4(D, c0);
+    float xv[4], wv[4], y[4] = {0, 0, 0, 0};
+    load_cols4<kVec>(xr + c0, n, xv);
+    load_cols4<kVec>(w + c0, n, wv);
     float amax = 0.0f;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -92,9 +86,7 @@ __global__ void __launch_bounds__(kRowThreads) rmsnorm_forward_fp8_kernel(const 
     amax = lanes_amax<32>(amax);
     if (lane == 0 && !is_finite_amax(amax)) atomicExch(&g_rmsnorm_nonfinite, 1);
     const float sc = scale_of(amax, 448.0f, pow2);
-    const uint32_t code = quantize4<false>(y, inv_scale(sc));
-    if (kVec && n == 4) *reinterpret_cast<uint32_t*>(q + t * D + c0) = code;
-    else for (int k = 0; k < n; ++k) q[t * D + c0 + k] = uint8_t(code >> (8 * k));
+    store_codes4<kVec>(q + t * D + c0, n, quantize4<false>(y, inv_scale(sc)));
     if (lane == 0) qs[g * ld + t] = sc;
   }
 }

@@ -83,6 +83,26 @@ __device__ __forceinline__ uint32_t quantize4(const float* v, float r) {
   return lo | (hi << 16);
 }
 
+// A lane's four consecutive columns c0..c0+3 of a row of C f32 values (the fused model-op
+// quantizers: one lane per four columns of a 128-column tile): how many lie inside the row, their
+// values (0 past the row; one 16-byte load when kVec and all four are inside) and the store of
+// their four codes (one 4-byte store when kVec and all four are inside).
+__device__ __forceinline__ int cols4(int64_t C, int64_t c0) { return int(C - c0 < 0 ? 0 : C - c0 < 4 ? C - c0 : 4); }
+template <bool kVec>
+__device__ __forceinline__ void load_cols4(const float* __restrict__ p, int n, float (&v)[4]) {
+  if (kVec && n == 4) {
+    const float4 f = *reinterpret_cast<const float4*>(p);
+    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    return;
+  }
+  for (int k = 0; k < 4; ++k) v[k] = k < n ? p[k] : 0.0f;
+}
+template <bool kVec>
+__device__ __forceinline__ void store_codes4(uint8_t* __restrict__ q, int n, uint32_t code) {
+  if (kVec && n == 4) *reinterpret_cast<uint32_t*>(q) = code;
+  else for (int k = 0; k < n; ++k) q[k] = uint8_t(code >> (8 * k));
+}
+
 template <bool kE5M2>
 __device__ __forceinline__ float decode(uint8_t q) {
   const __half_raw h = __nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(q), kE5M2 ? __NV_E5M2 : __NV_E4M3);

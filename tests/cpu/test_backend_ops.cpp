@@ -64,6 +64,33 @@ void expect_same_bytes(Backend& be, const Tensor& got, const Tensor& want, const
   EXPECT_EQ(bad, 0) << what;
 }
 
+// A quantized output on `be` with its values and scales poisoned.
+QuantizedTensor poisoned_quantized(Backend& be, int64_t rows, int64_t cols, DType dt, ScaleKind kind) {
+  QuantizedTensor q = be.empty_quantized(rows, cols, dt, kind);
+  poison(be, q.values);
+  poison(be, q.scales);
+  return q;
+}
+
+// got's values and scales (on `be`) equal want's byte for byte (want on the host or on `be`).
+void expect_same_quantized(Backend& be, const QuantizedTensor& got, const QuantizedTensor& want, const std::string& what) {
+  const bool host = want.values.view().device == Device::cpu;
+  const std::string pre = what.empty() ? "" : what + " ";
+  expect_same_bytes(be, got.values, host ? want.values : be.to_host(want.values), (pre + "values").c_str());
+  expect_same_bytes(be, got.scales, host ? want.scales : be.to_host(want.scales), (pre + "scales").c_str());
+}
+
+// dequantize of q (a host tensor) into `out` values on `be`, against the CPU's byte for byte.
+void check_dequantize(Backend& cpu, Backend& be, const QuantizedTensor& q, DType out, const char* what) {
+  const int64_t R = q.values.size(0), C = q.values.size(1);
+  Tensor want = Tensor::host(out, {R, C});
+  Tensor got = be.empty(out, {R, C});
+  poison(be, got);
+  cpu.dequantize(q, want);
+  be.dequantize(upload(be, q), got);
+  expect_same_bytes(be, got, want, what);
+}
+
 // Elementwise |got - want| <= rtol * |want| + atol * max |want|, finite (poison shows as NaN).
 void expect_close(Backend& be, const Tensor& got, const Tensor& want, double rtol, double atol, const char* what) {
   const std::vector<double> g = to_doubles(be.to_host(got).view()), w = to_doubles(want.view());
@@ -164,28 +191,18 @@ void check_swiglu_forward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, i
   cpu.quantize_1x128(a, out_want, mode);
 
   const Tensor gb = upload(be, g), ub = upload(be, u);
-  auto fresh = [&](int64_t rows) {
-    QuantizedTensor t = be.empty_quantized(rows, F, DType::e4m3, ScaleKind::tile_1x128);
-    poison(be, t.values);
-    poison(be, t.scales);
-    return t;
-  };
+  auto fresh = [&](int64_t rows) { return poisoned_quantized(be, rows, F, DType::e4m3, ScaleKind::tile_1x128); };
   QuantizedTensor gq = fresh(T), uq = fresh(T), out = fresh(R);
   be.swiglu_forward_fp8(gb, ub, gq, uq, out, mode);
   QuantizedTensor gq2 = fresh(T), uq2 = fresh(T), out2 = fresh(R);
   be.Backend::swiglu_forward_fp8(gb, ub, gq2, uq2, out2, mode);
-  for (auto [got, ref, what] : {std::tuple{&gq, &gq2, "gate"}, {&uq, &uq2, "up"}, {&out, &out2, "out"}}) {
-    SCOPED_TRACE(what);
-    expect_same_bytes(be, got->values, be.to_host(ref->values), "values vs unfused");
-    expect_same_bytes(be, got->scales, be.to_host(ref->scales), "scales vs unfused");
-  }
-  expect_same_bytes(be, gq.values, gq_want.values, "gate values");
-  expect_same_bytes(be, gq.scales, gq_want.scales, "gate scales");
-  expect_same_bytes(be, uq.values, uq_want.values, "up values");
-  expect_same_bytes(be, uq.scales, uq_want.scales, "up scales");
+  expect_same_quantized(be, gq, gq2, "gate vs unfused");
+  expect_same_quantized(be, uq, uq2, "up vs unfused");
+  expect_same_quantized(be, out, out2, "out vs unfused");
+  expect_same_quantized(be, gq, gq_want, "gate");
+  expect_same_quantized(be, uq, uq_want, "up");
   if (be.device() == Device::cpu) {
-    expect_same_bytes(be, out.values, out_want.values, "out values");
-    expect_same_bytes(be, out.scales, out_want.scales, "out scales");
+    expect_same_quantized(be, out, out_want, "out");
   } else {
     Tensor got_d = be.empty(DType::f32, {R, F}), want_d = Tensor::host(DType::f32, {R, F});
     be.dequantize(out, got_d);
@@ -213,24 +230,19 @@ void check_rmsnorm_forward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, 
     cpu.rmsnorm_forward(x, w, TensorView(y.view().data, DType::f32, {T, D}), r2, kEps);
     QuantizedTensor q2 = make_quantized_host(R, D, DType::e4m3, ScaleKind::tile_1x128);
     cpu.quantize_1x128(y, q2, mode);
-    expect_same_bytes(cpu, want.values, q2.values, "cpu values vs unfused");
-    expect_same_bytes(cpu, want.scales, q2.scales, "cpu scales vs unfused");
+    expect_same_quantized(cpu, want, q2, "cpu vs unfused");
   }
   const Tensor xb = upload(be, x), wb = upload(be, w);
   auto fresh = [&] {
-    QuantizedTensor t = be.empty_quantized(R, D, DType::e4m3, ScaleKind::tile_1x128);
-    poison(be, t.values);
-    poison(be, t.scales);
     Tensor r = be.empty(DType::f32, {T});
     poison(be, r);
-    return std::pair{t, r};
+    return std::pair{poisoned_quantized(be, R, D, DType::e4m3, ScaleKind::tile_1x128), r};
   };
   auto [got, rstd] = fresh();
   be.rmsnorm_forward_fp8(xb, wb, got, rstd, kEps, mode);
   auto [got2, rstd2] = fresh();
   be.Backend::rmsnorm_forward_fp8(xb, wb, got2, rstd2, kEps, mode);
-  expect_same_bytes(be, got.values, be.to_host(got2.values), "values vs unfused");
-  expect_same_bytes(be, got.scales, be.to_host(got2.scales), "scales vs unfused");
+  expect_same_quantized(be, got, got2, "vs unfused");
   expect_same_bytes(be, rstd, be.to_host(rstd2), "rstd vs unfused");
   expect_close(be, rstd, rstd_want, 1e-6, 0, "rstd");
   Tensor got_d = be.empty(DType::f32, {R, D}), want_d = Tensor::host(DType::f32, {R, D});
@@ -284,9 +296,7 @@ TEST_P(BackendOps, MatchesCpu) {
         // E5M6 (the attention-out cache, power-of-two scales) through the 1x128 quantizer.
         const DType qt = !t && mode == ScaleMode::pow2 ? DType::e5m6 : DType::e4m3;
         auto want = make_quantized_host(t ? K : M, t ? M : K, qt, ScaleKind::tile_1x128);
-        auto got = be->empty_quantized(t ? K : M, t ? M : K, qt, ScaleKind::tile_1x128);
-        poison(*be, got.values);
-        poison(*be, got.scales);
+        auto got = poisoned_quantized(*be, t ? K : M, t ? M : K, qt, ScaleKind::tile_1x128);
         Tensor dx = upload(*be, x);
         if (t) {
           cpu->quantize_128x1(x, want, mode);
@@ -295,8 +305,7 @@ TEST_P(BackendOps, MatchesCpu) {
           cpu->quantize_1x128(x, want, mode);
           be->quantize_1x128(dx, got, mode);
         }
-        expect_same_bytes(*be, got.values, want.values, "values");
-        expect_same_bytes(*be, got.scales, want.scales, "scales");
+        expect_same_quantized(*be, got, want, "");
         break;
       }
       case Op::rmsnorm_forward_fp8: {
@@ -323,24 +332,20 @@ TEST_P(BackendOps, MatchesCpu) {
       }
       case Op::quantize_128x128: {
         auto want = make_quantized_host(N, K, DType::e4m3, ScaleKind::block_128x128);
-        auto got = be->empty_quantized(N, K, DType::e4m3, ScaleKind::block_128x128);
-        poison(*be, got.values);
+        auto got = poisoned_quantized(*be, N, K, DType::e4m3, ScaleKind::block_128x128);
         cpu->quantize_128x128(w, want, mode);
         be->quantize_128x128(upload(*be, w), got, mode);
-        expect_same_bytes(*be, got.values, want.values, "values");
-        expect_same_bytes(*be, got.scales, want.scales, "scales");
+        expect_same_quantized(*be, got, want, "");
         break;
       }
       case Op::requantize_128x1: {
         auto cached = make_quantized_host(M, K, DType::e4m3, ScaleKind::tile_1x128);
         cpu->quantize_1x128(x, cached, mode);
         auto want = make_quantized_host(K, M, DType::e4m3, ScaleKind::tile_1x128);
-        auto got = be->empty_quantized(K, M, DType::e4m3, ScaleKind::tile_1x128);
-        poison(*be, got.values);
+        auto got = poisoned_quantized(*be, K, M, DType::e4m3, ScaleKind::tile_1x128);
         cpu->requantize_128x1(cached, want, mode);
         be->requantize_128x1(upload(*be, cached), got, mode);
-        expect_same_bytes(*be, got.values, want.values, "values");
-        expect_same_bytes(*be, got.scales, want.scales, "scales");
+        expect_same_quantized(*be, got, want, "");
         break;
       }
       case Op::transpose_128x128: {  // two stacked [256, 384] matrices
@@ -349,42 +354,26 @@ TEST_P(BackendOps, MatchesCpu) {
         auto q = make_quantized_host(G * R, C, DType::e4m3, ScaleKind::block_128x128);
         cpu->quantize_128x128(ws, q, mode);
         auto want = make_quantized_host(G * C, R, DType::e4m3, ScaleKind::block_128x128);
-        auto got = be->empty_quantized(G * C, R, DType::e4m3, ScaleKind::block_128x128);
-        poison(*be, got.values);
-        poison(*be, got.scales);
+        auto got = poisoned_quantized(*be, G * C, R, DType::e4m3, ScaleKind::block_128x128);
         cpu->transpose_128x128(q, want, G);
         be->transpose_128x128(upload(*be, q), got, G);
-        expect_same_bytes(*be, got.values, want.values, "values");
-        expect_same_bytes(*be, got.scales, want.scales, "scales");
+        expect_same_quantized(*be, got, want, "");
         break;
       }
       case Op::dequantize: {
         auto q = make_quantized_host(M, K, mode == ScaleMode::pow2 ? DType::e5m6 : DType::e4m3, ScaleKind::tile_1x128);
         cpu->quantize_1x128(x, q, mode);
-        Tensor want = Tensor::host(DType::f32, {M, K});
-        Tensor got = be->empty(DType::f32, {M, K});
-        poison(*be, got);
-        cpu->dequantize(q, want);
-        be->dequantize(upload(*be, q), got);
-        expect_same_bytes(*be, got, want, "dequantized");
+        check_dequantize(*cpu, *be, q, DType::f32, "dequantized");
         if (mode == ScaleMode::pow2) {
           // E5M6 off the kernels' vector paths: f32 in, 130 columns (C % 8 != 0, a partial group), bf16 out.
           const int64_t C = 130;
           const Tensor xo = random_normal(rng, DType::f32, {M, C}, 2.0f);
           auto q2 = make_quantized_host(M, C, DType::e5m6, ScaleKind::tile_1x128);
-          auto g2 = be->empty_quantized(M, C, DType::e5m6, ScaleKind::tile_1x128);
-          poison(*be, g2.values);
-          poison(*be, g2.scales);
+          auto g2 = poisoned_quantized(*be, M, C, DType::e5m6, ScaleKind::tile_1x128);
           cpu->quantize_1x128(xo, q2, mode);
           be->quantize_1x128(upload(*be, xo), g2, mode);
-          expect_same_bytes(*be, g2.values, q2.values, "e5m6 values, 130 columns");
-          expect_same_bytes(*be, g2.scales, q2.scales, "e5m6 scales, 130 columns");
-          Tensor want2 = Tensor::host(DType::bf16, {M, C});
-          Tensor got2 = be->empty(DType::bf16, {M, C});
-          poison(*be, got2);
-          cpu->dequantize(q2, want2);
-          be->dequantize(upload(*be, q2), got2);
-          expect_same_bytes(*be, got2, want2, "e5m6 dequantized to bf16, 130 columns");
+          expect_same_quantized(*be, g2, q2, "e5m6, 130 columns,");
+          check_dequantize(*cpu, *be, q2, DType::bf16, "e5m6 dequantized to bf16, 130 columns");
         }
         break;
       }
