@@ -1,15 +1,20 @@
-// `fp8moe compare`: trains one config, seed and data under bf16 and fp8 (and optionally the
-// ablations and more BF16 seeds), then reports the relative loss error of each recipe against BF16
-// per step (EMA-smoothed 0.9, as the report's Figure 10) and at the end, next to the BF16
-// seed-to-seed spread, with SVG plots. Runs go to <out>/<recipe>[-seed<n>]/.
-#include <cmath>
+// `fp8moe compare`: trains one config and data under bf16 and fp8 (and optionally the ablations),
+// over one or more seeds and more BF16 seeds, then reports the relative loss error of each run
+// against BF16 of the same seed per step (EMA-smoothed 0.9, as the report's Figure 10) and at the
+// end (or at --horizon), the means over the seeds, and the BF16 seed-to-seed spread, with SVG
+// plots (loss_compare.hpp). Runs go to <out>/<recipe>[-seed<k>]/ (seed --seed + k).
+#include <algorithm>
 #include <cstdio>
 #include <csignal>
 #include <filesystem>
+#include <map>
+#include <regex>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
 #include "fp8moe/loss_compare.hpp"
+#include "fp8moe/model_recipe.hpp"
 #include "fp8moe/plot.hpp"
 #include "fp8moe/safetensors.hpp"
 #include "train_options.hpp"
@@ -22,90 +27,122 @@ namespace fs = std::filesystem;
 struct CompareArgs {
   TrainOptions base;
   std::vector<std::string> recipes{"bf16", "fp8"};
-  int bf16_seeds = 2;        // BF16 runs with different seeds, for the noise floor
+  int seeds = 1;             // seeds per recipe: base, base + 1, ...
+  int bf16_seeds = 2;        // BF16 runs with different seeds, for the noise floor (at least `seeds`)
+  double horizon = 0;        // compare at this step (0: the end)
   bool analyze_only = false; // reuse existing runs
 };
 
 void on_interrupt(int) { Trainer::stop_flag().store(true); }
 
+// <out>/<recipe> for seed 0, <out>/<recipe>-seed<k> for seed k.
+std::string run_name(const std::string& recipe, int k) {
+  return k == 0 ? recipe : recipe + "-seed" + std::to_string(k);
+}
+
+// Trains the runs (seed by seed, so that an interrupted comparison already holds whole pairs; then
+// the extra BF16 seeds of the noise floor) and reads their curves; empty when interrupted.
+std::vector<CompareRun> train_runs(const CompareArgs& args) {
+  const int bf16_seeds = std::max(args.seeds, args.bf16_seeds);
+  std::vector<CompareRun> runs;
+  for (int k = 0; k < bf16_seeds; ++k)
+    for (const std::string& r : args.recipes) {
+      if (k >= (r == "bf16" ? bf16_seeds : args.seeds)) continue;
+      TrainOptions o = args.base;
+      o.recipe = r;
+      o.seed = args.base.seed + uint64_t(k);
+      o.out_dir = (fs::path(args.base.out_dir) / run_name(r, k)).string();
+      std::printf("== %s (recipe %s, seed %llu)\n", run_name(r, k).c_str(), r.c_str(), (unsigned long long)o.seed);
+      Trainer(o).run();
+      if (Trainer::stop_flag().load()) return {};
+      const LossCurve c = read_loss_curve((fs::path(o.out_dir) / "metrics.jsonl").string(), run_name(r, k));
+      runs.push_back({r, k, truncate_curve(c, args.horizon)});
+    }
+  return runs;
+}
+
+// The runs found in `out`: every <recipe>[-seed<k>]/metrics.jsonl of a known recipe, by seed, bf16
+// first.
+std::vector<CompareRun> found_runs(const std::string& out, double horizon) {
+  const std::vector<std::string> known = Recipe::names();
+  const std::regex name_re("(.+)-seed([0-9]+)");
+  std::vector<CompareRun> runs;
+  for (const auto& e : fs::directory_iterator(out)) {
+    const std::string name = e.path().filename().string();
+    const fs::path metrics = e.path() / "metrics.jsonl";
+    if (!e.is_directory() || !fs::exists(metrics)) continue;
+    std::smatch m;
+    const bool seeded = std::regex_match(name, m, name_re);
+    const std::string recipe = seeded ? m[1].str() : name;
+    if (std::find(known.begin(), known.end(), recipe) == known.end()) continue;
+    runs.push_back({recipe, seeded ? std::stoi(m[2].str()) : 0, truncate_curve(read_loss_curve(metrics.string(), name), horizon)});
+  }
+  FP8MOE_CHECK(!runs.empty(), "compare: no runs (<recipe>[-seed<k>]/metrics.jsonl) in '" << out << "'");
+  std::sort(runs.begin(), runs.end(), [](const CompareRun& a, const CompareRun& b) {
+    return std::tuple(a.seed, a.recipe != "bf16", a.recipe) < std::tuple(b.seed, b.recipe != "bf16", b.recipe);
+  });
+  return runs;
+}
+
 void compare_command(CompareArgs& args) {
   std::signal(SIGINT, on_interrupt);
   const std::string out = args.base.out_dir;
-  struct Run {
-    std::string name, recipe;
-    uint64_t seed;
-  };
-  std::vector<Run> runs;
-  for (auto& r : args.recipes) runs.push_back({r, r, args.base.seed});
-  for (int s = 1; s < args.bf16_seeds; ++s) runs.push_back({"bf16-seed" + std::to_string(s), "bf16", args.base.seed + uint64_t(s)});
-  std::vector<LossCurve> curves;
-  for (const Run& r : runs) {
-    TrainOptions o = args.base;
-    o.recipe = r.recipe;
-    o.seed = r.seed;
-    o.out_dir = (fs::path(out) / r.name).string();
-    if (!args.analyze_only) {
-      std::printf("== %s (recipe %s, seed %llu)\n", r.name.c_str(), r.recipe.c_str(), (unsigned long long)r.seed);
-      Trainer(o).run();
-      if (Trainer::stop_flag().load()) return;
-    }
-    curves.push_back(read_loss_curve((fs::path(o.out_dir) / "metrics.jsonl").string(), r.name));
+  FP8MOE_CHECK(!args.recipes.empty() && args.recipes[0] == "bf16",
+               "compare: the first recipe must be bf16 (the baseline), got '" << (args.recipes.empty() ? "" : args.recipes[0]) << "'");
+  FP8MOE_CHECK(args.seeds >= 1, "compare: --seeds must be >= 1, got " << args.seeds);
+  const std::vector<CompareRun> runs = args.analyze_only ? found_runs(out, args.horizon) : train_runs(args);
+  if (runs.empty()) return;  // interrupted
+  double first_end = INFINITY, last_end = -INFINITY;
+  for (const CompareRun& r : runs) {
+    first_end = std::min(first_end, r.curve.steps.back());
+    last_end = std::max(last_end, r.curve.steps.back());
   }
-  const LossCurve& base = curves[0];
-  FP8MOE_CHECK(base.name == "bf16", "compare: the first recipe must be bf16 (the baseline), got '" << base.name << "'");
-  const std::vector<double> base_s = ema_smooth(base.loss);
+  if (first_end != last_end)
+    std::printf("note: the runs end at steps %.0f to %.0f; --horizon %.0f compares them at the same step\n", first_end,
+                last_end, first_end + 1);
+  const Comparison cmp = compare_runs(runs);
+
+  std::map<std::string, const LossCurve*> by_name;
+  for (const CompareRun& r : runs) by_name[r.curve.name] = &r.curve;
   nlohmann::json report = nlohmann::json::object();
   std::vector<PlotSeries> loss_series, rel_series;
-  // BF16 noise floor: final losses of the BF16 seeds.
-  std::vector<double> bf16_final, bf16_val;
-  for (auto& c : curves)
-    if (c.name.rfind("bf16", 0) == 0) {
-      bf16_final.push_back(tail_mean(c.loss));
-      bf16_val.push_back(c.val_loss.empty() ? NAN : c.val_loss.back());
-    }
-  auto spread = [](const std::vector<double>& v) {
-    double lo = INFINITY, hi = -INFINITY, mean = 0;
-    for (double x : v) lo = std::min(lo, x), hi = std::max(hi, x), mean += x;
-    mean /= double(v.size());
-    return std::array<double, 3>{lo, hi, mean};
-  };
-  const auto tr = spread(bf16_final), va = spread(bf16_val);
-  std::printf("\n%-18s %12s %12s %14s %14s %16s\n", "run", "train loss", "val loss", "train rel err", "val rel err",
-              "max |rel| smooth");
-  for (auto& c : curves) {
-    const std::vector<double> s = ema_smooth(c.loss);
-    const std::vector<double> rel = relative_error(s, base_s);
-    double max_rel = 0;
-    // The first tenth of training (warm-up, loss falling fast) is left out of the maximum.
-    for (size_t i = rel.size() / 10; i < rel.size(); ++i) max_rel = std::max(max_rel, std::fabs(rel[i]));
-    const double train_final = tail_mean(c.loss), val_final = c.val_loss.empty() ? NAN : c.val_loss.back();
-    const double train_rel = (train_final - tail_mean(base.loss)) / tail_mean(base.loss);
-    const double val_rel = (val_final - base.val_loss.back()) / base.val_loss.back();
-    std::printf("%-18s %12.4f %12.4f %13.3f%% %13.3f%% %15.3f%%\n", c.name.c_str(), train_final, val_final, 100 * train_rel,
-                100 * val_rel, 100 * max_rel);
-    report[c.name] = {{"train_loss", train_final}, {"val_loss", val_final}, {"train_rel_err", train_rel},
-                      {"val_rel_err", val_rel}, {"max_abs_rel_err_smoothed", max_rel}, {"steps", c.steps.size()}};
-    loss_series.push_back({c.name, c.steps, s});
-    if (&c != &base) {
-      std::vector<double> pct(rel.size());
-      for (size_t i = 0; i < rel.size(); ++i) pct[i] = 100 * rel[i];
-      rel_series.push_back({c.name + " vs bf16", std::vector<double>(c.steps.begin(), c.steps.begin() + long(rel.size())), pct});
-    }
+  std::printf("\n%s; relative errors against the bf16 run of the same seed (bf16 rows: against bf16 seed 0)\n",
+              args.horizon > 0 ? ("at step " + std::to_string(int64_t(args.horizon))).c_str() : "at the end");
+  std::printf("%-18s %12s %12s %14s %14s %16s %16s\n", "run", "train loss", "val loss", "train rel err", "val rel err",
+              "mean rel smooth", "max |rel| smooth");
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const RunComparison& c = cmp.runs[i];
+    std::printf("%-18s %12.4f %12.4f %13.3f%% %13.3f%% %15.3f%% %15.3f%%\n", c.name.c_str(), c.train, c.val,
+                100 * c.train_rel, 100 * c.val_rel, 100 * c.smooth_rel_mean, 100 * c.smooth_rel_max_abs);
+    report[c.name] = {{"recipe", c.recipe}, {"seed_index", c.seed}, {"baseline", c.baseline},
+                      {"train_loss", c.train}, {"val_loss", c.val}, {"train_rel_err", c.train_rel},
+                      {"val_rel_err", c.val_rel}, {"mean_rel_err_smoothed", c.smooth_rel_mean},
+                      {"max_abs_rel_err_smoothed", c.smooth_rel_max_abs}, {"steps", runs[i].curve.steps.size()},
+                      {"inside_bf16_spread_train", c.inside_bf16_train}, {"inside_bf16_spread_val", c.inside_bf16_val}};
+    const LossCurve& curve = runs[i].curve;
+    loss_series.push_back({c.name, curve.steps, ema_smooth(curve.loss)});
+    if (c.name == c.baseline) continue;
+    const LossCurve& base = *by_name.at(c.baseline);
+    std::vector<double> pct = relative_error(ema_smooth(curve.loss), ema_smooth(base.loss));
+    for (double& v : pct) v *= 100;
+    rel_series.push_back({c.name + " vs " + c.baseline, std::vector<double>(curve.steps.begin(), curve.steps.begin() + long(pct.size())), pct});
   }
-  const double tr_spread = (tr[1] - tr[0]) / tr[2], va_spread = (va[1] - va[0]) / va[2];
-  report["bf16_seed_spread"] = {{"seeds", bf16_final.size()}, {"train_rel", tr_spread}, {"val_rel", va_spread}};
-  std::printf("\nBF16 seed-to-seed spread over %zu seeds: train %.3f%%, validation %.3f%% (max - min) / mean\n",
-              bf16_final.size(), 100 * tr_spread, 100 * va_spread);
-  for (auto& c : curves)
-    if (c.name.rfind("fp8", 0) == 0) {
-      const double f = tail_mean(c.loss), v = c.val_loss.empty() ? NAN : c.val_loss.back();
-      const bool inside = bf16_final.size() > 1 && f >= tr[0] - 1e-12 && f <= tr[1] + 1e-12;
-      const bool inside_val = bf16_val.size() > 1 && v >= va[0] - 1e-12 && v <= va[1] + 1e-12;
+  report["bf16_seed_spread"] = {{"seeds", cmp.bf16_seeds}, {"train_rel", cmp.bf16_train_spread},
+                                {"val_rel", cmp.bf16_val_spread}};
+  std::printf("\nBF16 seed-to-seed spread over %d seeds: train %.3f%%, validation %.3f%% (max - min) / mean\n",
+              cmp.bf16_seeds, 100 * cmp.bf16_train_spread, 100 * cmp.bf16_val_spread);
+  for (const RunComparison& c : cmp.runs)
+    if (c.recipe != "bf16" && cmp.bf16_seeds > 1)
       std::printf("%-18s train loss %s the BF16 seed range [%.4f, %.4f]; validation %s [%.4f, %.4f]\n", c.name.c_str(),
-                  inside ? "inside" : "outside", tr[0], tr[1], inside_val ? "inside" : "outside", va[0], va[1]);
-      report[c.name]["inside_bf16_spread_train"] = inside;
-      report[c.name]["inside_bf16_spread_val"] = inside_val;
-    }
+                  c.inside_bf16_train ? "inside" : "outside", cmp.bf16_train_min, cmp.bf16_train_max,
+                  c.inside_bf16_val ? "inside" : "outside", cmp.bf16_val_min, cmp.bf16_val_max);
+  for (const auto& [recipe, m] : cmp.recipes) {
+    std::printf("%-18s mean over %d seeds: train %.4f against bf16 %.4f (%+.3f%%), validation %.4f against %.4f (%+.3f%%)\n",
+                recipe.c_str(), m.seeds, m.train, m.bf16_train, 100 * m.train_rel, m.val, m.bf16_val, 100 * m.val_rel);
+    report["recipes"][recipe] = {{"seeds", m.seeds}, {"train_loss", m.train}, {"val_loss", m.val},
+                                 {"bf16_train_loss", m.bf16_train}, {"bf16_val_loss", m.bf16_val},
+                                 {"train_rel_err", m.train_rel}, {"val_rel_err", m.val_rel}};
+  }
   PlotOptions lo;
   lo.title = "training loss (EMA 0.9)";
   lo.y_label = "loss";
@@ -124,8 +161,14 @@ void add_compare(CLI::App& app) {
   auto* cmd = app.add_subcommand("compare", "Train under bf16 and fp8 (and ablations) and compare the losses");
   cli::add_train_options(cmd, args.base);
   cmd->add_option("--recipes", args.recipes, "recipes, bf16 first")->delimiter(',')->capture_default_str();
-  cmd->add_option("--bf16-seeds", args.bf16_seeds, "BF16 runs with different seeds (noise floor)")->capture_default_str();
-  cmd->add_flag("--analyze-only", args.analyze_only, "compare existing runs in --out without training");
+  cmd->add_option("--seeds", args.seeds, "seeds per recipe (--seed, --seed + 1, ...), each run against bf16 of its seed")
+      ->capture_default_str();
+  cmd->add_option("--bf16-seeds", args.bf16_seeds, "BF16 runs with different seeds (noise floor; at least --seeds)")
+      ->capture_default_str();
+  cmd->add_option("--horizon", args.horizon, "compare at this step: the losses the runs had then (0: the end)")
+      ->capture_default_str();
+  cmd->add_flag("--analyze-only", args.analyze_only,
+                "compare the runs found in --out (<recipe>[-seed<k>]/metrics.jsonl) without training");
   cmd->callback([] { compare_command(args); });
 }
 
