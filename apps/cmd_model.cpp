@@ -16,6 +16,7 @@
 
 #include "commands.hpp"
 #include "fp8moe/model.hpp"
+#include "fp8moe/safetensors.hpp"
 
 namespace fp8moe {
 namespace {
@@ -107,20 +108,20 @@ void dump(const Args& a) {
   const StepStats st = model.forward_backward(tokens.view(), targets.view(), 1.0);
   std::filesystem::create_directories(a.dump);
   save_safetensors(a.dump + "/weights.safetensors", model);
-  write_safetensors(a.dump + "/batch.safetensors", {{"tokens", tokens.view()}, {"targets", targets.view()}});
+  save_safetensors(a.dump + "/batch.safetensors", {{"tokens", tokens.view()}, {"targets", targets.view()}});
   Tensor losses = Tensor::host(DType::f64, {4});
   losses.ptr<double>()[0] = st.loss;
   losses.ptr<double>()[1] = st.main_loss;
   losses.ptr<double>()[2] = st.mtp_loss;
   losses.ptr<double>()[3] = st.balance_loss;
-  std::vector<std::pair<std::string, TensorView>> out{{"losses", losses.view()}, {"logits", model.last_logits().view()}};
+  std::map<std::string, TensorView> out{{"losses", losses.view()}, {"logits", model.last_logits().view()}};
   for (auto& p : model.parameters())
-    if (p.trainable) out.emplace_back("grad." + p.name, p.grad.view());
-  write_safetensors(a.dump + "/outputs.safetensors", out);
+    if (p.trainable) out["grad." + p.name] = p.grad.view();
+  save_safetensors(a.dump + "/outputs.safetensors", out);
   if (a.sublayers) {
-    std::vector<std::pair<std::string, TensorView>> subs;
-    for (const auto& [name, t] : model.sublayer_records()) subs.emplace_back(name, t.view());
-    write_safetensors(a.dump + "/sublayers.safetensors", subs);
+    std::map<std::string, TensorView> subs;
+    for (const auto& [name, t] : model.sublayer_records()) subs[name] = t.view();
+    save_safetensors(a.dump + "/sublayers.safetensors", subs);
   }
   std::printf("recipe %s: loss %.6f (main %.6f, mtp %.6f, balance %.3g); wrote %s/{weights,batch,outputs%s}.safetensors\n",
               a.recipe.c_str(), st.loss, st.main_loss, st.mtp_loss, st.balance_loss, a.dump.c_str(),

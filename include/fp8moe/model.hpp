@@ -165,12 +165,10 @@ class Model {
   std::unique_ptr<Impl> impl_;
 };
 
-// Safetensors I/O of the parameters (F32 tensors, Hugging Face names; F64 in the fp64 recipe).
-// The PyTorch reference (tests/reference/) reads what save writes.
+// Safetensors I/O of the parameters (F32 tensors, Hugging Face names; F64 in the fp64 recipe;
+// any other tensors: fp8moe/safetensors.hpp). The PyTorch reference (tests/reference/) reads what
+// save writes.
 void save_safetensors(const std::string& path, Model& model);
 void load_safetensors(const std::string& path, Model& model);  // throws on missing/mis-shaped tensors
-// Writes arbitrary host tensors (f32, f64, i32) to a safetensors file, and reads them back.
-void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, TensorView>>& tensors);
-std::map<std::string, Tensor> read_safetensors(const std::string& path);
 
 }  // namespace fp8moe
