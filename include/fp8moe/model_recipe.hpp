@@ -11,6 +11,10 @@
 //                     power-of-two scales, SwiGLU input cached in FP8.
 //   fp8-no-promotion  fp8 with the Tensor Core accumulation emulated at 14 bits and never promoted.
 //   fp8-per-tensor    fp8 with one scale per tensor instead of tiles/blocks.
+//   fp8-f32-cache     fp8 GEMMs with every activation the backward reads cached exactly (FP32,
+//                     beside the FP8 tiles the Fprop reads): the Wgrad quantizes x^T from it, the
+//                     SwiGLU and attention backward read it. Separates the cost of FP8 storage
+//                     (the report's memory savings) from that of the FP8 GEMMs.
 // Master weights and weight gradients are FP32 in every recipe but fp64. Attention runs in the
 // activation precision in every recipe unless set_attention("bf16") gives its GEMMs BF16 operands
 // with FP32 accumulation (the report keeps attention in "BF16 or FP32"; `fp8moe train --attention
@@ -34,6 +38,7 @@ struct Recipe {
   LinearPrecision linear = LinearPrecision::full;
   bool head_bf16 = false;                // output head (and MTP head) as a BF16 GEMM
   bool per_tensor = false;               // fp8-per-tensor ablation
+  bool f32_cache = false;                // fp8-f32-cache ablation: activations also cached exactly
   AccumConfig accum{};                   // FP8 GEMM accumulation (promotion)
   ScaleMode scale_mode = ScaleMode::fp32;  // scales of ordinary FP8 tensors
   // Where the report asks for power-of-two scales: the attention-out Linear input (E5M6), the
@@ -54,7 +59,8 @@ struct Recipe {
   // Bytes per element a cached Linear input takes (scales included for FP8: 4 bytes per 128).
   double cache_bytes_per_element(bool attn_out = false) const;
 
-  // "fp64", "fp32", "bf16", "fp8", "fp8-no-promotion", "fp8-per-tensor"; throws on others.
+  // "fp64", "fp32", "bf16", "fp8", "fp8-no-promotion", "fp8-per-tensor", "fp8-f32-cache"; throws on
+  // others.
   static Recipe from_name(std::string_view name);
   static std::vector<std::string> names();
 };

@@ -225,7 +225,9 @@ double Recipe::cache_bytes_per_element(bool attn_out) const {
   switch (linear) {
     case LinearPrecision::full: return double(dtype_size(act_dtype));
     case LinearPrecision::bf16: return 2.0;
-    case LinearPrecision::fp8: return double(dtype_size(attn_out ? attn_out_cache : DType::e4m3)) + 4.0 / 128.0;
+    case LinearPrecision::fp8:
+      return double(dtype_size(attn_out ? attn_out_cache : DType::e4m3)) + 4.0 / 128.0 +
+             (f32_cache ? double(dtype_size(act_dtype)) : 0.0);
   }
   return 0;
 }
@@ -242,7 +244,7 @@ Recipe Recipe::from_name(std::string_view name) {
     r.linear = LinearPrecision::bf16;
     r.head_bf16 = true;
     r.attn_out_cache = DType::bf16;
-  } else if (name == "fp8" || name == "fp8-no-promotion" || name == "fp8-per-tensor") {
+  } else if (name == "fp8" || name == "fp8-no-promotion" || name == "fp8-per-tensor" || name == "fp8-f32-cache") {
     r.linear = LinearPrecision::fp8;
     r.head_bf16 = true;
     r.attn_out_cache = DType::e5m6;
@@ -250,6 +252,10 @@ Recipe Recipe::from_name(std::string_view name) {
     // scales: the report's promotion every N_c = 128, without the 14-bit truncation inside a group.
     if (name == "fp8-no-promotion") r.accum = AccumConfig{AccumMode::tensor_core, 14, 0};
     if (name == "fp8-per-tensor") r.per_tensor = true;
+    if (name == "fp8-f32-cache") {
+      r.f32_cache = true;
+      r.attn_out_cache = DType::e4m3;  // the exact copy serves the backward; the Fprop reads E4M3
+    }
   } else {
     std::string all;
     for (auto& n : names()) all += (all.empty() ? "" : ", ") + n;
@@ -270,6 +276,8 @@ void Recipe::set_attention(std::string_view mode) {
 
 std::string Recipe::attention() const { return attn_compute == DType::bf16 ? "bf16" : "exact"; }
 
-std::vector<std::string> Recipe::names() { return {"fp64", "fp32", "bf16", "fp8", "fp8-no-promotion", "fp8-per-tensor"}; }
+std::vector<std::string> Recipe::names() {
+  return {"fp64", "fp32", "bf16", "fp8", "fp8-no-promotion", "fp8-per-tensor", "fp8-f32-cache"};
+}
 
 }  // namespace fp8moe

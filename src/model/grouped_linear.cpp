@@ -93,7 +93,8 @@ void grouped_linear_backward_weight(Ctx& c, const ExpertGroups& eg, const Cached
   }
   const int64_t K = w0.weight.size(1), R = dy.t.values.size(1);
   QuantizedTensor b = c.be.empty_quantized(K, R, DType::e4m3, ScaleKind::tile_1x128);  // x^T along tokens
-  c.be.requantize_128x1(x.q, b, c.recipe.scale_mode);
+  if (x.full.defined()) c.be.quantize_128x1(x.full.view(), b, c.recipe.scale_mode);  // fp8-f32-cache
+  else c.be.requantize_128x1(x.q, b, c.recipe.scale_mode);
   c.be.grouped_wgrad_fp8(dy.t, b, eg.offsets.view(), stacked(w0.grad, eg.groups), options(c, true));
 }
 

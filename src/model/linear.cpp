@@ -204,6 +204,7 @@ Cached cache_activation(Ctx& c, const TensorView& x, DType qdtype, ScaleMode mod
       if (xp.defined()) c.be.copy(rows_view(xp.view(), 0, k.rows), x);
       k.q = c.be.empty_quantized(rows, x.size(1), qdtype, ScaleKind::tile_1x128);
       quant_act(c, xp.defined() ? xp.view() : x, k.q, mode);
+      if (c.recipe.f32_cache) k.full = xp.defined() ? xp : clone(c, x);  // with the padding rows
       break;
     }
   }
@@ -212,10 +213,10 @@ Cached cache_activation(Ctx& c, const TensorView& x, DType qdtype, ScaleMode mod
 
 Tensor Cached::restore(Ctx& c) const {
   if (full.defined()) {
-    if (full.dtype() == c.act()) return full;
+    if (full.dtype() == c.act()) return prefix_rows(full, rows);
     Tensor o = c.be.uninitialized(c.act(), {full.size(0), full.size(1)});
     c.be.convert(full.view(), o.view());
-    return o;
+    return prefix_rows(o, rows);
   }
   FP8MOE_CHECK(q.values.defined(), "Cached::restore: nothing cached");
   Tensor o = c.be.uninitialized(DType::f32, {q.values.size(0), q.values.size(1)});
@@ -322,7 +323,8 @@ void linear_backward_weight(Ctx& c, const Cached& x, const WgradDy& dy, Paramete
                    w.name << ": the Wgrad's dy^T (" << (dy.t.values.defined() ? dy.t.values.view().str() : "none")
                           << ") does not cover the cached input's " << Tp << " tokens");
       QuantizedTensor b = c.be.empty_quantized(K, Tp, DType::e4m3, ScaleKind::tile_1x128);  // x^T along tokens
-      requant_tokens(c, x.q, b);
+      if (x.full.defined()) quant_tokens(c, x.full.view(), b, c.recipe.scale_mode);  // fp8-f32-cache: from x itself
+      else requant_tokens(c, x.q, b);
       c.be.gemm_fp8(dy.t, b, G, gemm_options(c, true));
       return;
     }
@@ -368,7 +370,8 @@ void rmsnorm(Ctx& c, const Tensor& x, Parameter& w, const Tensor& y, const Tenso
 
 Cached rmsnorm_linear_input(Ctx& c, const Tensor& x, Parameter& w, const Tensor& rstd, ScaleMode mode) {
   const int64_t T = x.size(0), D = x.size(1);
-  if (c.recipe.linear == LinearPrecision::fp8 && !c.recipe.per_tensor && c.act() == DType::f32) {
+  if (c.recipe.linear == LinearPrecision::fp8 && !c.recipe.per_tensor && !c.recipe.f32_cache &&
+      c.act() == DType::f32) {
     Cached k;
     k.rows = T;
     k.q = c.be.empty_quantized(round_up(T, kQuantGroup), D, DType::e4m3, ScaleKind::tile_1x128);

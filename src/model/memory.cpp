@@ -23,6 +23,7 @@ struct Acc {
       case LinearPrecision::bf16: plain(name, DType::bf16, T * K); return;
       case LinearPrecision::fp8: {
         const int64_t rows = pad ? round_up(T, kQuantGroup) : T;
+        if (r.f32_cache) act(name, rows * K);  // the exact copy (fp8-f32-cache), listed first
         plain(name, qdtype, rows * K);
         const auto ss = scale_shape(ScaleKind::tile_1x128, rows, K);
         plain(name + ".scales", DType::f32, ss[0] * ss[1]);

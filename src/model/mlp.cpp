@@ -37,7 +37,7 @@ void mlp_forward(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& out, Sc
   Tensor g = c.uninit({T, F}), u = c.uninit({T, F});  // [T, F] act
   fwd(c, p, st.in, *p.gate, g);
   fwd(c, p, st.in, *p.up, u);
-  if (prec == LinearPrecision::fp8 && !c.recipe.per_tensor && c.act() == DType::f32) {
+  if (prec == LinearPrecision::fp8 && !c.recipe.per_tensor && !c.recipe.f32_cache && c.act() == DType::f32) {
     // One pass over g and u: their FP8 cache and the down projection's FP8 input, row-padded as
     // linear_input pads it (bit-identical to the path below).
     const auto quantized = [&](int64_t rows) {
@@ -67,7 +67,7 @@ void mlp_backward_input(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& 
   // Recompute the SwiGLU output from its cached input, and the SwiGLU backward.
   Tensor a = c.uninit({T, F});  // [T, F] act
   Tensor dg = c.uninit({T, F}), du = c.uninit({T, F});
-  if (st.g.q.values.defined() && st.u.q.values.defined() && c.act() == DType::f32) {
+  if (st.g.q.values.defined() && st.u.q.values.defined() && !st.g.full.defined() && c.act() == DType::f32) {
     // FP8 cache: both straight from the FP8 tiles (no f32 copies of g and u), bit-identical to the
     // path below.
     c.be.swiglu_backward_fp8(st.g.q, st.u.q, da.view(), a.view(), dg.view(), du.view());

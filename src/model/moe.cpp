@@ -104,7 +104,7 @@ class MoeLayer final : public Layer {
     Tensor ye = c_.uninit({R, D});  // expert outputs, expert-sorted rows
     if (grouped_) {
       MlpParams p = grouped_params(*s);
-      if (c_.recipe.is_fp8()) {  // gather and quantize in one pass
+      if (c_.recipe.is_fp8() && !c_.recipe.f32_cache) {  // gather and quantize in one pass
         s->experts.in.rows = R;
         s->experts.in.q = c_.be.empty_quantized(R, D, DType::e4m3, ScaleKind::tile_1x128);
         c_.be.moe_permute_quantize(h.view(), s->row_slot.view(), K, TensorView(), s->experts.in.q, pow2);

@@ -63,9 +63,11 @@ TEST_P(ModelCuda, MatchesCpuPerTensor) {
 }
 
 // fp8-per-tensor is a CPU-only ablation; fp8-no-promotion runs its GEMMs on the emulation kernels
-// (bit-identical to the CPU's), the rest as fp8. "+bf16": attention GEMMs on BF16 operands.
+// (bit-identical to the CPU's), the rest as fp8; fp8-f32-cache takes the unfused quantizations.
+// "+bf16": attention GEMMs on BF16 operands.
 INSTANTIATE_TEST_SUITE_P(Recipes, ModelCuda,
-                         ::testing::Values("fp32", "bf16", "fp8", "fp8-no-promotion", "bf16+bf16", "fp8+bf16"),
+                         ::testing::Values("fp32", "bf16", "fp8", "fp8-no-promotion", "fp8-f32-cache", "bf16+bf16",
+                                           "fp8+bf16"),
                          [](const auto& info) {
                            std::string n = info.param;
                            for (char& ch : n)

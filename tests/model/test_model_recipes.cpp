@@ -85,7 +85,8 @@ TEST(ModelRecipes, DenseAgainstFp32) {
                       {"fp8", {5e-3, 2e-2, 1e-2, 3e-3}},
                       {"fp8+bf16", {5e-3, 2e-2, 1e-2, 3e-3}},
                       {"fp8-no-promotion", {5e-3, 2e-2, 1e-2, 3e-3}},
-                      {"fp8-per-tensor", {1e-2, 5e-2, 2e-2, 5e-3}}});
+                      {"fp8-per-tensor", {1e-2, 5e-2, 2e-2, 5e-3}},
+                      {"fp8-f32-cache", {5e-3, 2e-2, 1e-2, 3e-3}}});
 }
 
 TEST(ModelRecipes, MoeAgainstFp32) {
@@ -94,7 +95,8 @@ TEST(ModelRecipes, MoeAgainstFp32) {
                                   {"fp8", {5e-3, 2e-2, 5e-2, 3e-3}},
                                   {"fp8+bf16", {5e-3, 2e-2, 5e-2, 3e-3}},
                                   {"fp8-no-promotion", {5e-3, 2e-2, 5e-2, 3e-3}},
-                                  {"fp8-per-tensor", {1e-2, 5e-2, 1e-1, 5e-3}}});
+                                  {"fp8-per-tensor", {1e-2, 5e-2, 1e-1, 5e-3}},
+                                  {"fp8-f32-cache", {5e-3, 2e-2, 5e-2, 3e-3}}});
 }
 
 TEST(ModelMemory, MeasuredEqualsPredictedAndFp8KeepsLess) {
