@@ -107,7 +107,7 @@ TEST(ModelMemory, MeasuredEqualsPredictedAndFp8KeepsLess) {
   const int64_t T = c.batch_size * c.seq_len;
   std::map<std::string, int64_t> totals;
   std::vector<std::vector<int64_t>> fp8_loads;
-  for (const std::string name : {"fp32", "bf16", "fp8"}) {
+  for (const std::string name : {"fp32", "bf16", "fp8", "fp8-f32-cache"}) {
     const RecipeRun r = run_recipe(name, seed, tok, tgt);
     const MemoryAccount pred = predict_memory(c, Recipe::from_name(name), T, &r.st.expert_loads);
     const auto mp = r.memory.bytes_per_layer(), pp = pred.bytes_per_layer();
