@@ -4,6 +4,7 @@
 // end (or at --horizon), the means over the seeds, and the BF16 seed-to-seed spread, with SVG
 // plots (loss_compare.hpp). Runs go to <out>/<recipe>[-seed<k>]/ (seed --seed + k).
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <csignal>
 #include <filesystem>

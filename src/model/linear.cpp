@@ -6,7 +6,8 @@
 //   fp8   E4M3 operands: x 1x128 tiles, w 128x128 blocks (Fprop), dy 1x128 and w^T 128x128
 //         (Dgrad, w's quantized blocks transposed), dy^T and x^T grouped 1x128 along tokens (Wgrad,
 //         x^T from the cached FP8 tiles by dequantize-transpose-requantize as the report does; dy
-//         and dy^T quantized together by the Dgrad, dy^T kept for the Wgrad: WgradDy);
+//         and dy^T quantized together by the Dgrad, dy^T kept for the Wgrad: WgradDy; in the
+//         fp8-f32-cache ablation x^T is quantized from an exact copy kept beside the tiles);
 //         promotion per the recipe's AccumConfig; FP32 output and FP32 accumulation into the
 //         master gradient.
 // FP8 GEMMs need K % 128 == 0: Fprop's K (in features) is validated with the config, Dgrad's K (out
