@@ -49,7 +49,8 @@ ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::s
   std::vector<Tensor> keep;  // the converted tensors, alive until written
   std::map<std::string, TensorView> out;
   ExportSummary sum;
-  for (const auto& [name, t] : ckpt.tensors) {
+  for (const auto& entry : ckpt.tensors) {
+    const std::string& name = entry.first;
     if (!is_parameter(name)) continue;
     const std::string src = ema ? "ema." + name : name;
     const auto it = ckpt.tensors.find(src);
