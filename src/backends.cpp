@@ -118,11 +118,8 @@ void Backend::swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView
                                   const TensorView& out, const TensorView& dgate, const TensorView& dup) {
   FP8MOE_CHECK(dout.ndim == 2, "swiglu_backward_fp8: dout must be 2-D, got " << dout.str());
   const int64_t T = dout.size(0), F = dout.size(1);
-  for (auto [q, name] : {std::pair{&gate, "gate"}, {&up, "up"}}) {
-    FP8MOE_CHECK(q->values.ndim == 2 && q->rows() >= T && q->cols() == F,
-                 "swiglu_backward_fp8: " << name << " " << q->values.str() << " must be [R >= " << T << ", " << F
-                                         << "] (dout " << dout.str() << ")");
-  }
+  for (auto [q, name] : {std::pair{&gate, "gate"}, {&up, "up"}})
+    check_covers_rows(*q, "swiglu_backward_fp8", name, T, F, "dout " + dout.str());
   Tensor g = uninitialized(DType::f32, {gate.rows(), F}), u = uninitialized(DType::f32, {up.rows(), F});
   dequantize(gate, g.view());
   dequantize(up, u.view());
@@ -135,8 +132,7 @@ void Backend::rmsnorm_forward_fp8(const TensorView& x, const TensorView& w, cons
                                   const TensorView& rstd, double eps, ScaleMode mode) {
   FP8MOE_CHECK(x.ndim == 2, "rmsnorm_forward_fp8: x must be 2-D, got " << x.str());
   const int64_t T = x.size(0), D = x.size(1);
-  FP8MOE_CHECK(out.values.ndim == 2 && out.rows() >= T && out.cols() == D,
-               "rmsnorm_forward_fp8: out " << out.values.str() << " must be [R >= " << T << ", " << D << "]");
+  check_covers_rows(out, "rmsnorm_forward_fp8", "out", T, D, "x " + x.str());
   Tensor y = out.rows() == T ? uninitialized(x.dtype, {T, D}) : empty(x.dtype, {out.rows(), D});
   rmsnorm_forward(x, w, TensorView(y.view().data, x.dtype, {T, D}, device()), rstd, eps);
   quantize_1x128(y.view(), out, mode);
@@ -147,8 +143,7 @@ void Backend::swiglu_forward_fp8(const TensorView& gate, const TensorView& up, c
   FP8MOE_CHECK(gate.ndim == 2 && up.ndim == 2 && up.size(0) == gate.size(0) && up.size(1) == gate.size(1),
                "swiglu_forward_fp8: gate " << gate.str() << " and up " << up.str() << " must be the same [T, F]");
   const int64_t T = gate.size(0), F = gate.size(1);
-  FP8MOE_CHECK(out.values.ndim == 2 && out.rows() >= T && out.cols() == F,
-               "swiglu_forward_fp8: out " << out.values.str() << " must be [R >= " << T << ", " << F << "]");
+  check_covers_rows(out, "swiglu_forward_fp8", "out", T, F, "gate " + gate.str());
   quantize_1x128(gate, gq, mode);
   quantize_1x128(up, uq, mode);
   Tensor a = out.rows() == T ? uninitialized(gate.dtype, {T, F}) : empty(gate.dtype, {out.rows(), F});

@@ -65,6 +65,11 @@ float compute_scale(float amax, DType dtype, ScaleMode mode);
 
 // Validates `q` (dtypes, scale shape, layout) for values [rows, cols]; `arg` names it in errors.
 void check_quantized(const QuantizedView& q, const char* arg, ScaleKind kind);
+// q covers `rows` rows of `cols` columns: [R >= rows, cols] (a row-padded cache or Linear input
+// holds more rows than it is read for), or exactly [rows, cols] when !padded. `op`, `arg` name it in
+// errors, `of` the tensor the shape comes from ("dout [..]").
+void check_covers_rows(const QuantizedView& q, const char* op, const char* arg, int64_t rows, int64_t cols,
+                       const std::string& of, bool padded = true);
 
 // x [R, C] f32 | bf16  ->  out [R, C] 1x128-scaled.
 void quantize_1x128(const TensorView& x, const QuantizedView& out, ScaleMode mode = ScaleMode::fp32);

@@ -73,9 +73,7 @@ void swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView& up, con
     FP8MOE_CHECK(q->values.dtype == DType::e4m3 || q->values.dtype == DType::e5m2,
                  op << ": " << name << " must be e4m3 or e5m2, got " << q->values.str());
     check_op_tensor(q->values, op, name, gate.values.dtype, 2);  // up: gate's dtype
-    FP8MOE_CHECK(q->rows() >= T && q->cols() == F,
-                 op << ": " << name << " " << q->values.str() << " must be [R >= " << T << ", " << F << "] (dout "
-                    << dout.str() << ")");
+    check_covers_rows(*q, op, name, T, F, "dout " + dout.str());
   }
   for (auto [t, name] : {std::pair{&out, "out"}, {&dgate, "dgate"}, {&dup, "dup"}}) {
     if (t == &out && !out.defined()) continue;

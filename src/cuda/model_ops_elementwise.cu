@@ -396,9 +396,7 @@ void cuda_swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView& up
                  op << ": " << name << " must be e4m3 or e5m2, got " << q->values.str());
     check_dev(q->values, op, name, gate.values.dtype, 2);  // up: gate's dtype
     check_dev(q->scales, op, name, DType::f32, 2);
-    FP8MOE_CHECK(q->rows() >= T && q->cols() == F,
-                 op << ": " << name << " " << q->values.str() << " must be [R >= " << T << ", " << F << "] (dout "
-                    << dout.str() << ")");
+    check_covers_rows(*q, op, name, T, F, "dout " + dout.str());
   }
   for (auto [t, name] : {std::pair{&out, "out"}, {&dgate, "dgate"}, {&dup, "dup"}}) {
     if (t == &out && !out.defined()) continue;
@@ -435,13 +433,11 @@ void cuda_swiglu_forward_fp8(const TensorView& gate, const TensorView& up, const
   check_f32(up, op, "up", 2);
   const int64_t T = gate.size(0), F = gate.size(1);
   FP8MOE_CHECK(up.size(0) == T && up.size(1) == F, op << ": up " << up.str() << " differs from gate " << gate.str());
-  for (auto [q, name, rows] : {std::tuple{&gq, "gq", T}, {&uq, "uq", T}, {&out, "out", out.rows()}}) {
+  for (auto [q, name] : {std::pair{&gq, "gq"}, {&uq, "uq"}, {&out, "out"}}) {
     check_quantized(*q, name, ScaleKind::tile_1x128);
     check_dev(q->values, op, name, DType::e4m3, 2);
     check_dev(q->scales, op, name, DType::f32, 2);
-    FP8MOE_CHECK(q->cols() == F && rows >= T && (q == &out || q->rows() == T),
-                 op << ": " << name << " " << q->values.str() << " must be [" << (q == &out ? "R >= " : "") << T
-                    << ", " << F << "] (gate " << gate.str() << ")");
+    check_covers_rows(*q, op, name, T, F, "gate " + gate.str(), q == &out);  // gq, uq: exactly T rows
   }
   const int64_t R = out.rows(), ld_t = gq.scales.size(1), ld_r = out.scales.size(1), G = (F + 127) / 128;
   FP8MOE_CHECK(uq.scales.size(1) == ld_t && ld_r >= ld_t, op << ": scale layouts of gq, uq, out differ");

@@ -167,8 +167,7 @@ void cuda_rmsnorm_forward_fp8(const TensorView& x, const TensorView& w, const Qu
   check_quantized(out, "out", ScaleKind::tile_1x128);
   check_dev(out.values, op, "out", DType::e4m3, 2);
   check_dev(out.scales, op, "out", DType::f32, 2);
-  FP8MOE_CHECK(out.rows() >= N && out.cols() == D,
-               op << ": out " << out.values.str() << " must be [R >= " << N << ", " << D << "] (x " << x.str() << ")");
+  check_covers_rows(out, op, "out", N, D, "x " + x.str());
   const int64_t R = out.rows(), ld = out.scales.size(1);
   if (ld == 0 || D == 0) return;
   int* flag = nullptr;

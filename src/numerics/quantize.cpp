@@ -77,6 +77,13 @@ float compute_scale(float amax, DType dtype, ScaleMode mode) {
   return std::max(s, std::numeric_limits<float>::min());
 }
 
+void check_covers_rows(const QuantizedView& q, const char* op, const char* arg, int64_t rows, int64_t cols,
+                       const std::string& of, bool padded) {
+  FP8MOE_CHECK(q.values.ndim == 2 && (padded ? q.rows() >= rows : q.rows() == rows) && q.cols() == cols,
+               op << ": " << arg << " " << q.values.str() << " must be [" << (padded ? "R >= " : "") << rows << ", "
+                  << cols << "] (" << of << ")");
+}
+
 void check_quantized(const QuantizedView& q, const char* arg, ScaleKind kind) {
   FP8MOE_CHECK(q.kind == kind, arg << ": expected " << (kind == ScaleKind::tile_1x128 ? "1x128" : "128x128")
                                    << " scales, got the other kind");
