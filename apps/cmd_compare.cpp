@@ -140,9 +140,14 @@ void compare_command(CompareArgs& args) {
   for (const auto& [recipe, m] : cmp.recipes) {
     std::printf("%-18s mean over %d seeds: train %.4f against bf16 %.4f (%+.3f%%), validation %.4f against %.4f (%+.3f%%)\n",
                 recipe.c_str(), m.seeds, m.train, m.bf16_train, 100 * m.train_rel, m.val, m.bf16_val, 100 * m.val_rel);
+    if (m.seeds > 1)
+      std::printf("%-18s standard error of the mean same-seed difference: train %.3f%%, validation %.3f%%\n", "",
+                  100 * m.train_rel_se, 100 * m.val_rel_se);
     report["recipes"][recipe] = {{"seeds", m.seeds}, {"train_loss", m.train}, {"val_loss", m.val},
                                  {"bf16_train_loss", m.bf16_train}, {"bf16_val_loss", m.bf16_val},
-                                 {"train_rel_err", m.train_rel}, {"val_rel_err", m.val_rel}};
+                                 {"train_rel_err", m.train_rel}, {"val_rel_err", m.val_rel},
+                                 {"train_rel_err_se", m.seeds > 1 ? nlohmann::json(m.train_rel_se) : nlohmann::json()},
+                                 {"val_rel_err_se", m.seeds > 1 ? nlohmann::json(m.val_rel_se) : nlohmann::json()}};
   }
   PlotOptions lo;
   lo.title = "training loss (EMA 0.9)";

@@ -47,10 +47,13 @@ struct RunComparison {
   bool inside_bf16_train = false, inside_bf16_val = false;  // inside [min, max] of the BF16 seeds
 };
 // A recipe over its seeds: the mean of its final losses against the mean of the BF16 runs of the
-// same seeds.
+// same seeds, and the standard error of the mean of its same-seed relative differences
+// (RunComparison::train_rel, val_rel): sample standard deviation / sqrt(seeds), NaN for one seed.
+// The seed-to-seed scatter of those differences is the noise a recipe's mean is read against.
 struct RecipeComparison {
   int seeds = 0;
   double train = 0, val = 0, bf16_train = 0, bf16_val = 0, train_rel = 0, val_rel = 0;
+  double train_rel_se = 0, val_rel_se = 0;
 };
 struct Comparison {
   std::vector<RunComparison> runs;                  // in the order given

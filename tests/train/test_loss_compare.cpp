@@ -68,6 +68,16 @@ TEST(LossCompare, PairsRunsBySeedAndAveragesOverSeeds) {
   EXPECT_NEAR(m.train, (2.02 + 2.0402) / 2, 1e-12);
   EXPECT_NEAR(m.train_rel, 0.01, 1e-12);
   EXPECT_NEAR(m.val_rel, ((2.97 + 3.0603) / 2) / ((3.00 + 3.03) / 2) - 1, 1e-12);
+  // Standard error of the mean of the same-seed differences: train {+1%, +1%} -> 0; val {-1%, +1%}
+  // -> sample sd sqrt(2) % over sqrt(2) seeds = 1%.
+  EXPECT_NEAR(m.train_rel_se, 0.0, 1e-12);
+  EXPECT_NEAR(m.val_rel_se, 0.01, 1e-12);
+}
+
+TEST(LossCompare, OneSeedHasNoStandardError) {
+  const Comparison c = compare_runs({run("bf16", 0, 2.00, 3.00), run("fp8", 0, 2.02, 2.97)});
+  EXPECT_TRUE(std::isnan(c.recipes.at("fp8").train_rel_se));
+  EXPECT_TRUE(std::isnan(c.recipes.at("fp8").val_rel_se));
 }
 
 TEST(LossCompare, IncompleteRunSetsAreRefused) {
