@@ -3,8 +3,10 @@
 // --resume continues from out/checkpoint.safetensors with the same losses as an uninterrupted run.
 #include <csignal>
 #include <cstdio>
+#include <string>
 
 #include "commands.hpp"
+#include "fp8moe/model_recipe.hpp"
 #include "train_options.hpp"
 
 namespace fp8moe {
@@ -16,7 +18,9 @@ void add_train(CLI::App& app) {
   static TrainOptions opt;
   auto* cmd = app.add_subcommand("train", "Train DeepSeek-V3-mini with the FP8 recipe");
   cli::add_train_options(cmd, opt);
-  cmd->add_option("-r,--recipe", opt.recipe, "bf16 | fp8 | fp8-no-promotion | fp8-per-tensor | fp32")->capture_default_str();
+  std::string recipes;
+  for (const std::string& n : Recipe::names()) recipes += (recipes.empty() ? "" : " | ") + n;
+  cmd->add_option("-r,--recipe", opt.recipe, recipes)->capture_default_str();
   cmd->add_flag("--resume", opt.resume, "continue from the checkpoint in --out");
   cmd->callback([] {
     std::signal(SIGINT, on_interrupt);
