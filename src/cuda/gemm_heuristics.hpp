@@ -68,11 +68,11 @@ inline const std::vector<GemmTile>& gemm_tiles(bool b_1x128) {
 // Pipeline stages of a compiled tile, as GemmTraits computes them (gemm_launch.cuh asserts that
 // the two agree): the shared memory left after the epilogue's staging tiles (one per math
 // warpgroup, [64, BLOCK_N] bf16 or f32 in boxes of 128 bytes per row), in stages of the A, B and
-// scale tiles of one 128-wide K block, at most 10.
+// scale tiles of one 128-wide K block (1d2d: s_a and the pair of B block scales), at most 10.
 constexpr int gemm_tile_stages(const GemmTile& t, bool b_1x128) {
   const int math_wg = t.block_m / 64 > 2 ? 2 : t.block_m / 64;
   const int waves = t.block_m / (64 * math_wg);
-  const int stage_bytes = t.block_m * 128 + t.block_n * 128 + t.block_m * 4 + (b_1x128 ? t.block_n * 4 : 0);
+  const int stage_bytes = t.block_m * 128 + t.block_n * 128 + t.block_m * 4 + (b_1x128 ? t.block_n * 4 : 8);
   const int elem = b_1x128 || t.f32_staging ? 4 : 2;
   const int boxes = (t.block_n * elem + 127) / 128;
   const bool staged = t.tma_epilogue && waves == 1 && t.block_n % (128 / elem) == 0;

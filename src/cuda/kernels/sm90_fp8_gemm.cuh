@@ -17,7 +17,8 @@
 //
 // Shared memory: per math warpgroup a staging tile for the epilogue (1d2d: bf16, or f32 for the
 // kF32Stg variants; 1d1d: f32; StagingTile in epilogue.cuh), then per stage: A tile [BLOCK_M, 128] e4m3 (128B-swizzled,
-// K-major), B tile [BLOCK_N, 128] e4m3, s_a [BLOCK_M] f32, and for 1d1d s_b [BLOCK_N] f32.
+// K-major), B tile [BLOCK_N, 128] e4m3, s_a [BLOCK_M] f32, and s_b: for 1d1d [BLOCK_N] f32 (TMA),
+// for 1d2d the two 128x128-block scales a tile may meet (stored by the producer thread).
 // Epilogue: when D's dtype is the staging dtype and its rows are 16-byte aligned, each math
 // warpgroup writes its 64 x BLOCK_N result into its staging tile and one thread issues TMA stores
 // (TMA reduce-add for D += ...) that run while the next tile's WGMMAs start; otherwise direct
@@ -59,7 +60,11 @@ struct GemmTraits {
   static constexpr int kSmemA = BLOCK_M * kBlockK;            // [BLOCK_M, 128] e4m3
   static constexpr int kSmemB = BLOCK_N * kBlockK;            // [BLOCK_N, 128] e4m3
   static constexpr int kSmemSA = BLOCK_M * 4;                 // [BLOCK_M] f32
-  static constexpr int kSmemSB = kB1x128 ? BLOCK_N * 4 : 0;   // [BLOCK_N] f32 (1d1d only)
+  // 1d1d: [BLOCK_N] f32 by TMA. 1d2d: the tile's two 128x128-block scales of B (s_b of block
+  // n0/128 and of the next one), written by the producer thread, so that the math warpgroups make
+  // no global loads (one in their loop put an L2 round trip before the next WGMMAs: ptxas moved
+  // the loaded value to a uniform register right away, to free the accumulator it sat in).
+  static constexpr int kSmemSB = kB1x128 ? BLOCK_N * 4 : 8;
   static constexpr int kStageBytes = kSmemA + kSmemB + kSmemSA + kSmemSB;
   // Epilogue staging dtype: f32 (Wgrad; 1d2d kF32Stg variants, for f32 D) or bf16 (1d2d).
   static constexpr bool kStageF32 = kB1x128 || kF32Stg;
@@ -75,7 +80,8 @@ struct GemmTraits {
   }();
   // + barriers + alignment slack
   static constexpr int kSmemBytes = kSmemStaging + kStages * kStageBytes + 2 * kStages * 8 + 1024;
-  static constexpr uint32_t kTxBytes = kStageBytes;
+  // Bytes the TMA loads deliver per stage (the 1d2d s_b pair is stored by the producer thread).
+  static constexpr uint32_t kTxBytes = kStageBytes - (kB1x128 ? 0 : kSmemSB);
 
   static_assert(BLOCK_M == 64 || BLOCK_M == 128 || BLOCK_M == 256, "BLOCK_M: 64, 128 or 256 (two waves)");
   static_assert(kWaves == 1 || (!kB1x128 && !kTmaEpilogue && kMC == 1),
@@ -86,6 +92,8 @@ struct GemmTraits {
   static constexpr int kSbAlign = BLOCK_N % kBlockK == 0 ? kBlockK : (BLOCK_N & -BLOCK_N);
   static_assert(kB1x128 || BLOCK_N + kBlockK - kSbAlign <= 2 * kBlockK,
                 "1d2d: a tile must not meet three 128-row scale blocks of B");
+  // 1d2d: the tile may meet two 128-row scale blocks of B.
+  static constexpr bool kTwoSb = !kB1x128 && BLOCK_N > kSbAlign;
   static_assert(!kPipe || kWaves == 1, "pipelined mainloop: one wave per warpgroup (registers)");
   static_assert(kSmemA % 1024 == 0 && kSmemB % 1024 == 0, "swizzle-128B tiles need 1024-byte alignment");
   static_assert(kStages >= 2, "shared memory too small for two stages");
@@ -146,12 +154,16 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // NOTES: the runtime only guarantees 16-byte alignment of dynamic shared memory; align by hand.
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // The offset is added to smem_raw itself (not computed through an integer address), so the
+  // compiler still knows every pointer below is in shared memory and emits LDS/STS: through a
+  // round trip via uintptr_t it emitted generic loads and stores with 64-bit address arithmetic
+  // for the scale reads and the epilogue's staging.
+  uint8_t* smem = smem_raw + ((1024u - (ptx::smem_addr(smem_raw) & 1023u)) & 1023u);
   uint8_t* smem_stg = smem;                                // [math WG][Staging] epilogue tiles
   uint8_t* smem_a = smem_stg + T::kSmemStaging;            // [STAGES][BLOCK_M, 128] e4m3
   uint8_t* smem_b = smem_a + STAGES * T::kSmemA;           // [STAGES][BLOCK_N, 128] e4m3
   float* smem_sa = reinterpret_cast<float*>(smem_b + STAGES * T::kSmemB);  // [STAGES][BLOCK_M] f32
-  float* smem_sb = smem_sa + STAGES * BLOCK_M;             // [STAGES][BLOCK_N] f32 (1d1d)
+  float* smem_sb = smem_sa + STAGES * BLOCK_M;             // [STAGES][BLOCK_N] f32 (1d1d) | [STAGES][2] (1d2d)
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(smem_sb) + STAGES * T::kSmemSB);
   uint64_t* empty_bar = full_bar + STAGES;
 
@@ -195,8 +207,29 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         const TileWork work =
             resolve_tile<kG, BLOCK_M, BLOCK_N>(m_blk, n_blk, sched.num_m_blocks, num_k_blocks, args.group);
         const int32_t m0 = int32_t(work.a_row), n0 = int32_t(work.b_row);
+        // 1d2d: s_b of B's 128-row block holding the tile's first column and, when the tile reaches
+        // into the next block (tile columns >= bnd), of that one; loaded one K block ahead.
+        const float* sb_row = kB1x128 ? nullptr : args.sb_blk + work.sb_blk * num_k_blocks;
+        const uint32_t col0 = n_blk * BLOCK_N;
+        const bool second_sb = T::kTwoSb && col0 + (kBlockK - col0 % kBlockK) < args.N;
+        auto load_sb = [&](uint32_t kb) {
+          float2 v = make_float2(0.0f, 0.0f);
+          if constexpr (!kB1x128) {
+            if (kb < work.kb_end) {
+              v.x = __ldg(sb_row + kb);
+              if (second_sb) v.y = __ldg(sb_row + num_k_blocks + kb);
+            }
+          }
+          return v;
+        };
+        float2 sb = load_sb(work.kb_begin);
         for (uint32_t kb = work.kb_begin; kb < work.kb_end; ++kb) {
+          const float2 sb_next = load_sb(kb + 1);
           ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+          // Plain shared stores, made visible to the math warpgroups by the release of the arrive
+          // below and the acquire of their wait on the same barrier.
+          if constexpr (!kB1x128) *reinterpret_cast<float2*>(smem_sb + stage * 2) = sb;
+          sb = sb_next;
           ptx::mbar_arrive_expect_tx(&full_bar[stage], T::kTxBytes);
           const int32_t k0 = int32_t(kb * kBlockK);
           ptx::tma_load_2d(&tmap_a, &full_bar[stage], smem_a + stage * T::kSmemA, k0, m0);
@@ -230,9 +263,8 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     const uint32_t wg = threadIdx.x / 128;                        // rows 64*wg + 128*w + [0, 64) of the tile
     const uint32_t r_frag = wg * 64 + (warp % 4) * 16 + lane / 4;  // tile row of d[0] (wave 0); d[2] is 8 below
     const uint32_t c_frag = 2 * (lane % 4);                        // tile column of d[0]
-    const uint32_t sb_ld = num_k_blocks;                           // 1d2d: row stride of sb_blk
     // 1d2d: the tile may meet two 128-row scale blocks of B; columns >= bnd use the second.
-    constexpr bool kTwoSb = !kB1x128 && BLOCK_N > T::kSbAlign;
+    constexpr bool kTwoSb = T::kTwoSb;
 
     uint32_t stage = 0, phase = 0;
     float final_acc[W][kNumAccum];
@@ -299,14 +331,13 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 #pragma unroll
         for (int i = 0; i < kNumAccum; ++i) final_acc[w][i] = 0.0f;
 
-      // 1d2d: s_b of 128-row block n0/128, and of the next one from tile column bnd on.
-      const float* sb_row = kB1x128 ? nullptr : args.sb_blk + work.sb_blk * sb_ld;
+      // 1d2d: tile columns >= bnd take s_b of the next 128-row block of B (the stage's second value).
       const uint32_t bnd = kBlockK - n0 % kBlockK;
-      const bool has_second_sb = kTwoSb && (n0 + bnd < args.N);
-      auto load_sb = [&](uint32_t kb, float& sb0, float& sb1) {
-        sb0 = __ldg(sb_row + kb);
-        sb1 = 0.0f;
-        if constexpr (kTwoSb) sb1 = has_second_sb ? __ldg(sb_row + sb_ld + kb) : 0.0f;
+      // 1d2d: the stage's s_b pair (written by the producer; 0 where the tile has no second block).
+      auto load_sb = [&](uint32_t s, float& sb0, float& sb1) {
+        const float2 v = *reinterpret_cast<const float2*>(smem_sb + s * 2);
+        sb0 = v.x;
+        sb1 = kTwoSb ? v.y : 0.0f;
       };
 
       if constexpr (T::kPipelined) {
@@ -317,11 +348,11 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         // WGMMAs when it cannot tell), hence the explicit two-way unrolling.
         float sa0c, sa1c, sb0c, sb1c;  // scales of the block in flight
         float sa0n, sa1n, sb0n, sb1n;  // scales of the block issued next
-        // Waits for the stage of block kb, reads its scales and queues its WGMMAs into `dst`.
-        auto start = [&](uint32_t kb, float (&dst)[kNumAccum], float& sa0, float& sa1, float& sb0, float& sb1) {
+        // Waits for the next block's stage, reads its scales and queues its WGMMAs into `dst`.
+        auto start = [&](float (&dst)[kNumAccum], float& sa0, float& sa1, float& sb0, float& sb1) {
           sb0 = sb1 = 0.0f;
-          if constexpr (!kB1x128) load_sb(kb, sb0, sb1);
           ptx::mbar_wait(&full_bar[stage], phase);
+          if constexpr (!kB1x128) load_sb(stage, sb0, sb1);
           sa0 = smem_sa[stage * BLOCK_M + r_frag];
           sa1 = smem_sa[stage * BLOCK_M + r_frag + 8];
           issue(stage, 0, dst);
@@ -352,7 +383,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         // A grouped tile may have no K block (padding, empty group): nothing to start then.
         if (kG == Grouping::none || work.kb_end > work.kb_begin) {
           uint32_t cur_stage = stage;
-          start(work.kb_begin, acc, sa0c, sa1c, sb0c, sb1c);
+          start(acc, sa0c, sa1c, sb0c, sb1c);
           for (uint32_t kb = work.kb_begin;;) {
             // acc holds block kb in flight.
             if (kb + 1 == work.kb_end) {
@@ -361,7 +392,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
               break;
             }
             uint32_t nxt_stage = stage;
-            start(kb + 1, acc2, sa0n, sa1n, sb0n, sb1n);
+            start(acc2, sa0n, sa1n, sb0n, sb1n);
             ptx::wgmma_wait<1>();
             finish(cur_stage, acc);
             cur_stage = nxt_stage, sa0c = sa0n, sa1c = sa1n, sb0c = sb0n, sb1c = sb1n;
@@ -373,7 +404,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
               break;
             }
             nxt_stage = stage;
-            start(kb + 1, acc, sa0n, sa1n, sb0n, sb1n);
+            start(acc, sa0n, sa1n, sb0n, sb1n);
             ptx::wgmma_wait<1>();
             finish(cur_stage, acc2);
             cur_stage = nxt_stage, sa0c = sa0n, sa1c = sa1n, sb0c = sb0n, sb1c = sb1n;
@@ -383,8 +414,8 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
       } else {
         for (uint32_t kb = work.kb_begin; kb < work.kb_end; ++kb) {
           float sb0 = 0.0f, sb1 = 0.0f;
-          if constexpr (!kB1x128) load_sb(kb, sb0, sb1);
           ptx::mbar_wait(&full_bar[stage], phase);
+          if constexpr (!kB1x128) load_sb(stage, sb0, sb1);
 
           // Read the scales of this stage before releasing it.
           float sa0[W], sa1[W];
