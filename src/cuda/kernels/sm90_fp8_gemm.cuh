@@ -260,7 +260,9 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     // ---- math warpgroups ----
     if constexpr (T::kNumMathWG > 1) ptx::setmaxnreg_inc<232>();
     constexpr int W = T::kWaves;
-    const uint32_t wg = threadIdx.x / 128;                        // rows 64*wg + 128*w + [0, 64) of the tile
+    // rows 64*wg + 128*w + [0, 64) of the tile. NOTES: read through a shuffle so that the compiler
+    // knows it is warp-uniform and builds the WGMMA descriptors in uniform registers.
+    const uint32_t wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
     const uint32_t r_frag = wg * 64 + (warp % 4) * 16 + lane / 4;  // tile row of d[0] (wave 0); d[2] is 8 below
     const uint32_t c_frag = 2 * (lane % 4);                        // tile column of d[0]
     // 1d2d: the tile may meet two 128-row scale blocks of B; columns >= bnd use the second.
