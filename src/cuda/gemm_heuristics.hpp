@@ -51,8 +51,9 @@ using Tiles1d2d = std::tuple<TileConfig<64, 16>, TileConfig<64, 32>, TileConfig<
 // NOTES: a 1d1d 128x128 without the FP32 staging tiles (6 stages instead of 4, direct D += stores)
 // measured 0.66-0.80x the staged tile on the Wgrad shapes (H200, 2026-11-30), so it is not compiled.
 // 128x128/pipe (1d1d) is for `fp8moe bench gemm` only (FP8MOE_BENCH_TILES): measured 0.87x the
-// plain tile when its scale reads were generic loads and it spilled; with shared-memory loads it
-// compiles without spills (2026-11-30) and waits for a new measurement.
+// plain tile when its scale reads were generic loads and it spilled; with shared-memory loads the
+// dense kernel compiles without spills (the K-grouped one spills 16 bytes; 2026-11-30) and waits
+// for a new measurement.
 using Tiles1d1d = std::tuple<TileConfig<64, 64>, TileConfig<64, 128>, TileConfig<128, 64>, TileConfig<128, 128>,
                              TileConfig<128, 128, true, 1, true>, TileConfig<128, 128, true, 2>>;
 
