@@ -22,5 +22,14 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH=/usr/local/cuda/bin:$PATH
 fi
 
+# cuobjdump and nvdisasm for the SASS check of the GEMM kernels (tests/cuda): the toolkit's, or
+# NVIDIA's wheels in build/tools; without them that one test is skipped.
+if command -v nvcc >/dev/null 2>&1 && ! command -v nvdisasm >/dev/null 2>&1 &&
+   [ ! -x "$(dirname "$(command -v nvcc)")/nvdisasm" ] && ! compgen -G "build/tools/nvidia/*/bin/nvdisasm" >/dev/null; then
+  python3 -m pip install -q --disable-pip-version-check --target build/tools \
+    "nvidia-cuda-cuobjdump>=13,<14" "nvidia-cuda-nvdisasm>=13,<14" ||
+    echo "setup: could not install cuobjdump/nvdisasm; the SASS check of the GEMM kernels will be skipped"
+fi
+
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release "$@"
 cmake --build build -j "$(nproc)"

@@ -496,7 +496,7 @@ int run_grouped_bench(const GroupedBenchOptions& opt) {
       // Extra tiles: timed, D bit for bit against the chosen tile's.
       const auto want = extra.empty() ? std::vector<uint8_t>{} : to_host<uint8_t>(p.d_ours->p, dbytes);
       for (const GemmTile& xt : extra) {
-        if (!grouped_tile_ok(xt)) continue;
+        if (!grouped_tile_ok(xt, wgrad)) continue;
         double tx = NAN;
         bool same = false;
         try {

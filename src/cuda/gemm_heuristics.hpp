@@ -52,8 +52,8 @@ using Tiles1d2d = std::tuple<TileConfig<64, 16>, TileConfig<64, 32>, TileConfig<
 // measured 0.66-0.80x the staged tile on the Wgrad shapes (H200, 2026-11-30), so it is not compiled.
 // 128x128/pipe (1d1d) is for `fp8moe bench gemm` only (FP8MOE_BENCH_TILES): measured 0.87x the
 // plain tile when its scale reads were generic loads and it spilled; with shared-memory loads the
-// dense kernel compiles without spills (the K-grouped one spills 16 bytes; 2026-11-30) and waits
-// for a new measurement.
+// dense kernel compiles without spills (2026-11-30) and waits for a new measurement. The K-grouped
+// kernel is not built with it (grouped_tile_ok).
 using Tiles1d1d = std::tuple<TileConfig<64, 64>, TileConfig<64, 128>, TileConfig<128, 64>, TileConfig<128, 128>,
                              TileConfig<128, 128, true, 1, true>, TileConfig<128, 128, true, 2>>;
 
@@ -86,8 +86,11 @@ constexpr int gemm_tile_stages(const GemmTile& t, bool b_1x128) {
 }
 
 // Tiles of the grouped GEMMs: at most 128 rows (one expert block) and no multicast, since the
-// tiles of a cluster or the halves of a 256-row tile may belong to different groups.
-constexpr bool grouped_tile_ok(const GemmTile& t) { return t.block_m <= 128 && t.multicast == 1; }
+// tiles of a cluster or the halves of a 256-row tile may belong to different groups. The K-grouped
+// Wgrad (1x128 B) is not built with the pipelined mainloop: it spills there (16 bytes).
+constexpr bool grouped_tile_ok(const GemmTile& t, bool b_1x128) {
+  return t.block_m <= 128 && t.multicast == 1 && !(b_1x128 && t.pipelined);
+}
 
 inline double gemm_tile_cost(const GemmTile& t, int64_t M, int64_t N, int num_sms) {
   const int64_t tiles = ((M + t.block_m - 1) / t.block_m) * ((N + t.block_n - 1) / t.block_n);

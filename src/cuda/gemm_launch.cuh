@@ -138,9 +138,11 @@ struct GemmMaps {
 
 // Values [rows, K] e4m3, boxes [box_rows, 128] 128B-swizzled (K-major tiles for WGMMA).
 // A tile forced on a grouped GEMM must be one the grouped kernels run.
-inline void check_grouped_tile(const GemmTile& t, const char* op) {
-  FP8MOE_CHECK(grouped_tile_ok(t), op << ": tile " << t.block_m << "x" << t.block_n
-                                      << " unsupported (grouped tiles have at most 128 rows and no multicast)");
+inline void check_grouped_tile(const GemmTile& t, bool b_1x128, const char* op) {
+  FP8MOE_CHECK(grouped_tile_ok(t, b_1x128), op << ": tile " << t.block_m << "x" << t.block_n
+                                      << (t.pipelined ? "/pipe" : "")
+                                      << " unsupported (grouped tiles have at most 128 rows and no multicast; the"
+                                         " K-grouped Wgrad has no pipelined mainloop)");
 }
 
 inline CUtensorMap make_values_map(const TensorView& v, uint32_t box_rows, const char* what) {
@@ -218,7 +220,7 @@ void launch_kernel(const GemmMaps& maps, GemmKernelArgs args, cudaStream_t strea
 template <bool kB1x128, Grouping kG, int BM, int BN, bool kTmaEpi, int kMC, bool kPipe, bool kF32Stg>
 bool try_launch(TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>, const GemmTile& t, const GemmMaps& maps,
                 const GemmKernelArgs& args, cudaStream_t stream) {
-  if constexpr (kG != Grouping::none && !grouped_tile_ok(TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>::tile())) {
+  if constexpr (kG != Grouping::none && !grouped_tile_ok(TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>::tile(), kB1x128)) {
     return false;
   } else {
     if (t.block_m != BM || t.block_n != BN || t.tma_epilogue != kTmaEpi || t.multicast != kMC ||

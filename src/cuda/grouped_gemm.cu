@@ -33,7 +33,7 @@ void launch_m_grouped(const QuantizedView& a, const QuantizedView& b, const Grou
                       bool accumulate, cudaStream_t stream, const GemmTile* tile, const char* op) {
   const int64_t rows = a.rows(), N = group.b_rows, K = a.cols();
   const GemmTile t = tile ? *tile : grouped_gemm_tile(rows, N, K, false, d.dtype == DType::f32);
-  check_grouped_tile(t, op);
+  check_grouped_tile(t, false, op);
   GemmMaps maps{};
   maps.a = make_values_map(a.values, uint32_t(t.block_m), "a.values");
   maps.b = make_values_map(b.values, uint32_t(t.block_n), "b.values");

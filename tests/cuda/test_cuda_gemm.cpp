@@ -315,7 +315,7 @@ TEST(CudaGemmHeuristic, F32DGetsTheFp32StagedTiles) {
             EXPECT_TRUE(compiled(tb, b_1x128) && compiled(tf, b_1x128)) << what;
             EXPECT_FALSE(tb.f32_staging) << what;
             if (grouped) {
-              EXPECT_TRUE(cuda::grouped_tile_ok(tf)) << what;
+              EXPECT_TRUE(cuda::grouped_tile_ok(tf, b_1x128)) << what;
             }
             // f32 D: the shape may differ (fewer stages), never the kind of tile below 128x128.
             if (!b_1x128 && tb.block_m == 128 && tb.block_n >= 128) {

@@ -32,7 +32,7 @@ std::string tile_str(const cuda::GemmTile& t) {
 std::vector<cuda::GemmTile> grouped_tiles(bool b_1x128) {
   std::vector<cuda::GemmTile> v;
   for (const cuda::GemmTile& t : cuda::gemm_tiles(b_1x128))
-    if (cuda::grouped_tile_ok(t)) v.push_back(t);
+    if (cuda::grouped_tile_ok(t, b_1x128)) v.push_back(t);
   return v;
 }
 

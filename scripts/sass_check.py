@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Checks the machine code of the sm_90a FP8 GEMM kernels in a built library, without a GPU.
+
+Every instantiation of sm90_fp8_gemm_kernel (dense and grouped, every tile) must
+  - use no stack or local memory (a register spill in the mainloop costs the Tensor Cores),
+  - read and write shared memory with LDS/STS: no generic LD/ST (their 64-bit address arithmetic
+    and the run-time address-space check once cost the Wgrad mainloop ~50 instructions per K block),
+  - contain FP8 WGMMAs (QGMMA).
+The SASS comes from cuobjdump (which runs nvdisasm): the CUDA toolkit's, or those of NVIDIA's
+`nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` wheels that scripts/setup.sh installs into
+build/tools when the toolkit has none. Without them the check is skipped (exit code 77, which
+CTest reports as skipped).
+
+Usage: scripts/sass_check.py <libfp8moe_cuda.a or object files...> [--cuobjdump PATH] [--tools DIR]
+"""
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+KERNEL = "sm90_fp8_gemm_kernel"
+SKIP = 77
+
+
+def find_tool(name, explicit, tools):
+    """The CUDA tool `name`: explicit, on PATH, beside nvcc, in /usr/local/cuda, or from a wheel in tools."""
+    if explicit:
+        return explicit
+    found = shutil.which(name)
+    if found:
+        return found
+    nvcc = shutil.which("nvcc")
+    beside_nvcc = [os.path.join(os.path.dirname(nvcc), name)] if nvcc else []
+    wheel = sorted(glob.glob(os.path.join(tools, "nvidia", "*", "bin", name)))
+    for cand in beside_nvcc + ["/usr/local/cuda/bin/" + name] + wheel:
+        if os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def run(tool, args, nvdisasm):
+    # cuobjdump -sass runs nvdisasm, which it looks for on PATH.
+    env = dict(os.environ, PATH=os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", ""))
+    return subprocess.run([tool] + args, check=True, capture_output=True, text=True, env=env).stdout
+
+
+def resource_usage(tool, nvdisasm, files):
+    """{function: (reg, stack, local)} of the GEMM kernels."""
+    usage = {}
+    func = None
+    for line in run(tool, ["--dump-resource-usage"] + files, nvdisasm).splitlines():
+        m = re.search(r"Function ([^\s:]+):", line)
+        if m:
+            func = m.group(1)
+            continue
+        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", line)
+        if m and func and KERNEL in func:
+            usage[func] = tuple(int(g) for g in m.groups())
+    return usage
+
+
+def sass_counts(tool, nvdisasm, files):
+    """{function: (generic loads/stores, QGMMAs)} of the GEMM kernels."""
+    counts = {}
+    func = None
+    generic = re.compile(r"\s(LD|ST)(\.E|\.64|\.128|\.U8|\.U16|\.S8|\.S16)*\s")
+    for line in run(tool, ["-sass"] + files, nvdisasm).splitlines():
+        m = re.search(r"Function\s*:\s*(\S+)", line)
+        if m:
+            func = m.group(1) if KERNEL in m.group(1) else None
+            if func:
+                counts[func] = [0, 0]
+            continue
+        if not func:
+            continue
+        if generic.search(line):
+            counts[func][0] += 1
+        if "QGMMA" in line:
+            counts[func][1] += 1
+    return counts
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--cuobjdump")
+    ap.add_argument("--tools", default=os.path.join(os.path.dirname(__file__), "..", "build", "tools"))
+    a = ap.parse_args()
+    tool = find_tool("cuobjdump", a.cuobjdump, a.tools)
+    nvdisasm = find_tool("nvdisasm", None, a.tools)
+    if not tool or not nvdisasm:
+        print("sass_check: no cuobjdump/nvdisasm (CUDA toolkit or NVIDIA's wheels, scripts/setup.sh): skipped")
+        return SKIP
+    usage = resource_usage(tool, nvdisasm, a.files)
+    counts = sass_counts(tool, nvdisasm, a.files)
+    if not usage or not counts:
+        print(f"sass_check: no {KERNEL} instantiation found in {' '.join(a.files)}")
+        return 1
+    failures = []
+    for func in sorted(set(usage) | set(counts)):
+        reg, stack, local = usage.get(func, (0, 0, 0))
+        generic, qgmma = counts.get(func, (0, 0))
+        problems = []
+        if stack or local:
+            problems.append(f"stack {stack} B, local {local} B (register spills)")
+        if generic:
+            problems.append(f"{generic} generic LD/ST (shared memory reached through a generic pointer)")
+        if not qgmma:
+            problems.append("no QGMMA (FP8 WGMMA)")
+        if problems:
+            failures.append(f"{func}: " + "; ".join(problems))
+    print(f"sass_check: {len(usage)} {KERNEL} instantiations, cuobjdump {tool}")
+    for f in failures:
+        print("  FAIL " + f)
+    print(f"{len(usage) - len(failures)} passed, {len(failures)} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
