@@ -439,6 +439,15 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 #pragma unroll
           for (int w = 0; w < W; ++w) {
             issue(stage, w, acc);
+            if constexpr (kB1x128) {
+              // NOTES: the 64 scale products s_a * s_b do not depend on the WGMMAs, and the
+              // compiler placed them before the WGMMA issue, holding it back by 64 FMULs per K
+              // block; the fence pins them behind the issue, where they overlap the Tensor Cores.
+#pragma unroll
+              for (int k = 0; k < BLOCK_N / 4; ++k) ptx::fence_operand(sbc[k]);
+              ptx::fence_operand(sa0[w]);
+              ptx::fence_operand(sa1[w]);
+            }
             ptx::wgmma_wait<0>();
 #pragma unroll
             for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
