@@ -143,9 +143,9 @@ void compare_command(CompareArgs& args) {
     if (m.seeds > 1)
       std::printf("%-18s standard error of the mean same-seed difference: train %.3f%%, validation %.3f%%\n", "",
                   100 * m.train_rel_se, 100 * m.val_rel_se);
-    // The report's bar (DeepSeek-V3 §3.3): FP8 within 0.25% relative of BF16.
-    constexpr double kBar = 0.0025;
-    auto verdict = [](double rel) { return std::isnan(rel) ? "n/a" : std::fabs(rel) <= kBar ? "met" : "not met"; };
+    auto verdict = [](double rel) {
+      return std::isnan(rel) ? "n/a" : RecipeComparison::within_report_bar(rel) ? "met" : "not met";
+    };
     std::printf("%-18s the report's bar (|relative error| <= 0.25%%): train %s, validation %s\n", "",
                 verdict(m.train_rel), verdict(m.val_rel));
     report["recipes"][recipe] = {{"seeds", m.seeds}, {"train_loss", m.train}, {"val_loss", m.val},
@@ -153,8 +153,8 @@ void compare_command(CompareArgs& args) {
                                  {"train_rel_err", m.train_rel}, {"val_rel_err", m.val_rel},
                                  {"train_rel_err_se", m.seeds > 1 ? nlohmann::json(m.train_rel_se) : nlohmann::json()},
                                  {"val_rel_err_se", m.seeds > 1 ? nlohmann::json(m.val_rel_se) : nlohmann::json()},
-                                 {"train_within_0_25pct", std::fabs(m.train_rel) <= kBar},
-                                 {"val_within_0_25pct", std::fabs(m.val_rel) <= kBar}};
+                                 {"train_within_0_25pct", RecipeComparison::within_report_bar(m.train_rel)},
+                                 {"val_within_0_25pct", RecipeComparison::within_report_bar(m.val_rel)}};
   }
   PlotOptions lo;
   lo.title = "training loss (EMA 0.9)";

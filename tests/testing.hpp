@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <string>
@@ -41,5 +42,10 @@ void expect_error(const std::function<void()>& fn, const std::string& needle);
 
 // All elements of a tensor as doubles.
 std::vector<double> to_doubles(const TensorView& t);
+
+// An empty folder of its own for the running test: <tmp>/<prefix>_<pid>_<test name>, emptied first.
+std::filesystem::path test_dir(const std::string& prefix);
+// The bytes of a file.
+std::string read_file(const std::filesystem::path& p);
 
 }  // namespace fp8moe::testing

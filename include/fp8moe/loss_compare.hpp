@@ -4,6 +4,7 @@
 // seeds are paired seed by seed (each recipe against BF16 with the same seed) and their means
 // compared, next to the BF16 seed-to-seed spread: the noise a difference is read against.
 #pragma once
+#include <cmath>
 #include <map>
 #include <string>
 #include <vector>
@@ -51,6 +52,9 @@ struct RunComparison {
 // (RunComparison::train_rel, val_rel): sample standard deviation / sqrt(seeds), NaN for one seed.
 // The seed-to-seed scatter of those differences is the noise a recipe's mean is read against.
 struct RecipeComparison {
+  // The report's bar (DeepSeek-V3 §3.3): FP8 within 0.25% relative of BF16. False for NaN.
+  static bool within_report_bar(double rel) { return std::fabs(rel) <= 0.0025; }
+
   int seeds = 0;
   double train = 0, val = 0, bf16_train = 0, bf16_val = 0, train_rel = 0, val_rel = 0;
   double train_rel_se = 0, val_rel_se = 0;

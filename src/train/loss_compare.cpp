@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
-#include <map>
 #include <nlohmann/json.hpp>
 
 #include "fp8moe/error.hpp"
@@ -102,7 +101,6 @@ Comparison compare_runs(const std::vector<CompareRun>& runs) {
     if (r.recipe == "bf16") bf16[r.seed] = &r;
   FP8MOE_CHECK(bf16.count(0), "compare: no bf16 run of seed 0 (the baseline)");
   Comparison cmp;
-  std::map<std::string, std::pair<std::vector<double>, std::vector<double>>> diffs;  // recipe: train, val
   cmp.bf16_seeds = int(bf16.size());
   cmp.bf16_train_min = cmp.bf16_val_min = INFINITY;
   cmp.bf16_train_max = cmp.bf16_val_max = -INFINITY;
@@ -144,16 +142,17 @@ Comparison compare_runs(const std::vector<CompareRun>& runs) {
     m.seeds += 1;
     m.train += c.train, m.val += c.val;
     m.bf16_train += tail_mean(base.loss), m.bf16_val += final_val(base);
-    diffs[r.recipe].first.push_back(c.train_rel);
-    diffs[r.recipe].second.push_back(c.val_rel);
   }
   for (auto& [recipe, m] : cmp.recipes) {
     const double n = double(m.seeds);
     m.train /= n, m.val /= n, m.bf16_train /= n, m.bf16_val /= n;
     m.train_rel = rel(m.train, m.bf16_train);
     m.val_rel = rel(m.val, m.bf16_val);
-    m.train_rel_se = standard_error(diffs[recipe].first);
-    m.val_rel_se = standard_error(diffs[recipe].second);
+    std::vector<double> train_rel, val_rel;  // the recipe's same-seed differences
+    for (const RunComparison& c : cmp.runs)
+      if (c.recipe == recipe) train_rel.push_back(c.train_rel), val_rel.push_back(c.val_rel);
+    m.train_rel_se = standard_error(train_rel);
+    m.val_rel_se = standard_error(val_rel);
   }
   return cmp;
 }

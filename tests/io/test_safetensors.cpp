@@ -16,17 +16,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-fs::path temp_dir() {
-  fs::path d = fs::temp_directory_path() / ("fp8moe_st_" + std::to_string(::getpid()) + "_" +
-                                            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-  fs::create_directories(d);
-  return d;
-}
-
-std::string read_all(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
+fs::path temp_dir() { return fp8moe::testing::test_dir("fp8moe_st"); }
+using fp8moe::testing::read_file;
 
 }  // namespace
 
@@ -51,7 +42,7 @@ TEST(Safetensors, RoundTripsTensorsAndMetadata) {
     EXPECT_EQ(std::memcmp(g.view().data, t.view().data, t.view().nbytes()), 0) << name;
   }
   // The header is valid JSON with 8-byte aligned data, as other readers expect.
-  std::string raw = read_all(path);
+  std::string raw = read_file(path);
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= uint64_t(uint8_t(raw[size_t(i)])) << (8 * i);
   EXPECT_EQ(n % 8, 0u);
@@ -65,7 +56,7 @@ TEST(Safetensors, TruncatedOrCorruptFilesAreRefusedAndThePreviousFileStays) {
   Tensor a = fp8moe::testing::random_normal(rng, DType::f32, {64, 64});
   const std::string path = (dir / "ckpt.safetensors").string();
   save_safetensors(path, {{"a", a}});
-  const std::string good = read_all(path);
+  const std::string good = read_file(path);
 
   const std::string bad = (dir / "bad.safetensors").string();
   auto write_raw = [&](const std::string& bytes) {
@@ -89,7 +80,7 @@ TEST(Safetensors, TruncatedOrCorruptFilesAreRefusedAndThePreviousFileStays) {
   // A failed write (the folder is gone) raises and leaves nothing under the final name; a
   // successful one replaces the file whole.
   expect_error([&] { save_safetensors((dir / "nope" / "x.safetensors").string(), {{"a", a}}); }, "creating");
-  EXPECT_EQ(read_all(path), good);
+  EXPECT_EQ(read_file(path), good);
   Tensor b = fp8moe::testing::random_normal(rng, DType::f32, {4});
   save_safetensors(path, {{"b", b}});
   EXPECT_EQ(load_safetensors(path).tensors.count("b"), 1u);

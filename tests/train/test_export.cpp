@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <unistd.h>
 
 #include "fp8moe/codecs.hpp"
 #include "fp8moe/config.hpp"
@@ -20,6 +19,7 @@ using namespace fp8moe;
 using fp8moe::testing::expect_error;
 using fp8moe::testing::make_rng;
 using fp8moe::testing::random_normal;
+using fp8moe::testing::test_dir;
 namespace fs = std::filesystem;
 
 namespace {
@@ -35,10 +35,7 @@ struct Checkpoint {
 
 Checkpoint make_checkpoint() {
   Checkpoint c;
-  c.dir = fs::temp_directory_path() / ("fp8moe_export_" + std::to_string(::getpid()) + "_" +
-                                       ::testing::UnitTest::GetInstance()->current_test_info()->name());
-  fs::remove_all(c.dir);
-  fs::create_directories(c.dir);
+  c.dir = test_dir("fp8moe_export");
   c.path = c.dir / "checkpoint.safetensors";
   auto rng = make_rng();
   for (const std::string& p : {std::string(""), std::string("ema.")}) {

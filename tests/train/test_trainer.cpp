@@ -16,13 +16,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-fs::path scratch() {
-  fs::path d = fs::temp_directory_path() /
-               ("fp8moe_trainer_" + std::to_string(::getpid()) + "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+fs::path scratch() { return fp8moe::testing::test_dir("fp8moe_trainer"); }
+using fp8moe::testing::read_file;
 
 // A small English-like corpus made on the spot (the tests do not rely on the default corpus).
 std::string make_corpus(const fs::path& dir) {
@@ -60,11 +55,6 @@ std::vector<nlohmann::json> read_metrics(const std::string& dir) {
   std::string line;
   while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
   return out;
-}
-
-std::string read_all(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 }  // namespace
@@ -157,7 +147,7 @@ TEST(Trainer, TruncatedCheckpointIsRefusedAndKeptIntact) {
   o.steps = 4;
   Trainer(o).run();
   const fs::path ckpt = fs::path(o.out_dir) / "checkpoint.safetensors";
-  const std::string good = read_all(ckpt);
+  const std::string good = read_file(ckpt);
   // A truncated copy is refused with an error naming the problem.
   fs::path broken_dir = dir / "broken";
   fs::create_directories(broken_dir);
@@ -174,7 +164,7 @@ TEST(Trainer, TruncatedCheckpointIsRefusedAndKeptIntact) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
   }
-  EXPECT_EQ(read_all(ckpt), good);
+  EXPECT_EQ(read_file(ckpt), good);
   fs::remove_all(dir);
 }
 
@@ -190,7 +180,7 @@ TEST(Trainer, NonFiniteLossStopsNamingTheStepAndSavesNothing) {
   std::map<std::string, TensorView> views;
   for (auto& [n, t] : f.tensors) views[n] = t.view();
   save_safetensors(ckpt.string(), views, f.metadata);
-  const std::string before = read_all(ckpt);
+  const std::string before = read_file(ckpt);
   TrainOptions r = o;
   r.steps = 6;
   r.resume = true;
@@ -203,6 +193,6 @@ TEST(Trainer, NonFiniteLossStopsNamingTheStepAndSavesNothing) {
     EXPECT_NE(msg.find("non-finite"), std::string::npos) << msg;
     EXPECT_NE(msg.find("first non-finite tensor"), std::string::npos) << msg;
   }
-  EXPECT_EQ(read_all(ckpt), before);
+  EXPECT_EQ(read_file(ckpt), before);
   fs::remove_all(dir);
 }

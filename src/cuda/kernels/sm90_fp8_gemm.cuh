@@ -265,8 +265,6 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     const uint32_t wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
     const uint32_t r_frag = wg * 64 + (warp % 4) * 16 + lane / 4;  // tile row of d[0] (wave 0); d[2] is 8 below
     const uint32_t c_frag = 2 * (lane % 4);                        // tile column of d[0]
-    // 1d2d: the tile may meet two 128-row scale blocks of B; columns >= bnd use the second.
-    constexpr bool kTwoSb = T::kTwoSb;
 
     uint32_t stage = 0, phase = 0;
     float final_acc[W][kNumAccum];
@@ -303,7 +301,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     };
     auto promote_1d2d_at = [&](uint32_t bnd, float (&fa)[kNumAccum], const float (&acc)[kNumAccum], float sa0,
                                float sa1, float sb0, float sb1) {
-      constexpr int kStep = kTwoSb ? T::kSbAlign : BLOCK_N;
+      constexpr int kStep = T::kTwoSb ? T::kSbAlign : BLOCK_N;
       promote_1d2d<BLOCK_N, kStep>(bnd, fa, acc, sa0 * sb0, sa1 * sb0, sa0 * sb1, sa1 * sb1);
     };
 
@@ -336,10 +334,10 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
       // 1d2d: tile columns >= bnd take s_b of the next 128-row block of B (the stage's second value).
       const uint32_t bnd = kBlockK - n0 % kBlockK;
       // 1d2d: the stage's s_b pair (written by the producer; 0 where the tile has no second block).
-      auto load_sb = [&](uint32_t s, float& sb0, float& sb1) {
+      auto read_sb = [&](uint32_t s, float& sb0, float& sb1) {
         const float2 v = *reinterpret_cast<const float2*>(smem_sb + s * 2);
         sb0 = v.x;
-        sb1 = kTwoSb ? v.y : 0.0f;
+        sb1 = T::kTwoSb ? v.y : 0.0f;
       };
 
       if constexpr (T::kPipelined) {
@@ -354,7 +352,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         auto start = [&](float (&dst)[kNumAccum], float& sa0, float& sa1, float& sb0, float& sb1) {
           sb0 = sb1 = 0.0f;
           ptx::mbar_wait(&full_bar[stage], phase);
-          if constexpr (!kB1x128) load_sb(stage, sb0, sb1);
+          if constexpr (!kB1x128) read_sb(stage, sb0, sb1);
           sa0 = smem_sa[stage * BLOCK_M + r_frag];
           sa1 = smem_sa[stage * BLOCK_M + r_frag + 8];
           issue(stage, 0, dst);
@@ -417,7 +415,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         for (uint32_t kb = work.kb_begin; kb < work.kb_end; ++kb) {
           float sb0 = 0.0f, sb1 = 0.0f;
           ptx::mbar_wait(&full_bar[stage], phase);
-          if constexpr (!kB1x128) load_sb(stage, sb0, sb1);
+          if constexpr (!kB1x128) read_sb(stage, sb0, sb1);
 
           // Read the scales of this stage before releasing it.
           float sa0[W], sa1[W];
