@@ -12,12 +12,11 @@
 
 namespace fp8moe::cuda {
 
-// Descriptor of a K-major tile [rows, 128 bytes] in shared memory, 128B-swizzled by TMA.
+// Descriptor of a K-major tile [rows, 128 bytes] at shared address `addr`, 128B-swizzled by TMA.
 // NOTES: the tile must start 1024-byte aligned (8 rows x 128 B swizzle atom); stepping along K
 // inside the 128-byte row adds k_bytes/16 to the start address, as the swizzle is applied to the
 // final address bits by the hardware.
-__device__ __forceinline__ uint64_t make_smem_desc_k128b(const void* smem_ptr) {
-  const uint32_t addr = ptx::smem_addr(smem_ptr);
+__device__ __forceinline__ uint64_t make_smem_desc_k128b(uint32_t addr) {
   uint64_t desc = 0;
   desc |= uint64_t((addr & 0x3FFFF) >> 4);   // start address, bits [0, 14)
   desc |= uint64_t(0) << 16;                 // leading byte offset: unused for swizzled K-major

@@ -266,6 +266,12 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     const uint32_t r_frag = wg * 64 + (warp % 4) * 16 + lane / 4;  // tile row of d[0] (wave 0); d[2] is 8 below
     const uint32_t c_frag = 2 * (lane % 4);                        // tile column of d[0]
 
+    // NOTES: the ring's shared addresses, computed once. Derived per use from the pointers, ptxas
+    // re-read SR_CgaCtaId (S2UR, a long-latency read) before every full-barrier wait: on the path
+    // from one K block's WGMMAs to the next.
+    const uint32_t full_bar_s = ptx::smem_addr(full_bar);
+    const uint32_t smem_a_s = ptx::smem_addr(smem_a), smem_b_s = ptx::smem_addr(smem_b);
+
     uint32_t stage = 0, phase = 0;
     float final_acc[W][kNumAccum];
 
@@ -285,8 +291,8 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     };
     // Four m64nNk32 WGMMAs over the 128-wide K block of stage `s`, wave `w`, into `acc` (one commit group).
     auto issue = [&](uint32_t s, int w, float (&acc)[kNumAccum]) {
-      const uint64_t desc_b = make_smem_desc_k128b(smem_b + s * T::kSmemB);
-      const uint64_t desc_a = make_smem_desc_k128b(smem_a + s * T::kSmemA + (w * 128 + wg * 64) * kBlockK);
+      const uint64_t desc_b = make_smem_desc_k128b(smem_b_s + s * T::kSmemB);
+      const uint64_t desc_a = make_smem_desc_k128b(smem_a_s + s * T::kSmemA + (w * 128 + wg * 64) * kBlockK);
 #pragma unroll
       for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
       ptx::wgmma_fence();
@@ -348,14 +354,14 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         // WGMMAs when it cannot tell), hence the explicit two-way unrolling.
         float sa0c, sa1c, sb0c, sb1c;  // scales of the block in flight
         float sa0n, sa1n, sb0n, sb1n;  // scales of the block issued next
-        // Waits for the next block's stage, reads its scales and queues its WGMMAs into `dst`.
+        // Waits for the next block's stage, queues its WGMMAs into `dst` and reads its scales.
         auto start = [&](float (&dst)[kNumAccum], float& sa0, float& sa1, float& sb0, float& sb1) {
           sb0 = sb1 = 0.0f;
-          ptx::mbar_wait(&full_bar[stage], phase);
+          ptx::mbar_wait(full_bar_s + stage * 8, phase);
+          issue(stage, 0, dst);
           if constexpr (!kB1x128) read_sb(stage, sb0, sb1);
           sa0 = smem_sa[stage * BLOCK_M + r_frag];
           sa1 = smem_sa[stage * BLOCK_M + r_frag + 8];
-          issue(stage, 0, dst);
           if (++stage == STAGES) stage = 0, phase ^= 1;
         };
         // The block in `src` is complete: release its stage, promote it.
@@ -414,7 +420,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
       } else {
         for (uint32_t kb = work.kb_begin; kb < work.kb_end; ++kb) {
           float sb0 = 0.0f, sb1 = 0.0f;
-          ptx::mbar_wait(&full_bar[stage], phase);
+          ptx::mbar_wait(full_bar_s + stage * 8, phase);
           if constexpr (!kB1x128) read_sb(stage, sb0, sb1);
 
           // Read the scales of this stage before releasing it.
@@ -441,6 +447,9 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
               // NOTES: the 64 scale products s_a * s_b do not depend on the WGMMAs, and the
               // compiler placed them before the WGMMA issue, holding it back by 64 FMULs per K
               // block; the fence pins them behind the issue, where they overlap the Tensor Cores.
+              // Reading the scales after the issue as well was measured slower (H200, 2026-11-30:
+              // Wgrad 0.89x cuBLASLt against 0.99x): ptxas then put the fourth WGMMA behind the
+              // reads and 40 of the products, delaying this warpgroup's last WGMMA of the block.
 #pragma unroll
               for (int k = 0; k < BLOCK_N / 4; ++k) ptx::fence_operand(sbc[k]);
               ptx::fence_operand(sa0[w]);
