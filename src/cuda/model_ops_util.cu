@@ -70,24 +70,49 @@ void stable_sort_by_key(const int32_t* keys, int64_t n, int64_t nkeys, int32_t* 
 namespace {
 
 // Grid (n, ceil(D / 128)), 128 threads; blocks not at the start of a run exit at once.
+// NOTES: the block walks its run 128 positions at a time: the positions go through shared memory
+// and each thread loads kBatch source values before it adds them, in the run's order. The plain
+// loop (key, position, value, add per step) kept one dependent chain of global loads per thread;
+// a byte-level vocabulary has runs of thousands of tokens (0.74 ms for the 8192 x 4096 embedding
+// backward of configs/gemm.json). Same additions in the same order: bit-identical.
 __global__ void __launch_bounds__(128) sorted_scatter_add_kernel(const int32_t* __restrict__ keys,
                                                                  const int32_t* __restrict__ pos, int64_t n,
                                                                  const float* __restrict__ w,
                                                                  const float* __restrict__ src, float* dst, int64_t D,
                                                                  int64_t R) {
+  constexpr int kChunk = 128, kBatch = 8;
+  __shared__ int32_t s_pos[kChunk];
   const int64_t p = blockIdx.x;
   const int64_t j = int64_t(blockIdx.y) * 128 + threadIdx.x;
-  if (j >= D) return;
   const int32_t key = keys[p];
-  if (key < 0 || key >= R || (p > 0 && keys[p - 1] == key)) return;
-  float acc = dst[int64_t(key) * D + j];
-  // NOTES: mul and add stay separate roundings (no FMA), as in the CPU loop `dst += w * src`.
-  for (int64_t q = p; q < n && keys[q] == key; ++q) {
-    const int64_t i = pos[q];
-    const float v = w ? __fmul_rn(w[i], src[i * D + j]) : src[i * D + j];
-    acc = __fadd_rn(acc, v);
+  if (key < 0 || key >= R || (p > 0 && keys[p - 1] == key)) return;  // uniform over the block
+  const bool col = j < D;
+  float acc = col ? dst[int64_t(key) * D + j] : 0.0f;
+  for (int64_t q0 = p;; q0 += kChunk) {
+    const int64_t q = q0 + threadIdx.x;
+    const bool in = q < n && keys[q] == key;  // the run is a prefix of the chunk (keys are sorted)
+    s_pos[threadIdx.x] = in ? pos[q] : 0;
+    const int cnt = __syncthreads_count(in);
+    if (col) {
+      for (int c = 0; c < cnt; c += kBatch) {
+        float v[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (c + u < cnt) {
+            const int64_t i = s_pos[c + u];
+            // mul and add stay separate roundings (no FMA), as in the CPU loop `dst += w * src`.
+            v[u] = w ? __fmul_rn(w[i], src[i * D + j]) : src[i * D + j];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+          if (c + u < cnt) acc = __fadd_rn(acc, v[u]);
+      }
+    }
+    if (cnt < kChunk) break;
+    __syncthreads();  // s_pos is rewritten for the next chunk
   }
-  dst[int64_t(key) * D + j] = acc;
+  if (col) dst[int64_t(key) * D + j] = acc;
 }
 
 }  // namespace

@@ -260,6 +260,18 @@ TEST_F(CudaModelOps, EmbeddingForwardBackwardBitExact) {
   Tensor dt = dev(dt0);
   cuda_embedding_backward(ids_d, dev(dout), dt);
   expect_bits(host(dt), dwant, "embedding_backward");
+  {
+    // Runs longer than the kernel's 128-position chunk (about 330 tokens per id), two column blocks.
+    const int64_t N2 = 1000, D2 = 200;
+    Tensor ids2 = ids_host(rng_, N2, 0, 3);
+    Tensor dout2 = randn({N2, D2});
+    Tensor d0 = randn({V, D2});
+    Tensor want2 = clone(d0);
+    cpu_->embedding_backward(ids2, dout2, want2);
+    Tensor d2 = dev(d0);
+    cuda_embedding_backward(dev(ids2), dev(dout2), d2);
+    expect_bits(host(d2), want2, "embedding_backward, long runs");
+  }
 
   ids.ptr<int32_t>()[17] = int32_t(V);
   expect_error([&] { cuda_embedding_forward(dev(ids), dev(table), out); }, "ids[17] = 50");
