@@ -15,6 +15,7 @@ build/tools when the toolkit has none. Without them the check is skipped (exit c
 CTest reports as skipped).
 
 Usage: scripts/sass_check.py <libfp8moe_cuda.a or object files...> [--cuobjdump PATH] [--tools DIR]
+       scripts/sass_check.py --self-test   (the K-loop rule on hand-written listings; no tools needed)
 """
 import argparse
 import glob
@@ -103,7 +104,35 @@ def sass_counts(tool, nvdisasm, files):
     }
 
 
+def self_test():
+    """loops_reading_cta_id on listings shaped like ptxas output: a K loop inside a tile loop whose
+    epilogue reads SR_CgaCtaId, and a barrier-retry block after EXIT that branches back."""
+    def listing(k_loop_reads):
+        return [(0x100, "S2UR UR5, SR_CgaCtaId"),                                   # setup
+                (0x150, "IMAD R2, R3, R4, RZ"),                                     # tile loop top
+                (0x200, "S2UR UR9, SR_CgaCtaId" if k_loop_reads else "UIADD3 UR9, UR9, 0x1, URZ"),
+                (0x210, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR28+0x31000], R24"),
+                (0x220, "@!P0 BRA 0x900"),
+                (0x230, "QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR16], RZ, !UPT"),
+                (0x240, "@!P0 BRA 0x200"),                                          # K loop
+                (0x250, "S2R R141, SR_CgaCtaId"),                                   # epilogue
+                (0x260, "@P1 BRA 0x150"),                                           # tile loop
+                (0x270, "EXIT"),
+                (0x900, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR28+0x31000], R24"),
+                (0x910, "@!P0 BRA 0x900"),
+                (0x920, "BRA 0x230")]
+    bad = loops_reading_cta_id(listing(True))
+    good = loops_reading_cta_id(listing(False))
+    ok = bad == [(0x200, 0x240)] and good == []
+    show = lambda loops: [f"{a:#x}..{b:#x}" for a, b in loops]
+    print(f"sass_check self-test: K loop reading SR_CgaCtaId -> {show(bad)}, clean K loop -> {show(good)}: "
+          f"{'ok' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
 def main():
+    if sys.argv[1:] == ["--self-test"]:
+        return self_test()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+")
     ap.add_argument("--cuobjdump")
