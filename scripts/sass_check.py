@@ -51,17 +51,25 @@ def run(tool, args, nvdisasm):
     return subprocess.run([tool] + args, check=True, capture_output=True, text=True, env=env).stdout
 
 
+def kernel_lines(text, header):
+    """(function, line) for the lines of `text` under a header (regex `header`, the name in group 1)
+    that names a GEMM kernel."""
+    func = None
+    for line in text.splitlines():
+        m = re.search(header, line)
+        if m:
+            func = m.group(1) if KERNEL in m.group(1) else None
+        elif func:
+            yield func, line
+
+
 def resource_usage(tool, nvdisasm, files):
     """{function: (reg, stack, local)} of the GEMM kernels."""
     usage = {}
-    func = None
-    for line in run(tool, ["--dump-resource-usage"] + files, nvdisasm).splitlines():
-        m = re.search(r"Function ([^\s:]+):", line)
-        if m:
-            func = m.group(1)
-            continue
+    text = run(tool, ["--dump-resource-usage"] + files, nvdisasm)
+    for func, line in kernel_lines(text, r"Function ([^\s:]+):"):
         m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", line)
-        if m and func and KERNEL in func:
+        if m:
             usage[func] = tuple(int(g) for g in m.groups())
     return usage
 
@@ -86,17 +94,10 @@ def loops_reading_cta_id(code):
 def sass_counts(tool, nvdisasm, files):
     """{function: (generic loads/stores, QGMMAs, WGMMA loops reading SR_CgaCtaId)} of the GEMM kernels."""
     code = {}
-    func = None
-    for line in run(tool, ["-sass"] + files, nvdisasm).splitlines():
-        m = re.search(r"Function\s*:\s*(\S+)", line)
-        if m:
-            func = m.group(1) if KERNEL in m.group(1) else None
-            if func:
-                code[func] = []
-            continue
+    for func, line in kernel_lines(run(tool, ["-sass"] + files, nvdisasm), r"Function\s*:\s*(\S+)"):
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;", line)
-        if func and m:
-            code[func].append((int(m.group(1), 16), m.group(2)))
+        if m:
+            code.setdefault(func, []).append((int(m.group(1), 16), m.group(2)))
     generic = re.compile(r"(^|\s)(LD|ST)(\.E|\.64|\.128|\.U8|\.U16|\.S8|\.S16)*\s")
     return {
         f: (sum(1 for _, t in c if generic.search(t)), sum(1 for _, t in c if "QGMMA" in t), loops_reading_cta_id(c))
