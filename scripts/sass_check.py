@@ -6,9 +6,12 @@ Every instantiation of sm90_fp8_gemm_kernel (dense and grouped, every tile) must
   - read and write shared memory with LDS/STS: no generic LD/ST (their 64-bit address arithmetic
     and the run-time address-space check once cost the Wgrad mainloop ~50 instructions per K block),
   - contain FP8 WGMMAs (QGMMA),
-  - not read SR_CgaCtaId inside the K loop (ptxas re-derived the ring's shared addresses from it
-    before every full-barrier wait, a long-latency S2UR on the path from one K block's WGMMAs to
-    the next, until the kernel carried them from block to block).
+  - for the pipelined mainloop and the 128x128 Wgrad: not read SR_CgaCtaId inside the K loop
+    (ptxas re-derived the ring's shared addresses from it before every full-barrier wait, a
+    long-latency S2UR on the path from one K block's WGMMAs to the next, until the kernel computed
+    them once; measured 2-5% on the H200). The other instantiations still do; they are counted
+    (carrying the addresses from block to block removed every such read but measured 3-6% slower
+    on the Wgrad, docs/PERF.md).
 The SASS comes from cuobjdump (which runs nvdisasm): the CUDA toolkit's, or those of NVIDIA's
 `nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` wheels that scripts/setup.sh installs into
 build/tools when the toolkit has none. Without them the check is skipped (exit code 77, which
@@ -91,6 +94,16 @@ def loops_reading_cta_id(code):
     return [l for l in inner if any("SR_CgaCtaId" in t for a, t in code if l[0] <= a <= l[1])]
 
 
+def guarded_k_loop(func):
+    """The instantiations whose K loop must not read SR_CgaCtaId: the pipelined mainloop and the
+    128x128 Wgrad (template <BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue, kMC, kPipe, kG, kF32Stg>)."""
+    m = re.search(r"kernelILi(\d+)ELi(\d+)ELb([01])ELb[01]ELi(\d+)ELb([01])E", func)
+    if not m:
+        return False
+    bm, bn, b1x128, mc, pipe = m.groups()
+    return pipe == "1" or (b1x128 == "1" and bm == bn == "128" and mc == "1")
+
+
 def sass_counts(tool, nvdisasm, files):
     """{function: (generic loads/stores, QGMMAs, WGMMA loops reading SR_CgaCtaId)} of the GEMM kernels."""
     code = {}
@@ -150,6 +163,7 @@ def main():
         print(f"sass_check: no {KERNEL} instantiation found in {' '.join(a.files)}")
         return 1
     failures = []
+    unguarded = 0
     for func in sorted(set(usage) | set(counts)):
         reg, stack, local = usage.get(func, (0, 0, 0))
         generic, qgmma, loops = counts.get(func, (0, 0, []))
@@ -160,14 +174,18 @@ def main():
             problems.append(f"{generic} generic LD/ST (shared memory reached through a generic pointer)")
         if not qgmma:
             problems.append("no QGMMA (FP8 WGMMA)")
-        for top, end in loops:
+        if loops and guarded_k_loop(func):
+            top, end = loops[0]
             problems.append(f"SR_CgaCtaId read in the K loop {top:#x}..{end:#x} (shared addresses re-derived per K block)")
+        elif loops:
+            unguarded += 1
         if problems:
             failures.append(f"{func}: " + "; ".join(problems))
     print(f"sass_check: {len(usage)} {KERNEL} instantiations, cuobjdump {tool}")
     for f in failures:
         print("  FAIL " + f)
-    print(f"{len(usage) - len(failures)} passed, {len(failures)} failed")
+    print(f"{len(usage) - len(failures)} passed, {len(failures)} failed; "
+          f"{unguarded} other instantiations read SR_CgaCtaId in their K loop")
     return 1 if failures else 0
 
 

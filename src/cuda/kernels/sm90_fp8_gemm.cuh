@@ -266,55 +266,33 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     const uint32_t r_frag = wg * 64 + (warp % 4) * 16 + lane / 4;  // tile row of d[0] (wave 0); d[2] is 8 below
     const uint32_t c_frag = 2 * (lane % 4);                        // tile column of d[0]
 
-    // The math warpgroups' position in the stage ring: the stage, its barrier parity and the shared
-    // addresses of its full barrier, A and B tiles and scales. NOTES: the addresses are loop-carried
-    // (advanced by their stride, wrapped by subtraction) so that ptxas keeps them in registers.
-    // Computed from the shared base at each use, even from a base hoisted out of the loop, they
-    // were re-derived from SR_CgaCtaId (S2UR, a long-latency read) before every full-barrier wait,
-    // on the path from one K block's WGMMAs to the next (scripts/sass_check.py checks the K loops).
-    struct Ring {
-      uint32_t stage, phase, bar, a, b, sa, sb;
-    };
-    Ring ring{0, 0, ptx::smem_addr(full_bar), ptx::smem_addr(smem_a), ptx::smem_addr(smem_b),
-              ptx::smem_addr(smem_sa), ptx::smem_addr(smem_sb)};
-    auto advance = [&](Ring& r) {
-      if (++r.stage == STAGES) {
-        r.stage = 0;
-        r.phase ^= 1;
-        r.bar -= (STAGES - 1) * 8;
-        r.a -= (STAGES - 1) * T::kSmemA;
-        r.b -= (STAGES - 1) * T::kSmemB;
-        r.sa -= (STAGES - 1) * T::kSmemSA;
-        r.sb -= (STAGES - 1) * T::kSmemSB;
-      } else {
-        r.bar += 8;
-        r.a += T::kSmemA;
-        r.b += T::kSmemB;
-        r.sa += T::kSmemSA;
-        r.sb += T::kSmemSB;
-      }
-    };
+    // NOTES: the ring's shared addresses, computed once. Derived per use from the pointers, ptxas
+    // re-read SR_CgaCtaId (S2UR, a long-latency read) before every full-barrier wait: on the path
+    // from one K block's WGMMAs to the next.
+    const uint32_t full_bar_s = ptx::smem_addr(full_bar);
+    const uint32_t smem_a_s = ptx::smem_addr(smem_a), smem_b_s = ptx::smem_addr(smem_b);
+
+    uint32_t stage = 0, phase = 0;
     float final_acc[W][kNumAccum];
 
-    // Hands the stage at `r` back to the producer(s): its shared-memory reads are complete.
-    auto release = [&](const Ring& r) {
+    // Hands stage `s` back to the producer(s): its shared-memory reads are complete.
+    auto release = [&](uint32_t s) {
       if (lane == 0) {
-        const uint32_t empty = r.bar + STAGES * 8;  // empty_bar[s] = full_bar[s + STAGES]
         if constexpr (kMC > 1) {
 #pragma unroll
-          for (uint32_t c = 0; c < uint32_t(kMC); ++c) {
-            if (c == rank) ptx::mbar_arrive(empty);
-            else ptx::mbar_arrive_cluster(empty, c);
+          for (uint32_t r = 0; r < uint32_t(kMC); ++r) {
+            if (r == rank) ptx::mbar_arrive(&empty_bar[s]);
+            else ptx::mbar_arrive_cluster(&empty_bar[s], r);
           }
         } else {
-          ptx::mbar_arrive(empty);
+          ptx::mbar_arrive(&empty_bar[s]);
         }
       }
     };
-    // Four m64nNk32 WGMMAs over the 128-wide K block of the stage at `r`, wave `w`, into `acc` (one commit group).
-    auto issue = [&](const Ring& r, int w, float (&acc)[kNumAccum]) {
-      const uint64_t desc_b = make_smem_desc_k128b(r.b);
-      const uint64_t desc_a = make_smem_desc_k128b(r.a + (w * 128 + wg * 64) * kBlockK);
+    // Four m64nNk32 WGMMAs over the 128-wide K block of stage `s`, wave `w`, into `acc` (one commit group).
+    auto issue = [&](uint32_t s, int w, float (&acc)[kNumAccum]) {
+      const uint64_t desc_b = make_smem_desc_k128b(smem_b_s + s * T::kSmemB);
+      const uint64_t desc_a = make_smem_desc_k128b(smem_a_s + s * T::kSmemA + (w * 128 + wg * 64) * kBlockK);
 #pragma unroll
       for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
       ptx::wgmma_fence();
@@ -362,8 +340,8 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
       // 1d2d: tile columns >= bnd take s_b of the next 128-row block of B (the stage's second value).
       const uint32_t bnd = kBlockK - n0 % kBlockK;
       // 1d2d: the stage's s_b pair (written by the producer; 0 where the tile has no second block).
-      auto read_sb = [&](const Ring& r, float& sb0, float& sb1) {
-        const float2 v = ptx::lds_f32x2(r.sb);
+      auto read_sb = [&](uint32_t s, float& sb0, float& sb1) {
+        const float2 v = *reinterpret_cast<const float2*>(smem_sb + s * 2);
         sb0 = v.x;
         sb1 = T::kTwoSb ? v.y : 0.0f;
       };
@@ -379,15 +357,15 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         // Waits for the next block's stage, queues its WGMMAs into `dst` and reads its scales.
         auto start = [&](float (&dst)[kNumAccum], float& sa0, float& sa1, float& sb0, float& sb1) {
           sb0 = sb1 = 0.0f;
-          ptx::mbar_wait(ring.bar, ring.phase);
-          issue(ring, 0, dst);
-          if constexpr (!kB1x128) read_sb(ring, sb0, sb1);
-          sa0 = ptx::lds_f32(ring.sa + r_frag * 4);
-          sa1 = ptx::lds_f32(ring.sa + (r_frag + 8) * 4);
-          advance(ring);
+          ptx::mbar_wait(full_bar_s + stage * 8, phase);
+          issue(stage, 0, dst);
+          if constexpr (!kB1x128) read_sb(stage, sb0, sb1);
+          sa0 = smem_sa[stage * BLOCK_M + r_frag];
+          sa1 = smem_sa[stage * BLOCK_M + r_frag + 8];
+          if (++stage == STAGES) stage = 0, phase ^= 1;
         };
-        // The block in `src` (stage at `r`) is complete: release its stage, promote it.
-        auto finish = [&](const Ring& r, float (&src)[kNumAccum]) {
+        // The block in `src` is complete: release its stage, promote it.
+        auto finish = [&](uint32_t s, float (&src)[kNumAccum]) {
 #pragma unroll
           for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(src[i]);
           if constexpr (kB1x128) {
@@ -396,67 +374,67 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
             float(&fa)[kNumAccum] = final_acc[0];
 #pragma unroll
             for (int j = 0; j < BLOCK_N / 8; ++j) {
-              const float2 sb = ptx::lds_f32x2(r.sb + (8 * j + c_frag) * 4);
+              const float2 sb = *reinterpret_cast<const float2*>(&smem_sb[s * BLOCK_N + 8 * j + c_frag]);
               fa[4 * j + 0] = fmaf(sa0c * sb.x, src[4 * j + 0], fa[4 * j + 0]);
               fa[4 * j + 1] = fmaf(sa0c * sb.y, src[4 * j + 1], fa[4 * j + 1]);
               fa[4 * j + 2] = fmaf(sa1c * sb.x, src[4 * j + 2], fa[4 * j + 2]);
               fa[4 * j + 3] = fmaf(sa1c * sb.y, src[4 * j + 3], fa[4 * j + 3]);
             }
-            release(r);
+            release(s);
           } else {
-            release(r);
+            release(s);
             promote_1d2d_at(bnd, final_acc[0], src, sa0c, sa1c, sb0c, sb1c);
           }
         };
         // A grouped tile may have no K block (padding, empty group): nothing to start then.
         if (kG == Grouping::none || work.kb_end > work.kb_begin) {
-          Ring cur = ring;
+          uint32_t cur_stage = stage;
           start(acc, sa0c, sa1c, sb0c, sb1c);
           for (uint32_t kb = work.kb_begin;;) {
             // acc holds block kb in flight.
             if (kb + 1 == work.kb_end) {
               ptx::wgmma_wait<0>();
-              finish(cur, acc);
+              finish(cur_stage, acc);
               break;
             }
-            Ring nxt = ring;
+            uint32_t nxt_stage = stage;
             start(acc2, sa0n, sa1n, sb0n, sb1n);
             ptx::wgmma_wait<1>();
-            finish(cur, acc);
-            cur = nxt, sa0c = sa0n, sa1c = sa1n, sb0c = sb0n, sb1c = sb1n;
+            finish(cur_stage, acc);
+            cur_stage = nxt_stage, sa0c = sa0n, sa1c = sa1n, sb0c = sb0n, sb1c = sb1n;
             ++kb;
             // acc2 holds block kb in flight.
             if (kb + 1 == work.kb_end) {
               ptx::wgmma_wait<0>();
-              finish(cur, acc2);
+              finish(cur_stage, acc2);
               break;
             }
-            nxt = ring;
+            nxt_stage = stage;
             start(acc, sa0n, sa1n, sb0n, sb1n);
             ptx::wgmma_wait<1>();
-            finish(cur, acc2);
-            cur = nxt, sa0c = sa0n, sa1c = sa1n, sb0c = sb0n, sb1c = sb1n;
+            finish(cur_stage, acc2);
+            cur_stage = nxt_stage, sa0c = sa0n, sa1c = sa1n, sb0c = sb0n, sb1c = sb1n;
             ++kb;
           }
         }
       } else {
         for (uint32_t kb = work.kb_begin; kb < work.kb_end; ++kb) {
           float sb0 = 0.0f, sb1 = 0.0f;
-          ptx::mbar_wait(ring.bar, ring.phase);
-          if constexpr (!kB1x128) read_sb(ring, sb0, sb1);
+          ptx::mbar_wait(full_bar_s + stage * 8, phase);
+          if constexpr (!kB1x128) read_sb(stage, sb0, sb1);
 
           // Read the scales of this stage before releasing it.
           float sa0[W], sa1[W];
 #pragma unroll
           for (int w = 0; w < W; ++w) {
-            sa0[w] = ptx::lds_f32(ring.sa + (w * 128 + r_frag) * 4);
-            sa1[w] = ptx::lds_f32(ring.sa + (w * 128 + r_frag + 8) * 4);
+            sa0[w] = smem_sa[stage * BLOCK_M + w * 128 + r_frag];
+            sa1[w] = smem_sa[stage * BLOCK_M + w * 128 + r_frag + 8];
           }
           float sbc[kB1x128 ? BLOCK_N / 4 : 1];  // 1d1d: s_b of columns 8j + c_frag + {0, 1}
           if constexpr (kB1x128) {
 #pragma unroll
             for (int j = 0; j < BLOCK_N / 8; ++j) {
-              const float2 v = ptx::lds_f32x2(ring.sb + (8 * j + c_frag) * 4);
+              const float2 v = *reinterpret_cast<const float2*>(&smem_sb[stage * BLOCK_N + 8 * j + c_frag]);
               sbc[2 * j] = v.x;
               sbc[2 * j + 1] = v.y;
             }
@@ -464,7 +442,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 
 #pragma unroll
           for (int w = 0; w < W; ++w) {
-            issue(ring, w, acc);
+            issue(stage, w, acc);
             if constexpr (kB1x128) {
               // NOTES: the 64 scale products s_a * s_b do not depend on the WGMMAs, and the
               // compiler placed them before the WGMMA issue, holding it back by 64 FMULs per K
@@ -482,8 +460,8 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
             for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
 
             if (w == W - 1) {
-              release(ring);
-              advance(ring);
+              release(stage);
+              if (++stage == STAGES) stage = 0, phase ^= 1;
             }
 
             // Promotion: final += (s_a * s_b) * acc, in FP32 on the CUDA cores.
