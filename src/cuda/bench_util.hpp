@@ -106,7 +106,8 @@ inline bool has_nan(const std::vector<double>& x) {
   return false;
 }
 
-// FP8MOE_BENCH_TILES="128x192,128x128/pipe,128x160/direct,128x192/f32,...": extra tiles timed on every case
+// FP8MOE_BENCH_TILES="128x192,128x128/pipe,128x160/direct,128x192/f32,128x128/pipe/r8,...": extra tiles
+// (/rN: N blocks per rasterization group) timed on every case
 // (where compiled for its kind), each checked bit for bit against the chosen tile's D.
 inline std::vector<GemmTile> extra_tiles_from_env() {
   std::vector<GemmTile> v;
@@ -125,16 +126,20 @@ inline std::vector<GemmTile> extra_tiles_from_env() {
     t.pipelined = item.find("/pipe") != std::string::npos;
     t.multicast = item.find("/mc2") != std::string::npos ? 2 : 1;
     t.f32_staging = item.find("/f32") != std::string::npos;
+    if (const size_t r = item.find("/r"); r != std::string::npos) t.raster_n = std::atoi(item.c_str() + r + 2);
+    if (t.raster_n < 1) continue;
     v.push_back(t);
   }
   return v;
 }
 
 inline std::string tile_name(const GemmTile& t) {
-  char b[64];
+  char b[80];
   std::snprintf(b, sizeof b, "%dx%d%s%s%s%s", t.block_m, t.block_n, t.tma_epilogue ? "" : "/direct",
                 t.multicast > 1 ? "/mc2" : "", t.pipelined ? "/pipe" : "", t.f32_staging ? "/f32" : "");
-  return b;
+  std::string name = b;
+  if (t.raster_n != GemmTile{}.raster_n) name += "/r" + std::to_string(t.raster_n);
+  return name;
 }
 
 inline double geomean(const std::vector<double>& v) {

@@ -32,6 +32,9 @@ struct GemmTile {
   // FP32 staging tile is twice the size and costs a pipeline stage. 1d1d (Wgrad) tiles always
   // stage FP32 and leave this false.
   bool f32_staging = false;
+  // N blocks per rasterization group of the tile scheduler (kernels/scheduler.cuh): the tiles in
+  // flight at once share at most this many B row-panels.
+  int raster_n = 16;
 };
 
 // A compiled tile as a type: gemm_launch.cuh instantiates the kernel for each entry of the lists
@@ -173,6 +176,13 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     // The FP32-staged variant of the same shape (256x128/direct has no staging tile).
     best.f32_staging = d_f32 && best.tma_epilogue;
   }
+  // Rasterization (dense only): groups of 16 N blocks unless their B row-panels (raster_n x BN x
+  // K bytes) would pass 24 MiB, about half the L2; then 8. Measured (H200, 2026-11-30, `fp8moe
+  // bench gemm --set m4096` with /r8 and /r32 tiles beside the chosen one, D bit-identical): at
+  // 4096x7168x16384 (2 MiB panels) 8 was 2.6% and 7.4% faster than 16 in two runs and 32 3%
+  // slower; at K <= 7168 8 and 16 were within 0.5% (32: up to 4% slower); the grouped GEMMs and
+  // the Wgrad at K = 4096 within noise, so they keep 16.
+  if (!grouped && int64_t(best.raster_n) * best.block_n * K > (int64_t(24) << 20)) best.raster_n = 8;
   return best;
 }
 

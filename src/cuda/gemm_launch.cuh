@@ -242,7 +242,10 @@ template <bool kB1x128, Grouping kG>
 void launch_gemm(const GemmTile& t, const GemmMaps& maps, const GemmKernelArgs& args, cudaStream_t stream,
                  const char* op) {
   using Tiles = std::conditional_t<kB1x128, Tiles1d1d, Tiles1d2d>;
-  const bool ok = launch_tile<kB1x128, kG>(t, maps, args, stream, static_cast<Tiles*>(nullptr));
+  FP8MOE_CHECK(t.raster_n >= 1, op << ": raster_n " << t.raster_n << " must be >= 1");
+  GemmKernelArgs a = args;
+  a.raster_n = uint32_t(t.raster_n);
+  const bool ok = launch_tile<kB1x128, kG>(t, maps, a, stream, static_cast<Tiles*>(nullptr));
   FP8MOE_CHECK(ok, op << ": tile " << t.block_m << "x" << t.block_n << (t.tma_epilogue ? "" : "/direct")
                       << (t.multicast > 1 ? "/mc2" : "") << (t.pipelined ? "/pipe" : "")
                       << (t.f32_staging ? "/f32" : "") << " is not compiled for "

@@ -117,6 +117,37 @@ TEST_F(CudaGemm, SmallIntegersExactForEveryTile) {
   }
 }
 
+// The tile scheduler's rasterization groups of raster_n N blocks (the last one narrower) cover
+// every tile once: D (starting NaN) equals the reference bit for bit for any width, multicast
+// pairs (phantom tiles past an odd M block count) included.
+TEST_F(CudaGemm, EveryRasterWidthCoversEveryTile) {
+  auto rng = make_rng();
+  const Case c{1200, 1040, 512};  // 10 x 9 tiles of 128x128 (8 of the last N block's columns real)
+  const SmallIntOperands o = small_int_operands(*be_, rng, c, false);
+  Tensor ref = Tensor::host(DType::bf16, {c.M, c.N});
+  gemm_fp8_ref(o.a.view(), o.b.view(), ref.view());
+  for (const cuda::GemmTile& base : cuda::gemm_tiles(false)) {
+    if (base.block_m != 128 || (base.block_n != 128 && base.block_n != 192)) continue;
+    for (int r : {1, 2, 3, 5, 16, 64}) {
+      cuda::GemmTile t = base;
+      t.raster_n = r;
+      PaddedD d(*be_, DType::bf16, c.M, c.N, 8, nullptr);
+      cuda::gemm_fp8_sm90(o.ad.view(), o.bd.view(), d.view, false, nullptr, &t);
+      be_->synchronize();
+      bool pads_ok = false;
+      Tensor got = d.fetch(*be_, pads_ok);
+      EXPECT_EQ(first_mismatch(got, ref), -1) << "tile " << t.block_m << "x" << t.block_n
+                                              << (t.multicast > 1 ? "/mc2" : "") << (t.pipelined ? "/pipe" : "")
+                                              << " raster_n " << r;
+      EXPECT_TRUE(pads_ok) << "raster_n " << r;
+    }
+  }
+  cuda::GemmTile zero = cuda::gemm_fp8_sm90_tile(c.M, c.N, c.K, false, true);
+  zero.raster_n = 0;
+  PaddedD d(*be_, DType::bf16, c.M, c.N, 8, nullptr);
+  EXPECT_THROW(cuda::gemm_fp8_sm90(o.ad.view(), o.bd.view(), d.view, false, nullptr, &zero), Error);
+}
+
 TEST_F(CudaGemm, RandomAgainstReferenceAndFp64) {
   auto rng = make_rng();
   // The last two pick the FP32-staged 128x128/pipe and 128x192 tiles (f32 D) on an H200, with M
@@ -332,6 +363,21 @@ TEST(CudaGemmHeuristic, F32DGetsTheFp32StagedTiles) {
   const cuda::GemmTile f = cuda::choose_gemm_tile(8192, 4096, 2048, false, 132, false, true);
   EXPECT_TRUE(b.block_n == 192 && !b.f32_staging);
   EXPECT_TRUE(f.block_n == 128 && f.pipelined && f.f32_staging);
+}
+
+TEST(CudaGemmHeuristic, RasterWidthFollowsThePanelSize) {
+  // Dense: 16 N blocks per group while their B panels stay within 24 MiB, else 8; grouped: 16.
+  const cuda::GemmTile k16 = cuda::choose_gemm_tile(4096, 7168, 16384, false, 132, false, false);
+  EXPECT_EQ(k16.block_n, 128);
+  EXPECT_EQ(k16.raster_n, 8);
+  EXPECT_EQ(cuda::choose_gemm_tile(8192, 4096, 16384, false, 132, false, true).raster_n, 8);
+  EXPECT_EQ(cuda::choose_gemm_tile(4096, 4096, 7168, false, 132, false, false).raster_n, 16);
+  EXPECT_EQ(cuda::choose_gemm_tile(4096, 2112, 7168, false, 132, false, false).raster_n, 16);
+  EXPECT_EQ(cuda::choose_gemm_tile(7168, 16384, 4096, true, 132, false, false).raster_n, 16);
+  EXPECT_EQ(cuda::choose_gemm_tile(32768, 4096, 16384, false, 132, true, false).raster_n, 16);
+  for (int64_t K : {128, 2048, 16384, 65536})
+    for (bool grouped : {false, true})
+      EXPECT_GE(cuda::choose_gemm_tile(4096, 4096, K, false, 132, grouped, false).raster_n, 1);
 }
 
 }  // namespace

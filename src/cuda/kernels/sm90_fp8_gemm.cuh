@@ -132,6 +132,7 @@ struct GemmKernelArgs {
   EpilogueArgs epi;
   uint32_t M, N, K;     // D rows, D columns (per group), K of the operands (k_grouped: R tokens)
   GroupArgs group;      // grouped kernels only
+  uint32_t raster_n = 16;  // N blocks per rasterization group of the tile scheduler (GemmTile::raster_n)
 };
 
 template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue, int kMC, bool kPipe, Grouping kG,
@@ -191,7 +192,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
   if constexpr (kMC > 1) ptx::cluster_sync();
   else __syncthreads();
 
-  const TileScheduler sched(sched_rows<kG, BLOCK_M>(args.M, args.group), args.N, BLOCK_M, BLOCK_N, kMC);
+  const TileScheduler sched(sched_rows<kG, BLOCK_M>(args.M, args.group), args.N, BLOCK_M, BLOCK_N, kMC, args.raster_n);
   const uint32_t num_k_blocks = args.K / kBlockK;
 
   if (threadIdx.x >= T::kNumMathThreads) {
