@@ -6,8 +6,10 @@
 // go to the larger tile (less global traffic). Small M thus gets narrow N tiles that spread B over
 // all SMs. Tiles of 128 rows and up then go through a wave model calibrated on measured times
 // (choose_gemm_tile): the pipelined 128x128, 128x192 (fewer waves for N = 2112, fewer epilogues
-// for short K) or 256x128; for f32 D the FP32-staged variants of the first two.
+// for short K), 192x128 (three math warpgroups: short K, bf16 D) or 256x128; for f32 D the
+// FP32-staged variants of the first two.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -49,6 +51,8 @@ using Tiles1d2d = std::tuple<TileConfig<64, 16>, TileConfig<64, 32>, TileConfig<
                              TileConfig<128, 128, true, 1, true>, TileConfig<128, 128, false, 1, true>,
                              TileConfig<128, 160, false>, TileConfig<128, 192>, TileConfig<128, 192, false>,
                              TileConfig<256, 128, false>,
+                             // Three math warpgroups (bf16 D, dense only).
+                             TileConfig<192, 128>,
                              // FP32 staging (f32 D), for the large-problem tiles only: 4 and 3 stages.
                              TileConfig<128, 128, true, 1, true, true>, TileConfig<128, 192, true, 1, false, true>>;
 // NOTES: a 1d1d 128x128 without the FP32 staging tiles (6 stages instead of 4, direct D += stores)
@@ -77,7 +81,7 @@ inline const std::vector<GemmTile>& gemm_tiles(bool b_1x128) {
 // warpgroup, [64, BLOCK_N] bf16 or f32 in boxes of 128 bytes per row), in stages of the A, B and
 // scale tiles of one 128-wide K block (1d2d: s_a and the pair of B block scales), at most 10.
 constexpr int gemm_tile_stages(const GemmTile& t, bool b_1x128) {
-  const int math_wg = t.block_m / 64 > 2 ? 2 : t.block_m / 64;
+  const int math_wg = t.block_m == 256 ? 2 : t.block_m / 64;
   const int waves = t.block_m / (64 * math_wg);
   const int stage_bytes = t.block_m * 128 + t.block_n * 128 + t.block_m * 4 + (b_1x128 ? t.block_n * 4 : 8);
   const int elem = b_1x128 || t.f32_staging ? 4 : 2;
@@ -120,6 +124,7 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     if ((!t.tma_epilogue && t.block_m != 256) || t.multicast != 1) continue;  // variants picked below
     if (t.f32_staging) continue;                                                // f32 D: chosen below
     if (t.pipelined || t.block_n > 128) continue;  // chosen below
+    if (t.block_m == 192) continue;                 // chosen below
     // 256-row tiles only pay off with long K (measured: for K <= 2048 the staged 128x128 epilogue
     // wins) and many rows.
     if (t.block_m == 256 && (grouped || M < 1024 || K < 4096)) continue;
@@ -170,7 +175,15 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     const double c128 = waves(128, 128) * (kb * 1.0 + 1.9 * ce);
     const double c192 = waves(128, 192) * (kb * 1.415 + 3.1 * ce) * (few_stages_192 ? kFewStagesMargin : 1.0);
     const double c256 = !grouped && K >= 4096 && M >= 1024 ? waves(256, 128) * (kb * 2.02 + 6.4 * ce) : 1e300;
-    if (c128 <= c192 && c128 <= c256) best = t128;
+    // 192x128 (three math warpgroups; bf16 D, dense): calibrated against the two above in the
+    // same runs (H200, 2026-11-30, M = 4096: per wave 0.575 us per K block + 0.78 us, where
+    // 128x128/pipe took 0.402 + 0.69), taken only when the model puts it 1% ahead: measured
+    // 4096x24576x1536 241.8 us against 255.6 (128x192), 4096x32768x512 132.6 against 145.0, and
+    // within 0.5% where the model calls a tie (4096x2112x7168, 4096x7168x2048); chosen, 8192x4096x2048
+    // 111.1 us (128x192 119.5, 128x128/pipe 114.1) and 8192x7168x2048 186.2 (199.7, 191.2).
+    const double c192x128 = !grouped && !d_f32 ? waves(192, 128) * (kb * 1.43 + 2.15) : 1e300;
+    if (c192x128 * 1.01 < std::min({c128, c192, c256})) best = {192, 128};
+    else if (c128 <= c192 && c128 <= c256) best = t128;
     else if (c192 <= c256) best = t192;
     else best = {256, 128, false, 1, false};
     // The FP32-staged variant of the same shape (256x128/direct has no staging tile).

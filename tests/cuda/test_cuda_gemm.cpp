@@ -358,11 +358,25 @@ TEST(CudaGemmHeuristic, F32DGetsTheFp32StagedTiles) {
               EXPECT_FALSE(tf.f32_staging) << what;
             }
           }
-  // The model's shared-expert Dgrad: bf16 D keeps 128x192, f32 D takes the 4-stage 128x128.
+  // The model's shared-expert Dgrad: bf16 D takes 192x128, f32 D the 4-stage 128x128.
   const cuda::GemmTile b = cuda::choose_gemm_tile(8192, 4096, 2048, false, 132, false, false);
   const cuda::GemmTile f = cuda::choose_gemm_tile(8192, 4096, 2048, false, 132, false, true);
-  EXPECT_TRUE(b.block_n == 192 && !b.f32_staging);
+  EXPECT_TRUE(b.block_m == 192 && b.block_n == 128 && !b.f32_staging);
   EXPECT_TRUE(f.block_n == 128 && f.pipelined && f.f32_staging);
+}
+
+TEST(CudaGemmHeuristic, ThreeWarpgroupTileForShortKWithBf16D) {
+  // Measured faster than 128x192 at these two shapes (bf16 D); f32 D and grouped GEMMs never get it.
+  for (auto [N, K] : {std::pair<int64_t, int64_t>{24576, 1536}, {32768, 512}}) {
+    const cuda::GemmTile t = cuda::choose_gemm_tile(4096, N, K, false, 132, false, false);
+    EXPECT_TRUE(t.block_m == 192 && t.block_n == 128 && t.tma_epilogue) << N << "x" << K;
+    EXPECT_NE(cuda::choose_gemm_tile(4096, N, K, false, 132, false, true).block_m, 192);
+    EXPECT_NE(cuda::choose_gemm_tile(4096, N, K, false, 132, true, false).block_m, 192);
+  }
+  // Ties and losses keep the tiles they had.
+  EXPECT_EQ(cuda::choose_gemm_tile(4096, 4096, 7168, false, 132, false, false).block_m, 128);
+  EXPECT_EQ(cuda::choose_gemm_tile(4096, 7168, 16384, false, 132, false, false).block_m, 128);
+  EXPECT_EQ(cuda::choose_gemm_tile(4096, 2112, 7168, false, 132, false, false).block_n, 192);
 }
 
 TEST(CudaGemmHeuristic, RasterWidthFollowsThePanelSize) {

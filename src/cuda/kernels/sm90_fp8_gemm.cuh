@@ -5,7 +5,7 @@
 //
 // Structure (as DeepGEMM's sm90 kernels): one producer warpgroup whose elected thread issues TMA
 // loads of A, B and the scales into a STAGES-deep shared-memory ring guarded by full/empty
-// mbarriers, and BLOCK_M/64 math warpgroups; each math warpgroup owns 64 rows of the
+// mbarriers, and BLOCK_M/64 math warpgroups (two for 256); each math warpgroup owns 64 rows of the
 // BLOCK_M x BLOCK_N tile. Per 128-wide K block it issues four m64nNk32 WGMMAs into `acc` (Tensor
 // Core accumulation, restarted from zero at each block), waits, releases the stage, and promotes:
 // final += (s_a * s_b) * acc in FP32 registers on the CUDA cores. Two math warpgroups alternate
@@ -51,12 +51,16 @@ struct GemmTraits {
   // kPipe: the WGMMAs of K block k+1 are issued before block k is promoted (two accumulator sets).
   static constexpr bool kPipelined = kPipe;
   static constexpr int kMulticast = kMC;  // CTAs per cluster sharing (multicasting) the B tile
-  // Up to two math warpgroups; BLOCK_M = 256 gives each of them two m64 "waves" (rows
-  // 64*wg + 128*w), sharing every B tile between four m64 WGMMA batches instead of two.
-  static constexpr int kNumMathWG = BLOCK_M / 64 > 2 ? 2 : BLOCK_M / 64;
+  // One math warpgroup per 64 rows up to BLOCK_M = 192 (three: every B tile shared by three
+  // m64 WGMMA batches); BLOCK_M = 256 gives two of them two m64 "waves" each (rows 64*wg + 128*w).
+  static constexpr int kNumMathWG = BLOCK_M == 256 ? 2 : BLOCK_M / 64;
   static constexpr int kWaves = BLOCK_M / (64 * kNumMathWG);
   static constexpr int kNumMathThreads = kNumMathWG * 128;
   static constexpr int kNumThreads = kNumMathThreads + 128;  // + producer warpgroup
+  // Registers per thread after the producer gives its share to the math warpgroups (setmaxnreg;
+  // 65536 per SM): 40 + 2 x 232 with two math warpgroups, 24 + 3 x 160 with three.
+  static constexpr int kProducerRegs = kNumMathWG == 3 ? 24 : 40;
+  static constexpr int kMathRegs = kNumMathWG == 3 ? 160 : 232;
   static constexpr int kSmemA = BLOCK_M * kBlockK;            // [BLOCK_M, 128] e4m3
   static constexpr int kSmemB = BLOCK_N * kBlockK;            // [BLOCK_N, 128] e4m3
   static constexpr int kSmemSA = BLOCK_M * 4;                 // [BLOCK_M] f32
@@ -83,7 +87,11 @@ struct GemmTraits {
   // Bytes the TMA loads deliver per stage (the 1d2d s_b pair is stored by the producer thread).
   static constexpr uint32_t kTxBytes = kStageBytes - (kB1x128 ? 0 : kSmemSB);
 
-  static_assert(BLOCK_M == 64 || BLOCK_M == 128 || BLOCK_M == 256, "BLOCK_M: 64, 128 or 256 (two waves)");
+  static_assert(BLOCK_M == 64 || BLOCK_M == 128 || BLOCK_M == 192 || BLOCK_M == 256,
+                "BLOCK_M: 64, 128, 192 (three math warpgroups) or 256 (two waves)");
+  static_assert(kNumMathWG < 3 || (!kB1x128 && !kPipe && kMC == 1 && BLOCK_N <= 128),
+                "three math warpgroups: 1d2d, one accumulator set of at most 128 columns (160 registers)");
+  static_assert(kProducerRegs * 128 + kMathRegs * kNumMathThreads <= 65536, "register file");
   static_assert(kWaves == 1 || (!kB1x128 && !kTmaEpilogue && kMC == 1),
                 "BLOCK_M = 256: 1d2d with the direct epilogue only (registers)");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 192, "BLOCK_N: a WGMMA N");
@@ -198,8 +206,8 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
   if (threadIdx.x >= T::kNumMathThreads) {
     // ---- producer warpgroup: one thread issues every TMA load ----
     // NOTES: with one math warpgroup (256 threads) every warp already has the 232 registers it
-    // needs, so the register pool is only rebalanced for two.
-    if constexpr (T::kNumMathWG > 1) ptx::setmaxnreg_dec<40>();
+    // needs, so the register pool is only rebalanced for two and three.
+    if constexpr (T::kNumMathWG > 1) ptx::setmaxnreg_dec<T::kProducerRegs>();
     if (threadIdx.x == T::kNumMathThreads) {
       uint32_t stage = 0, phase = 0;
       for (uint32_t tile = cluster_id; tile < sched.num_tiles; tile += num_clusters) {
@@ -259,7 +267,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     }
   } else {
     // ---- math warpgroups ----
-    if constexpr (T::kNumMathWG > 1) ptx::setmaxnreg_inc<232>();
+    if constexpr (T::kNumMathWG > 1) ptx::setmaxnreg_inc<T::kMathRegs>();
     constexpr int W = T::kWaves;
     // rows 64*wg + 128*w + [0, 64) of the tile. NOTES: read through a shuffle so that the compiler
     // knows it is warp-uniform and builds the WGMMA descriptors in uniform registers.
