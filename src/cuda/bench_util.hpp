@@ -133,15 +133,6 @@ inline std::vector<GemmTile> extra_tiles_from_env() {
   return v;
 }
 
-inline std::string tile_name(const GemmTile& t) {
-  char b[80];
-  std::snprintf(b, sizeof b, "%dx%d%s%s%s%s", t.block_m, t.block_n, t.tma_epilogue ? "" : "/direct",
-                t.multicast > 1 ? "/mc2" : "", t.pipelined ? "/pipe" : "", t.f32_staging ? "/f32" : "");
-  std::string name = b;
-  if (t.raster_n != GemmTile{}.raster_n) name += "/r" + std::to_string(t.raster_n);
-  return name;
-}
-
 inline double geomean(const std::vector<double>& v) {
   if (v.empty()) return double(NAN);
   double s = 0;

@@ -11,6 +11,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -38,6 +39,17 @@ struct GemmTile {
   // flight at once share at most this many B row-panels.
   int raster_n = 16;
 };
+
+// "128x128/pipe/f32/r8": the block shape, then the variants that differ from the defaults.
+inline std::string tile_name(const GemmTile& t) {
+  std::string s = std::to_string(t.block_m) + "x" + std::to_string(t.block_n);
+  if (!t.tma_epilogue) s += "/direct";
+  if (t.multicast > 1) s += "/mc" + std::to_string(t.multicast);
+  if (t.pipelined) s += "/pipe";
+  if (t.f32_staging) s += "/f32";
+  if (t.raster_n != GemmTile{}.raster_n) s += "/r" + std::to_string(t.raster_n);
+  return s;
+}
 
 // A compiled tile as a type: gemm_launch.cuh instantiates the kernel for each entry of the lists
 // below, and gemm_tiles() lists the same shapes at run time.

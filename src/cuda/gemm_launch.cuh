@@ -139,8 +139,7 @@ struct GemmMaps {
 // Values [rows, K] e4m3, boxes [box_rows, 128] 128B-swizzled (K-major tiles for WGMMA).
 // A tile forced on a grouped GEMM must be one the grouped kernels run.
 inline void check_grouped_tile(const GemmTile& t, bool b_1x128, const char* op) {
-  FP8MOE_CHECK(grouped_tile_ok(t, b_1x128), op << ": tile " << t.block_m << "x" << t.block_n
-                                      << (t.pipelined ? "/pipe" : "")
+  FP8MOE_CHECK(grouped_tile_ok(t, b_1x128), op << ": tile " << tile_name(t)
                                       << " unsupported (grouped tiles have at most 128 rows and no multicast; the"
                                          " K-grouped Wgrad has no pipelined mainloop)");
 }
@@ -246,9 +245,7 @@ void launch_gemm(const GemmTile& t, const GemmMaps& maps, const GemmKernelArgs& 
   GemmKernelArgs a = args;
   a.raster_n = uint32_t(t.raster_n);
   const bool ok = launch_tile<kB1x128, kG>(t, maps, a, stream, static_cast<Tiles*>(nullptr));
-  FP8MOE_CHECK(ok, op << ": tile " << t.block_m << "x" << t.block_n << (t.tma_epilogue ? "" : "/direct")
-                      << (t.multicast > 1 ? "/mc2" : "") << (t.pipelined ? "/pipe" : "")
-                      << (t.f32_staging ? "/f32" : "") << " is not compiled for "
+  FP8MOE_CHECK(ok, op << ": tile " << tile_name(t) << " is not compiled for "
                       << (kB1x128 ? "1x128" : "128x128") << " B scales"
                       << (kG == Grouping::none ? "" : " in the grouped kernels"));
 }

@@ -90,10 +90,8 @@ void expect_every_tile_exact(Backend& be, const QuantizedTensor& ad, const Quant
     bool pads_ok = false;
     Tensor got = d.fetch(be, pads_ok);
     const int64_t mis = first_mismatch(got, ref);
-    const std::string tile = std::string(b_1x128 ? "1d1d" : "1d2d") + " tile " + std::to_string(t.block_m) + "x" +
-                             std::to_string(t.block_n) + (t.tma_epilogue ? "" : "/direct") +
-                             (t.multicast > 1 ? "/mc2" : "") + (t.pipelined ? "/pipe" : "") +
-                             (t.f32_staging ? "/f32" : "") + (init ? " (D +=)" : "");
+    const std::string tile =
+        std::string(b_1x128 ? "1d1d" : "1d2d") + " tile " + cuda::tile_name(t) + (init ? " (D +=)" : "");
     EXPECT_EQ(mis, -1) << tile << " M=" << c.M << " N=" << c.N << " K=" << c.K << " " << dtype_name(dt)
                        << ": first mismatch at [" << (mis >= 0 ? mis / c.N : 0) << ", " << (mis >= 0 ? mis % c.N : 0)
                        << "] got " << (mis >= 0 ? load_float(got.view(), mis) : 0) << " want "
@@ -136,9 +134,7 @@ TEST_F(CudaGemm, EveryRasterWidthCoversEveryTile) {
       be_->synchronize();
       bool pads_ok = false;
       Tensor got = d.fetch(*be_, pads_ok);
-      EXPECT_EQ(first_mismatch(got, ref), -1) << "tile " << t.block_m << "x" << t.block_n
-                                              << (t.multicast > 1 ? "/mc2" : "") << (t.pipelined ? "/pipe" : "")
-                                              << " raster_n " << r;
+      EXPECT_EQ(first_mismatch(got, ref), -1) << "tile " << cuda::tile_name(t);
       EXPECT_TRUE(pads_ok) << "raster_n " << r;
     }
   }
@@ -186,8 +182,7 @@ TEST_F(CudaGemm, RandomAgainstReferenceAndFp64) {
       // so against ideal FP32 promotion the error is above FP32 rounding; it is bounded here and
       // printed, together with the distance to the emulated Tensor Core accumulation.
       const cuda::GemmTile t = cuda::gemm_fp8_sm90_tile(c.M, c.N, c.K, b_1x128, true);
-      const std::string tile = std::to_string(t.block_m) + "x" + std::to_string(t.block_n) +
-                               (t.pipelined ? "/pipe" : "") + (t.f32_staging ? "/f32" : "");
+      const std::string tile = cuda::tile_name(t);
       EXPECT_LT(kerr, 1e-3) << "kernel error vs CPU reference, M=" << c.M << " N=" << c.N << " K=" << c.K << " tile " << tile;
       EXPECT_LT(cd, 1e-3) << "calc_diff vs unquantized product, M=" << c.M << " N=" << c.N << " K=" << c.K << " tile " << tile;
       std::cout << "[ info     ] " << (b_1x128 ? "1d1d" : "1d2d") << " M=" << c.M << " N=" << c.N << " K=" << c.K << " tile " << tile

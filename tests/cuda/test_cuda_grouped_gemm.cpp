@@ -24,11 +24,6 @@ namespace {
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-std::string tile_str(const cuda::GemmTile& t) {
-  return std::to_string(t.block_m) + "x" + std::to_string(t.block_n) + (t.tma_epilogue ? "" : "/direct") +
-         (t.pipelined ? "/pipe" : "") + (t.f32_staging ? "/f32" : "");
-}
-
 std::vector<cuda::GemmTile> grouped_tiles(bool b_1x128) {
   std::vector<cuda::GemmTile> v;
   for (const cuda::GemmTile& t : cuda::gemm_tiles(b_1x128))
@@ -125,7 +120,7 @@ TEST_F(CudaGroupedGemm, ContiguousSmallIntegersExactForEveryTile) {
         Tensor d = poisoned(*be_, dt, R, c.N);
         cuda::grouped_gemm_fp8_contiguous_cuda(ad, bd, rgd, c.G, d, false, nullptr, &t);
         expect_same_bits(be_->to_host(d), want,
-                         "contiguous " + c.str() + " " + std::string(dtype_name(dt)) + " tile " + tile_str(t));
+                         "contiguous " + c.str() + " " + std::string(dtype_name(dt)) + " tile " + cuda::tile_name(t));
       }
     }
   }
@@ -157,7 +152,7 @@ TEST_F(CudaGroupedGemm, ContiguousAccumulatesAndLeavesPaddingForEveryTile) {
     for (const cuda::GemmTile& t : grouped_tiles(false)) {
       Tensor d = to_device(*be_, d0);
       cuda::grouped_gemm_fp8_contiguous_cuda(ad, bd, rgd, c.G, d, true, nullptr, &t);
-      expect_same_bits(be_->to_host(d), want, "contiguous accumulate " + c.str() + " tile " + tile_str(t));
+      expect_same_bits(be_->to_host(d), want, "contiguous accumulate " + c.str() + " tile " + cuda::tile_name(t));
     }
   }
 }
@@ -192,7 +187,7 @@ TEST_F(CudaGroupedGemm, ContiguousRandomAgainstReference) {
       be_->grouped_gemm_fp8_contiguous(ad, bd, rgd, c.G, d, {});
       check_random(be_->to_host(d), want, exact,
                    "contiguous " + c.str() + " " + std::string(dtype_name(dt)) + " tile " +
-                       tile_str(cuda::grouped_gemm_tile(R, N, K, false, dt == DType::f32)));
+                       cuda::tile_name(cuda::grouped_gemm_tile(R, N, K, false, dt == DType::f32)));
     }
   }
 }
@@ -235,7 +230,7 @@ TEST_F(CudaGroupedGemm, MaskedSmallIntegersExactForEveryTile) {
         Tensor d = poisoned(*be_, dt, c.G * c.Mmax, c.N);
         cuda::grouped_gemm_fp8_masked_cuda(ad, bd, cntd, c.G, d, false, nullptr, &t);
         expect_same_bits(be_->to_host(d), want,
-                         "masked " + c.str() + " counts" + cs + " " + std::string(dtype_name(dt)) + " tile " + tile_str(t));
+                         "masked " + c.str() + " counts" + cs + " " + std::string(dtype_name(dt)) + " tile " + cuda::tile_name(t));
       }
     }
   }
@@ -353,10 +348,10 @@ TEST_F(CudaGroupedGemm, WgradSmallIntegersExactForEveryTile) {
     for (const cuda::GemmTile& t : grouped_tiles(true)) {
       Tensor d = poisoned(*be_, DType::f32, G * c.N, c.K);
       cuda::grouped_wgrad_fp8_cuda(dyd, xd, offd, d, false, nullptr, &t);
-      expect_same_bits(be_->to_host(d), want, "wgrad " + c.str() + " tile " + tile_str(t));
+      expect_same_bits(be_->to_host(d), want, "wgrad " + c.str() + " tile " + cuda::tile_name(t));
       Tensor da = to_device(*be_, d0);
       cuda::grouped_wgrad_fp8_cuda(dyd, xd, offd, da, true, nullptr, &t);
-      expect_same_bits(be_->to_host(da), want_acc, "wgrad accumulate " + c.str() + " tile " + tile_str(t));
+      expect_same_bits(be_->to_host(da), want_acc, "wgrad accumulate " + c.str() + " tile " + cuda::tile_name(t));
     }
   }
 }

@@ -140,7 +140,7 @@ struct GemmKernelArgs {
   EpilogueArgs epi;
   uint32_t M, N, K;     // D rows, D columns (per group), K of the operands (k_grouped: R tokens)
   GroupArgs group;      // grouped kernels only
-  uint32_t raster_n = 16;  // N blocks per rasterization group of the tile scheduler (GemmTile::raster_n)
+  uint32_t raster_n;    // N blocks per rasterization group of the tile scheduler (launch_gemm: GemmTile::raster_n)
 };
 
 template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue, int kMC, bool kPipe, Grouping kG,
