@@ -6,8 +6,8 @@
 // go to the larger tile (less global traffic). Small M thus gets narrow N tiles that spread B over
 // all SMs. Tiles of 128 rows and up then go through a wave model calibrated on measured times
 // (choose_gemm_tile): the pipelined 128x128, 128x192 (fewer waves for N = 2112, fewer epilogues
-// for short K), 192x128 (three math warpgroups: short K, bf16 D) or 256x128; for f32 D the
-// FP32-staged variants of the first two.
+// for short K), 192x128 (three math warpgroups: short K) or 256x128; for f32 D the FP32-staged
+// variants of the first three.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -63,10 +63,11 @@ using Tiles1d2d = std::tuple<TileConfig<64, 16>, TileConfig<64, 32>, TileConfig<
                              TileConfig<128, 128, true, 1, true>, TileConfig<128, 128, false, 1, true>,
                              TileConfig<128, 160, false>, TileConfig<128, 192>, TileConfig<128, 192, false>,
                              TileConfig<256, 128, false>,
-                             // Three math warpgroups (bf16 D, dense only).
+                             // Three math warpgroups (dense only).
                              TileConfig<192, 128>,
-                             // FP32 staging (f32 D), for the large-problem tiles only: 4 and 3 stages.
-                             TileConfig<128, 128, true, 1, true, true>, TileConfig<128, 192, true, 1, false, true>>;
+                             // FP32 staging (f32 D), for the large-problem tiles only: 4, 3 and 4 stages.
+                             TileConfig<128, 128, true, 1, true, true>, TileConfig<128, 192, true, 1, false, true>,
+                             TileConfig<192, 128, true, 1, false, true>>;
 // NOTES: a 1d1d 128x128 without the FP32 staging tiles (6 stages instead of 4, direct D += stores)
 // measured 0.66-0.80x the staged tile on the Wgrad shapes (H200, 2026-11-30), so it is not compiled.
 // 128x128/pipe (1d1d) is for `fp8moe bench gemm` only (FP8MOE_BENCH_TILES): measured 0.87x the
@@ -90,7 +91,8 @@ inline const std::vector<GemmTile>& gemm_tiles(bool b_1x128) {
 
 // Pipeline stages of a compiled tile, as GemmTraits computes them (gemm_launch.cuh asserts that
 // the two agree): the shared memory left after the epilogue's staging tiles (one per math
-// warpgroup, [64, BLOCK_N] bf16 or f32 in boxes of 128 bytes per row), in stages of the A, B and
+// warpgroup, [64, BLOCK_N] bf16 or f32 in boxes of 128 bytes per row; half of it for three
+// warpgroups staging f32, which store in two passes), in stages of the A, B and
 // scale tiles of one 128-wide K block (1d2d: s_a and the pair of B block scales), at most 10.
 constexpr int gemm_tile_stages(const GemmTile& t, bool b_1x128) {
   const int math_wg = t.block_m == 256 ? 2 : t.block_m / 64;
@@ -99,7 +101,8 @@ constexpr int gemm_tile_stages(const GemmTile& t, bool b_1x128) {
   const int elem = b_1x128 || t.f32_staging ? 4 : 2;
   const int boxes = (t.block_n * elem + 127) / 128;
   const bool staged = t.tma_epilogue && waves == 1 && t.block_n % (128 / elem) == 0;
-  const int staging = staged ? math_wg * boxes * 64 * 128 : 0;
+  const int passes = math_wg == 3 && elem == 4 ? 2 : 1;
+  const int staging = staged ? math_wg * boxes * 64 * 128 / passes : 0;
   const int s = (232448 - 1024 - 512 - staging) / stage_bytes;
   return s > 10 ? 10 : s;
 }
@@ -187,13 +190,18 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     const double c128 = waves(128, 128) * (kb * 1.0 + 1.9 * ce);
     const double c192 = waves(128, 192) * (kb * 1.415 + 3.1 * ce) * (few_stages_192 ? kFewStagesMargin : 1.0);
     const double c256 = !grouped && K >= 4096 && M >= 1024 ? waves(256, 128) * (kb * 2.02 + 6.4 * ce) : 1e300;
-    // 192x128 (three math warpgroups; bf16 D, dense): calibrated against the two above in the
-    // same runs (H200, 2026-11-30, M = 4096: per wave 0.575 us per K block + 0.78 us, where
+    // 192x128 (three math warpgroups, dense): calibrated against the two above in the same runs
+    // (H200, 2026-11-30, M = 4096, bf16 D: per wave 0.575 us per K block + 0.78 us, where
     // 128x128/pipe took 0.402 + 0.69), taken only when the model puts it 1% ahead: measured
     // 4096x24576x1536 241.8 us against 255.6 (128x192), 4096x32768x512 132.6 against 145.0, and
     // within 0.5% where the model calls a tie (4096x2112x7168, 4096x7168x2048); chosen, 8192x4096x2048
     // 111.1 us (128x192 119.5, 128x128/pipe 114.1) and 8192x7168x2048 186.2 (199.7, 191.2).
-    const double c192x128 = !grouped && !d_f32 ? waves(192, 128) * (kb * 1.43 + 2.15) : 1e300;
+    // f32 D (192x128/f32: half-tile FP32 staging, two store passes, 4 stages), measured on the gemm
+    // config's f32-D shapes (`FP8MOE_BENCH_TILES=192x128/f32,128x128/pipe/f32,128x192/f32 fp8moe
+    // bench gemm --shapes fprop32:...`): 4-12% faster than the better of the other two on 9 of
+    // 10 (8192x6144x1536 146 us against 158, D += 8192x4096x2048 164 against 179), 1.3% slower at
+    // 8192x2048x4096, where the model keeps 128x128/pipe/f32.
+    const double c192x128 = !grouped ? waves(192, 128) * (kb * 1.43 + 2.15 * ce) : 1e300;
     if (c192x128 * 1.01 < std::min({c128, c192, c256})) best = {192, 128};
     else if (c128 <= c192 && c128 <= c256) best = t128;
     else if (c192 <= c256) best = t192;

@@ -324,6 +324,9 @@ TEST(CudaGemmHeuristic, F32DGetsTheFp32StagedTiles) {
   EXPECT_EQ(cuda::gemm_tile_stages({128, 192, true, 1, false, true}, false), 3);
   EXPECT_EQ(cuda::gemm_tile_stages({128, 128, true, 1, true}, false), 5);
   EXPECT_EQ(cuda::gemm_tile_stages({128, 192}, false), 4);
+  // Three math warpgroups: bf16 staging, or FP32 staged in two passes of half a tile; 4 stages.
+  EXPECT_EQ(cuda::gemm_tile_stages({192, 128}, false), 4);
+  EXPECT_EQ(cuda::gemm_tile_stages({192, 128, true, 1, false, true}, false), 4);
   // Wgrad (1d1d): FP32 staging leaves 4 stages.
   EXPECT_EQ(cuda::gemm_tile_stages({128, 128}, true), 4);
   const int64_t Ms[] = {1, 64, 200, 1000, 4096, 8192};
@@ -353,20 +356,26 @@ TEST(CudaGemmHeuristic, F32DGetsTheFp32StagedTiles) {
               EXPECT_FALSE(tf.f32_staging) << what;
             }
           }
-  // The model's shared-expert Dgrad: bf16 D takes 192x128, f32 D the 4-stage 128x128.
+  // The model's shared-expert Dgrad: 192x128, staging bf16 or FP32 as D.
   const cuda::GemmTile b = cuda::choose_gemm_tile(8192, 4096, 2048, false, 132, false, false);
   const cuda::GemmTile f = cuda::choose_gemm_tile(8192, 4096, 2048, false, 132, false, true);
   EXPECT_TRUE(b.block_m == 192 && b.block_n == 128 && !b.f32_staging);
-  EXPECT_TRUE(f.block_n == 128 && f.pipelined && f.f32_staging);
+  EXPECT_TRUE(f.block_m == 192 && f.block_n == 128 && f.f32_staging);
+  // The shared expert's gate/up (N = 2048: 11 waves of 192-row tiles against 8 of 128-row ones).
+  const cuda::GemmTile g = cuda::choose_gemm_tile(8192, 2048, 4096, false, 132, false, true);
+  EXPECT_TRUE(g.block_m == 128 && g.block_n == 128 && g.pipelined && g.f32_staging);
 }
 
-TEST(CudaGemmHeuristic, ThreeWarpgroupTileForShortKWithBf16D) {
-  // Measured faster than 128x192 at these two shapes (bf16 D); f32 D and grouped GEMMs never get it.
+TEST(CudaGemmHeuristic, ThreeWarpgroupTileForShortK) {
+  // Measured faster than 128x192 and 128x128/pipe at these two shapes, bf16 D and f32 D (FP32
+  // staging); the grouped GEMMs never get it.
   for (auto [N, K] : {std::pair<int64_t, int64_t>{24576, 1536}, {32768, 512}}) {
     const cuda::GemmTile t = cuda::choose_gemm_tile(4096, N, K, false, 132, false, false);
-    EXPECT_TRUE(t.block_m == 192 && t.block_n == 128 && t.tma_epilogue) << N << "x" << K;
-    EXPECT_NE(cuda::choose_gemm_tile(4096, N, K, false, 132, false, true).block_m, 192);
+    EXPECT_TRUE(t.block_m == 192 && t.block_n == 128 && t.tma_epilogue && !t.f32_staging) << N << "x" << K;
+    const cuda::GemmTile f = cuda::choose_gemm_tile(4096, N, K, false, 132, false, true);
+    EXPECT_TRUE(f.block_m == 192 && f.f32_staging) << N << "x" << K;
     EXPECT_NE(cuda::choose_gemm_tile(4096, N, K, false, 132, true, false).block_m, 192);
+    EXPECT_NE(cuda::choose_gemm_tile(4096, N, K, false, 132, true, true).block_m, 192);
   }
   // Ties and losses keep the tiles they had.
   EXPECT_EQ(cuda::choose_gemm_tile(4096, 4096, 7168, false, 132, false, false).block_m, 128);

@@ -69,28 +69,33 @@ __device__ __forceinline__ void store_fragment(const float (&acc)[BLOCK_N / 2], 
 
 // Shared-memory staging tile of one warpgroup: kBoxes boxes of [64 rows, 128 bytes], each
 // 128B-swizzled (16-byte chunk c of row r stored at chunk c ^ (r % 8)), the layout a TMA store with
-// CU_TENSOR_MAP_SWIZZLE_128B and box [64, 128 / sizeof(OutT)] reads.
+// CU_TENSOR_MAP_SWIZZLE_128B and box [64, 128 / sizeof(OutT)] reads. With kPasses = 2 the tile
+// holds half the boxes and the epilogue stages and stores the two halves of the columns in turn.
 // NOTES: the swizzle makes the 8 rows a warp writes at once land in 8 different bank groups.
-template <int BLOCK_N, bool kF32>
+template <int BLOCK_N, bool kF32, int kPasses = 1>
 struct StagingTile {
   static constexpr int kElemBytes = kF32 ? 4 : 2;
   static constexpr int kBoxCols = 128 / kElemBytes;      // columns per box
   static constexpr int kBoxes = (BLOCK_N * kElemBytes + 127) / 128;
+  static constexpr int kPassBoxes = kBoxes / kPasses;    // boxes staged at once
   static constexpr int kBoxBytes = 64 * 128;
-  static constexpr int kBytes = kBoxes * kBoxBytes;      // per warpgroup
+  static constexpr int kBytes = kPassBoxes * kBoxBytes;  // per warpgroup
+  static_assert(kBoxes % kPasses == 0, "staging passes of whole boxes");
 };
 
 // r: row in the warpgroup's 64 rows (16*warp + lane/4); c: column of d[0] in the tile (2*(lane%4)).
-template <int BLOCK_N, bool kF32>
+// Stages the columns of pass kPass (boxes [kPass * kPassBoxes, ...)) at the start of smem.
+template <int BLOCK_N, bool kF32, int kPasses = 1, int kPass = 0>
 __device__ __forceinline__ void stage_fragment(const float (&acc)[BLOCK_N / 2], uint8_t* smem, uint32_t r0,
                                                uint32_t c0) {
-  using S = StagingTile<BLOCK_N, kF32>;
+  using S = StagingTile<BLOCK_N, kF32, kPasses>;
+  constexpr int kJ = BLOCK_N / 8 / kPasses;  // 8-column groups per pass
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const uint32_t r = r0 + 8 * i;
 #pragma unroll
-    for (int j = 0; j < BLOCK_N / 8; ++j) {
-      const uint32_t c = c0 + 8 * j;
+    for (int j = kPass * kJ; j < (kPass + 1) * kJ; ++j) {
+      const uint32_t c = c0 + 8 * j - kPass * kJ * 8;
       const uint32_t box = c / S::kBoxCols;
       const uint32_t byte = (c % S::kBoxCols) * S::kElemBytes;
       const uint32_t addr = box * S::kBoxBytes + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16;

@@ -16,7 +16,8 @@
 // compile-time boundary. The grid is persistent (one CTA per SM), tiles come from TileScheduler.
 //
 // Shared memory: per math warpgroup a staging tile for the epilogue (1d2d: bf16, or f32 for the
-// kF32Stg variants; 1d1d: f32; StagingTile in epilogue.cuh), then per stage: A tile [BLOCK_M, 128] e4m3 (128B-swizzled,
+// kF32Stg variants; 1d1d: f32; StagingTile in epilogue.cuh; half a tile, stored in two passes, for
+// three warpgroups staging f32), then per stage: A tile [BLOCK_M, 128] e4m3 (128B-swizzled,
 // K-major), B tile [BLOCK_N, 128] e4m3, s_a [BLOCK_M] f32, and s_b: for 1d1d [BLOCK_N] f32 (TMA),
 // for 1d2d the two 128x128-block scales a tile may meet (stored by the producer thread).
 // Epilogue: when D's dtype is the staging dtype and its rows are 16-byte aligned, each math
@@ -33,6 +34,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "epilogue.cuh"
 #include "grouping.cuh"
@@ -72,7 +74,10 @@ struct GemmTraits {
   static constexpr int kStageBytes = kSmemA + kSmemB + kSmemSA + kSmemSB;
   // Epilogue staging dtype: f32 (Wgrad; 1d2d kF32Stg variants, for f32 D) or bf16 (1d2d).
   static constexpr bool kStageF32 = kB1x128 || kF32Stg;
-  using Staging = StagingTile<BLOCK_N, kStageF32>;
+  // Three math warpgroups staging FP32 hold half a tile each and store it in two passes, so that
+  // the ring keeps 4 stages (three whole FP32 tiles, 96 KiB, would leave 3).
+  static constexpr int kStagingPasses = kNumMathWG == 3 && kStageF32 ? 2 : 1;
+  using Staging = StagingTile<BLOCK_N, kStageF32, kStagingPasses>;
   // TMA-store epilogue only for tiles at least one 128-byte box wide.
   // NOTES: the staging tiles cost pipeline stages (128x128 1d2d: 5 instead of 6); for long K the
   // mainloop matters more than the epilogue, so the host may pick the variant without them.
@@ -505,25 +510,31 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         using S = typename T::Staging;
         uint8_t* stg = smem_stg + wg * S::kBytes;
         const bool leader = threadIdx.x % 128 == 0;
-        // The previous tile's TMA store must have read the staging tile before it is rewritten.
-        if (leader) ptx::bulk_wait_read();
-        ptx::named_barrier_sync(1 + wg, 128);
-        stage_fragment<BLOCK_N, T::kStageF32>(final_acc[0], stg, (warp % 4) * 16 + lane / 4, c_frag);
-        ptx::fence_proxy_async_smem();
-        ptx::named_barrier_sync(1 + wg, 128);
-        const uint32_t row0 = m0 + wg * 64;
-        if (leader && row0 < args.M) {
+        auto stage_and_store = [&](auto pass) {
+          constexpr int kPass = decltype(pass)::value;
+          // The previous TMA store must have read the staging tile before it is rewritten.
+          if (leader) ptx::bulk_wait_read();
+          ptx::named_barrier_sync(1 + wg, 128);
+          stage_fragment<BLOCK_N, T::kStageF32, T::kStagingPasses, kPass>(final_acc[0], stg, (warp % 4) * 16 + lane / 4,
+                                                                          c_frag);
+          ptx::fence_proxy_async_smem();
+          ptx::named_barrier_sync(1 + wg, 128);
+          const uint32_t row0 = m0 + wg * 64;
+          if (leader && row0 < args.M) {
 #pragma unroll
-          for (int b = 0; b < S::kBoxes; ++b) {
-            const uint32_t col0 = n0 + b * S::kBoxCols;
-            if (col0 >= args.N) break;
-            if (args.epi.accumulate)
-              ptx::tma_reduce_add_2d(&tmap_d, stg + b * S::kBoxBytes, int32_t(col0), int32_t(row0));
-            else
-              ptx::tma_store_2d(&tmap_d, stg + b * S::kBoxBytes, int32_t(col0), int32_t(row0));
+            for (int b = 0; b < S::kPassBoxes; ++b) {
+              const uint32_t col0 = n0 + (kPass * S::kPassBoxes + b) * S::kBoxCols;
+              if (col0 >= args.N) break;
+              if (args.epi.accumulate)
+                ptx::tma_reduce_add_2d(&tmap_d, stg + b * S::kBoxBytes, int32_t(col0), int32_t(row0));
+              else
+                ptx::tma_store_2d(&tmap_d, stg + b * S::kBoxBytes, int32_t(col0), int32_t(row0));
+            }
+            ptx::bulk_commit();
           }
-          ptx::bulk_commit();
-        }
+        };
+        stage_and_store(std::integral_constant<int, 0>{});
+        if constexpr (T::kStagingPasses == 2) stage_and_store(std::integral_constant<int, 1>{});
       } else {
 #pragma unroll
         for (int w = 0; w < W; ++w)
