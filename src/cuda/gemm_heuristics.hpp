@@ -198,7 +198,7 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     // 111.1 us (128x192 119.5, 128x128/pipe 114.1) and 8192x7168x2048 186.2 (199.7, 191.2).
     // f32 D (192x128/f32: half-tile FP32 staging, two store passes, 4 stages), measured on the gemm
     // config's f32-D shapes (`FP8MOE_BENCH_TILES=192x128/f32,128x128/pipe/f32,128x192/f32 fp8moe
-    // bench gemm --shapes fprop32:...`): 4-12% faster than the better of the other two on 9 of
+    // bench gemm --shapes fprop32:...`): 3-12% faster than the better of the other two on 9 of
     // 10 (8192x6144x1536 146 us against 158, D += 8192x4096x2048 164 against 179), 1.3% slower at
     // 8192x2048x4096, where the model keeps 128x128/pipe/f32.
     const double c192x128 = !grouped ? waves(192, 128) * (kb * 1.43 + 2.15 * ce) : 1e300;

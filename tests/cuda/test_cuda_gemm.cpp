@@ -361,7 +361,7 @@ TEST(CudaGemmHeuristic, F32DGetsTheFp32StagedTiles) {
   const cuda::GemmTile f = cuda::choose_gemm_tile(8192, 4096, 2048, false, 132, false, true);
   EXPECT_TRUE(b.block_m == 192 && b.block_n == 128 && !b.f32_staging);
   EXPECT_TRUE(f.block_m == 192 && f.block_n == 128 && f.f32_staging);
-  // The shared expert's gate/up (N = 2048: 11 waves of 192-row tiles against 8 of 128-row ones).
+  // The shared expert's gate/up (N = 2048: 6 waves of 192-row tiles, the last a fifth full, against 8).
   const cuda::GemmTile g = cuda::choose_gemm_tile(8192, 2048, 4096, false, 132, false, true);
   EXPECT_TRUE(g.block_m == 128 && g.block_n == 128 && g.pipelined && g.f32_staging);
 }
