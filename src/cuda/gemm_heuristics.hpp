@@ -32,7 +32,8 @@ struct GemmTile {
   bool pipelined = false;
   // 1d2d: the TMA-store epilogue stages FP32 (for f32 D: TMA store, or TMA reduce-add for D +=);
   // else BF16 (for bf16 D). A D of the other dtype takes the direct global-store epilogue. The
-  // FP32 staging tile is twice the size and costs a pipeline stage. 1d1d (Wgrad) tiles always
+  // FP32 staging tile is twice the size and costs a pipeline stage (192x128/f32 stages half of it
+  // at a time, in two store passes, and keeps its 4 stages). 1d1d (Wgrad) tiles always
   // stage FP32 and leave this false.
   bool f32_staging = false;
   // N blocks per rasterization group of the tile scheduler (kernels/scheduler.cuh): the tiles in

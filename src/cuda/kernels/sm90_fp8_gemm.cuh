@@ -8,8 +8,8 @@
 // mbarriers, and BLOCK_M/64 math warpgroups (two for 256); each math warpgroup owns 64 rows of the
 // BLOCK_M x BLOCK_N tile. Per 128-wide K block it issues four m64nNk32 WGMMAs into `acc` (Tensor
 // Core accumulation, restarted from zero at each block), waits, releases the stage, and promotes:
-// final += (s_a * s_b) * acc in FP32 registers on the CUDA cores. Two math warpgroups alternate
-// naturally: while one promotes, the other's WGMMAs run. The pipelined variant (kPipe, 1d2d)
+// final += (s_a * s_b) * acc in FP32 registers on the CUDA cores. Two (or three) math warpgroups
+// alternate naturally: while one promotes, the others' WGMMAs run. The pipelined variant (kPipe, 1d2d)
 // keeps two accumulator sets per warpgroup and queues block k+1's WGMMAs before promoting block k
 // (wgmma.wait_group 1), so the Tensor Cores never wait for a promotion. 1d2d tiles of BLOCK_N
 // 160/192 meet two 128-row scale blocks of B; the promotion picks s_b per column group through a
