@@ -131,9 +131,10 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   const cudaDeviceProp& prop = device_props();
   FP8MOE_CHECK(sm90_available(), "bench gemm: needs a Hopper GPU (sm_90), found " << prop.name);
   uint64_t seed = opt.seed ? opt.seed : (uint64_t(std::random_device{}()) << 32 | std::random_device{}());
-  std::printf("# fp8moe bench gemm on %s (%d SMs), seed %llu, median of %d (warm-up %d, L2 flushed)\n", prop.name,
-              prop.multiProcessorCount, (unsigned long long)seed, opt.iters, opt.warmup);
   Timer timer;
+  std::printf("# fp8moe bench gemm on %s (%d SMs), seed %llu, median of %d (warm-up %d, L2 flushed: %s)\n", prop.name,
+              prop.multiProcessorCount, (unsigned long long)seed, opt.iters, opt.warmup,
+              timer.default_mode == Flush::clean ? "clean" : "dirty");
   if (opt.set == "emulated") {
     const bool ok = emulated_rows(opt, seed, timer);
     std::printf("# correctness: %s\n", ok ? "all passed" : "FAILURES (see FAIL rows)");
@@ -357,7 +358,7 @@ int run_quant_bench(const QuantBenchOptions& opt) {
   const cudaDeviceProp& prop = device_props();
   const int64_t T = opt.tokens, C = opt.channels;
   const uint64_t seed = (uint64_t(std::random_device{}()) << 32) | std::random_device{}();
-  std::printf("# fp8moe bench quant on %s, x [%lld, %lld] bf16 (%.0f MiB), seed %llu, median of %d, L2 flushed\n", prop.name,
+  std::printf("# fp8moe bench quant on %s, x [%lld, %lld] bf16 (%.0f MiB), seed %llu, median of %d, L2 flushed (dirty and clean)\n", prop.name,
               (long long)T, (long long)C, double(T * C * 2) / (1 << 20), (unsigned long long)seed, opt.iters);
   Timer timer;
   DeviceBuffer x(size_t(T * C) * 2);
@@ -366,13 +367,19 @@ int run_quant_bench(const QuantBenchOptions& opt) {
 
   // Copy bandwidth over the same byte count as the largest case (read + write counted).
   DeviceBuffer cpy(size_t(T * C) * 2);
-  const double t_copy = timer.median_us(
-      [&] { FP8MOE_CUDA_CHECK(cudaMemcpyAsync(cpy.p, x.p, size_t(T * C) * 2, cudaMemcpyDeviceToDevice, nullptr)); },
-      opt.warmup, opt.iters);
-  const double copy_gbs = 2.0 * double(T * C) * 2 / (t_copy * 1e-6) / 1e9;
-  std::printf("| case | shape | MiB moved | us | GB/s | %% of copy | bit-exact vs CPU |\n|---|---|---|---|---|---|---|\n");
-  std::printf("| device copy (D2D) | %lldx%lld bf16 | %.0f | %.1f | %.0f | 100%% | - |\n", (long long)T, (long long)C,
-              2.0 * double(T * C) * 2 / (1 << 20), t_copy, copy_gbs);
+  // Each case timed after both L2 flushes (bench_util.hpp): dirty, then clean.
+  auto time2 = [&](const std::function<void()>& fn) {
+    return std::pair{timer.median_us(fn, opt.warmup, opt.iters, Flush::dirty),
+                     timer.median_us(fn, opt.warmup, opt.iters, Flush::clean)};
+  };
+  const auto [t_copy, t_copy_clean] = time2(
+      [&] { FP8MOE_CUDA_CHECK(cudaMemcpyAsync(cpy.p, x.p, size_t(T * C) * 2, cudaMemcpyDeviceToDevice, nullptr)); });
+  const double copy_bytes = 2.0 * double(T * C) * 2;
+  const double copy_gbs = copy_bytes / (t_copy * 1e-6) / 1e9, copy_gbs_clean = copy_bytes / (t_copy_clean * 1e-6) / 1e9;
+  std::printf("| case | shape | MiB moved | us | GB/s | %% of copy | us, clean L2 | %% of copy, clean L2 | bit-exact vs CPU |\n"
+              "|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| device copy (D2D) | %lldx%lld bf16 | %.0f | %.1f | %.0f | 100%% | %.1f | 100%% | - |\n", (long long)T,
+              (long long)C, copy_bytes / (1 << 20), t_copy, copy_gbs, t_copy_clean);
 
   // Host copies for the exactness checks.
   std::vector<uint16_t> xh = to_host<uint16_t>(x.p, size_t(T * C));
@@ -388,10 +395,10 @@ int run_quant_bench(const QuantBenchOptions& opt) {
     all_exact = all_exact && ok;
     return ok;
   };
-  auto row = [&](const char* name, const char* shape, double bytes, double us, const char* exact) {
-    const double gbs = bytes / (us * 1e-6) / 1e9;
-    std::printf("| %s | %s | %.0f | %.1f | %.0f | %.1f%% | %s |\n", name, shape, bytes / (1 << 20), us, gbs,
-                100.0 * gbs / copy_gbs, exact);
+  auto row = [&](const char* name, const char* shape, double bytes, std::pair<double, double> us, const char* exact) {
+    const double gbs = bytes / (us.first * 1e-6) / 1e9, gbs_clean = bytes / (us.second * 1e-6) / 1e9;
+    std::printf("| %s | %s | %.0f | %.1f | %.0f | %.1f%% | %.1f | %.1f%% | %s |\n", name, shape, bytes / (1 << 20), us.first,
+                gbs, 100.0 * gbs / copy_gbs, us.second, 100.0 * gbs_clean / copy_gbs_clean, exact);
     std::fflush(stdout);
   };
   char shape[64];
@@ -399,7 +406,7 @@ int run_quant_bench(const QuantBenchOptions& opt) {
 
   for (ScaleMode mode : {ScaleMode::fp32, ScaleMode::pow2}) {
     DeviceQuantized q(T, C, ScaleKind::tile_1x128);
-    const double us = timer.median_us([&] { quantize_1x128_cuda(xv, q.view, mode, nullptr, false); }, opt.warmup, opt.iters);
+    const auto us = time2([&] { quantize_1x128_cuda(xv, q.view, mode, nullptr, false); });
     QuantizedTensor ref = make_quantized_host(T, C, DType::e4m3, ScaleKind::tile_1x128);
     fp8moe::quantize_1x128(xh_t.view(), ref.view(), mode);
     std::snprintf(shape, sizeof shape, "%lldx%lld bf16->e4m3", (long long)T, (long long)C);
@@ -408,7 +415,7 @@ int run_quant_bench(const QuantBenchOptions& opt) {
   }
   {
     DeviceQuantized q(C, T, ScaleKind::tile_1x128);
-    const double us = timer.median_us([&] { quantize_128x1_cuda(xv, q.view, ScaleMode::fp32, nullptr, false); }, opt.warmup, opt.iters);
+    const auto us = time2([&] { quantize_128x1_cuda(xv, q.view, ScaleMode::fp32, nullptr, false); });
     QuantizedTensor ref = make_quantized_host(C, T, DType::e4m3, ScaleKind::tile_1x128);
     fp8moe::quantize_128x1(xh_t.view(), ref.view(), ScaleMode::fp32);
     std::snprintf(shape, sizeof shape, "%lldx%lld bf16->[C,T] e4m3", (long long)T, (long long)C);
@@ -417,7 +424,7 @@ int run_quant_bench(const QuantBenchOptions& opt) {
   {
     DeviceQuantized in(T, C, ScaleKind::tile_1x128), q(C, T, ScaleKind::tile_1x128);
     quantize_1x128_cuda(xv, in.view, ScaleMode::fp32, nullptr, false);
-    const double us = timer.median_us([&] { requantize_128x1_cuda(in.view, q.view, ScaleMode::fp32, nullptr); }, opt.warmup, opt.iters);
+    const auto us = time2([&] { requantize_128x1_cuda(in.view, q.view, ScaleMode::fp32, nullptr); });
     QuantizedTensor in_h = make_quantized_host(T, C, DType::e4m3, ScaleKind::tile_1x128);
     FP8MOE_CUDA_CHECK(cudaMemcpy(in_h.values.view().data, in.values.p, in.values.bytes, cudaMemcpyDeviceToHost));
     FP8MOE_CUDA_CHECK(cudaMemcpy(in_h.scales.view().data, in.scales.p, in.scales.bytes, cudaMemcpyDeviceToHost));
@@ -429,7 +436,7 @@ int run_quant_bench(const QuantBenchOptions& opt) {
   }
   {
     DeviceQuantized q(T, C, ScaleKind::block_128x128);
-    const double us = timer.median_us([&] { quantize_128x128_cuda(xv, q.view, ScaleMode::fp32, nullptr, false); }, opt.warmup, opt.iters);
+    const auto us = time2([&] { quantize_128x128_cuda(xv, q.view, ScaleMode::fp32, nullptr, false); });
     QuantizedTensor ref = make_quantized_host(T, C, DType::e4m3, ScaleKind::block_128x128);
     fp8moe::quantize_128x128(xh_t.view(), ref.view(), ScaleMode::fp32);
     std::snprintf(shape, sizeof shape, "%lldx%lld bf16->e4m3", (long long)T, (long long)C);
@@ -450,8 +457,7 @@ int run_quant_bench(const QuantBenchOptions& opt) {
     const QuantizedView q56{dview(v56.p, DType::e5m6, T, C), dview(s56.p, DType::f32, ss[0], ss[1]),
                             ScaleKind::tile_1x128};
     const TensorView in = dview(xf.p, DType::f32, T, C);
-    const double us_q = timer.median_us([&] { quantize_1x128_e5m6_cuda(in, q56, ScaleMode::pow2, nullptr); },
-                                        opt.warmup, opt.iters);
+    const auto us_q = time2([&] { quantize_1x128_e5m6_cuda(in, q56, ScaleMode::pow2, nullptr); });
     QuantizedTensor ref = make_quantized_host(T, C, DType::e5m6, ScaleKind::tile_1x128);
     fp8moe::quantize_1x128(xf_h.view(), ref.view(), ScaleMode::pow2);
     const auto v = to_host<uint16_t>(v56.p, size_t(T * C));
@@ -462,7 +468,7 @@ int run_quant_bench(const QuantBenchOptions& opt) {
     row("quantize_1x128 e5m6 pow2", shape, double(T * C) * 6 + scale_bytes_tc, us_q, ok_q ? "yes" : "NO");
     DeviceBuffer out(size_t(T * C) * 4);
     const TensorView ov = dview(out.p, DType::f32, T, C);
-    const double us_d = timer.median_us([&] { dequantize_e5m6_cuda(q56, ov, nullptr); }, opt.warmup, opt.iters);
+    const auto us_d = time2([&] { dequantize_e5m6_cuda(q56, ov, nullptr); });
     Tensor ref_d = Tensor::host(DType::f32, {T, C});
     fp8moe::dequantize(ref.view(), ref_d.view());
     const auto d = to_host<float>(out.p, size_t(T * C));
@@ -476,13 +482,10 @@ int run_quant_bench(const QuantBenchOptions& opt) {
     const DType dt = in_h->dtype();
     const TensorView in = dt == DType::f32 ? dview(xf.p, dt, T, C) : xv;
     DeviceQuantized rows(T, C, ScaleKind::tile_1x128), cols(C, T, ScaleKind::tile_1x128);
-    const double us_rows = timer.median_us([&] { quantize_1x128_cuda(in, rows.view, ScaleMode::fp32, nullptr, false); },
-                                           opt.warmup, opt.iters);
-    const double us_cols = timer.median_us([&] { quantize_128x1_cuda(in, cols.view, ScaleMode::fp32, nullptr, false); },
-                                           opt.warmup, opt.iters);
-    const double us = timer.median_us(  // last: its outputs are the ones checked
-        [&] { quantize_1x128_and_128x1_cuda(in, rows.view, cols.view, ScaleMode::fp32, nullptr, false); }, opt.warmup,
-        opt.iters);
+    const auto us_rows = time2([&] { quantize_1x128_cuda(in, rows.view, ScaleMode::fp32, nullptr, false); });
+    const auto us_cols = time2([&] { quantize_128x1_cuda(in, cols.view, ScaleMode::fp32, nullptr, false); });
+    const auto us = time2(  // last: its outputs are the ones checked
+        [&] { quantize_1x128_and_128x1_cuda(in, rows.view, cols.view, ScaleMode::fp32, nullptr, false); });
     QuantizedTensor ref_rows = make_quantized_host(T, C, DType::e4m3, ScaleKind::tile_1x128),
                     ref_cols = make_quantized_host(C, T, DType::e4m3, ScaleKind::tile_1x128);
     fp8moe::quantize_1x128(in_h->view(), ref_rows.view(), ScaleMode::fp32);
@@ -497,7 +500,8 @@ int run_quant_bench(const QuantBenchOptions& opt) {
     std::snprintf(line, sizeof line,
                   "# quantize_1x128_and_128x1 from %s: %.1f us against quantize_1x128 + quantize_128x1 %.1f + %.1f = "
                   "%.1f us (%.2fx)",
-                  std::string(dtype_name(dt)).c_str(), us, us_rows, us_cols, us_rows + us_cols, (us_rows + us_cols) / us);
+                  std::string(dtype_name(dt)).c_str(), us.first, us_rows.first, us_cols.first, us_rows.first + us_cols.first,
+                  (us_rows.first + us_cols.first) / us.first);
     versus.push_back(line);
   }
   for (const std::string& l : versus) std::printf("%s\n", l.c_str());

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,15 +49,35 @@ struct DeviceQuantized {
 };
 
 // ---- timing ----
+// L2 before each timed launch: `dirty` (a 512 MiB memset: the last ~50 MiB of it stay in L2 as
+// dirty lines, written back while the timed kernel runs, as after any kernel that wrote its output)
+// or `clean` (the memset, then a read-only sweep of another 512 MiB: L2 holds clean lines only, and
+// the timed kernel pays for its own traffic alone).
+enum class Flush { dirty, clean };
+// Reads all of `b` but its last 16 bytes (where the sweep's never-taken store points).
+void l2_read_sweep(const DeviceBuffer& b, cudaStream_t stream);
+
 struct Timer {
   DeviceBuffer flush{size_t(512) << 20};
-  double median_us(const std::function<void()>& fn, int warmup, int iters) {
+  std::optional<DeviceBuffer> sweep;  // Flush::clean, allocated on first use
+  // The mode where a call names none: FP8MOE_BENCH_FLUSH=clean|dirty (default dirty).
+  Flush default_mode = [] {
+    const char* e = std::getenv("FP8MOE_BENCH_FLUSH");
+    return e && std::string(e) == "clean" ? Flush::clean : Flush::dirty;
+  }();
+  double median_us(const std::function<void()>& fn, int warmup, int iters, std::optional<Flush> which = {}) {
+    const Flush mode = which.value_or(default_mode);
+    if (mode == Flush::clean && !sweep) {
+      sweep.emplace((size_t(512) << 20) + 16);
+      FP8MOE_CUDA_CHECK(cudaMemset(sweep->p, 0, sweep->bytes));
+    }
     for (int i = 0; i < warmup; ++i) fn();
     FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<cudaEvent_t> ev(size_t(2 * iters));
     for (auto& e : ev) FP8MOE_CUDA_CHECK(cudaEventCreate(&e));
     for (int i = 0; i < iters; ++i) {
       FP8MOE_CUDA_CHECK(cudaMemsetAsync(flush.p, i & 0xFF, flush.bytes, nullptr));
+      if (mode == Flush::clean) l2_read_sweep(*sweep, nullptr);
       FP8MOE_CUDA_CHECK(cudaEventRecord(ev[size_t(2 * i)], nullptr));
       fn();
       FP8MOE_CUDA_CHECK(cudaEventRecord(ev[size_t(2 * i + 1)], nullptr));

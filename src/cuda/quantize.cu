@@ -10,7 +10,7 @@
 //   quantize_1x128_and_128x1 x [T, C]  -> the outputs of quantize_1x128 and quantize_128x1 from one read
 //                                         of x (the 128x1 kernel's tiles also write the rows)
 //   requantize_128x1  q [T, C] 1x128    -> q [C, T] 1x128 along T            (dequantize, transpose, requantize;
-//                                                                               persistent CTAs, cp.async stages)
+//                                                                               persistent CTAs, TMA in and out)
 //   transpose_128x128 q [G*R, C] 128x128 -> q [G*C, R] 128x128, per group     (bytes and block scales moved)
 //   dequantize        q [R, C] any kind -> [R, C] f32|bf16
 // Output dtypes: e4m3, e5m2 (e5m6 has no device conversion here and is refused).
@@ -18,7 +18,9 @@
 #include "device_checks.hpp"
 #include "fp8moe/codecs.hpp"
 #include "kernel_api.hpp"
+#include "kernels/ptx.cuh"
 #include "quantize_device.cuh"
+#include "tensor_map.hpp"
 
 #include <algorithm>
 #include <mutex>
@@ -354,55 +356,47 @@ __global__ void __launch_bounds__(256) quantize_128x1_kernel(const Tin* __restri
   }
 }
 
-// ---- requantize 128x1 (FP8 input, the vector path) ----
-// Persistent CTAs of 256 threads walk the 128-token x 128-channel tiles of x [T, C] (tile id =
-// token block * CB + channel block, CTA b taking b, b + grid, ...); per tile:
-//   0. the tile's 16 KiB of bytes and its 128 token scales come into a shared stage by cp.async
-//      (16-byte pieces, zero-filled past T and C), kRqStages - 1 tiles ahead of the one in work;
-//   1. warp w takes tokens 16w..16w+15, lane l channels 4l..4l+3 (one 32-bit word per token, a
-//      warp reading whole 128-byte rows): decode (paired conversion) times the token's scale, kept
-//      as 64 FP32 products in registers, per-channel amax over its 16 tokens in the thread;
-//   2. the amax of the 8 warps through shared memory; 128 threads compute scales and reciprocals;
-//   3. each thread encodes its 16 tokens of each of its 4 channels into one 16-byte unit of the
-//      transposed byte tile [128 channels][128 tokens], unit u of row c stored at u ^ ((c / 4) % 8);
-//   4. the tile goes out as 128-byte rows of q [C, T] with 16-byte stores.
-// NOTES: the 128x1 kernel above ran this at 73% of the copy bandwidth: with 1-byte inputs its CTA
-// moved 16 KiB in per its fixed costs (scale loads, barriers, amax shuffles, smem round trip),
-// loads were issued only at CTA start (no bytes in flight while a CTA reduced, encoded and
-// stored), and each element was decoded and multiplied twice. Here the next tiles' loads are
-// always in flight (cp.async stages), the products are computed once (5-6 instructions an element:
-// a quarter load from shared memory, half a paired decode, a conversion to FP32, two products, an
-// amax, half a paired encode), the amax needs no shuffles (a thread's channel has 16 tokens, the
-// warps meet in shared memory) and a unit is a whole 16-byte store. Phase-1 reads, phase-3 unit
-// writes (8 lanes per phase write 8 distinct units of 8 rows) and phase-4 row reads are free of
-// bank conflicts. Bit-exact as the 128x1 kernel: same products, same scale arithmetic.
-// Measured on the H200 (x [8192, 7168], `fp8moe bench quant`): 40.5 us, 78.4% of copy, from 43.1 us
-// (73.0%) with the 128x1 kernel: better, still short of the 90% of the other quantizers.
-constexpr int kRqStages = 3;
-constexpr int kRqIn = 128 * 128;                  // input bytes of a stage
-constexpr int kRqStage = kRqIn + 128 * 4;         // + the tile's 128 token scales
-constexpr int kRqSmem = kRqStages * kRqStage + 128 * 128 + 8 * 128 * 4 + 128 * 4;  // + out tile, amax, 1/s
+// ---- requantize 128x1 (FP8 input; TMA path) ----
+// Persistent CTAs (two per SM, eight warps) walk the 128-token x 128-channel tiles of x [T, C]
+// (tile id = token block * CB + channel block, CTA b taking b, b + grid, ...). Thread 0 loads each
+// tile's 16 KiB of bytes and its 128 token scales by TMA into a ring of kRqStages stages,
+// kRqStages - 1 tiles ahead (out-of-bounds tokens and channels zero-filled); per tile the warps
+//   1. decode their bytes (warp w: tokens 16w..16w+15; lane l: one 32-bit word per token, the
+//      channels 4l..4l+3) times the token's scale, keep the 64 FP32 products in registers with the
+//      per-channel amax over the warp's 16 tokens;
+//   2. meet in shared memory for the channels' amax; 128 threads compute scales and reciprocals;
+//   3. encode each of their 4 channels' 16 tokens into one 16-byte unit of a transposed byte tile
+//      [128 channels][128 tokens] in the TMA's 128-byte swizzle (unit u of row c at u ^ (c % 8));
+//   4. thread 0 stores the tile to q [C, T] by TMA (clipped at T and C) from one of two output
+//      buffers, so that the store runs while the next tile is decoded.
+// A stage is reloaded at the start of the tile after the one that read it: every warp has passed
+// that tile's barriers, so no "empty" barrier is needed.
+// NOTES: each lane permutes the four bytes of its words (slot j holds channel 4l + (j ^ x), x =
+// (l / 2) % 4, one PRMT a word) so that the eight lanes of a quarter warp write their phase-3 units
+// to eight distinct 16-byte columns of the swizzled tile (without it: 4-way bank conflicts); the
+// amaxes and reciprocals are exchanged back to channel order in registers (8 selects), so their
+// shared-memory accesses stay vector-wide and conflict-free. Bit-exact with the 128x1 kernel: same
+// products, same scale arithmetic.
+// Measured on the H200 (x [8192, 7168], `fp8moe bench quant`): 38.2-38.6 us against 40.5 us for the
+// former kernel (cp.async stages, stores from registers: ~730 instructions per thread and tile, a
+// third of them addresses and bounds checks). Not faster (docs/PERF.md, "Quantization"): a
+// separate producer warp with empty barriers, 16 warps (64 registers), the store gated by an
+// mbarrier instead of a CTA barrier, column-major or chunked walks, a 128-byte-swizzled input
+// tile, 8% fewer instructions (no division per tile), and even contiguous (wrong) stores: 37.4 us.
+constexpr int kRqStages = 4;
+constexpr int kRqIn = 128 * 128;           // input bytes of a stage
+constexpr int kRqStage = kRqIn + 128 * 4;  // + the tile's 128 token scales (a multiple of 128 bytes)
+constexpr int kRqOut = 128 * 128;          // one output buffer (1024-byte aligned: the swizzle's period)
+constexpr int kRqWarps = 8, kRqThreads = kRqWarps * 32;
+constexpr int kRqSmem = 1024 + 2 * kRqOut + kRqStages * kRqStage + kRqWarps * 128 * 4 + 128 * 4 + kRqStages * 8;
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const uint32_t d = uint32_t(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
-  const uint32_t d = uint32_t(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(gmem), "r"(valid ? 4 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// Tile walk of a persistent CTA: channel block cb, token block tb; advanced by gridDim.x tiles.
+// Tile walk of a persistent CTA: channel block cb, token block tb, advanced by gridDim.x tiles
+// = step.tb token blocks and step.cb channel blocks (computed on the host: no division per tile).
 struct RqWalk {
   int64_t cb, tb;
-  __device__ void advance(int64_t step_c, int64_t step_t, int64_t CB) {
-    cb += step_c;
-    tb += step_t;
+  __device__ void advance(const RqWalk& step, int64_t CB) {
+    cb += step.cb;
+    tb += step.tb;
     if (cb >= CB) {
       cb -= CB;
       ++tb;
@@ -410,51 +404,67 @@ struct RqWalk {
   }
 };
 
-template <bool kInE5M2, bool kE5M2, bool kVecOut>
-__global__ void __launch_bounds__(256, 2) requantize_128x1_kernel(const uint8_t* __restrict__ x,
-                                                                  const float* __restrict__ s_in, int64_t ld_in,
-                                                                  uint8_t* __restrict__ q, float* __restrict__ s,
-                                                                  int64_t T, int64_t C, int64_t ld, float max_finite,
-                                                                  bool pow2) {
-  extern __shared__ __align__(16) uint8_t rq_smem[];
-  uint8_t* const tile = rq_smem + kRqStages * kRqStage;  // [channel][token] bytes, swizzled units
-  float* const red = reinterpret_cast<float*>(tile + 128 * 128);  // [8 warps][128 channels]
-  float* const inv_s = red + 8 * 128;
+template <bool kInE5M2, bool kE5M2>
+__global__ void __launch_bounds__(kRqThreads, 2)
+    requantize_128x1_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap s_in_map,
+                            const __grid_constant__ CUtensorMap q_map, float* __restrict__ s, int64_t T, int64_t C,
+                            int64_t ld, RqWalk step, float max_finite, bool pow2) {
+  namespace p = ptx;
+  extern __shared__ uint8_t rq_raw[];
+  uint8_t* const out = rq_raw + ((1024 - p::smem_addr(rq_raw) % 1024) % 1024);  // [2][channel][token], swizzled
+  uint8_t* const stages = out + 2 * kRqOut;
+  float* const red = reinterpret_cast<float*>(stages + kRqStages * kRqStage);  // [warp][channel]
+  float* const inv_s = red + kRqWarps * 128;
+  uint64_t* const full = reinterpret_cast<uint64_t*>(inv_s + 128);  // [kRqStages]: a stage's bytes landed
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t CB = (C + 127) / 128, TB = (T + 127) / 128;
-  const int64_t step_c = gridDim.x % CB, step_t = gridDim.x / CB;
-  RqWalk load{int64_t(blockIdx.x) % CB, int64_t(blockIdx.x) / CB}, work = load;
+  const RqWalk first{int64_t(blockIdx.x) % CB, int64_t(blockIdx.x) / CB};
+  RqWalk load = first;
   int load_stage = 0;
-
-  // Stage of the tile at `load` (an empty group past the last tile), then the next tile.
+  // Thread 0: the TMA load of the tile at `load` into its stage, then on to the next tile.
   auto issue = [&] {
     if (load.tb < TB) {
-      const int64_t t0 = load.tb * 128, c0 = load.cb * 128;
-      uint8_t* st = rq_smem + load_stage * kRqStage;
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const int i = tid + 256 * m, row = i / 8, col = (i % 8) * 16;
-        const bool ok = t0 + row < T && c0 + col < C;
-        cp_async16(st + row * 128 + col, ok ? x + (t0 + row) * C + c0 + col : x, ok);
-      }
-      if (tid < 128) {
-        const bool ok = t0 + tid < T;
-        cp_async4(st + kRqIn + tid * 4, ok ? s_in + load.cb * ld_in + t0 + tid : s_in, ok);
-      }
-      load.advance(step_c, step_t, CB);
+      const int32_t cb = int32_t(load.cb), t0 = int32_t(load.tb) * 128;
+      uint8_t* st = stages + load_stage * kRqStage;
+      p::mbar_arrive_expect_tx(&full[load_stage], kRqStage);
+      p::tma_load_2d(&x_map, &full[load_stage], st, cb * 128, t0);
+      p::tma_load_2d(&s_in_map, &full[load_stage], st + kRqIn, t0, cb);
+      load.advance(step, CB);
       load_stage = load_stage == kRqStages - 1 ? 0 : load_stage + 1;
     }
-    cp_async_commit();
   };
+  if (tid == 0) {
+    for (int i = 0; i < kRqStages; ++i) p::mbar_init(&full[i], 1);
+    p::fence_barrier_init();
+    p::prefetch_tmap(&x_map);
+    p::prefetch_tmap(&s_in_map);
+    p::prefetch_tmap(&q_map);
+    for (int i = 0; i < kRqStages - 1; ++i) issue();
+  }
+  __syncthreads();
 
-#pragma unroll
-  for (int i = 0; i < kRqStages - 1; ++i) issue();
-  for (int stage = 0; work.tb < TB; stage = stage == kRqStages - 1 ? 0 : stage + 1) {
-    issue();  // into the stage read in the previous iteration, behind its barriers
-    cp_async_wait<kRqStages - 1>();
-    __syncthreads();
-    const int64_t t0 = work.tb * 128, c0 = work.cb * 128;
-    const uint8_t* st = rq_smem + stage * kRqStage;
+  // Slot j of the lane holds channel 4 * lane + (j ^ x); the same exchanges map slots to channels
+  // and back: a[c] <-> a[c ^ x].
+  const int x = (lane / 2) % 4;
+  const uint32_t sel = uint32_t(x) | uint32_t(1 ^ x) << 4 | uint32_t(2 ^ x) << 8 | uint32_t(3 ^ x) << 12;
+  auto exchange = [x](float (&a)[4]) {
+    if (x & 1) {
+      const float t0 = a[0], t2 = a[2];
+      a[0] = a[1], a[1] = t0, a[2] = a[3], a[3] = t2;
+    }
+    if (x & 2) {
+      const float t0 = a[0], t1 = a[1];
+      a[0] = a[2], a[1] = a[3], a[2] = t0, a[3] = t1;
+    }
+  };
+  int stage = 0, buf = 0;
+  uint32_t parity = 0;
+  for (RqWalk at = first; at.tb < TB; at.advance(step, CB)) {
+    // The stage of the previous tile: every warp read it before the previous tile's barriers.
+    if (tid == 0) issue();
+    const int64_t tb = at.tb, c0 = at.cb * 128;
+    p::mbar_wait(&full[stage], parity);
+    const uint8_t* st = stages + stage * kRqStage;
 
     // 1. products and the thread's per-channel amax
     float v[16][4];
@@ -466,7 +476,7 @@ __global__ void __launch_bounds__(256, 2) requantize_128x1_kernel(const uint8_t*
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const int k = k4 * 4 + kk;
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(st + (warp * 16 + k) * 128 + lane * 4);
+        const uint32_t w = __byte_perm(*reinterpret_cast<const uint32_t*>(st + (warp * 16 + k) * 128 + lane * 4), 0, sel);
         const float2 a = decode2<kInE5M2>(w), b = decode2<kInE5M2>(w >> 16);
         v[k][0] = __fmul_rn(a.x, sk[kk]);
         v[k][1] = __fmul_rn(a.y, sk[kk]);
@@ -476,25 +486,31 @@ __global__ void __launch_bounds__(256, 2) requantize_128x1_kernel(const uint8_t*
         for (int j = 0; j < 4; ++j) am[j] = amax_nan(am[j], v[k][j]);
       }
     }
+    if (++stage == kRqStages) stage = 0, parity ^= 1;
+    exchange(am);
     *reinterpret_cast<float4*>(red + warp * 128 + lane * 4) = make_float4(am[0], am[1], am[2], am[3]);
-    __syncthreads();
+    p::named_barrier_sync(1, kRqThreads);
 
-    // 2. scales
+    // 2. scales; the output buffer of two tiles ago has been read by its store
     if (tid < 128) {
       float amax = red[tid];
 #pragma unroll
-      for (int w = 1; w < 8; ++w) amax = amax_nan(amax, red[w * 128 + tid]);
+      for (int w = 1; w < kRqWarps; ++w) amax = amax_nan(amax, red[w * 128 + tid]);
       const float sc = scale_of(amax, max_finite, pow2);
       inv_s[tid] = inv_scale(sc);
-      if (c0 + tid < C) s[work.tb * ld + c0 + tid] = sc;
+      if (c0 + tid < C) s[tb * ld + c0 + tid] = sc;
+      if (tid == 0) p::bulk_wait_read_but_last();
     }
-    __syncthreads();
+    p::named_barrier_sync(1, kRqThreads);
 
-    // 3. one 16-byte unit (tokens 16w..16w+15) per channel into the transposed tile
+    // 3. one 16-byte unit (tokens 16w..16w+15) per channel into the swizzled transposed tile
     const float4 r4 = *reinterpret_cast<const float4*>(inv_s + lane * 4);
-    const float r[4] = {r4.x, r4.y, r4.z, r4.w};
+    float r[4] = {r4.x, r4.y, r4.z, r4.w};
+    exchange(r);
+    uint8_t* const o = out + buf * kRqOut;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
+      const int cl = lane * 4 + (j ^ x);
       uint32_t u[4];
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
@@ -502,33 +518,21 @@ __global__ void __launch_bounds__(256, 2) requantize_128x1_kernel(const uint8_t*
         const uint32_t hi = encode2<kE5M2>(__fmul_rn(v[4 * m + 2][j], r[j]), __fmul_rn(v[4 * m + 3][j], r[j]));
         u[m] = lo | (hi << 16);
       }
-      const int cl = lane * 4 + j;
-      *reinterpret_cast<uint4*>(tile + cl * 128 + (warp ^ (lane % 8)) * 16) = make_uint4(u[0], u[1], u[2], u[3]);
+      *reinterpret_cast<uint4*>(o + cl * 128 + (warp ^ (cl % 8)) * 16) = make_uint4(u[0], u[1], u[2], u[3]);
     }
-    __syncthreads();
+    p::fence_proxy_async_smem();
+    p::named_barrier_sync(1, kRqThreads);
 
-    // 4. 128-byte rows of q [C, T]
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const int i = tid + 256 * m, cl = i / 8, k16 = i % 8;
-      const int64_t cc = c0 + cl, t = t0 + k16 * 16;
-      if (cc >= C || t >= T) continue;
-      const uint4 val = *reinterpret_cast<const uint4*>(tile + cl * 128 + (k16 ^ ((cl / 4) % 8)) * 16);
-      uint8_t* dst = q + cc * T + t;
-      if constexpr (kVecOut) {
-        *reinterpret_cast<uint4*>(dst) = val;
-      } else {
-        const uint32_t w[4] = {val.x, val.y, val.z, val.w};
-#pragma unroll
-        for (int b = 0; b < 16; ++b)
-          if (t + b < T) dst[b] = uint8_t(w[b / 4] >> (8 * (b % 4)));
-      }
+    // 4. the tile to q [C, T]
+    if (tid == 0) {
+      p::tma_store_2d(&q_map, o, int32_t(tb * 128), int32_t(c0));
+      p::bulk_commit();
     }
-    work.advance(step_c, step_t, CB);
+    buf ^= 1;
   }
+  if (tid == 0) p::bulk_wait();
 }
 
-// ---- dequantize ----
 template <bool kE5M2, class Tout>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ s, int64_t ld_s,
                                   bool block_128x128, Tout* __restrict__ out, int64_t R, int64_t C) {
@@ -542,7 +546,6 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ q, const float* __
 }
 
 // ---- host helpers ----
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 void check_device(const TensorView& t, const char* arg) {
   FP8MOE_CHECK(t.device == Device::cuda, arg << ": expected a GPU tensor, got " << t.str());
@@ -734,34 +737,45 @@ void launch_128x1(const Tin* x, const float* s_in, int64_t ld_in, bool in_vec_ok
   if (rows) fill_padding(rows->scales, T, stream);
 }
 
-// The requantizer's vector path (x 16-byte aligned, C % 16 == 0): persistent CTAs, as many as fit
-// at once, each walking an equal share of the tiles (within one).
+// The requantizer's TMA path: x, q and the scales as the TMA needs them (16-byte aligned bases, row
+// strides a multiple of 16 bytes: C % 16 == 0, T % 16 == 0, ld_in % 4 == 0). Persistent CTAs, as
+// many as fit at once, each walking an equal share of the tiles (within one).
+bool requantize_tma_ok(const QuantizedView& in, const QuantizedView& out) {
+  return aligned16(in.values.data) && in.cols() % 16 == 0 && aligned16(in.scales.data) &&
+         in.scales.size(1) % 4 == 0 && aligned16(out.values.data) && in.rows() % 16 == 0 &&
+         in.rows() <= INT32_MAX && in.cols() <= INT32_MAX;
+}
+
 template <bool kInE5M2>
-void launch_requantize(const uint8_t* x, const float* s_in, int64_t ld_in, const QuantizedView& out, int64_t T,
-                       int64_t C, ScaleMode mode, cudaStream_t stream) {
+void launch_requantize(const QuantizedView& in, const QuantizedView& out, ScaleMode mode, cudaStream_t stream) {
+  const int64_t T = in.rows(), C = in.cols(), ld_in = in.scales.size(1);
   const float mf = float(max_finite(out.values.dtype));
   const bool pow2 = mode == ScaleMode::pow2, e5m2 = out.values.dtype == DType::e5m2;
-  const bool out_vec_ok = T % 16 == 0 && aligned16(out.values.data);
   const int64_t ld = out.scales.size(1), tiles = ((T + 127) / 128) * ((C + 127) / 128);
-  auto go = [&](auto e5, auto vo) {
-    auto kernel = requantize_128x1_kernel<kInE5M2, decltype(e5)::value, decltype(vo)::value>;
+  const CUtensorMap x_map = make_tmap_2d(in.values.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(C), uint64_t(T),
+                                         uint64_t(C), 128, 128, CU_TENSOR_MAP_SWIZZLE_NONE, "requantize in.values");
+  const CUtensorMap s_map = make_tmap_2d(in.scales.data, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(T),
+                                         uint64_t((C + 127) / 128), uint64_t(ld_in), 128, 1,
+                                         CU_TENSOR_MAP_SWIZZLE_NONE, "requantize in.scales");
+  const CUtensorMap q_map = make_tmap_2d(out.values.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(T), uint64_t(C),
+                                         uint64_t(T), 128, 128, CU_TENSOR_MAP_SWIZZLE_128B, "requantize out.values");
+  auto go = [&](auto e5) {
+    auto kernel = requantize_128x1_kernel<kInE5M2, decltype(e5)::value>;
     static int per_sm = 0;
     static std::once_flag once;
     std::call_once(once, [&] {
       FP8MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRqSmem));
-      FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, kRqSmem));
+      FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kRqThreads, kRqSmem));
       per_sm = std::max(per_sm, 1);
     });
     const int64_t resident = int64_t(per_sm) * device_props().multiProcessorCount;
     const int64_t rounds = (tiles + resident - 1) / resident;
     const int grid = int((tiles + rounds - 1) / rounds);
-    kernel<<<grid, 256, kRqSmem, stream>>>(x, s_in, ld_in, out.values.ptr<uint8_t>(), out.scales.ptr<float>(), T, C,
-                                           ld, mf, pow2);
+    const int64_t CB = (C + 127) / 128;
+    kernel<<<grid, kRqThreads, kRqSmem, stream>>>(x_map, s_map, q_map, out.scales.ptr<float>(), T, C, ld,
+                                                  RqWalk{grid % CB, grid / CB}, mf, pow2);
   };
-  using T_ = std::true_type;
-  using F_ = std::false_type;
-  if (e5m2) out_vec_ok ? go(T_{}, T_{}) : go(T_{}, F_{});
-  else out_vec_ok ? go(F_{}, T_{}) : go(F_{}, F_{});
+  e5m2 ? go(std::true_type{}) : go(std::false_type{});
   FP8MOE_CUDA_CHECK_LAUNCH("requantize_128x1_kernel");
   fill_padding(out.scales, C, stream);
 }
@@ -834,19 +848,20 @@ void requantize_128x1_cuda(const QuantizedView& in, const QuantizedView& out, Sc
                "in: the CUDA requantizer reads e4m3 or e5m2, got " << dtype_name(in.values.dtype));
   const int64_t T = in.rows(), C = in.cols();
   if (T == 0 || C == 0) return;
+  // NOTES: the input is FP8 times finite scales, so it is always finite: no NaN check needed.
+  const bool e5 = in.values.dtype == DType::e5m2;
+  if (requantize_tma_ok(in, out)) {
+    e5 ? launch_requantize<true>(in, out, mode, stream) : launch_requantize<false>(in, out, mode, stream);
+    return;
+  }
   const bool in_vec_ok = aligned16(in.values.data) && C % 16 == 0;
   const auto* x = in.values.ptr<const uint8_t>();
   const auto* s = in.scales.ptr<const float>();
   const int64_t ld_in = in.scales.size(1);
-  // NOTES: the input is FP8 times finite scales, so it is always finite: no NaN check needed.
-  const bool e5 = in.values.dtype == DType::e5m2;
-  if (in_vec_ok)
-    e5 ? launch_requantize<true>(x, s, ld_in, out, T, C, mode, stream)
-       : launch_requantize<false>(x, s, ld_in, out, T, C, mode, stream);
-  else if (e5)
-    launch_128x1<uint8_t, true>(x, s, ld_in, false, out, nullptr, T, C, mode, stream, false);
+  if (e5)
+    launch_128x1<uint8_t, true>(x, s, ld_in, in_vec_ok, out, nullptr, T, C, mode, stream, false);
   else
-    launch_128x1<uint8_t, false>(x, s, ld_in, false, out, nullptr, T, C, mode, stream, false);
+    launch_128x1<uint8_t, false>(x, s, ld_in, in_vec_ok, out, nullptr, T, C, mode, stream, false);
 }
 
 void transpose_128x128_cuda(const QuantizedView& in, const QuantizedView& out, int64_t groups, cudaStream_t stream) {
