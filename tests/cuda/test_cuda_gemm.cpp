@@ -381,6 +381,11 @@ TEST(CudaGemmHeuristic, ThreeWarpgroupTileForShortK) {
   EXPECT_EQ(cuda::choose_gemm_tile(4096, 4096, 7168, false, 132, false, false).block_m, 128);
   EXPECT_EQ(cuda::choose_gemm_tile(4096, 7168, 16384, false, 132, false, false).block_m, 128);
   EXPECT_EQ(cuda::choose_gemm_tile(4096, 2112, 7168, false, 132, false, false).block_n, 192);
+  // bf16 D at M = 8192, long K: measured 3-7% faster than 128x192; f32 D keeps its calibration.
+  for (auto [N, K] : {std::pair<int64_t, int64_t>{7168, 16384}, {2112, 7168}, {4096, 7168}}) {
+    EXPECT_EQ(cuda::choose_gemm_tile(8192, N, K, false, 132, false, false).block_m, 192) << N << "x" << K;
+    EXPECT_NE(cuda::choose_gemm_tile(8192, N, K, false, 132, true, false).block_m, 192) << N << "x" << K;
+  }
 }
 
 TEST(CudaGemmHeuristic, RasterWidthFollowsThePanelSize) {
