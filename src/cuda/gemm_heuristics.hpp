@@ -145,12 +145,12 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     // wins) and many rows.
     if (t.block_m == 256 && (grouped || M < 1024 || K < 4096)) continue;
     const double c = gemm_tile_cost(t, M, N, num_sms);
-    // Ties go to the larger tile, and between tiles of one size (dense 1d2d) to the taller one:
-    // measured (H200, 2026-11-30, M = 128) 128x64 against 64x128 at 128x7168x16384 1.13x (dirty
-    // L2) and 1.26x (clean), at 128x7168x2048 1.07x and 1.11x: one row block reads B once.
+    // Ties go to the larger tile, and between tiles of one size (1d2d) to the taller one: measured
+    // (H200, 2026-11-30) 128x64 against 64x128 at 128x7168x16384 1.13x (dirty L2) and 1.26x
+    // (clean), at 128x7168x2048 1.07x and 1.11x, at 256x4096x7168 1.14x, and 1.20x for the masked
+    // grouped GEMM of one group of 256 rows (N 4096, K 7168): fewer row blocks read B fewer times.
     const bool larger = t.block_m * t.block_n > best.block_m * best.block_n ||
-                        (!b_1x128 && !grouped && t.block_m * t.block_n == best.block_m * best.block_n &&
-                         t.block_m > best.block_m);
+                        (!b_1x128 && t.block_m * t.block_n == best.block_m * best.block_n && t.block_m > best.block_m);
     if (best_cost < 0 || c < best_cost * 0.999 || (c <= best_cost * 1.001 && larger)) {
       best = t;
       best_cost = c;

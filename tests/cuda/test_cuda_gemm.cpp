@@ -385,6 +385,7 @@ TEST(CudaGemmHeuristic, ThreeWarpgroupTileForShortK) {
   EXPECT_EQ(cuda::choose_gemm_tile(128, 7168, 16384, false, 132, false, false).block_m, 128);
   EXPECT_EQ(cuda::choose_gemm_tile(128, 7168, 2048, false, 132, false, false).block_m, 128);
   EXPECT_EQ(cuda::choose_gemm_tile(64, 7168, 2048, false, 132, false, false).block_m, 64);
+  EXPECT_EQ(cuda::choose_gemm_tile(256, 4096, 7168, false, 132, true, false).block_m, 128);  // masked, 1 x 256
   // bf16 D at M = 8192, long K: measured 3-7% faster than 128x192; f32 D keeps its calibration.
   for (auto [N, K] : {std::pair<int64_t, int64_t>{7168, 16384}, {2112, 7168}, {4096, 7168}}) {
     EXPECT_EQ(cuda::choose_gemm_tile(8192, N, K, false, 132, false, false).block_m, 192) << N << "x" << K;
