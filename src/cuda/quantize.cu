@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(256) quantize_128x1_kernel(const Tin* __restri
 // amaxes and reciprocals are exchanged back to channel order in registers (8 selects), so their
 // shared-memory accesses stay vector-wide and conflict-free. Bit-exact with the 128x1 kernel: same
 // products, same scale arithmetic.
-// Measured on the H200 (x [8192, 7168], `fp8moe bench quant`): 38.2-38.6 us against 40.5 us for the
+// Measured on the H200 (x [8192, 7168], `fp8moe bench quant`): 37.9-38.6 us against 40.5 us for the
 // former kernel (cp.async stages, stores from registers: ~730 instructions per thread and tile, a
 // third of them addresses and bounds checks). Not faster (docs/PERF.md, "Quantization"): a
 // separate producer warp with empty barriers, 16 warps (64 registers), the store gated by an
