@@ -72,8 +72,6 @@ void check_device(const TensorView& t, const char* arg) {
   FP8MOE_CHECK(t.device == Device::cuda, arg << ": expected a GPU tensor, got " << t.str());
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 // A [K/128, ld] 1x128 scale tensor with ld == rows, repacked into `tmp` when ld != rows.
 const float* vec128_scales(const TensorView& scales, int64_t rows, std::shared_ptr<void>& tmp, cudaStream_t stream) {
   const int64_t G = scales.size(0), ld = scales.size(1);

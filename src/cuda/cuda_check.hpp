@@ -5,6 +5,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "fp8moe/error.hpp"
@@ -15,6 +16,9 @@ namespace fp8moe::cuda {
 
 // Properties of the current device (queried once per device).
 const cudaDeviceProp& device_props();
+
+// A pointer on a 16-byte boundary (vector loads and stores, TMA).
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 }  // namespace fp8moe::cuda
 

@@ -276,8 +276,6 @@ __global__ void moe_combine_weight_grad_kernel(const float* __restrict__ v, cons
 
 // ---- host helpers ----
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 // Launch shape of a row-parallel kernel (row_thread) over `rows` rows of `threads_per_row`
 // threads: 256-thread blocks, blockDim.x in {128, 64, 32} leaving the fewest idle threads at the
 // row's end (ties: the widest), blockDim.y = 256 / blockDim.x rows.

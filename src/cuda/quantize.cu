@@ -751,11 +751,11 @@ void launch_requantize(const QuantizedView& in, const QuantizedView& out, ScaleM
   const int64_t T = in.rows(), C = in.cols(), ld_in = in.scales.size(1);
   const float mf = float(max_finite(out.values.dtype));
   const bool pow2 = mode == ScaleMode::pow2, e5m2 = out.values.dtype == DType::e5m2;
-  const int64_t ld = out.scales.size(1), tiles = ((T + 127) / 128) * ((C + 127) / 128);
+  const int64_t CB = (C + 127) / 128, ld = out.scales.size(1), tiles = ((T + 127) / 128) * CB;
   const CUtensorMap x_map = make_tmap_2d(in.values.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(C), uint64_t(T),
                                          uint64_t(C), 128, 128, CU_TENSOR_MAP_SWIZZLE_NONE, "requantize in.values");
   const CUtensorMap s_map = make_tmap_2d(in.scales.data, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, uint64_t(T),
-                                         uint64_t((C + 127) / 128), uint64_t(ld_in), 128, 1,
+                                         uint64_t(CB), uint64_t(ld_in), 128, 1,
                                          CU_TENSOR_MAP_SWIZZLE_NONE, "requantize in.scales");
   const CUtensorMap q_map = make_tmap_2d(out.values.data, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, uint64_t(T), uint64_t(C),
                                          uint64_t(T), 128, 128, CU_TENSOR_MAP_SWIZZLE_128B, "requantize out.values");
@@ -771,7 +771,6 @@ void launch_requantize(const QuantizedView& in, const QuantizedView& out, ScaleM
     const int64_t resident = int64_t(per_sm) * device_props().multiProcessorCount;
     const int64_t rounds = (tiles + resident - 1) / resident;
     const int grid = int((tiles + rounds - 1) / rounds);
-    const int64_t CB = (C + 127) / 128;
     kernel<<<grid, kRqThreads, kRqSmem, stream>>>(x_map, s_map, q_map, out.scales.ptr<float>(), T, C, ld,
                                                   RqWalk{grid % CB, grid / CB}, mf, pow2);
   };
