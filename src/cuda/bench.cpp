@@ -143,11 +143,11 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   std::printf("# fprop: A 1x128 x B 128x128 -> bf16 (fprop32: -> f32, fprop32+: f32 D += );  wgrad: A 1x128 x B 1x128 "
               "-> f32, D += A*B^T;  tile BMxBN "
               "(/direct: epilogue without TMA-store staging; /mc2: B multicast over 2-CTA clusters; /pipe: pipelined "
-              "mainloop; /f32: FP32 staging for f32 D)\n");
+              "mainloop; /f32: FP32 staging for f32 D; /sN: N K slices summed by a second kernel)\n");
   std::printf("# calc_diff: vs FP64 product of the unquantized bf16 inputs (%d sampled rows); kerr: rel. error vs FP64 "
               "product of the dequantized FP8 inputs (rounded to bf16 for bf16 D); vs_lt: calc_diff ours vs cuBLASLt (all of D)\n",
               opt.check_rows);
-  std::printf("# alt us: another tile timed beside the choice (256x128 -> 128x128; 128x128/f32 -> 128x192/f32; 128x128 -> "
+  std::printf("# alt us: another tile timed beside the choice (256x128 -> 128x128; 128x128/f32 -> 128x192/f32; /sN (N K slices) -> the choice without slices; 128x128 -> "
               "B multicast over 2-CTA clusters, max active clusters: fprop %d, fprop/direct %d, wgrad %d of %d SM pairs)\n",
               gemm_fp8_sm90_max_active_clusters({128, 128, true, 2}, false),
               gemm_fp8_sm90_max_active_clusters({128, 128, false, 2}, false),
@@ -209,7 +209,10 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     // default; f32 D: the FP32-staged 128x192, which the heuristic avoids for its 3 stages).
     GemmTile alt = tile;
     bool has_alt = false;
-    if (tile.block_m == 256) {
+    if (tile.split_k > 1) {
+      alt = choose_gemm_tile(M, N, K, wgrad, prop.multiProcessorCount, false, gc.f32(), /*split=*/false);
+      has_alt = true;
+    } else if (tile.block_m == 256) {
       alt = gc.f32() && !wgrad ? GemmTile{128, 128, true, 1, true, true} : GemmTile{128, 128, !(K >= 4096), 1};
       has_alt = true;
     } else if (tile.block_m == 128 && tile.block_n == 128 && tile.f32_staging) {

@@ -5,11 +5,59 @@
 //   A [M, K] e4m3 row-major, scales [K/128, ld(M)] f32 M-major (1x128)
 //   B [N, K] e4m3 row-major, scales [ceil(N/128), K/128] f32 (128x128) or [K/128, ld(N)] (1x128)
 //   D [M, N] bf16 | f32 row-major (row stride may exceed N)
+//
+// K slices (GemmTile::split_k = S, dense 1d2d 64x64): the kernel (Grouping::split_k) writes each
+// slice's partial product to an FP32 workspace [S * M, N] (stream-ordered allocation), and
+// sum_slices_kernel adds the slices in slice order into D: deterministic, like the unsplit kernel.
+#include <type_traits>
+
 #include "cuda_check.hpp"
 #include "gemm_launch.cuh"
 #include "kernel_api.hpp"
 
 namespace fp8moe::cuda {
+
+namespace {
+
+// D [M, N] (row stride ldd) = (accumulate: D +) w[0] + w[1] + ... + w[S - 1], w [S, M, N] f32.
+template <class Tout>
+__global__ void __launch_bounds__(256) sum_slices_kernel(const float* __restrict__ w, int S, int64_t M, int64_t N,
+                                                         Tout* __restrict__ d, int64_t ldd, bool accumulate) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= N) return;
+  for (int64_t r = blockIdx.y; r < M; r += gridDim.y) {
+    float sum = w[r * N + c];
+    for (int k = 1; k < S; ++k) sum += w[(k * M + r) * N + c];
+    Tout* p = d + r * ldd + c;
+    if constexpr (std::is_same_v<Tout, float>) *p = accumulate ? *p + sum : sum;
+    else *p = __float2bfloat16_rn(sum);
+  }
+}
+
+void gemm_split_k(const GemmTile& t, GemmMaps& maps, GemmKernelArgs args, const TensorView& d, bool accumulate,
+                  cudaStream_t stream) {
+  const int64_t M = args.M, N = args.N, S = t.split_k;
+  FP8MOE_CHECK(S >= 2 && S * M < (int64_t(1) << 31), "gemm_fp8: " << S << " K slices of " << M << " rows");
+  float* w = nullptr;
+  FP8MOE_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&w), size_t(S * M * N) * 4, stream));
+  const TensorView wv(w, DType::f32, {S * M, N}, Device::cuda);
+  args.M = uint32_t(S * M);
+  args.group.groups = uint32_t(S);
+  args.group.group_rows = uint32_t(M);
+  args.epi = make_epilogue(wv, false, maps);
+  GemmTile whole = t;
+  whole.split_k = 1;
+  launch_gemm<false, Grouping::split_k>(whole, maps, args, stream, "gemm_fp8");
+  const dim3 grid(unsigned((N + 255) / 256), unsigned(std::min<int64_t>(M, 65535)));
+  if (d.dtype == DType::f32)
+    sum_slices_kernel<<<grid, 256, 0, stream>>>(w, int(S), M, N, d.ptr<float>(), d.strides[0], accumulate);
+  else
+    sum_slices_kernel<<<grid, 256, 0, stream>>>(w, int(S), M, N, d.ptr<__nv_bfloat16>(), d.strides[0], false);
+  FP8MOE_CUDA_CHECK_LAUNCH("sum_slices_kernel");
+  FP8MOE_CUDA_CHECK(cudaFreeAsync(w, stream));
+}
+
+}  // namespace
 
 int gemm_fp8_sm90_max_active_clusters(const GemmTile& tile, bool b_1x128) {
   if (tile.multicast == 1 || tile.block_m != 128 || tile.block_n != 128) return 1;
@@ -80,6 +128,10 @@ void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorV
   args.M = uint32_t(M);
   args.N = uint32_t(N);
   args.K = uint32_t(K);
+  if (t.split_k > 1) {
+    FP8MOE_CHECK(split_k_tile_ok(t, b_1x128), "gemm_fp8: tile " << tile_name(t) << " is not compiled with K slices");
+    return gemm_split_k(t, maps, args, d, accumulate, stream);
+  }
   args.epi = make_epilogue(d, accumulate, maps);
   if (b_1x128) launch_gemm<true, Grouping::none>(t, maps, args, stream, "gemm_fp8");
   else launch_gemm<false, Grouping::none>(t, maps, args, stream, "gemm_fp8");

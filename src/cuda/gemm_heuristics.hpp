@@ -39,6 +39,9 @@ struct GemmTile {
   // N blocks per rasterization group of the tile scheduler (kernels/scheduler.cuh): the tiles in
   // flight at once share at most this many B row-panels.
   int raster_n = 16;
+  // K slices (dense 1d2d, 64x64 only): each slice's K blocks into an FP32 workspace, summed in
+  // slice order by a second kernel; for few output tiles and long K (64x2112x7168).
+  int split_k = 1;
 };
 
 // "128x128/pipe/f32/r8": the block shape, then the variants that differ from the defaults.
@@ -49,6 +52,7 @@ inline std::string tile_name(const GemmTile& t) {
   if (t.pipelined) s += "/pipe";
   if (t.f32_staging) s += "/f32";
   if (t.raster_n != GemmTile{}.raster_n) s += "/r" + std::to_string(t.raster_n);
+  if (t.split_k > 1) s += "/s" + std::to_string(t.split_k);
   return s;
 }
 
@@ -83,9 +87,24 @@ std::vector<GemmTile> tile_list(std::tuple<C...>*) {
   return {C::tile()...};
 }
 
-// Tile shapes compiled into the library.
+// The one tile compiled with K slices (Grouping::split_k): 1d2d 64x64 with the staged epilogue
+// flag (its f32 workspace takes the direct stores), any number of slices.
+constexpr bool split_k_tile_ok(const GemmTile& t, bool b_1x128) {
+  return !b_1x128 && t.block_m == 64 && t.block_n == 64 && t.tma_epilogue && t.multicast == 1 && !t.pipelined &&
+         !t.f32_staging;
+}
+
+// Tile shapes compiled into the library (1d2d: and the 64x64 tile with 2 and 4 K slices).
 inline const std::vector<GemmTile>& gemm_tiles(bool b_1x128) {
-  static const std::vector<GemmTile> k1d2d = tile_list(static_cast<Tiles1d2d*>(nullptr));
+  static const std::vector<GemmTile> k1d2d = [] {
+    std::vector<GemmTile> v = tile_list(static_cast<Tiles1d2d*>(nullptr));
+    for (int s : {2, 4}) {
+      GemmTile t{64, 64};
+      t.split_k = s;
+      v.push_back(t);
+    }
+    return v;
+  }();
   static const std::vector<GemmTile> k1d1d = tile_list(static_cast<Tiles1d1d*>(nullptr));
   return b_1x128 ? k1d1d : k1d2d;
 }
@@ -112,7 +131,7 @@ constexpr int gemm_tile_stages(const GemmTile& t, bool b_1x128) {
 // tiles of a cluster or the halves of a 256-row tile may belong to different groups. The K-grouped
 // Wgrad (1x128 B) is not built with the pipelined mainloop: it spills there (16 bytes).
 constexpr bool grouped_tile_ok(const GemmTile& t, bool b_1x128) {
-  return t.block_m <= 128 && t.multicast == 1 && !(b_1x128 && t.pipelined);
+  return t.block_m <= 128 && t.multicast == 1 && !(b_1x128 && t.pipelined) && t.split_k == 1;
 }
 
 inline double gemm_tile_cost(const GemmTile& t, int64_t M, int64_t N, int num_sms) {
@@ -131,16 +150,17 @@ inline double gemm_tile_cost(const GemmTile& t, int64_t M, int64_t N, int num_sm
 }
 
 // grouped: only tiles with grouped_tile_ok (M = the rows of all groups together). d_f32: D is f32
-// (1d2d: picks the FP32-staged variant where one is compiled; 1d1d D is always f32).
+// (1d2d: picks the FP32-staged variant where one is compiled; 1d1d D is always f32). split: K
+// slices allowed (the bench turns them off to time the unsplit choice beside them).
 inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, int num_sms, bool grouped,
-                                 bool d_f32) {
+                                 bool d_f32, bool split = true) {
   GemmTile best{};
   double best_cost = -1;
   for (const GemmTile& t : gemm_tiles(b_1x128)) {
     if ((!t.tma_epilogue && t.block_m != 256) || t.multicast != 1) continue;  // variants picked below
     if (t.f32_staging) continue;                                                // f32 D: chosen below
     if (t.pipelined || t.block_n > 128) continue;  // chosen below
-    if (t.block_m == 192) continue;                 // chosen below
+    if (t.block_m == 192 || t.split_k > 1) continue;  // chosen below
     // 256-row tiles only pay off with long K (measured: for K <= 2048 the staged 128x128 epilogue
     // wins) and many rows.
     if (t.block_m == 256 && (grouped || M < 1024 || K < 4096)) continue;
@@ -227,6 +247,21 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
   // slower; at K <= 7168 8 and 16 were within 0.5% (32: up to 4% slower); the grouped GEMMs and
   // the Wgrad at K = 4096 within noise, so they keep 16.
   if (!grouped && int64_t(best.raster_n) * best.block_n * K > (int64_t(24) << 20)) best.raster_n = 8;
+  // K slices: one row block (M <= 64) whose 64x64 tiles fill at most a third of the SMs, and
+  // K >= 7168: S = SMs / tiles slices (at most 8, each at least 8 K blocks). Measured (H200,
+  // 2026-11-30, `fp8moe bench gemm`, the unsplit choice timed beside): 64x2112x7168 (33 tiles, S =
+  // 4) 16.7-16.9 us against 19.6 (64x16), 64x1536x7168 (S = 5) 14.9 against 18.9, 32x2112x16384
+  // 22.8 against 36.8, 1x1024x16384 (S = 8) 16.7 against 35.6; slower: 64x2112x4096 14.4 against
+  // 13.1, and earlier (a former split-K) at 64 and more tiles (64x4096x7168, S = 2: 22.8-24.3
+  // against 21.5 us) and at K <= 2048 (1.5-2.5x: the second kernel and the workspace's traffic).
+  if (split && !grouped && !b_1x128 && M <= 64) {
+    const int64_t tiles64 = (N + 63) / 64, kb = K / 128;
+    if (tiles64 * 3 <= num_sms && kb >= 56) {
+      GemmTile t{64, 64};
+      t.split_k = int(std::min<int64_t>({num_sms / tiles64, kb / 8, 8}));
+      if (t.split_k > 1) best = t;
+    }
+  }
   return best;
 }
 

@@ -180,7 +180,9 @@ void launch_kernel(const GemmMaps& maps, GemmKernelArgs args, cudaStream_t strea
 template <bool kB1x128, Grouping kG, int BM, int BN, bool kTmaEpi, int kMC, bool kPipe, bool kF32Stg>
 bool try_launch(TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>, const GemmTile& t, const GemmMaps& maps,
                 const GemmKernelArgs& args, cudaStream_t stream) {
-  if constexpr (kG != Grouping::none && !grouped_tile_ok(TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>::tile(), kB1x128)) {
+  constexpr GemmTile kTile = TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>::tile();
+  if constexpr (kG == Grouping::split_k ? !split_k_tile_ok(kTile, kB1x128)
+                                        : kG != Grouping::none && !grouped_tile_ok(kTile, kB1x128)) {
     return false;
   } else {
     if (t.block_m != BM || t.block_n != BN || t.tma_epilogue != kTmaEpi || t.multicast != kMC ||

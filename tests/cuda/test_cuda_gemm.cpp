@@ -366,6 +366,22 @@ TEST(CudaGemmHeuristic, F32DGetsTheFp32StagedTiles) {
   EXPECT_TRUE(g.block_m == 128 && g.block_n == 128 && g.pipelined && g.f32_staging);
 }
 
+// K slices only for one row block of few 64x64 tiles and K >= 7168, dense 1d2d.
+TEST(CudaGemmHeuristic, KSlicesForFewTilesAndLongK) {
+  const cuda::GemmTile t = cuda::choose_gemm_tile(64, 2112, 7168, false, 132, false, false);
+  EXPECT_EQ(cuda::tile_name(t), "64x64/s4");
+  EXPECT_TRUE(cuda::split_k_tile_ok(t, false));
+  EXPECT_EQ(cuda::choose_gemm_tile(64, 2112, 7168, false, 132, false, true).split_k, 4);      // f32 D
+  EXPECT_EQ(cuda::choose_gemm_tile(1, 1024, 16384, false, 132, false, false).split_k, 8);     // 16 tiles
+  EXPECT_EQ(cuda::choose_gemm_tile(64, 2112, 7168, false, 132, false, false, false).split_k, 1);
+  EXPECT_EQ(cuda::choose_gemm_tile(64, 2112, 4096, false, 132, false, false).split_k, 1);     // short K
+  EXPECT_EQ(cuda::choose_gemm_tile(64, 4096, 7168, false, 132, false, false).split_k, 1);     // 64 tiles
+  EXPECT_EQ(cuda::choose_gemm_tile(128, 2112, 7168, false, 132, false, false).split_k, 1);    // two row blocks
+  EXPECT_EQ(cuda::choose_gemm_tile(64, 2112, 7168, true, 132, false, false).split_k, 1);      // 1d1d
+  EXPECT_EQ(cuda::choose_gemm_tile(64, 2112, 7168, false, 132, true, false).split_k, 1);      // grouped
+  EXPECT_FALSE(cuda::grouped_tile_ok(t, false));
+}
+
 TEST(CudaGemmHeuristic, ThreeWarpgroupTileForShortK) {
   // Measured faster than 128x192 and 128x128/pipe at these two shapes, bf16 D and f32 D (FP32
   // staging); the grouped GEMMs never get it.

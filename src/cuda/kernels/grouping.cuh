@@ -14,6 +14,10 @@
 //   k_grouped   Wgrad: A = dy_t [N, R], B = x_t [K, R], D [G*N, K]: m block b -> (g, i) as for
 //               masked with N rows per group; A rows i*BM, D rows g*N + i*BM, K blocks
 //               offsets[g]/128 .. offsets[g+1]/128 (an empty segment: none, zeros written).
+//   split_k     the dense GEMM with its K blocks cut into S slices (groups = S, group_rows = M): m
+//               block b -> slice g = b / T, rows r0 = (b % T) * BM (T = ceil(M / BM)); A rows r0,
+//               K blocks [g * KB / S, (g + 1) * KB / S), D = the FP32 workspace [S * M, N], rows
+//               g * M + r0 (rows past M are the next slice's: never written). No group table.
 // Group tables are read on the device (no host synchronization); values out of range are clamped
 // so that no load leaves the operands: a row_group past G counts as padding, counts are clamped to
 // [0, M_max], offsets to [0, R].
@@ -24,12 +28,12 @@
 
 namespace fp8moe::cuda {
 
-enum class Grouping : int { none, contiguous, masked, k_grouped };
+enum class Grouping : int { none, contiguous, masked, k_grouped, split_k };
 
 struct GroupArgs {
   const int32_t* table = nullptr;  // contiguous: row_group [R]; masked: counts [G]; k_grouped: offsets [G + 1]
-  uint32_t groups = 1;
-  uint32_t group_rows = 0;  // masked: M_max; k_grouped: N (D rows per group)
+  uint32_t groups = 1;       // split_k: slices
+  uint32_t group_rows = 0;  // masked: M_max; k_grouped: N (D rows per group); split_k: M
   uint32_t b_rows = 0;      // contiguous, masked: N (B rows per group, a multiple of 128)
 };
 
@@ -47,7 +51,7 @@ struct TileWork {
 // Rows of the scheduler's virtual M: m blocks of BM rows (per group for masked and k_grouped).
 template <Grouping kG, int BM>
 __host__ __device__ __forceinline__ uint32_t sched_rows(uint32_t M, const GroupArgs& ga) {
-  if constexpr (kG == Grouping::masked || kG == Grouping::k_grouped)
+  if constexpr (kG == Grouping::masked || kG == Grouping::k_grouped || kG == Grouping::split_k)
     return ga.groups * ((ga.group_rows + BM - 1) / BM) * BM;
   else
     return M;
@@ -85,6 +89,11 @@ __device__ __forceinline__ TileWork resolve_tile(uint32_t m_blk, uint32_t n_blk,
       w.a_row = w.d_row;
       w.b_row = g * ga.b_rows + n0;
       if (w.valid_rows == 0) w.kb_end = 0;
+    } else if constexpr (kG == Grouping::split_k) {
+      w.kb_begin = g * num_k_blocks / ga.groups;
+      w.kb_end = (g + 1) * num_k_blocks / ga.groups;
+      w.a_row = r0;
+      w.b_row = n0;
     } else {
       const int32_t o0 = __ldg(ga.table + g), o1 = __ldg(ga.table + g + 1);
       w.kb_begin = min(uint32_t(max(o0, 0)) / 128u, num_k_blocks);
