@@ -174,8 +174,9 @@ void expect_1x128_and_128x1(Backend& be, const Tensor& x, DType rows_dt, DType c
 
 // T off 128 and off 16 (the byte tail of the transposed rows), C off 128 (136: the fused kernel's
 // partial channel block; 130: not a whole number of 16-byte vectors, the two kernels; 272 x 400 and
-// 1040 x 144: T a multiple of 16, partial tiles on the 16-byte store path), many token blocks; both input dtypes, both scale modes, e4m3 and e5m2; an all-zero channel (a zero 128x1
-// tile, scale 1) besides make_input's zero 1x128 tile, tiny row and outliers.
+// 1040 x 144: T a multiple of 16, partial tiles on the 16-byte store path), many token blocks;
+// both input dtypes, both scale modes, e4m3 and e5m2; an all-zero channel (a zero 128x1 tile,
+// scale 1) besides make_input's zero 1x128 tile, tiny row and outliers.
 TEST_F(CudaQuantize, Quantize1x128And128x1MatchesCpuBitExact) {
   auto rng = make_rng();
   const Shape shapes[] = {{1, 128}, {200, 128}, {200, 136}, {384, 136}, {384, 7168}, {8192, 128},
