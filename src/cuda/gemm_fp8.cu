@@ -45,9 +45,7 @@ void gemm_split_k(const GemmTile& t, GemmMaps& maps, GemmKernelArgs args, const 
   args.group.groups = uint32_t(S);
   args.group.group_rows = uint32_t(M);
   args.epi = make_epilogue(wv, false, maps);
-  GemmTile whole = t;
-  whole.split_k = 1;
-  launch_gemm<false, Grouping::split_k>(whole, maps, args, stream, "gemm_fp8");
+  launch_gemm<false, Grouping::split_k>(t, maps, args, stream, "gemm_fp8");
   const dim3 grid(unsigned((N + 255) / 256), unsigned(std::min<int64_t>(M, 65535)));
   if (d.dtype == DType::f32)
     sum_slices_kernel<<<grid, 256, 0, stream>>>(w, int(S), M, N, d.ptr<float>(), d.strides[0], accumulate);
