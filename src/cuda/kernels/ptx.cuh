@@ -38,6 +38,13 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
                : "memory");
 }
 
+// Raises the transaction count the current phase waits for, without arriving (the arrive
+// follows once the stores it publishes are made).
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
 // Blocks until the phase with parity `parity` has completed.
 // NOTES: a freshly initialised barrier is in phase 0, so waiting on parity 1 returns at once:
 // producers start their "empty" waits with parity 1.

@@ -240,11 +240,12 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         for (uint32_t kb = work.kb_begin; kb < work.kb_end; ++kb) {
           const float2 sb_next = load_sb(kb + 1);
           ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
-          // Plain shared stores, made visible to the math warpgroups by the release of the arrive
-          // below and the acquire of their wait on the same barrier.
-          if constexpr (!kB1x128) *reinterpret_cast<float2*>(smem_sb + stage * 2) = sb;
-          sb = sb_next;
-          ptx::mbar_arrive_expect_tx(&full_bar[stage], T::kTxBytes);
+          // 1d2d: the loads go out first and the s_b pair is stored after them: the store waits
+          // for its global load, which at a tile's first K block (the kernel's first loads) would
+          // otherwise hold the TMA loads back by an L2 miss. Plain shared stores, made visible to
+          // the math warpgroups by the release of the arrive and the acquire of their wait.
+          if constexpr (kB1x128) ptx::mbar_arrive_expect_tx(&full_bar[stage], T::kTxBytes);
+          else ptx::mbar_expect_tx(&full_bar[stage], T::kTxBytes);
           const int32_t k0 = int32_t(kb * kBlockK);
           ptx::tma_load_2d(&tmap_a, &full_bar[stage], smem_a + stage * T::kSmemA, k0, m0);
           if constexpr (kMC > 1) {
@@ -258,6 +259,11 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
           ptx::tma_load_2d(&tmap_sa, &full_bar[stage], smem_sa + stage * BLOCK_M, m0, int32_t(kb));
           if constexpr (kB1x128)
             ptx::tma_load_2d(&tmap_sb, &full_bar[stage], smem_sb + stage * BLOCK_N, n0, int32_t(kb));
+          if constexpr (!kB1x128) {
+            *reinterpret_cast<float2*>(smem_sb + stage * 2) = sb;
+            ptx::mbar_arrive(&full_bar[stage]);
+          }
+          sb = sb_next;
           if (++stage == STAGES) stage = 0, phase ^= 1;
         }
       }
