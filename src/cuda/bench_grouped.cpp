@@ -450,7 +450,8 @@ int run_grouped_bench(const GroupedBenchOptions& opt) {
     const int64_t rows_all = wgrad ? gc.G * gc.N : p.seg.rows();
     // The m-grouped cases write bf16 D, the Wgrad f32.
     const GemmTile tile = wgrad ? grouped_gemm_tile(rows_all, gc.K, p.seg.rows() / gc.G, true, true)
-                                : grouped_gemm_tile(rows_all, gc.N, gc.K, false, false);
+                                : grouped_gemm_tile(rows_all, gc.N, gc.K, false, false,
+                                                    gc.kind == Kind::contiguous ? gc.G : 0);
     // Correctness outputs start poisoned (NaN) when overwritten, zeroed when accumulated.
     const int fill = p.accumulate ? 0x00 : 0xFF;
     auto run_fresh = [&](const std::function<void()>& fn, void* d) {
@@ -496,7 +497,7 @@ int run_grouped_bench(const GroupedBenchOptions& opt) {
       // Extra tiles: timed, D bit for bit against the chosen tile's.
       const auto want = extra.empty() ? std::vector<uint8_t>{} : to_host<uint8_t>(p.d_ours->p, dbytes);
       for (const GemmTile& xt : extra) {
-        if (!grouped_tile_ok(xt, wgrad)) continue;
+        if (!grouped_tile_ok(xt, wgrad, gc.kind == Kind::contiguous)) continue;
         double tx = NAN;
         bool same = false;
         try {

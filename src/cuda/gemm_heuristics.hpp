@@ -128,10 +128,13 @@ constexpr int gemm_tile_stages(const GemmTile& t, bool b_1x128) {
 }
 
 // Tiles of the grouped GEMMs: at most 128 rows (one expert block) and no multicast, since the
-// tiles of a cluster or the halves of a 256-row tile may belong to different groups. The K-grouped
-// Wgrad (1x128 B) is not built with the pipelined mainloop: it spills there (16 bytes).
-constexpr bool grouped_tile_ok(const GemmTile& t, bool b_1x128) {
-  return t.block_m <= 128 && t.multicast == 1 && !(b_1x128 && t.pipelined) && t.split_k == 1;
+// tiles of a cluster or the halves of a 256-row tile may belong to different groups; the
+// contiguous GEMM also runs the 192-row tiles (three math warpgroups), laid out per segment from a
+// device table (kernels/grouping.cuh). The K-grouped Wgrad (1x128 B) is not built with the
+// pipelined mainloop: it spills there (16 bytes).
+constexpr bool grouped_tile_ok(const GemmTile& t, bool b_1x128, bool contiguous = false) {
+  return (t.block_m <= 128 || (contiguous && t.block_m == 192)) && t.multicast == 1 && !(b_1x128 && t.pipelined) &&
+         t.split_k == 1;
 }
 
 inline double gemm_tile_cost(const GemmTile& t, int64_t M, int64_t N, int num_sms) {
@@ -152,8 +155,10 @@ inline double gemm_tile_cost(const GemmTile& t, int64_t M, int64_t N, int num_sm
 // grouped: only tiles with grouped_tile_ok (M = the rows of all groups together). d_f32: D is f32
 // (1d2d: picks the FP32-staged variant where one is compiled; 1d1d D is always f32). split: K
 // slices allowed (the bench turns them off to time the unsplit choice beside them).
+// contiguous_groups: the grouped GEMM is the contiguous one over this many expert segments, which
+// may take 192-row tiles.
 inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, int num_sms, bool grouped,
-                                 bool d_f32, bool split = true) {
+                                 bool d_f32, bool split = true, int64_t contiguous_groups = 0) {
   GemmTile best{};
   double best_cost = -1;
   for (const GemmTile& t : gemm_tiles(b_1x128)) {
@@ -231,8 +236,13 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     // 192x128 was 3.8%, 3.0% and 7.2% faster than the chosen 128x192 at 8192x7168x16384,
     // 8192x2112x7168 and 8192x4096x7168, where the model called a tie; there its K block costs
     // 1.38. At M = 4096 the calibration above holds (ties and a loss to wave quantization).
+    // Contiguous grouped GEMM: the 192-row tiles of a segment of whole 128-row blocks leave 0, 64
+    // or 128 rows of their last tile to the next segment, 64 per segment on average.
     const double k192x128 = !d_f32 && M >= 8192 ? 1.38 : 1.43;
-    const double c192x128 = !grouped ? waves(192, 128) * (kb * k192x128 + 2.15 * ce) : 1e300;
+    const double waste192 = 1.0 + 64.0 * double(contiguous_groups) / double(M);
+    const double c192x128 = !grouped || contiguous_groups > 0
+                                ? waves(192, 128) * (kb * k192x128 + 2.15 * ce) * waste192
+                                : 1e300;
     if (c192x128 * 1.01 < std::min({c128, c192, c256})) best = {192, 128};
     else if (c128 <= c192 && c128 <= c256) best = t128;
     else if (c192 <= c256) best = t192;

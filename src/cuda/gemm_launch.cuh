@@ -99,10 +99,11 @@ struct GemmMaps {
 
 // Values [rows, K] e4m3, boxes [box_rows, 128] 128B-swizzled (K-major tiles for WGMMA).
 // A tile forced on a grouped GEMM must be one the grouped kernels run.
-inline void check_grouped_tile(const GemmTile& t, bool b_1x128, const char* op) {
-  FP8MOE_CHECK(grouped_tile_ok(t, b_1x128), op << ": tile " << tile_name(t)
-                                      << " unsupported (grouped tiles have at most 128 rows and no multicast; the"
-                                         " K-grouped Wgrad has no pipelined mainloop)");
+inline void check_grouped_tile(const GemmTile& t, bool b_1x128, bool contiguous, const char* op) {
+  FP8MOE_CHECK(grouped_tile_ok(t, b_1x128, contiguous),
+               op << ": tile " << tile_name(t)
+                  << " unsupported (grouped tiles have at most 128 rows, or 192 for the contiguous GEMM, and no"
+                     " multicast; the K-grouped Wgrad has no pipelined mainloop)");
 }
 
 inline CUtensorMap make_values_map(const TensorView& v, uint32_t box_rows, const char* what) {
@@ -182,7 +183,8 @@ bool try_launch(TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>, const GemmTile
                 const GemmKernelArgs& args, cudaStream_t stream) {
   constexpr GemmTile kTile = TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>::tile();
   if constexpr (kG == Grouping::split_k ? !split_k_tile_ok(kTile, kB1x128)
-                                        : kG != Grouping::none && !grouped_tile_ok(kTile, kB1x128)) {
+                                        : kG != Grouping::none &&
+                                              !grouped_tile_ok(kTile, kB1x128, kG == Grouping::contiguous)) {
     return false;
   } else {
     if (t.block_m != BM || t.block_n != BN || t.tma_epilogue != kTmaEpi || t.multicast != kMC ||

@@ -31,7 +31,7 @@ void grouped_wgrad_fp8_cuda(const QuantizedView& dy_t, const QuantizedView& x_t,
   }
 
   const GemmTile t = tile ? *tile : grouped_gemm_tile(G * N, K, R / G, true, /*d_f32=*/true);
-  check_grouped_tile(t, true, op);
+  check_grouped_tile(t, true, /*contiguous=*/false, op);
   GemmMaps maps{};
   maps.a = make_values_map(dy_t.values, uint32_t(t.block_m), "dy_t.values");
   maps.b = make_values_map(x_t.values, uint32_t(t.block_n), "x_t.values");

@@ -41,7 +41,9 @@ void grouped_wgrad_fp8_cuda(const QuantizedView& dy_t, const QuantizedView& x_t,
                             const TensorView& d, bool accumulate, cudaStream_t stream, const GemmTile* tile = nullptr);
 // The tile the heuristic picks for `rows` output rows of all groups together (the rows of the
 // contiguous layout, G * M_max, or G * N for the Wgrad), N columns and K (Wgrad: tokens per group);
-// d_f32: D is f32 (else bf16; the Wgrad's D is always f32).
-GemmTile grouped_gemm_tile(int64_t rows, int64_t N, int64_t K, bool b_1x128, bool d_f32);
+// d_f32: D is f32 (else bf16; the Wgrad's D is always f32); contiguous_groups: the contiguous GEMM
+// over this many expert segments (192-row tiles allowed).
+GemmTile grouped_gemm_tile(int64_t rows, int64_t N, int64_t K, bool b_1x128, bool d_f32,
+                           int64_t contiguous_groups = 0);
 
 }  // namespace fp8moe::cuda

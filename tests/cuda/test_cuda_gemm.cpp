@@ -441,6 +441,16 @@ TEST(CudaGemmHeuristic, ThreeWarpgroupTileForShortK) {
     EXPECT_EQ(cuda::choose_gemm_tile(8192, N, K, false, 132, false, false).block_m, 192) << N << "x" << K;
     EXPECT_NE(cuda::choose_gemm_tile(8192, N, K, false, 132, true, false).block_m, 192) << N << "x" << K;
   }
+  // Contiguous grouped GEMM: 192-row tiles for few long segments (4 x ~8800 rows), not for many
+  // short ones (256 x 256 rows: a quarter of the rows wasted), nor for the masked GEMM.
+  for (bool f32 : {false, true}) {
+    const cuda::GemmTile c = cuda::choose_gemm_tile(35328, 4096, 7168, false, 132, true, f32, false, 4);
+    EXPECT_EQ(c.block_m, 192) << f32;
+    EXPECT_TRUE(cuda::grouped_tile_ok(c, false, /*contiguous=*/true));
+    EXPECT_FALSE(cuda::grouped_tile_ok(c, false));
+    EXPECT_NE(cuda::choose_gemm_tile(65536, 4096, 7168, false, 132, true, f32, false, 256).block_m, 192) << f32;
+    EXPECT_NE(cuda::choose_gemm_tile(35328, 4096, 7168, false, 132, true, f32).block_m, 192) << f32;
+  }
 }
 
 TEST(CudaGemmHeuristic, RasterWidthFollowsThePanelSize) {

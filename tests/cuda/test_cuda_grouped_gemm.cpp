@@ -24,10 +24,11 @@ namespace {
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-std::vector<cuda::GemmTile> grouped_tiles(bool b_1x128) {
+// contiguous: with the 192-row tiles of the contiguous GEMM.
+std::vector<cuda::GemmTile> grouped_tiles(bool b_1x128, bool contiguous = false) {
   std::vector<cuda::GemmTile> v;
   for (const cuda::GemmTile& t : cuda::gemm_tiles(b_1x128))
-    if (cuda::grouped_tile_ok(t, b_1x128)) v.push_back(t);
+    if (cuda::grouped_tile_ok(t, b_1x128, contiguous)) v.push_back(t);
   return v;
 }
 
@@ -102,8 +103,11 @@ struct ContiguousCase {
 
 TEST_F(CudaGroupedGemm, ContiguousSmallIntegersExactForEveryTile) {
   auto rng = make_rng();
-  const ContiguousCase cases[] = {
-      {1, 200, 128, 256, 0, {}}, {3, 150, 256, 384, 70, {1}}, {4, 90, 384, 128, 256, {0, 3}}, {2, 300, 128, 1024, 5, {}}};
+  // The last case's segments of 4..8 blocks take the 192-row tiles at every phase (tiles starting
+  // at a block's row 0 or 64, ending inside the segment or in its last block).
+  const ContiguousCase cases[] = {{1, 200, 128, 256, 0, {}},      {3, 150, 256, 384, 70, {1}},
+                                  {4, 90, 384, 128, 256, {0, 3}}, {2, 300, 128, 1024, 5, {}},
+                                  {4, 700, 128, 256, 130, {2}}};
   for (const ContiguousCase& c : cases) {
     const ExpertRows L = expert_rows(random_expert_counts(rng, c.G, c.mean, c.empty), c.extra);
     const int64_t R = L.rows();
@@ -116,7 +120,7 @@ TEST_F(CudaGroupedGemm, ContiguousSmallIntegersExactForEveryTile) {
     for (DType dt : {DType::f32, DType::bf16}) {
       Tensor want = Tensor::host(dt, {R, c.N});
       cpu_->grouped_gemm_fp8_contiguous(a, b, rg, c.G, want, {});
-      for (const cuda::GemmTile& t : grouped_tiles(false)) {
+      for (const cuda::GemmTile& t : grouped_tiles(false, /*contiguous=*/true)) {
         Tensor d = poisoned(*be_, dt, R, c.N);
         cuda::grouped_gemm_fp8_contiguous_cuda(ad, bd, rgd, c.G, d, false, nullptr, &t);
         expect_same_bits(be_->to_host(d), want,
@@ -149,7 +153,7 @@ TEST_F(CudaGroupedGemm, ContiguousAccumulatesAndLeavesPaddingForEveryTile) {
     cpu_->grouped_gemm_fp8_contiguous(a, b, rg, c.G, want, acc);
     QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
     Tensor rgd = to_device(*be_, rg);
-    for (const cuda::GemmTile& t : grouped_tiles(false)) {
+    for (const cuda::GemmTile& t : grouped_tiles(false, /*contiguous=*/true)) {
       Tensor d = to_device(*be_, d0);
       cuda::grouped_gemm_fp8_contiguous_cuda(ad, bd, rgd, c.G, d, true, nullptr, &t);
       expect_same_bits(be_->to_host(d), want, "contiguous accumulate " + c.str() + " tile " + cuda::tile_name(t));
@@ -189,6 +193,30 @@ TEST_F(CudaGroupedGemm, ContiguousRandomAgainstReference) {
                    "contiguous " + c.str() + " " + std::string(dtype_name(dt)) + " tile " +
                        cuda::tile_name(cuda::grouped_gemm_tile(R, N, K, false, dt == DType::f32)));
     }
+  }
+}
+
+// The 192-row tiles over more 128-row blocks than the tile table's scan takes at once (1024): a
+// segment runs across the chunk boundary. Small integers, exact against the CPU op.
+TEST_F(CudaGroupedGemm, ContiguousTallTilesAcrossScanChunks) {
+  auto rng = make_rng();
+  const int64_t G = 4, N = 128, K = 128;
+  const ExpertRows L = expert_rows({70001, 0, 45000, 29950}, 300);
+  const int64_t R = L.rows();
+  ASSERT_GT(R, 1024 * 128);
+  QuantizedTensor a = small_int_quantized(rng, R, K, ScaleKind::tile_1x128);
+  QuantizedTensor b = small_int_quantized(rng, G * N, K, ScaleKind::block_128x128);
+  Tensor rg = i32_tensor(L.row_group);
+  QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
+  Tensor rgd = to_device(*be_, rg);
+  for (DType dt : {DType::f32, DType::bf16}) {
+    Tensor want = Tensor::host(dt, {R, N});
+    cpu_->grouped_gemm_fp8_contiguous(a, b, rg, G, want, {});
+    cuda::GemmTile t{192, 128};
+    t.f32_staging = dt == DType::f32;
+    Tensor d = poisoned(*be_, dt, R, N);
+    cuda::grouped_gemm_fp8_contiguous_cuda(ad, bd, rgd, G, d, false, nullptr, &t);
+    expect_same_bits(be_->to_host(d), want, "contiguous R=" + std::to_string(R) + " tile " + cuda::tile_name(t));
   }
 }
 

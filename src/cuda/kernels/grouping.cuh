@@ -7,6 +7,10 @@
 //               is row_group[first row of its 128-row block] (the other rows of that block have
 //               group g or -1); B rows and B scale blocks are offset by g*N. g < 0 (padding block):
 //               no K blocks. Row by row, rows with row_group < 0 get zeros.
+//               BM = 192: m block b is tiles[b] of a table built on the device (grouped_gemm.cu;
+//               tiles[R / 128 rounded up] = the number of tiles, the scheduler's m blocks): start
+//               row | (rows of the tile in its segment) / 64; the rest of the tile (the next
+//               segment's rows) is read but never written.
 //   masked      A [G*M_max, K], B [G*N, K], D [G*M_max, N]: m block b -> group g = b / T, tile i =
 //               b % T (T = ceil(M_max / BM)), rows g*M_max + i*BM; rows at or past counts[g] get
 //               zeros and rows at or past M_max (the next group's) are never written. No K
@@ -32,6 +36,7 @@ enum class Grouping : int { none, contiguous, masked, k_grouped, split_k };
 
 struct GroupArgs {
   const int32_t* table = nullptr;  // contiguous: row_group [R]; masked: counts [G]; k_grouped: offsets [G + 1]
+  const int32_t* tiles = nullptr;  // contiguous, BM = 192: the tiles and their number (grouping.cuh)
   uint32_t groups = 1;       // split_k: slices
   uint32_t group_rows = 0;  // masked: M_max; k_grouped: N (D rows per group); split_k: M
   uint32_t b_rows = 0;      // contiguous, masked: N (B rows per group, a multiple of 128)
@@ -45,7 +50,8 @@ struct TileWork {
   uint32_t kb_begin, kb_end;    // 128-wide K blocks [kb_begin, kb_end)
   uint32_t sb_blk;              // 1d2d: 128-row scale block of B holding b_row
   uint32_t valid_rows;          // masked, k_grouped: tile rows [0, valid_rows) get the product, the others zeros
-  uint32_t write_rows;          // masked, k_grouped: tile rows [0, write_rows) are the group's; none written past
+  uint32_t write_rows;          // masked, k_grouped, contiguous BM = 192: tile rows [0, write_rows) are the
+                                // group's; none written past
 };
 
 // Rows of the scheduler's virtual M: m blocks of BM rows (per group for masked and k_grouped).
@@ -53,6 +59,12 @@ template <Grouping kG, int BM>
 __host__ __device__ __forceinline__ uint32_t sched_rows(uint32_t M, const GroupArgs& ga) {
   if constexpr (kG == Grouping::masked || kG == Grouping::k_grouped || kG == Grouping::split_k)
     return ga.groups * ((ga.group_rows + BM - 1) / BM) * BM;
+  else if constexpr (kG == Grouping::contiguous && BM > 128)
+#ifdef __CUDA_ARCH__
+    return uint32_t(__ldg(ga.tiles + (M + 127) / 128)) * BM;  // the tiles of the table
+#else
+    return (M + 127) / 128 * BM;  // at most one per 128-row block (the launch's bound)
+#endif
   else
     return M;
 }
@@ -73,7 +85,13 @@ __device__ __forceinline__ TileWork resolve_tile(uint32_t m_blk, uint32_t n_blk,
     w.d_row = m_blk * BM;
     w.b_row = n0;
   } else if constexpr (kG == Grouping::contiguous) {
-    w.a_row = w.d_row = m_blk * BM;
+    if constexpr (BM > 128) {
+      const uint32_t e = uint32_t(__ldg(ga.tiles + m_blk));
+      w.a_row = w.d_row = e & ~63u;
+      w.valid_rows = w.write_rows = (e & 63u) * 64;
+    } else {
+      w.a_row = w.d_row = m_blk * BM;
+    }
     const int32_t g = __ldg(ga.table + (w.a_row & ~127u));
     const bool real = g >= 0 && uint32_t(g) < ga.groups;
     w.b_row = (real ? uint32_t(g) : 0u) * ga.b_rows + n0;
@@ -126,8 +144,8 @@ __device__ __forceinline__ RowMask group_rows(const TileWork& w, const GroupArgs
     bool product, own;
     if constexpr (kG == Grouping::contiguous) {
       const int32_t g = row < M ? __ldg(ga.table + row) : -1;
-      product = g >= 0 && uint32_t(g) < ga.groups;
-      own = true;
+      own = r < w.write_rows;  // BM = 192: the tile's rows in its segment
+      product = own && g >= 0 && uint32_t(g) < ga.groups;
     } else {
       product = r < w.valid_rows;
       own = r < w.write_rows;
