@@ -220,6 +220,52 @@ TEST_F(CudaGroupedGemm, ContiguousTallTilesAcrossScanChunks) {
   }
 }
 
+// The contiguous GEMM on 192-row tiles captured in a CUDA graph (tile table allocation, build and
+// release inside it) and replayed with new expert layouts written to row_group on the device.
+TEST_F(CudaGroupedGemm, ContiguousTallTilesReplayFromCudaGraphWithNewLayouts) {
+  auto rng = make_rng();
+  const int64_t G = 3, R = 1024, N = 256, K = 256;
+  QuantizedTensor a = small_int_quantized(rng, R, K, ScaleKind::tile_1x128);
+  QuantizedTensor b = small_int_quantized(rng, G * N, K, ScaleKind::block_128x128);
+  QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
+  auto layout = [&](const std::vector<int64_t>& counts) {
+    int64_t used = 0;
+    for (int64_t c : counts) used += (c + 127) / 128 * 128;
+    return i32_tensor(expert_rows(counts, R - used).row_group);
+  };
+  const std::vector<std::vector<int64_t>> runs{{300, 0, 500}, {0, 1000, 0}, {0, 0, 0}, {129, 257, 300}};
+  Tensor rgd = to_device(*be_, layout(runs[0]));
+  Tensor nan_host = Tensor::host(DType::f32, {R, N});
+  std::memset(nan_host.view().data, 0xFF, nan_host.view().nbytes());
+  Tensor d = to_device(*be_, nan_host);
+  const cuda::GemmTile t{192, 128, true, 1, false, true};
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+  cuda::grouped_gemm_fp8_contiguous_cuda(ad, bd, rgd, G, d, false, s, &t);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  cuda::grouped_gemm_fp8_contiguous_cuda(ad, bd, rgd, G, d, false, s, &t);
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (const std::vector<int64_t>& counts : runs) {
+    Tensor rg = layout(counts);
+    be_->copy(rgd, rg);
+    be_->copy(d, nan_host);
+    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    Tensor want = Tensor::host(DType::f32, {R, N});
+    cpu_->grouped_gemm_fp8_contiguous(a, b, rg, G, want, {});
+    expect_same_bits(be_->to_host(d), want,
+                     "graph replay, counts " + std::to_string(counts[0]) + " " + std::to_string(counts[1]) + " " +
+                         std::to_string(counts[2]));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
 // ---- masked -------------------------------------------------------------------------------------
 
 struct MaskedCase {
