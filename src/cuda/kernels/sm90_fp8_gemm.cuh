@@ -348,7 +348,15 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     for (uint32_t tile = cluster_id; tile < sched.num_tiles; tile += num_clusters) {
       uint32_t m_blk, n_blk;
       sched.tile_coords(tile, rank, m_blk, n_blk);
-      const TileWork work = kG == Grouping::none ? resolve(tile) : next_work;
+      TileWork work = kG == Grouping::none ? resolve(tile) : next_work;
+      if constexpr (kG != Grouping::none) {
+        // NOTES: the K range comes from per-thread table reads, so ptxas cannot tell that it is
+        // warp-uniform, and with one math warpgroup it then kept the whole K loop (ring stage,
+        // phase, WGMMA descriptors) in per-thread registers. A warp reduction (REDUX) writes a
+        // uniform register; a shuffle from lane 0 did not make it uniform.
+        work.kb_begin = __reduce_max_sync(0xffffffffu, work.kb_begin);
+        work.kb_end = __reduce_max_sync(0xffffffffu, work.kb_end);
+      }
       const uint32_t m0 = work.d_row, n0 = n_blk * BLOCK_N;  // phantom tiles: m0 >= M, all stores masked
       RowMask row_mask{};
       if constexpr (kG != Grouping::none) row_mask = group_rows<kG>(work, args.group, m0, r_frag, args.M);
@@ -514,9 +522,9 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         // ring's stage and phase of the next tiles in per-thread registers and moved every WGMMA
         // descriptor to the uniform datapath (R2UR, WARPSYNC) between the barrier wait and the
         // WGMMAs: 262 against the dense kernel's 233 instructions per two K blocks (128x128/pipe).
-        // A shuffle from lane 0 makes it visibly warp-uniform.
+        // A warp reduction makes it visibly warp-uniform (as the K range above).
         if (T::kTmaStoreOk && args.epi.tma_store)
-          box_ok = __shfl_sync(0xffffffffu, ptx::named_barrier_and(1 + wg, 128, mine_ok), 0);
+          box_ok = __reduce_and_sync(0xffffffffu, uint32_t(ptx::named_barrier_and(1 + wg, 128, mine_ok))) != 0;
       }
 
       if (T::kTmaStoreOk && args.epi.tma_store && box_ok) {
