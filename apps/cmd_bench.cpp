@@ -52,7 +52,7 @@ void add_bench(CLI::App& app) {
   auto* grouped = bench->add_subcommand("grouped", "Grouped FP8 GEMMs of the MoE experts: ours vs a cuBLASLt loop");
   grouped->add_option("--iters", gr->iters, "timed runs per case (median)");
   grouped->add_option("--warmup", gr->warmup, "untimed runs per case");
-  grouped->add_option("--set", gr->set, "all | contiguous | masked | wgrad");
+  grouped->add_option("--set", gr->set, "all | contiguous | masked | wgrad | decode (masked, 8 or 32 experts of 32..128 tokens; not in all)");
   grouped->add_option("--check-rows", gr->check_rows, "rows of D checked against the FP64 reference");
   auto grouped_no_check = std::make_shared<bool>(false);
   grouped->add_flag("--no-check", *grouped_no_check, "skip the correctness columns");

@@ -5,6 +5,7 @@
 //               rows of A zero, as moe_permute_quantize writes them); D bf16 = A * B[g]^T.
 //   masked      G groups x M_max rows, all valid (counts = M_max), D bf16; timed beside the
 //               contiguous kernel on the same rows (G segments of M_max) for masked / contiguous.
+//               --set decode: 8 or 32 groups of 32..128 tokens in buffers of M_max = 128.
 //   wgrad       K-grouped Wgrad dW[g] += dY_g^T X_g over G experts x mean tokens (per-expert
 //               tokens as above), D f32 accumulated.
 // TFLOPS count the real rows (tokens), not the padding. The cuBLASLt loop runs each expert's
@@ -66,9 +67,16 @@ std::vector<GroupedCase> grouped_cases(const std::string& set) {
     for (int64_t G : {1, 2, 4})
       for (int64_t Mmax : {256, 512, 1024})
         for (auto& p : nk) v.push_back({Kind::masked, G, Mmax, p[0], p[1]});
+  // Decode (not in "all"): many experts with few tokens each, in masked buffers of M_max = the
+  // count rounded up to 128.
+  if (set == "decode")
+    for (int64_t G : {8, 32})
+      for (int64_t M : {32, 64, 128})
+        for (auto& p : nk) v.push_back({Kind::masked, G, M, p[0], p[1]});
   if (all || set == "wgrad")
     for (int64_t G : {4, 8})
       for (auto& p : nk) v.push_back({Kind::wgrad, G, 4096, p[0], p[1]});
+  FP8MOE_CHECK(!v.empty(), "bench grouped: unknown --set '" << set << "' (all | contiguous | masked | wgrad | decode)");
   return v;
 }
 
