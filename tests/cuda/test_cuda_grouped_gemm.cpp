@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 
@@ -78,6 +79,32 @@ void check_random(const Tensor& got_t, const Tensor& want_t, const std::vector<d
   EXPECT_LT(kerr, 1e-3) << what << ": kernel error vs the CPU op";
   EXPECT_LT(cd, 1e-3) << what << ": calc_diff vs the unquantized product";
   std::cout << "[ info     ] " << what << ": rel err vs CPU op " << kerr << ", calc_diff vs unquantized " << cd << "\n";
+}
+
+// Captures launch(stream) in a CUDA graph, after one launch outside the capture (which sets the
+// kernel attributes and loads the driver entry point), then for each of `runs` replays: prepare(i)
+// writes the inputs, the graph runs, check(i) reads the output.
+void replay_from_graph(const std::function<void(cudaStream_t)>& launch, size_t runs,
+                       const std::function<void(size_t)>& prepare, const std::function<void(size_t)>& check) {
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+  launch(s);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  launch(s);
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (size_t i = 0; i < runs; ++i) {
+    prepare(i);
+    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    check(i);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
 }
 
 class CudaGroupedGemm : public ::testing::Test {
@@ -239,31 +266,21 @@ TEST_F(CudaGroupedGemm, ContiguousTallTilesReplayFromCudaGraphWithNewLayouts) {
   std::memset(nan_host.view().data, 0xFF, nan_host.view().nbytes());
   Tensor d = to_device(*be_, nan_host);
   const cuda::GemmTile t{192, 128, true, 1, false, true};
-  cudaStream_t s = nullptr;
-  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
-  cuda::grouped_gemm_fp8_contiguous_cuda(ad, bd, rgd, G, d, false, s, &t);
-  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  cuda::grouped_gemm_fp8_contiguous_cuda(ad, bd, rgd, G, d, false, s, &t);
-  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (const std::vector<int64_t>& counts : runs) {
-    Tensor rg = layout(counts);
-    be_->copy(rgd, rg);
-    be_->copy(d, nan_host);
-    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    Tensor want = Tensor::host(DType::f32, {R, N});
-    cpu_->grouped_gemm_fp8_contiguous(a, b, rg, G, want, {});
-    expect_same_bits(be_->to_host(d), want,
-                     "graph replay, counts " + std::to_string(counts[0]) + " " + std::to_string(counts[1]) + " " +
-                         std::to_string(counts[2]));
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(s);
+  Tensor rg;
+  replay_from_graph(
+      [&](cudaStream_t s) { cuda::grouped_gemm_fp8_contiguous_cuda(ad, bd, rgd, G, d, false, s, &t); }, runs.size(),
+      [&](size_t i) {
+        rg = layout(runs[i]);
+        be_->copy(rgd, rg);
+        be_->copy(d, nan_host);
+      },
+      [&](size_t i) {
+        Tensor want = Tensor::host(DType::f32, {R, N});
+        cpu_->grouped_gemm_fp8_contiguous(a, b, rg, G, want, {});
+        expect_same_bits(be_->to_host(d), want,
+                         "graph replay, counts " + std::to_string(runs[i][0]) + " " + std::to_string(runs[i][1]) +
+                             " " + std::to_string(runs[i][2]));
+      });
 }
 
 // ---- masked -------------------------------------------------------------------------------------
@@ -350,32 +367,21 @@ TEST_F(CudaGroupedGemm, MaskedReplaysFromCudaGraphWithNewCounts) {
   Tensor nan_host = Tensor::host(DType::bf16, {G * Mmax, N});
   std::memset(nan_host.view().data, 0xFF, nan_host.view().nbytes());
   Tensor d = to_device(*be_, nan_host);
-  cudaStream_t s = nullptr;
-  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
-  // One launch outside the capture sets the kernel attributes and loads the driver entry point.
-  cuda::grouped_gemm_fp8_masked_cuda(ad, bd, cntd, G, d, false, s);
-  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  cuda::grouped_gemm_fp8_masked_cuda(ad, bd, cntd, G, d, false, s);
-  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (const std::vector<int64_t>& counts : runs) {
-    Tensor cnt = i32_tensor(counts);
-    be_->copy(cntd, cnt);
-    be_->copy(d, nan_host);
-    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    Tensor want = Tensor::host(DType::bf16, {G * Mmax, N});
-    cpu_->grouped_gemm_fp8_masked(a, b, cnt, G, want, {});
-    expect_same_bits(be_->to_host(d), want,
-                     "graph replay, counts " + std::to_string(counts[0]) + " " + std::to_string(counts[1]) + " " +
-                         std::to_string(counts[2]));
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(s);
+  Tensor cnt;
+  replay_from_graph(
+      [&](cudaStream_t s) { cuda::grouped_gemm_fp8_masked_cuda(ad, bd, cntd, G, d, false, s); }, runs.size(),
+      [&](size_t i) {
+        cnt = i32_tensor(runs[i]);
+        be_->copy(cntd, cnt);
+        be_->copy(d, nan_host);
+      },
+      [&](size_t i) {
+        Tensor want = Tensor::host(DType::bf16, {G * Mmax, N});
+        cpu_->grouped_gemm_fp8_masked(a, b, cnt, G, want, {});
+        expect_same_bits(be_->to_host(d), want,
+                         "graph replay, counts " + std::to_string(runs[i][0]) + " " + std::to_string(runs[i][1]) +
+                             " " + std::to_string(runs[i][2]));
+      });
 }
 
 // ---- K-grouped Wgrad ----------------------------------------------------------------------------
