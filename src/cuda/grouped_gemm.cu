@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kTileScanThreads)
                             int32_t* __restrict__ tiles) {
   using Scan = cub::BlockScan<int64_t, kTileScanThreads>;
   __shared__ typename Scan::TempStorage scan;
-  __shared__ int64_t carry_start, carry_count;
+  __shared__ int64_t carry_start;
   auto group_of = [&](int64_t blk) -> int32_t {
     if (blk < 0 || blk >= blocks) return -2;
     const int32_t g = __ldg(row_group + blk * 128);
