@@ -257,7 +257,7 @@ TEST_F(CudaGroupedGemm, ContiguousTallTilesReplayFromCudaGraphWithNewLayouts) {
   QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
   auto layout = [&](const std::vector<int64_t>& counts) {
     int64_t used = 0;
-    for (int64_t c : counts) used += (c + 127) / 128 * 128;
+    for (int64_t c : counts) used += round_up(c, kQuantGroup);
     return i32_tensor(expert_rows(counts, R - used).row_group);
   };
   const std::vector<std::vector<int64_t>> runs{{300, 0, 500}, {0, 1000, 0}, {0, 0, 0}, {129, 257, 300}};
