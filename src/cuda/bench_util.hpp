@@ -127,9 +127,10 @@ inline bool has_nan(const std::vector<double>& x) {
   return false;
 }
 
-// FP8MOE_BENCH_TILES="128x192,128x128/pipe,128x160/direct,128x192/f32,128x128/pipe/r8,...": extra tiles
-// (/rN: N blocks per rasterization group) timed on every case
-// (where compiled for its kind), each checked bit for bit against the chosen tile's D.
+// FP8MOE_BENCH_TILES="128x192,128x128/pipe,128x160/direct,128x192/f32,128x128/pipe/r8,192x128/t3,...": extra
+// tiles (/rN: N blocks per rasterization group; /tN: N last-wave K slices) timed on every case
+// (where compiled for its kind), each checked bit for bit against the chosen tile's D (where both
+// sum the same K ranges: K slices add their partials in another order).
 inline std::vector<GemmTile> extra_tiles_from_env() {
   std::vector<GemmTile> v;
   const char* env = std::getenv("FP8MOE_BENCH_TILES");
@@ -148,7 +149,8 @@ inline std::vector<GemmTile> extra_tiles_from_env() {
     t.multicast = item.find("/mc2") != std::string::npos ? 2 : 1;
     t.f32_staging = item.find("/f32") != std::string::npos;
     if (const size_t r = item.find("/r"); r != std::string::npos) t.raster_n = std::atoi(item.c_str() + r + 2);
-    if (t.raster_n < 1) continue;
+    if (const size_t r = item.find("/t"); r != std::string::npos) t.tail_split = std::atoi(item.c_str() + r + 2);
+    if (t.raster_n < 1 || t.tail_split < 1) continue;
     v.push_back(t);
   }
   return v;

@@ -9,6 +9,7 @@
 // K slices (GemmTile::split_k = S, dense 1d2d 64x64): the kernel (Grouping::split_k) writes each
 // slice's partial product to an FP32 workspace [S * M, N] (stream-ordered allocation), and
 // sum_slices_kernel adds the slices in slice order into D: deterministic, like the unsplit kernel.
+// Last-wave K slices (GemmTile::tail_split = S, 128x128/pipe and 192x128): gemm_tail_split.
 #include <type_traits>
 
 #include "cuda_check.hpp"
@@ -52,6 +53,34 @@ void gemm_split_k(const GemmTile& t, GemmMaps& maps, GemmKernelArgs args, const 
   else
     sum_slices_kernel<<<grid, 256, 0, stream>>>(w, int(S), M, N, d.ptr<__nv_bfloat16>(), d.strides[0], false);
   FP8MOE_CUDA_CHECK_LAUNCH("sum_slices_kernel");
+  FP8MOE_CUDA_CHECK(cudaFreeAsync(w, stream));
+}
+
+// Last-wave K slices: D = the tiles of the full waves of the grid (dense, one CTA per SM), the R
+// tiles after them in S slices each. Workspace (stream-ordered): the per-tile arrival counters
+// (zeroed) and the slices' FP32 partial tiles.
+void gemm_tail_split(const GemmTile& t, GemmMaps& maps, GemmKernelArgs args, const TensorView& d, bool accumulate,
+                     cudaStream_t stream) {
+  const int64_t tiles = (int64_t(args.M) + t.block_m - 1) / t.block_m * ((int64_t(args.N) + t.block_n - 1) / t.block_n);
+  const int64_t sms = device_props().multiProcessorCount;
+  const int64_t full = tiles > sms ? tiles / sms * sms : 0, R = tiles - full, S = t.tail_split;
+  args.epi = make_epilogue(d, accumulate, maps);
+  if (R == 0) {  // whole waves: nothing to split
+    GemmTile whole = t;
+    whole.tail_split = 1;
+    return launch_gemm<false, Grouping::none>(whole, maps, args, stream, "gemm_fp8");
+  }
+  FP8MOE_CHECK(S >= 2 && R * S < (int64_t(1) << 24), "gemm_fp8: " << S << " last-wave K slices of " << R << " tiles");
+  const size_t counters = size_t(R * (t.block_m / 64)) * 4, counters_padded = (counters + 255) / 256 * 256;
+  const size_t partials = size_t(R * S) * size_t(t.block_m * t.block_n) * 4;
+  uint8_t* w = nullptr;
+  FP8MOE_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&w), counters_padded + partials, stream));
+  FP8MOE_CUDA_CHECK(cudaMemsetAsync(w, 0, counters, stream));
+  args.group.groups = uint32_t(S);
+  args.group.group_rows = uint32_t(full);
+  args.group.arrivals = reinterpret_cast<int32_t*>(w);
+  args.group.partials = reinterpret_cast<float*>(w + counters_padded);
+  launch_gemm<false, Grouping::tail_split>(t, maps, args, stream, "gemm_fp8");
   FP8MOE_CUDA_CHECK(cudaFreeAsync(w, stream));
 }
 
@@ -129,6 +158,11 @@ void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorV
   if (t.split_k > 1) {
     FP8MOE_CHECK(split_k_tile_ok(t, b_1x128), "gemm_fp8: tile " << tile_name(t) << " is not compiled with K slices");
     return gemm_split_k(t, maps, args, d, accumulate, stream);
+  }
+  if (t.tail_split > 1) {
+    FP8MOE_CHECK(tail_split_tile_ok(t, b_1x128),
+                 "gemm_fp8: tile " << tile_name(t) << " is not compiled with last-wave K slices");
+    return gemm_tail_split(t, maps, args, d, accumulate, stream);
   }
   args.epi = make_epilogue(d, accumulate, maps);
   if (b_1x128) launch_gemm<true, Grouping::none>(t, maps, args, stream, "gemm_fp8");

@@ -10,6 +10,7 @@
 // variants of the first three.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -42,6 +43,10 @@ struct GemmTile {
   // K slices (dense 1d2d, 64x64 only): each slice's K blocks into an FP32 workspace, summed in
   // slice order by a second kernel; for few output tiles and long K (64x2112x7168).
   int split_k = 1;
+  // Last-wave K slices (dense 1d2d, 128x128/pipe and 192x128, bf16 staging): the tiles past the
+  // last full wave of the grid are cut into this many K slices, so that they spread over the
+  // SMs; the last slice of a tile to finish adds the slices' FP32 partials in order and stores D.
+  int tail_split = 1;
 };
 
 // "128x128/pipe/f32/r8": the block shape, then the variants that differ from the defaults.
@@ -53,6 +58,7 @@ inline std::string tile_name(const GemmTile& t) {
   if (t.f32_staging) s += "/f32";
   if (t.raster_n != GemmTile{}.raster_n) s += "/r" + std::to_string(t.raster_n);
   if (t.split_k > 1) s += "/s" + std::to_string(t.split_k);
+  if (t.tail_split > 1) s += "/t" + std::to_string(t.tail_split);
   return s;
 }
 
@@ -94,7 +100,15 @@ constexpr bool split_k_tile_ok(const GemmTile& t, bool b_1x128) {
          !t.f32_staging;
 }
 
-// Tile shapes compiled into the library (1d2d: and the 64x64 tile with 2 and 4 K slices).
+// The tiles compiled with last-wave K slices (Grouping::tail_split), any number of slices: the
+// large bf16-staged 1d2d tiles.
+constexpr bool tail_split_tile_ok(const GemmTile& t, bool b_1x128) {
+  return !b_1x128 && t.block_n == 128 && t.tma_epilogue && t.multicast == 1 && !t.f32_staging && t.split_k == 1 &&
+         ((t.block_m == 128 && t.pipelined) || (t.block_m == 192 && !t.pipelined));
+}
+
+// Tile shapes compiled into the library (1d2d: and the 64x64 tile with 2 and 4 K slices, the
+// tail-split tiles with 2 and 3 last-wave slices).
 inline const std::vector<GemmTile>& gemm_tiles(bool b_1x128) {
   static const std::vector<GemmTile> k1d2d = [] {
     std::vector<GemmTile> v = tile_list(static_cast<Tiles1d2d*>(nullptr));
@@ -103,6 +117,11 @@ inline const std::vector<GemmTile>& gemm_tiles(bool b_1x128) {
       t.split_k = s;
       v.push_back(t);
     }
+    for (GemmTile t : {GemmTile{128, 128, true, 1, true}, GemmTile{192, 128}})
+      for (int s : {2, 3}) {
+        t.tail_split = s;
+        v.push_back(t);
+      }
     return v;
   }();
   static const std::vector<GemmTile> k1d1d = tile_list(static_cast<Tiles1d1d*>(nullptr));
@@ -134,7 +153,7 @@ constexpr int gemm_tile_stages(const GemmTile& t, bool b_1x128) {
 // pipelined mainloop: it spills there (16 bytes).
 constexpr bool grouped_tile_ok(const GemmTile& t, bool b_1x128, bool contiguous = false) {
   return (t.block_m <= 128 || (contiguous && t.block_m == 192)) && t.multicast == 1 && !(b_1x128 && t.pipelined) &&
-         t.split_k == 1;
+         t.split_k == 1 && t.tail_split == 1;
 }
 
 inline double gemm_tile_cost(const GemmTile& t, int64_t M, int64_t N, int num_sms) {
@@ -165,7 +184,7 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     if ((!t.tma_epilogue && t.block_m != 256) || t.multicast != 1) continue;  // variants picked below
     if (t.f32_staging) continue;                                                // f32 D: chosen below
     if (t.pipelined || t.block_n > 128) continue;  // chosen below
-    if (t.block_m == 192 || t.split_k > 1) continue;  // chosen below
+    if (t.block_m == 192 || t.split_k > 1 || t.tail_split > 1) continue;  // chosen below
     // 256-row tiles only pay off with long K (measured: for K <= 2048 the staged 128x128 epilogue
     // wins) and many rows.
     if (t.block_m == 256 && (grouped || M < 1024 || K < 4096)) continue;
@@ -246,8 +265,29 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     const double c192x128 = !grouped || contiguous_groups > 0
                                 ? waves(192, 128) * (kb * k192x128 + 2.15 * ce) * waste192
                                 : 1e300;
-    if (c192x128 * 1.01 < std::min({c128, c192, c256})) best = {192, 128};
-    else if (c128 <= c192 && c128 <= c256) best = t128;
+    // Last-wave K slices (bf16 D, dense, after at least one full wave): the R tiles past the last
+    // full wave run as S slices each on R * S <= SMs CTAs, in the time of K / S blocks plus a cost
+    // that grows with K: (10.5 + 0.09 K / 128) us, fitted (H200, 2026-12-01) to the gains and
+    // losses of 30 (shape, S) pairs against the unsplit tile (`FP8MOE_BENCH_TILES=192x128/t2,...`):
+    // the slices won 6-39 us at K >= 7168 with one round of units, and lost 4-35 us at K <= 2048,
+    // with two rounds (R * S > SMs; one exception, +7 us) or at N = 2112. Taken when 2% ahead of
+    // the unsplit tile.
+    auto tail = [&](int bm, int bn, double ck, double cep, double whole, int& slices) {
+      slices = 1;
+      const int64_t tiles = ((M + bm - 1) / bm) * ((N + bn - 1) / bn), full = tiles / num_sms, R = tiles % num_sms;
+      if (d_f32 || grouped || !split || full == 0 || R == 0) return whole;
+      double c_best = whole * 0.98;
+      for (int S = 2; S <= 8 && S <= kb && R * S <= num_sms; ++S) {
+        const double c = double(full) * (kb * ck + cep) + (std::ceil(kb / S) * ck + cep) + (23.3 + 0.2 * kb);
+        if (c < c_best) c_best = c, slices = S;
+      }
+      return slices > 1 ? c_best : whole;
+    };
+    int s128 = 1, s192x128 = 1;
+    const double c128t = tail(128, 128, 1.0, 1.9 * ce, c128, s128);
+    const double c192x128t = tail(192, 128, k192x128, 2.15 * ce, c192x128, s192x128);
+    if (c192x128t * 1.01 < std::min({c128t, c192, c256})) best = {192, 128}, best.tail_split = s192x128;
+    else if (c128t <= c192 && c128t <= c256) best = t128, best.tail_split = s128;
     else if (c192 <= c256) best = t192;
     else best = {256, 128, false, 1, false};
     // The FP32-staged variant of the same shape (256x128/direct has no staging tile).

@@ -152,7 +152,7 @@ void launch_kernel(const GemmMaps& maps, GemmKernelArgs args, cudaStream_t strea
   });
   // Units of kMC vertically adjacent tiles; one cluster of kMC CTAs per unit.
   const int64_t rows = sched_rows<kG, BM>(args.M, args.group);
-  const int64_t units = int64_t((rows + BM * kMC - 1) / (BM * kMC)) * int64_t((args.N + BN - 1) / BN);
+  const int64_t units = work_units<kG>(uint32_t((rows + BM * kMC - 1) / (BM * kMC) * ((args.N + BN - 1) / BN)), args.group);
   const int grid = int(std::min<int64_t>(units, device_props().multiProcessorCount / kMC)) * kMC;
   // TMA-store epilogue only when D has the staging dtype (the caller checked alignment); else
   // the direct stores (e.g. a bf16-staged tile forced on f32 D).
@@ -182,9 +182,10 @@ template <bool kB1x128, Grouping kG, int BM, int BN, bool kTmaEpi, int kMC, bool
 bool try_launch(TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>, const GemmTile& t, const GemmMaps& maps,
                 const GemmKernelArgs& args, cudaStream_t stream) {
   constexpr GemmTile kTile = TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>::tile();
-  if constexpr (kG == Grouping::split_k ? !split_k_tile_ok(kTile, kB1x128)
-                                        : kG != Grouping::none &&
-                                              !grouped_tile_ok(kTile, kB1x128, kG == Grouping::contiguous)) {
+  if constexpr (kG == Grouping::split_k      ? !split_k_tile_ok(kTile, kB1x128)
+                : kG == Grouping::tail_split ? !tail_split_tile_ok(kTile, kB1x128)
+                                             : kG != Grouping::none &&
+                                                   !grouped_tile_ok(kTile, kB1x128, kG == Grouping::contiguous)) {
     return false;
   } else {
     if (t.block_m != BM || t.block_n != BN || t.tma_epilogue != kTmaEpi || t.multicast != kMC ||

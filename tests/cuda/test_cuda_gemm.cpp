@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <tuple>
 
 #include "cuda_test_util.hpp"
 #include "fp8moe/codecs.hpp"
@@ -235,38 +236,102 @@ TEST_F(CudaGemm, AccumulatesIntoF32ForEveryTile) {
   }
 }
 
-// A decode-shaped GEMM on K slices (64x2112x7168: the workspace's stream-ordered allocation and
-// the slices' sum) captured in a CUDA graph and replayed: D exact, twice, from a poisoned start.
+// GEMMs with workspaces (stream-ordered allocations) captured in a CUDA graph and replayed: D
+// exact, twice, from a poisoned start. A decode shape on K slices (64x2112x7168: the slices' sum
+// kernel) and last-wave K slices after a full wave (the arrival counters' memset, the join).
 TEST_F(CudaGemm, KSlicesReplayInACudaGraph) {
   auto rng = make_rng();
-  const Case c{64, 2112, 7168};
-  ASSERT_GT(cuda::gemm_fp8_sm90_tile(c.M, c.N, c.K, false, false).split_k, 1);
-  const SmallIntOperands o = small_int_operands(*be_, rng, c, false);
-  Tensor ref = Tensor::host(DType::bf16, {c.M, c.N});
-  gemm_fp8_ref(o.a.view(), o.b.view(), ref.view());
-  Tensor nan_host = Tensor::host(DType::bf16, {c.M, c.N});
-  std::memset(nan_host.view().data, 0xFF, nan_host.view().nbytes());
-  Tensor d = to_device(*be_, nan_host);
-  cudaStream_t s = nullptr;
-  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
-  // One launch outside the capture sets the kernel attributes and loads the driver entry point.
-  cuda::gemm_fp8_sm90(o.ad.view(), o.bd.view(), d.view(), false, s);
-  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  cuda::gemm_fp8_sm90(o.ad.view(), o.bd.view(), d.view(), false, s);
-  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (int run = 0; run < 2; ++run) {
-    be_->copy(d.view(), nan_host.view());
-    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+  ASSERT_GT(cuda::gemm_fp8_sm90_tile(64, 2112, 7168, false, false).split_k, 1);
+  cuda::GemmTile tail{192, 128};
+  tail.tail_split = 3;
+  const std::pair<Case, const cuda::GemmTile*> runs[] = {{{64, 2112, 7168}, nullptr}, {{1920, 2048, 512}, &tail}};
+  for (const auto& [c, tile] : runs) {
+    const SmallIntOperands o = small_int_operands(*be_, rng, c, false);
+    Tensor ref = Tensor::host(DType::bf16, {c.M, c.N});
+    gemm_fp8_ref(o.a.view(), o.b.view(), ref.view());
+    Tensor nan_host = Tensor::host(DType::bf16, {c.M, c.N});
+    std::memset(nan_host.view().data, 0xFF, nan_host.view().nbytes());
+    Tensor d = to_device(*be_, nan_host);
+    cudaStream_t s = nullptr;
+    ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+    // One launch outside the capture sets the kernel attributes and loads the driver entry point.
+    cuda::gemm_fp8_sm90(o.ad.view(), o.bd.view(), d.view(), false, s, tile);
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    EXPECT_EQ(first_mismatch(be_->to_host(d), ref), -1) << "graph replay " << run;
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    cuda::gemm_fp8_sm90(o.ad.view(), o.bd.view(), d.view(), false, s, tile);
+    ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int run = 0; run < 2; ++run) {
+      be_->copy(d.view(), nan_host.view());
+      ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      EXPECT_EQ(first_mismatch(be_->to_host(d), ref), -1) << "M=" << c.M << " graph replay " << run;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(s);
+}
+
+// Last-wave K slices after full waves of the grid: 1920x2048 has 240 tiles of 128x128 (132 whole,
+// 108 in slices: several rounds of units per CTA at S >= 2) and 160 of 192x128 (28 in slices).
+// Exact small integers for bf16 D, f32 D and D += (the join's sum, then the epilogue's add).
+TEST_F(CudaGemm, LastWaveSlicesExactAfterFullWaves) {
+  auto rng = make_rng();
+  const Case c{1920, 2048, 1024};
+  const SmallIntOperands o = small_int_operands(*be_, rng, c, false);
+  Tensor c0 = Tensor::host(DType::f32, {c.M, c.N});
+  std::uniform_int_distribution<int> v(-100, 100);
+  for (int64_t i = 0; i < c.M * c.N; ++i) c0.ptr<float>()[i] = float(v(rng));
+  for (DType dt : {DType::bf16, DType::f32})
+    for (bool acc : {false, true}) {
+      if (acc && dt != DType::f32) continue;
+      Tensor ref = Tensor::host(dt, {c.M, c.N});
+      if (acc) std::memcpy(ref.ptr<float>(), c0.ptr<float>(), size_t(c.M * c.N) * 4);
+      GemmOptions opt;
+      opt.accumulate = acc;
+      gemm_fp8_ref(o.a.view(), o.b.view(), ref.view(), opt);
+      for (cuda::GemmTile t : {cuda::GemmTile{128, 128, true, 1, true}, cuda::GemmTile{192, 128}})
+        for (int S : {2, 3, 5, 8}) {
+          t.tail_split = S;
+          PaddedD d(*be_, dt, c.M, c.N, acc ? 4 : 8, acc ? &c0 : nullptr);
+          cuda::gemm_fp8_sm90(o.ad.view(), o.bd.view(), d.view, acc, nullptr, &t);
+          be_->synchronize();
+          bool pads_ok = false;
+          EXPECT_EQ(first_mismatch(d.fetch(*be_, pads_ok), ref), -1) << cuda::tile_name(t) << " " << dtype_name(dt) << (acc ? " D +=" : "");
+          EXPECT_TRUE(pads_ok) << cuda::tile_name(t);
+        }
+    }
+}
+
+// Random operands: the slices' join adds the partials in slice order, so D is the same in every
+// run, and within FP32 rounding of the unsplit tile (which sums the K blocks in one chain).
+TEST_F(CudaGemm, LastWaveSlicesDeterministicAndCloseToUnsplit) {
+  auto rng = make_rng();
+  const int64_t M = 1920, N = 2048, K = 2048;
+  Tensor a32 = random_normal(rng, DType::f32, {M, K}), b32 = random_normal(rng, DType::f32, {N, K});
+  QuantizedTensor a = make_quantized_host(M, K, DType::e4m3, ScaleKind::tile_1x128);
+  QuantizedTensor b = make_quantized_host(N, K, DType::e4m3, ScaleKind::block_128x128);
+  quantize_1x128(a32.view(), a.view());
+  quantize_128x128(b32.view(), b.view());
+  QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
+  auto run = [&](const cuda::GemmTile& t) {
+    Tensor d = be_->empty(DType::f32, {M, N});
+    cuda::gemm_fp8_sm90(ad.view(), bd.view(), d.view(), false, nullptr, &t);
+    be_->synchronize();
+    return be_->to_host(d);
+  };
+  for (cuda::GemmTile t : {cuda::GemmTile{128, 128, true, 1, true}, cuda::GemmTile{192, 128}}) {
+    const Tensor whole = run(t);
+    t.tail_split = 3;
+    const Tensor first = run(t), second = run(t);
+    EXPECT_EQ(first_mismatch(first, second), -1) << cuda::tile_name(t) << ": runs differ";
+    const double err = rel_error(to_doubles(first.view()), to_doubles(whole.view()));
+    EXPECT_LT(err, 1e-6) << cuda::tile_name(t);
+    EXPECT_GT(err, 0.0) << cuda::tile_name(t) << ": no tile was sliced";
+  }
 }
 
 TEST_F(CudaGemm, CublasLtAgrees) {
@@ -429,7 +494,7 @@ TEST(CudaGemmHeuristic, ThreeWarpgroupTileForShortK) {
   }
   // Ties and losses keep the tiles they had.
   EXPECT_EQ(cuda::choose_gemm_tile(4096, 4096, 7168, false, 132, false, false).block_m, 128);
-  EXPECT_EQ(cuda::choose_gemm_tile(4096, 7168, 16384, false, 132, false, false).block_m, 128);
+  EXPECT_EQ(cuda::choose_gemm_tile(4096, 7168, 16384, false, 132, false, false, false).block_m, 128);
   EXPECT_EQ(cuda::choose_gemm_tile(4096, 2112, 7168, false, 132, false, false).block_n, 192);
   // M = 128: one row block (128x64) rather than two (64x128) at an equal tile count.
   EXPECT_EQ(cuda::choose_gemm_tile(128, 7168, 16384, false, 132, false, false).block_m, 128);
@@ -453,9 +518,30 @@ TEST(CudaGemmHeuristic, ThreeWarpgroupTileForShortK) {
   }
 }
 
+// Last-wave K slices where the model puts them 2% ahead of the unsplit tile: long K and one round
+// of R * S <= SMs units (measured on the H200: 4096x7168x16384 705.7 us at 192x128/t3 against
+// 728.6 unsplit, 1024x7168x16384 192.5 against 199.2, 8192x7168x16384 1353.1 against 1391.8).
+TEST(CudaGemmHeuristic, LastWaveSlicesForLongK) {
+  const cuda::GemmTile t = cuda::choose_gemm_tile(4096, 7168, 16384, false, 132, false, false);
+  EXPECT_EQ(cuda::tile_name(t), "192x128/r8/t3");
+  EXPECT_TRUE(cuda::tail_split_tile_ok(t, false));
+  EXPECT_FALSE(cuda::grouped_tile_ok(t, false, true));
+  EXPECT_EQ(cuda::tile_name(cuda::choose_gemm_tile(1024, 7168, 16384, false, 132, false, false)), "128x128/pipe/r8/t2");
+  EXPECT_EQ(cuda::choose_gemm_tile(8192, 7168, 16384, false, 132, false, false).tail_split, 4);
+  // Measured slower: short K, two rounds of units (2048x4096x7168: 88 tiles past the last wave),
+  // N = 2112; whole waves have nothing to split; f32 D, grouped GEMMs and `split = false` never.
+  for (auto [M, N, K] : {std::tuple<int64_t, int64_t, int64_t>{4096, 7168, 2048}, {8192, 4096, 2048}, {2048, 4096, 7168},
+                         {4096, 2112, 7168}, {8192, 2112, 7168}, {4096, 24576, 1536}})
+    EXPECT_EQ(cuda::choose_gemm_tile(M, N, K, false, 132, false, false).tail_split, 1) << M << "x" << N << "x" << K;
+  EXPECT_EQ(cuda::choose_gemm_tile(4096, 7168, 16384, false, 132, false, true).tail_split, 1);
+  EXPECT_EQ(cuda::choose_gemm_tile(4096, 7168, 16384, false, 132, true, false).tail_split, 1);
+  EXPECT_EQ(cuda::choose_gemm_tile(4096, 7168, 16384, false, 132, false, false, false).tail_split, 1);
+  EXPECT_EQ(cuda::choose_gemm_tile(4096, 7168, 16384, true, 132, false, false).tail_split, 1);
+}
+
 TEST(CudaGemmHeuristic, RasterWidthFollowsThePanelSize) {
   // Dense: 16 N blocks per group while their B panels stay within 24 MiB, else 8; grouped: 16.
-  const cuda::GemmTile k16 = cuda::choose_gemm_tile(4096, 7168, 16384, false, 132, false, false);
+  const cuda::GemmTile k16 = cuda::choose_gemm_tile(4096, 7168, 16384, false, 132, false, false, false);
   EXPECT_EQ(k16.block_n, 128);
   EXPECT_EQ(k16.raster_n, 8);
   EXPECT_EQ(cuda::choose_gemm_tile(8192, 4096, 16384, false, 132, false, true).raster_n, 8);

@@ -22,6 +22,13 @@
 //               block b -> slice g = b / T, rows r0 = (b % T) * BM (T = ceil(M / BM)); A rows r0,
 //               K blocks [g * KB / S, (g + 1) * KB / S), D = the FP32 workspace [S * M, N], rows
 //               g * M + r0 (rows past M are the next slice's: never written). No group table.
+//   tail_split  the dense GEMM with its last, partial wave of tiles cut into K slices (S = groups,
+//               D = group_rows: the tiles before that wave, a multiple of the grid). Work unit u <
+//               D is tile u; unit D + S*i + s is slice s of tile D + i, K blocks [s*KB/S,
+//               (s+1)*KB/S). A slice stores its FP32 partial tile in `partials`; the last slice of a
+//               tile to finish (a counter per tile and math warpgroup in `arrivals`, zero at launch)
+//               adds all S partials in slice order and runs the epilogue (join_slices in
+//               sm90_fp8_gemm.cuh): deterministic. Rows and columns as for the dense GEMM.
 // Group tables are read on the device (no host synchronization); values out of range are clamped
 // so that no load leaves the operands: a row_group past G counts as padding, counts are clamped to
 // [0, M_max], offsets to [0, R].
@@ -32,15 +39,32 @@
 
 namespace fp8moe::cuda {
 
-enum class Grouping : int { none, contiguous, masked, k_grouped, split_k };
+enum class Grouping : int { none, contiguous, masked, k_grouped, split_k, tail_split };
 
 struct GroupArgs {
   const int32_t* table = nullptr;  // contiguous: row_group [R]; masked: counts [G]; k_grouped: offsets [G + 1]
   const int32_t* tiles = nullptr;  // contiguous, BM = 192: the tiles and their number (grouping.cuh)
-  uint32_t groups = 1;       // split_k: slices
-  uint32_t group_rows = 0;  // masked: M_max; k_grouped: N (D rows per group); split_k: M
+  uint32_t groups = 1;       // split_k, tail_split: slices
+  uint32_t group_rows = 0;  // masked: M_max; k_grouped: N (D rows per group); split_k: M; tail_split: D
   uint32_t b_rows = 0;      // contiguous, masked: N (B rows per group, a multiple of 128)
+  float* partials = nullptr;    // tail_split: [units past D][BM * BN] f32
+  int32_t* arrivals = nullptr;  // tail_split: [tiles past D][math warpgroups] i32
 };
+
+// Work units of the persistent loop over the scheduler's tiles (tail_split: D tiles, then S
+// slices of each later tile; else one unit per tile).
+template <Grouping kG>
+__host__ __device__ __forceinline__ uint32_t work_units(uint32_t tiles, const GroupArgs& ga) {
+  if constexpr (kG == Grouping::tail_split) return ga.group_rows + (tiles - ga.group_rows) * ga.groups;
+  else return tiles;
+}
+
+// The scheduler's tile of work unit u.
+template <Grouping kG>
+__device__ __forceinline__ uint32_t unit_tile(uint32_t u, const GroupArgs& ga) {
+  if constexpr (kG == Grouping::tail_split) return u < ga.group_rows ? u : ga.group_rows + (u - ga.group_rows) / ga.groups;
+  else return u;
+}
 
 // What one output tile computes.
 struct TileWork {
@@ -71,15 +95,23 @@ __host__ __device__ __forceinline__ uint32_t sched_rows(uint32_t M, const GroupA
 
 // m_blk < num_m_blocks of the scheduler, except multicast phantoms (dense only); num_k_blocks:
 // K / 128 of the (whole) K dimension.
+// unit: the work unit (tail_split: picks the K slice).
 template <Grouping kG, int BM, int BN>
 __device__ __forceinline__ TileWork resolve_tile(uint32_t m_blk, uint32_t n_blk, uint32_t num_m_blocks,
-                                                 uint32_t num_k_blocks, const GroupArgs& ga) {
+                                                 uint32_t num_k_blocks, const GroupArgs& ga, uint32_t unit = 0) {
   TileWork w;
   const uint32_t n0 = n_blk * BN;
   w.kb_begin = 0;
   w.kb_end = num_k_blocks;
   w.valid_rows = w.write_rows = BM;
-  if constexpr (kG == Grouping::none) {
+  if constexpr (kG == Grouping::tail_split) {
+    if (unit >= ga.group_rows) {
+      const uint32_t s = (unit - ga.group_rows) % ga.groups;
+      w.kb_begin = s * num_k_blocks / ga.groups;
+      w.kb_end = (s + 1) * num_k_blocks / ga.groups;
+    }
+  }
+  if constexpr (kG == Grouping::none || kG == Grouping::tail_split) {
     // Phantom tiles (multicast, odd M block count) load the last real A block; nothing is stored.
     w.a_row = min(m_blk, num_m_blocks - 1) * BM;
     w.d_row = m_blk * BM;

@@ -179,4 +179,22 @@ __device__ __forceinline__ bool named_barrier_and(uint32_t id, uint32_t threads,
   return all != 0;
 }
 
+// Atomic add with acquire-release semantics at GPU scope, done only where `pred` holds (a predicated
+// instruction, no branch); returns the old value, -1 elsewhere. Preceded by a barrier of the
+// threads whose stores it publishes (release is cumulative over them).
+__device__ __forceinline__ int32_t atom_add_acq_rel_gpu_if(bool pred, int32_t* p, int32_t v) {
+  int32_t old;
+  asm volatile(
+      "{\n"
+      ".reg .pred q;\n"
+      "setp.ne.u32 q, %1, 0;\n"
+      "mov.s32 %0, -1;\n"
+      "@q atom.acq_rel.gpu.global.add.s32 %0, [%2], %3;\n"
+      "}\n"
+      : "=r"(old)
+      : "r"(uint32_t(pred)), "l"(p), "r"(v)
+      : "memory");
+  return old;
+}
+
 }  // namespace fp8moe::cuda::ptx

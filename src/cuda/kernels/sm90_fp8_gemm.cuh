@@ -140,6 +140,45 @@ __device__ __forceinline__ void promote_1d2d(uint32_t bnd, float (&fa)[BLOCK_N /
   }
 }
 
+// tail_split (grouping.cuh): unit j of the last wave (slice j % S of its tile j / S) stores this
+// math warpgroup's partial tile `fa` and counts itself in with one atomic per warpgroup; the
+// warpgroup that completes the tile's count sums the S partials in slice order into `fa`
+// (deterministic, whichever slice finishes last) and returns true: it runs the epilogue.
+// Partials are laid out [unit][float4 chunk][math thread], so that stores and loads coalesce.
+template <int kNumAccum, int kThreads>
+__device__ __forceinline__ bool join_slices(float (&fa)[kNumAccum], uint32_t j, const GroupArgs& ga, uint32_t wg) {
+  constexpr int kChunks = kNumAccum / 4;
+  const uint32_t S = ga.groups, tile = j / S;
+  float4* parts = reinterpret_cast<float4*>(ga.partials) + threadIdx.x;
+  auto chunk = [&](uint32_t unit, int c) { return parts + (size_t(unit) * kChunks + c) * kThreads; };
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) __stcg(chunk(j, c), make_float4(fa[4 * c], fa[4 * c + 1], fa[4 * c + 2], fa[4 * c + 3]));
+  ptx::named_barrier_sync(1 + wg, 128);  // the warpgroup's stores, published by the leader's release
+  // NOTES: the leader's atomic is a predicated instruction, not a branch: behind a branch ptxas
+  // kept fewer values in registers across the whole kernel and recomputed addresses in the K loop
+  // (125 instructions per K block of the 192x128 tile against 118; 1.5-4.6% slower on the H200).
+  const int32_t old =
+      ptx::atom_add_acq_rel_gpu_if(threadIdx.x % 128 == 0, ga.arrivals + tile * (kThreads / 128) + wg, 1);
+  bool last = old < 0 || old == int32_t(S) - 1;
+  // NOTES: a warp reduction makes the result visibly warp-uniform (see the store-box vote).
+  last = __reduce_and_sync(0xffffffffu, uint32_t(ptx::named_barrier_and(1 + wg, 128, last))) != 0;
+  if (!last) return false;
+  for (uint32_t s = 0; s < S; ++s) {
+    float4 v[kChunks];
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) v[c] = __ldcg(chunk(tile * S + s, c));
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      float* f = fa + 4 * c;
+      f[0] = s == 0 ? v[c].x : f[0] + v[c].x;
+      f[1] = s == 0 ? v[c].y : f[1] + v[c].y;
+      f[2] = s == 0 ? v[c].z : f[2] + v[c].z;
+      f[3] = s == 0 ? v[c].w : f[3] + v[c].w;
+    }
+  }
+  return true;
+}
+
 struct GemmKernelArgs {
   const float* sb_blk;  // 1d2d: B scales [ceil(N/128), K/128] f32 row-major (grouped: [G*N/128, K/128])
   EpilogueArgs epi;
@@ -165,6 +204,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
   // NOTES: the two CTAs of a multicast cluster share one B tile, and the two 128-row halves of a
   // 256-row tile share it too: neither fits tiles that may belong to different groups.
   static_assert(kG == Grouping::none || (kMC == 1 && T::kWaves == 1), "grouped: 64/128-row tiles, no multicast");
+  static_assert(kG != Grouping::tail_split || (!kB1x128 && kMC == 1 && T::kWaves == 1), "tail_split: 1d2d, one wave");
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // NOTES: the runtime only guarantees 16-byte alignment of dynamic shared memory; align by hand.
@@ -207,6 +247,10 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 
   const TileScheduler sched(sched_rows<kG, BLOCK_M>(args.M, args.group), args.N, BLOCK_M, BLOCK_N, kMC, args.raster_n);
   const uint32_t num_k_blocks = args.K / kBlockK;
+  const uint32_t num_units = work_units<kG>(sched.num_tiles, args.group);
+  // Grouped rows (contiguous, masked, k_grouped, split_k): tiles resolve their rows from the group
+  // tables and mask them in the epilogue; tail_split tiles are the dense GEMM's.
+  constexpr bool kRowGroups = kG != Grouping::none && kG != Grouping::tail_split;
 
   if (threadIdx.x >= T::kNumMathThreads) {
     // ---- producer warpgroup: one thread issues every TMA load ----
@@ -215,11 +259,11 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     if constexpr (T::kNumMathWG > 1) ptx::setmaxnreg_dec<T::kProducerRegs>();
     if (threadIdx.x == T::kNumMathThreads) {
       uint32_t stage = 0, phase = 0;
-      for (uint32_t tile = cluster_id; tile < sched.num_tiles; tile += num_clusters) {
+      for (uint32_t unit = cluster_id; unit < num_units; unit += num_clusters) {
         uint32_t m_blk, n_blk;
-        sched.tile_coords(tile, rank, m_blk, n_blk);
+        sched.tile_coords(unit_tile<kG>(unit, args.group), rank, m_blk, n_blk);
         const TileWork work =
-            resolve_tile<kG, BLOCK_M, BLOCK_N>(m_blk, n_blk, sched.num_m_blocks, num_k_blocks, args.group);
+            resolve_tile<kG, BLOCK_M, BLOCK_N>(m_blk, n_blk, sched.num_m_blocks, num_k_blocks, args.group, unit);
         const int32_t m0 = int32_t(work.a_row), n0 = int32_t(work.b_row);
         // 1d2d: s_b of B's 128-row block holding the tile's first column and, when the tile reaches
         // into the next block (tile columns >= bnd), of that one; loaded one K block ahead.
@@ -334,22 +378,22 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     float acc[kNumAccum];
     float acc2[T::kPipelined ? kNumAccum : 1];  // second accumulator set of the pipelined mainloop
 
-    auto resolve = [&](uint32_t t) {
+    auto resolve = [&](uint32_t u) {
       uint32_t m_blk, n_blk;
-      sched.tile_coords(t, rank, m_blk, n_blk);
-      return resolve_tile<kG, BLOCK_M, BLOCK_N>(m_blk, n_blk, sched.num_m_blocks, num_k_blocks, args.group);
+      sched.tile_coords(unit_tile<kG>(u, args.group), rank, m_blk, n_blk);
+      return resolve_tile<kG, BLOCK_M, BLOCK_N>(m_blk, n_blk, sched.num_m_blocks, num_k_blocks, args.group, u);
     };
     // NOTES: grouped kernels resolve the next tile before this tile's epilogue, so that the group
     // table loads overlap it instead of stalling the next tile's first WGMMAs.
     TileWork next_work{};
-    if constexpr (kG != Grouping::none)
-      if (cluster_id < sched.num_tiles) next_work = resolve(cluster_id);
+    if constexpr (kRowGroups)
+      if (cluster_id < num_units) next_work = resolve(cluster_id);
 
-    for (uint32_t tile = cluster_id; tile < sched.num_tiles; tile += num_clusters) {
+    for (uint32_t tile = cluster_id; tile < num_units; tile += num_clusters) {
       uint32_t m_blk, n_blk;
-      sched.tile_coords(tile, rank, m_blk, n_blk);
-      TileWork work = kG == Grouping::none ? resolve(tile) : next_work;
-      if constexpr (kG != Grouping::none) {
+      sched.tile_coords(unit_tile<kG>(tile, args.group), rank, m_blk, n_blk);
+      TileWork work = kRowGroups ? next_work : resolve(tile);
+      if constexpr (kRowGroups) {
         // NOTES: the K range comes from per-thread table reads, so ptxas cannot tell that it is
         // warp-uniform, and with one math warpgroup it then kept the whole K loop (ring stage,
         // phase, WGMMA descriptors) in per-thread registers. A warp reduction (REDUX) writes a
@@ -359,7 +403,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
       }
       const uint32_t m0 = work.d_row, n0 = n_blk * BLOCK_N;  // phantom tiles: m0 >= M, all stores masked
       RowMask row_mask{};
-      if constexpr (kG != Grouping::none) row_mask = group_rows<kG>(work, args.group, m0, r_frag, args.M);
+      if constexpr (kRowGroups) row_mask = group_rows<kG>(work, args.group, m0, r_frag, args.M);
 #pragma unroll
       for (int w = 0; w < W; ++w)
 #pragma unroll
@@ -509,12 +553,18 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         }
       }
 
+      // tail_split: a slice of the last wave; only the warpgroup that completes the tile goes on.
+      if constexpr (kG == Grouping::tail_split)
+        if (tile >= args.group.group_rows &&
+            !join_slices<kNumAccum, T::kNumMathThreads>(final_acc[0], tile - args.group.group_rows, args.group, wg))
+          continue;
+
       // Grouped: rows without a product get zeros (or stay untouched when accumulating), rows of
       // other groups are never written; a 64-row TMA store box is used only when all its rows may be.
       uint32_t rows_ok = 3;  // bit i: this thread's row r_frag + 8*i may be written
       bool box_ok = true;
-      if constexpr (kG != Grouping::none) {
-        if (tile + num_clusters < sched.num_tiles) next_work = resolve(tile + num_clusters);
+      if constexpr (kRowGroups) {
+        if (tile + num_clusters < num_units) next_work = resolve(tile + num_clusters);
         bool mine_ok = true;
         rows_ok = apply_row_mask<BLOCK_N>(final_acc[0], row_mask, args.epi.accumulate, mine_ok);
         // NOTES: box_ok is the same for the whole warpgroup, but ptxas cannot tell from the barrier's
