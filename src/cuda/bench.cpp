@@ -336,6 +336,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
                 (long long)M, (long long)N, (long long)K, tile_s.c_str(), t_ours, tf(t_ours), tf(t_lt), tf(t_bf), ratio, cd, kerr,
                 vs_lt, alt_s, ok ? "" : " FAIL");
     for (const std::string& r : extra_rows) std::printf("%s\n", r.c_str());
+    if (err_lt.empty()) std::printf("#   cuBLASLt FP8: %s\n", gemm_fp8_cublaslt_algorithm(aq.view, bq.view, dv_lt, acc).c_str());
     if (!err_ours.empty()) std::printf("#   ours: %s\n", err_ours.c_str());
     if (!err_lt.empty()) std::printf("#   cuBLASLt FP8: %s\n", err_lt.c_str());
     if (!err_bf.empty()) std::printf("#   cuBLASLt BF16: %s\n", err_bf.c_str());

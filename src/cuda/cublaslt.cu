@@ -13,9 +13,11 @@
 // one cublasLtMatmul; the cache is guarded by a mutex.
 #include <cublasLt.h>
 
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
 
 #include "cuda_check.hpp"
@@ -31,7 +33,8 @@ struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
   cublasLtMatmulAlgo_t algo{};
-  int orient = 0;  // see get_plan
+  int orient = 0;    // see get_plan
+  std::string desc;  // the algorithm's configuration (describe)
   ~Plan() {
     if (la) cublasLtMatrixLayoutDestroy(la);
     if (lb) cublasLtMatrixLayoutDestroy(lb);
@@ -39,6 +42,37 @@ struct Plan {
     if (op) cublasLtMatmulDescDestroy(op);
   }
 };
+
+// The configuration cuBLASLt's heuristic picked: CTA tile (in its M x N, i.e. for orientation 0
+// over our N x M), stages, K splits, thread-block cluster.
+std::string describe(const cublasLtMatmulAlgo_t& algo, int orient) {
+  auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr, auto zero) {
+    decltype(zero) v = zero;
+    size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS) v = zero;
+    return v;
+  };
+  // cublasLtMatmulTile_t 0..35 and cublasLtClusterShape_t 0..16 by name (cublasLt.h); others by id.
+  static const char* const kTiles[] = {"undefined", "8x8", "8x16", "16x8", "8x32", "16x16", "32x8", "8x64", "16x32",
+                                       "32x16", "64x8", "32x32", "32x64", "64x32", "32x128", "64x64", "128x32",
+                                       "64x128", "128x64", "64x256", "128x128", "256x64", "64x512", "128x256",
+                                       "256x128", "512x64", "64x96", "96x64", "96x128", "128x160", "160x128",
+                                       "192x128", "128x192", "128x96", "32x256", "256x32"};
+  static const char* const kClusters[] = {"auto", "?", "1x1x1", "2x1x1", "4x1x1", "1x2x1", "2x2x1", "4x2x1", "1x4x1",
+                                          "2x4x1", "4x4x1", "8x1x1", "1x8x1", "8x2x1", "2x8x1", "16x1x1", "1x16x1"};
+  const uint32_t tile = get(CUBLASLT_ALGO_CONFIG_TILE_ID, uint32_t(0));
+  const uint16_t cluster = get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, uint16_t(0));
+  std::string s = "algo " + std::to_string(get(CUBLASLT_ALGO_CONFIG_ID, int32_t(0))) + ", tile ";
+  s += tile < std::size(kTiles) ? kTiles[tile] : "#" + std::to_string(tile);
+  s += orient == 0 ? " (N x M)" : " (M x N)";
+  s += ", stages #" + std::to_string(get(CUBLASLT_ALGO_CONFIG_STAGES_ID, uint32_t(0)));
+  s += ", split-K " + std::to_string(get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM, int32_t(1)));
+  s += " (reduction " + std::to_string(get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, uint32_t(0))) + ")";
+  s += ", cluster ";
+  s += cluster < std::size(kClusters) ? kClusters[cluster] : "#" + std::to_string(cluster);
+  s += ", swizzle " + std::to_string(get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, uint32_t(0)));
+  return s;
+}
 
 // (device, fp8?, a scale mode, b scale mode, M, N, K, ldd, d dtype, accumulate)
 using PlanKey = std::tuple<int, bool, int, int, int64_t, int64_t, int64_t, int64_t, int, bool>;
@@ -138,6 +172,7 @@ Plan& get_plan(Context& ctx, const PlanKey& key, cudaDataType_t in_type, cudaDat
     cublasLtMatmulPreferenceDestroy(pref);
     if (st == CUBLAS_STATUS_SUCCESS && n > 0) {
       plan->algo = res.algo;
+      plan->desc = describe(res.algo, orient);
       return *ctx.plans.emplace(key, std::move(plan)).first->second;
     }
     failures += std::string(" [orientation ") + std::to_string(orient) + ": " +
@@ -164,10 +199,10 @@ void check_d(const TensorView& d, int64_t M, int64_t N, bool accumulate) {
   FP8MOE_CHECK(aligned16(d.data), "d: must be 16-byte aligned for cuBLASLt");
 }
 
-}  // namespace
-
-void gemm_fp8_cublaslt(const QuantizedView& a, const QuantizedView& b, const TensorView& d, bool accumulate,
-                       cudaStream_t stream) {
+// The FP8 GEMM through its cached plan (checked arguments); with `desc`, only the plan's
+// algorithm description (no launch).
+void run_fp8(const QuantizedView& a, const QuantizedView& b, const TensorView& d, bool accumulate, cudaStream_t stream,
+             std::string* desc) {
   check_quantized(a, "a", ScaleKind::tile_1x128);
   check_quantized(b, "b", b.kind);
   FP8MOE_CHECK(a.values.dtype == DType::e4m3 && b.values.dtype == DType::e4m3,
@@ -183,7 +218,6 @@ void gemm_fp8_cublaslt(const QuantizedView& a, const QuantizedView& b, const Ten
   FP8MOE_CHECK(a.values.is_contiguous() && b.values.is_contiguous(), "gemm_fp8 (cublaslt): a and b must be contiguous");
   FP8MOE_CHECK(aligned16(a.values.data) && aligned16(b.values.data), "gemm_fp8 (cublaslt): a and b must be 16-byte aligned");
   if (M == 0 || N == 0) return;
-
   Context& ctx = context();
   const bool b_vec = b.kind == ScaleKind::tile_1x128;
   // Scale modes of our A (1x128 activations) and our B (weights, or 1x128 for Wgrad).
@@ -200,7 +234,22 @@ void gemm_fp8_cublaslt(const QuantizedView& a, const QuantizedView& b, const Ten
   Plan& plan = get_plan(ctx, key, CUDA_R_8F_E4M3, dt, M, N, K, d.strides[0], a_mode, b_mode, true, sa, sb);
   set_attr(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(plan.orient == 0 ? sb : sa));
   set_attr(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(plan.orient == 0 ? sa : sb));
-  run(ctx, plan, a.values.data, b.values.data, d.data, accumulate, stream);
+  if (desc) *desc = plan.desc;
+  else run(ctx, plan, a.values.data, b.values.data, d.data, accumulate, stream);
+}
+
+}  // namespace
+
+void gemm_fp8_cublaslt(const QuantizedView& a, const QuantizedView& b, const TensorView& d, bool accumulate,
+                       cudaStream_t stream) {
+  run_fp8(a, b, d, accumulate, stream, nullptr);
+}
+
+std::string gemm_fp8_cublaslt_algorithm(const QuantizedView& a, const QuantizedView& b, const TensorView& d,
+                                        bool accumulate) {
+  std::string desc;
+  run_fp8(a, b, d, accumulate, nullptr, &desc);
+  return desc;
 }
 
 void gemm_bf16_cublaslt(const TensorView& a, const TensorView& b, const TensorView& d, bool accumulate,

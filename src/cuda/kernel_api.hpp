@@ -4,6 +4,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "fp8moe/gemm_ref.hpp"
 #include "fp8moe/quantize.hpp"
 #include "gemm_heuristics.hpp"
@@ -71,6 +73,10 @@ void dequantize_e5m6_cuda(const QuantizedView& in, const TensorView& out, cudaSt
 // 1x128-scaled B); same contract as gemm_fp8_sm90.
 void gemm_fp8_cublaslt(const QuantizedView& a, const QuantizedView& b, const TensorView& d, bool accumulate,
                        cudaStream_t stream);
+// The configuration (CTA tile, stages, K splits, cluster) of the algorithm cuBLASLt's heuristic
+// picks for that GEMM; launches nothing.
+std::string gemm_fp8_cublaslt_algorithm(const QuantizedView& a, const QuantizedView& b, const TensorView& d,
+                                        bool accumulate);
 // D [M, N] f32 | bf16 = A [M, K] bf16 * B [N, K]^T bf16 (+ D), FP32 accumulation.
 void gemm_bf16_cublaslt(const TensorView& a, const TensorView& b, const TensorView& d, bool accumulate,
                         cudaStream_t stream);
