@@ -79,6 +79,21 @@ SmallIntOperands small_int_operands(Backend& be, std::mt19937_64& rng, const Cas
   return o;
 }
 
+// N(0, 1) operands of a case in FP32 and quantized on the host (A 1x128, B 1x128 or 128x128).
+struct RandomOperands {
+  Tensor a32, b32;
+  QuantizedTensor a, b;
+};
+RandomOperands random_operands(std::mt19937_64& rng, const Case& c, bool b_1x128) {
+  RandomOperands o{random_normal(rng, DType::f32, {c.M, c.K}), random_normal(rng, DType::f32, {c.N, c.K}),
+                   make_quantized_host(c.M, c.K, DType::e4m3, ScaleKind::tile_1x128),
+                   make_quantized_host(c.N, c.K, DType::e4m3, b_1x128 ? ScaleKind::tile_1x128 : ScaleKind::block_128x128)};
+  quantize_1x128(o.a32.view(), o.a.view());
+  if (b_1x128) quantize_1x128(o.b32.view(), o.b.view());
+  else quantize_128x128(o.b32.view(), o.b.view());
+  return o;
+}
+
 // Every compiled tile of the kind (1d1d: b_1x128) on the device operands, into a padded D that
 // starts NaN (pad 8) or, for D += A B^T, from `init` (pad 4): D must equal `ref` bit for bit and
 // the row padding must stay untouched.
@@ -152,14 +167,9 @@ TEST_F(CudaGemm, RandomAgainstReferenceAndFp64) {
   const Case cases[] = {{256, 512, 1024}, {77, 264, 640}, {1000, 136, 2048}, {64, 2112, 7168}, {1000, 1544, 512}, {1100, 2000, 512}};
   for (bool b_1x128 : {false, true})
     for (const Case& c : cases) {
-      const ScaleKind bkind = b_1x128 ? ScaleKind::tile_1x128 : ScaleKind::block_128x128;
-      Tensor a32 = random_normal(rng, DType::f32, {c.M, c.K});
-      Tensor b32 = random_normal(rng, DType::f32, {c.N, c.K});
-      QuantizedTensor a = make_quantized_host(c.M, c.K, DType::e4m3, ScaleKind::tile_1x128);
-      QuantizedTensor b = make_quantized_host(c.N, c.K, DType::e4m3, bkind);
-      quantize_1x128(a32.view(), a.view());
-      if (b_1x128) quantize_1x128(b32.view(), b.view());
-      else quantize_128x128(b32.view(), b.view());
+      const RandomOperands o = random_operands(rng, c, b_1x128);
+      const Tensor &a32 = o.a32, &b32 = o.b32;
+      const QuantizedTensor &a = o.a, &b = o.b;
       Tensor ref = Tensor::host(DType::f32, {c.M, c.N});
       gemm_fp8_ref(a.view(), b.view(), ref.view());
       // The hardware's view: Tensor Core accumulation inside each 128-block (emulated, 14 bits).
@@ -310,13 +320,9 @@ TEST_F(CudaGemm, LastWaveSlicesExactAfterFullWaves) {
 // run, and within FP32 rounding of the unsplit tile (which sums the K blocks in one chain).
 TEST_F(CudaGemm, LastWaveSlicesDeterministicAndCloseToUnsplit) {
   auto rng = make_rng();
-  const int64_t M = 1920, N = 2048, K = 2048;
-  Tensor a32 = random_normal(rng, DType::f32, {M, K}), b32 = random_normal(rng, DType::f32, {N, K});
-  QuantizedTensor a = make_quantized_host(M, K, DType::e4m3, ScaleKind::tile_1x128);
-  QuantizedTensor b = make_quantized_host(N, K, DType::e4m3, ScaleKind::block_128x128);
-  quantize_1x128(a32.view(), a.view());
-  quantize_128x128(b32.view(), b.view());
-  QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
+  const int64_t M = 1920, N = 2048;
+  const RandomOperands o = random_operands(rng, {M, N, 2048}, false);
+  QuantizedTensor ad = to_device(*be_, o.a), bd = to_device(*be_, o.b);
   auto run = [&](const cuda::GemmTile& t) {
     Tensor d = be_->empty(DType::f32, {M, N});
     cuda::gemm_fp8_sm90(ad.view(), bd.view(), d.view(), false, nullptr, &t);
@@ -338,14 +344,9 @@ TEST_F(CudaGemm, CublasLtAgrees) {
   auto rng = make_rng();
   auto lt = make_cublaslt_backend();
   for (bool b_1x128 : {false, true}) {
-    const int64_t M = 256, N = 384, K = 1024;
-    const ScaleKind bkind = b_1x128 ? ScaleKind::tile_1x128 : ScaleKind::block_128x128;
-    Tensor a32 = random_normal(rng, DType::f32, {M, K}), b32 = random_normal(rng, DType::f32, {N, K});
-    QuantizedTensor a = make_quantized_host(M, K, DType::e4m3, ScaleKind::tile_1x128);
-    QuantizedTensor b = make_quantized_host(N, K, DType::e4m3, bkind);
-    quantize_1x128(a32.view(), a.view());
-    if (b_1x128) quantize_1x128(b32.view(), b.view());
-    else quantize_128x128(b32.view(), b.view());
+    const int64_t M = 256, N = 384;
+    const RandomOperands o = random_operands(rng, {M, N, 1024}, b_1x128);
+    const QuantizedTensor &a = o.a, &b = o.b;
     Tensor ref = Tensor::host(DType::f32, {M, N});
     gemm_fp8_ref(a.view(), b.view(), ref.view());
     QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
