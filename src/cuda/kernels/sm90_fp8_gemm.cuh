@@ -389,10 +389,10 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     if constexpr (kRowGroups)
       if (cluster_id < num_units) next_work = resolve(cluster_id);
 
-    for (uint32_t tile = cluster_id; tile < num_units; tile += num_clusters) {
+    for (uint32_t unit = cluster_id; unit < num_units; unit += num_clusters) {
       uint32_t m_blk, n_blk;
-      sched.tile_coords(unit_tile<kG>(tile, args.group), rank, m_blk, n_blk);
-      TileWork work = kRowGroups ? next_work : resolve(tile);
+      sched.tile_coords(unit_tile<kG>(unit, args.group), rank, m_blk, n_blk);
+      TileWork work = kRowGroups ? next_work : resolve(unit);
       if constexpr (kRowGroups) {
         // NOTES: the K range comes from per-thread table reads, so ptxas cannot tell that it is
         // warp-uniform, and with one math warpgroup it then kept the whole K loop (ring stage,
@@ -555,8 +555,8 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 
       // tail_split: a slice of the last wave; only the warpgroup that completes the tile goes on.
       if constexpr (kG == Grouping::tail_split)
-        if (tile >= args.group.group_rows &&
-            !join_slices<kNumAccum, T::kNumMathThreads>(final_acc[0], tile - args.group.group_rows, args.group, wg))
+        if (unit >= args.group.group_rows &&
+            !join_slices<kNumAccum, T::kNumMathThreads>(final_acc[0], unit - args.group.group_rows, args.group, wg))
           continue;
 
       // Grouped: rows without a product get zeros (or stay untouched when accumulating), rows of
@@ -564,7 +564,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
       uint32_t rows_ok = 3;  // bit i: this thread's row r_frag + 8*i may be written
       bool box_ok = true;
       if constexpr (kRowGroups) {
-        if (tile + num_clusters < num_units) next_work = resolve(tile + num_clusters);
+        if (unit + num_clusters < num_units) next_work = resolve(unit + num_clusters);
         bool mine_ok = true;
         rows_ok = apply_row_mask<BLOCK_N>(final_acc[0], row_mask, args.epi.accumulate, mine_ok);
         // NOTES: box_ok is the same for the whole warpgroup, but ptxas cannot tell from the barrier's
