@@ -7,7 +7,8 @@
 // all SMs. Tiles of 128 rows and up then go through a wave model calibrated on measured times
 // (choose_gemm_tile): the pipelined 128x128, 128x192 (fewer waves for N = 2112, fewer epilogues
 // for short K), 192x128 (three math warpgroups: short K) or 256x128; for f32 D the FP32-staged
-// variants of the first three.
+// variants of the first three; for bf16 D and long K, with the tiles past the last full wave in K
+// slices (GemmTile::tail_split). M <= 64 with few tiles and long K takes K slices on 64x64.
 #pragma once
 #include <algorithm>
 #include <cmath>
