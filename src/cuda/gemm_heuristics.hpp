@@ -82,12 +82,12 @@ using Tiles1d2d = std::tuple<TileConfig<64, 16>, TileConfig<64, 32>, TileConfig<
                              TileConfig<192, 128, true, 1, false, true>>;
 // NOTES: a 1d1d 128x128 without the FP32 staging tiles (6 stages instead of 4, direct D += stores)
 // measured 0.66-0.80x the staged tile on the Wgrad shapes (H200, 2026-11-30), so it is not compiled.
-// 128x128/pipe (1d1d) is for `fp8moe bench gemm` only (FP8MOE_BENCH_TILES): measured 0.87x the
-// plain tile when its scale reads were generic loads and it spilled; with shared-memory loads the
-// dense kernel compiles without spills (2026-11-30) and waits for a new measurement. The K-grouped
-// kernel is not built with it (grouped_tile_ok).
+// The pipelined mainloop is not compiled for 1d1d: it measured 0.87x the plain tile on the Wgrad
+// shapes when its scale reads were generic loads and it spilled, and 0.89-0.90x with shared-memory
+// loads and no spills (H200, 2026-12-01, two runs of `--set wgrad`): its promotion reads the
+// per-column s_b from the stage after the next block's WGMMAs are issued.
 using Tiles1d1d = std::tuple<TileConfig<64, 64>, TileConfig<64, 128>, TileConfig<128, 64>, TileConfig<128, 128>,
-                             TileConfig<128, 128, true, 1, true>, TileConfig<128, 128, true, 2>>;
+                             TileConfig<128, 128, true, 2>>;
 
 template <class... C>
 std::vector<GemmTile> tile_list(std::tuple<C...>*) {
@@ -150,8 +150,8 @@ constexpr int gemm_tile_stages(const GemmTile& t, bool b_1x128) {
 // Tiles of the grouped GEMMs: at most 128 rows (one expert block) and no multicast, since the
 // tiles of a cluster or the halves of a 256-row tile may belong to different groups; the
 // contiguous GEMM also runs the 192-row tiles (three math warpgroups), laid out per segment from a
-// device table (kernels/grouping.cuh). The K-grouped Wgrad (1x128 B) is not built with the
-// pipelined mainloop: it spills there (16 bytes).
+// device table (kernels/grouping.cuh). The K-grouped Wgrad (1x128 B) has no pipelined mainloop,
+// as the dense Wgrad.
 constexpr bool grouped_tile_ok(const GemmTile& t, bool b_1x128, bool contiguous = false) {
   return (t.block_m <= 128 || (contiguous && t.block_m == 192)) && t.multicast == 1 && !(b_1x128 && t.pipelined) &&
          t.split_k == 1 && t.tail_split == 1;

@@ -107,7 +107,7 @@ struct GemmTraits {
                 "1d2d: a tile must not meet three 128-row scale blocks of B");
   // 1d2d: the tile may meet two 128-row scale blocks of B.
   static constexpr bool kTwoSb = !kB1x128 && BLOCK_N > kSbAlign;
-  static_assert(!kPipe || kWaves == 1, "pipelined mainloop: one wave per warpgroup (registers)");
+  static_assert(!kPipe || (kWaves == 1 && !kB1x128), "pipelined mainloop: 1d2d, one wave per warpgroup (registers)");
   static_assert(kSmemA % 1024 == 0 && kSmemB % 1024 == 0, "swizzle-128B tiles need 1024-byte alignment");
   static_assert(kStages >= 2, "shared memory too small for two stages");
   // kF32Stg: 1d2d only (1d1d stages f32 anyway), and only where the staged epilogue is used.
@@ -431,7 +431,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
           sb0 = sb1 = 0.0f;
           ptx::mbar_wait(full_bar_s + stage * 8, phase);
           issue(stage, 0, dst);
-          if constexpr (!kB1x128) read_sb(stage, sb0, sb1);
+          read_sb(stage, sb0, sb1);
           sa0 = smem_sa[stage * BLOCK_M + r_frag];
           sa1 = smem_sa[stage * BLOCK_M + r_frag + 8];
           if (++stage == STAGES) stage = 0, phase ^= 1;
@@ -440,23 +440,8 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         auto finish = [&](uint32_t s, float (&src)[kNumAccum]) {
 #pragma unroll
           for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(src[i]);
-          if constexpr (kB1x128) {
-            // NOTES: 1d1d reads the per-column s_b straight from the stage (holding them would
-            // cost BLOCK_N / 4 registers next to two accumulator sets), so it releases afterwards.
-            float(&fa)[kNumAccum] = final_acc[0];
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j) {
-              const float2 sb = *reinterpret_cast<const float2*>(&smem_sb[s * BLOCK_N + 8 * j + c_frag]);
-              fa[4 * j + 0] = fmaf(sa0c * sb.x, src[4 * j + 0], fa[4 * j + 0]);
-              fa[4 * j + 1] = fmaf(sa0c * sb.y, src[4 * j + 1], fa[4 * j + 1]);
-              fa[4 * j + 2] = fmaf(sa1c * sb.x, src[4 * j + 2], fa[4 * j + 2]);
-              fa[4 * j + 3] = fmaf(sa1c * sb.y, src[4 * j + 3], fa[4 * j + 3]);
-            }
-            release(s);
-          } else {
-            release(s);
-            promote_1d2d_at(bnd, final_acc[0], src, sa0c, sa1c, sb0c, sb1c);
-          }
+          release(s);
+          promote_1d2d_at(bnd, final_acc[0], src, sa0c, sa1c, sb0c, sb1c);
         };
         // A grouped tile may have no K block (padding, empty group): nothing to start then.
         if (kG == Grouping::none || work.kb_end > work.kb_begin) {
