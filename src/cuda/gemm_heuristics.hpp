@@ -271,8 +271,8 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     // that grows with K: (10.5 + 0.09 K / 128) us, fitted (H200, 2026-12-01) to the gains and
     // losses of 30 (shape, S) pairs against the unsplit tile (`FP8MOE_BENCH_TILES=192x128/t2,...`):
     // the slices won 6-39 us at K >= 7168 with one round of units, and lost 4-35 us at K <= 2048,
-    // with two rounds (R * S > SMs; one exception, +7 us) or at N = 2112. Taken when 2% ahead of
-    // the unsplit tile.
+    // with two rounds (R * S > SMs; one exception, +7 us) or at N = 2112 (in the model's units of
+    // ~0.45 us: 23.3 + 0.2 K / 128). Taken when 2% ahead of the unsplit tile.
     auto tail = [&](int bm, int bn, double ck, double cep, double whole, int& slices) {
       slices = 1;
       const int64_t tiles = ((M + bm - 1) / bm) * ((N + bn - 1) / bn), full = tiles / num_sms, R = tiles % num_sms;
