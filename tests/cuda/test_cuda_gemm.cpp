@@ -357,8 +357,12 @@ TEST_F(CudaGemm, CublasLtAgrees) {
       GTEST_SKIP() << "cuBLASLt block-scaled FP8 unavailable: " << e.what();
     }
     const double err = rel_error(to_doubles(lt->to_host(d).view()), to_doubles(ref.view()));
-    std::cout << "[ info     ] cuBLASLt rel err vs fp32-promotion ref " << err << "\n";
+    // The configuration of the algorithm cuBLASLt picked (printed by `fp8moe bench gemm`).
+    const std::string algo = cuda::gemm_fp8_cublaslt_algorithm(ad.view(), bd.view(), d.view(), false);
+    std::cout << "[ info     ] cuBLASLt rel err vs fp32-promotion ref " << err << ", " << algo << "\n";
     EXPECT_LT(err, 1e-3) << "cuBLASLt " << (b_1x128 ? "VEC128 x VEC128" : "VEC128 x BLK128x128") << " vs reference";
+    EXPECT_NE(algo.find(", tile "), std::string::npos) << algo;
+    EXPECT_NE(algo.find(", split-K "), std::string::npos) << algo;
   }
 }
 
