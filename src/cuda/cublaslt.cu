@@ -223,9 +223,11 @@ void run_fp8(const QuantizedView& a, const QuantizedView& b, const TensorView& d
   // Scale modes of our A (1x128 activations) and our B (weights, or 1x128 for Wgrad).
   const int a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
   const int b_mode = b_vec ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  // The description alone launches nothing: the scale pointers only fill the plan's descriptor.
   std::shared_ptr<void> tmp_a, tmp_b;
-  const float* sa = vec128_scales(a.scales, M, tmp_a, stream);
-  const float* sb = b_vec ? vec128_scales(b.scales, N, tmp_b, stream) : b.scales.ptr<const float>();
+  const float* sa = desc ? a.scales.ptr<const float>() : vec128_scales(a.scales, M, tmp_a, stream);
+  const float* sb =
+      b_vec && !desc ? vec128_scales(b.scales, N, tmp_b, stream) : b.scales.ptr<const float>();
   int dev = 0;
   FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
   const cudaDataType_t dt = d.dtype == DType::f32 ? CUDA_R_32F : CUDA_R_16BF;

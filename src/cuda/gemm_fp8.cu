@@ -61,9 +61,8 @@ void gemm_split_k(const GemmTile& t, GemmMaps& maps, GemmKernelArgs args, const 
 // (zeroed) and the slices' FP32 partial tiles.
 void gemm_tail_split(const GemmTile& t, GemmMaps& maps, GemmKernelArgs args, const TensorView& d, bool accumulate,
                      cudaStream_t stream) {
-  const int64_t tiles = (int64_t(args.M) + t.block_m - 1) / t.block_m * ((int64_t(args.N) + t.block_n - 1) / t.block_n);
-  const int64_t sms = device_props().multiProcessorCount;
-  const int64_t full = tiles > sms ? tiles / sms * sms : 0, R = tiles - full, S = t.tail_split;
+  const LastWave lw = last_wave(gemm_tile_count(args.M, args.N, t.block_m, t.block_n), device_props().multiProcessorCount);
+  const int64_t R = lw.rest, S = t.tail_split;
   args.epi = make_epilogue(d, accumulate, maps);
   if (R == 0) {  // whole waves: nothing to split
     GemmTile whole = t;
@@ -77,7 +76,7 @@ void gemm_tail_split(const GemmTile& t, GemmMaps& maps, GemmKernelArgs args, con
   FP8MOE_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&w), counters_padded + partials, stream));
   FP8MOE_CUDA_CHECK(cudaMemsetAsync(w, 0, counters, stream));
   args.group.groups = uint32_t(S);
-  args.group.group_rows = uint32_t(full);
+  args.group.group_rows = uint32_t(lw.full);
   args.group.arrivals = reinterpret_cast<int32_t*>(w);
   args.group.partials = reinterpret_cast<float*>(w + counters_padded);
   launch_gemm<false, Grouping::tail_split>(t, maps, args, stream, "gemm_fp8");

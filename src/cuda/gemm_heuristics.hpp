@@ -50,6 +50,19 @@ struct GemmTile {
   int tail_split = 1;
 };
 
+// Output tiles of a bm x bn tiling of D [M, N].
+constexpr int64_t gemm_tile_count(int64_t M, int64_t N, int bm, int bn) { return ((M + bm - 1) / bm) * ((N + bn - 1) / bn); }
+
+// Last-wave K slices: the tiles of the grid's full waves (a multiple of the SM count; none when
+// there is at most one wave) and the rest, which the slices split.
+struct LastWave {
+  int64_t full, rest;
+};
+constexpr LastWave last_wave(int64_t tiles, int64_t num_sms) {
+  const int64_t full = tiles > num_sms ? tiles / num_sms * num_sms : 0;
+  return {full, tiles - full};
+}
+
 // "128x128/pipe/f32/r8": the block shape, then the variants that differ from the defaults.
 inline std::string tile_name(const GemmTile& t) {
   std::string s = std::to_string(t.block_m) + "x" + std::to_string(t.block_n);
@@ -118,11 +131,13 @@ inline const std::vector<GemmTile>& gemm_tiles(bool b_1x128) {
       t.split_k = s;
       v.push_back(t);
     }
-    for (GemmTile t : {GemmTile{128, 128, true, 1, true}, GemmTile{192, 128}})
-      for (int s : {2, 3}) {
-        t.tail_split = s;
-        v.push_back(t);
-      }
+    for (const GemmTile& whole : tile_list(static_cast<Tiles1d2d*>(nullptr)))
+      if (tail_split_tile_ok(whole, false))
+        for (int s : {2, 3}) {
+          GemmTile t = whole;
+          t.tail_split = s;
+          v.push_back(t);
+        }
     return v;
   }();
   static const std::vector<GemmTile> k1d1d = tile_list(static_cast<Tiles1d1d*>(nullptr));
@@ -158,7 +173,7 @@ constexpr bool grouped_tile_ok(const GemmTile& t, bool b_1x128, bool contiguous 
 }
 
 inline double gemm_tile_cost(const GemmTile& t, int64_t M, int64_t N, int num_sms) {
-  const int64_t tiles = ((M + t.block_m - 1) / t.block_m) * ((N + t.block_n - 1) / t.block_n);
+  const int64_t tiles = gemm_tile_count(M, N, t.block_m, t.block_n);
   const int64_t waves = (tiles + num_sms - 1) / num_sms;
   const double eff = t.block_n >= 128 ? 1.0 : t.block_n >= 64 ? 0.9 : t.block_n >= 32 ? 0.75 : 0.6;
   const double mma_clk = double(t.block_m) * t.block_n * 128 * 2 / 8192.0 / eff;
@@ -229,10 +244,7 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
   // (kF32Epilogue = 2.0, kFewStagesMargin = 1.03).
   if (!b_1x128 && best.block_m >= 128 && best.block_n == 128) {
     const double kb = double(K / 128);
-    auto waves = [&](int bm, int bn) {
-      const int64_t tiles = ((M + bm - 1) / bm) * ((N + bn - 1) / bn);
-      return double((tiles + num_sms - 1) / num_sms);
-    };
+    auto waves = [&](int bm, int bn) { return double((gemm_tile_count(M, N, bm, bn) + num_sms - 1) / num_sms); };
     constexpr double kF32Epilogue = 2.0, kFewStagesMargin = 1.03;
     constexpr GemmTile t128 = {128, 128, true, 1, true}, t192 = {128, 192, true, 1, false};
     const double ce = d_f32 ? kF32Epilogue : 1.0;
@@ -275,11 +287,12 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     // ~0.45 us: 23.3 + 0.2 K / 128). Taken when 2% ahead of the unsplit tile.
     auto tail = [&](int bm, int bn, double ck, double cep, double whole, int& slices) {
       slices = 1;
-      const int64_t tiles = ((M + bm - 1) / bm) * ((N + bn - 1) / bn), full = tiles / num_sms, R = tiles % num_sms;
-      if (d_f32 || grouped || !split || full == 0 || R == 0) return whole;
+      const LastWave lw = last_wave(gemm_tile_count(M, N, bm, bn), num_sms);
+      if (d_f32 || grouped || !split || lw.full == 0 || lw.rest == 0) return whole;
+      const double full_waves = double(lw.full / num_sms);
       double c_best = whole * 0.98;
-      for (int S = 2; S <= 8 && S <= kb && R * S <= num_sms; ++S) {
-        const double c = double(full) * (kb * ck + cep) + (std::ceil(kb / S) * ck + cep) + (23.3 + 0.2 * kb);
+      for (int S = 2; S <= 8 && S <= kb && lw.rest * S <= num_sms; ++S) {
+        const double c = full_waves * (kb * ck + cep) + (std::ceil(kb / S) * ck + cep) + (23.3 + 0.2 * kb);
         if (c < c_best) c_best = c, slices = S;
       }
       return slices > 1 ? c_best : whole;
