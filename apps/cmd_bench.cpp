@@ -34,6 +34,9 @@ void add_bench(CLI::App& app) {
   auto no_check = std::make_shared<bool>(false);
   gemm->add_flag("--no-check", *no_check, "skip the correctness columns");
   gemm->add_option("--seed", g->seed, "random seed (0: fresh)");
+  gemm->add_flag("--clocks", g->clocks,
+                 "probe the SM clock around each timed launch of ours and cuBLASLt FP8, and print their ratio per "
+                 "clock cycle (under the power cap each kernel sets its own clock)");
   gemm->callback([g, no_check] {
     require_gpu();
     g->check = !*no_check;

@@ -132,6 +132,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   FP8MOE_CHECK(sm90_available(), "bench gemm: needs a Hopper GPU (sm_90), found " << prop.name);
   uint64_t seed = opt.seed ? opt.seed : (uint64_t(std::random_device{}()) << 32 | std::random_device{}());
   Timer timer;
+  timer.clocks = opt.clocks;
   std::printf("# fp8moe bench gemm on %s (%d SMs), seed %llu, median of %d (warm-up %d, L2 flushed: %s)\n", prop.name,
               prop.multiProcessorCount, (unsigned long long)seed, opt.iters, opt.warmup,
               timer.default_mode == Flush::clean ? "clean" : "dirty");
@@ -160,7 +161,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   bool all_ok = true;
   const std::vector<GemmTile> extra = extra_tiles_from_env();
   std::vector<std::vector<double>> extra_speedup(extra.size());  // chosen time / extra time, M=4096 fprop
-  std::vector<double> r_m4096, r_small, r_wgrad, r_all;
+  std::vector<double> r_m4096, r_small, r_wgrad, r_all, r_m4096_clk;
   int case_id = 0;
   for (const GemmCase& gc : cases) {
     ++case_id;
@@ -201,9 +202,11 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
       err_lt = e.what();
     }
 
-    double t_ours = NAN, t_lt = NAN, t_bf = NAN, t_mc = NAN;
-    if (err_ours.empty())
+    double t_ours = NAN, t_lt = NAN, t_bf = NAN, t_mc = NAN, ghz_ours = NAN, ghz_lt = NAN;
+    if (err_ours.empty()) {
       t_ours = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr); }, opt.warmup, opt.iters);
+      ghz_ours = timer.last_ghz;
+    }
     // An alternative for large tiles, timed beside the choice: 256x128 -> 128x128 (epilogue by K;
     // f32 D: the pipelined FP32-staged one), 128x128 -> its 2-CTA multicast variant (not picked by
     // default; f32 D: the FP32-staged 128x192, which the heuristic avoids for its 3 stages).
@@ -260,8 +263,10 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
         if (!wgrad && M == 4096) extra_speedup[e].push_back(t_ours / tx);
       }
     }
-    if (err_lt.empty())
+    if (err_lt.empty()) {
       t_lt = timer.median_us([&] { gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, acc, nullptr); }, opt.warmup, opt.iters);
+      ghz_lt = timer.last_ghz;
+    }
     try {
       t_bf = timer.median_us(
           [&] { gemm_bf16_cublaslt(dview(a16.p, DType::bf16, M, K), dview(b16.p, DType::bf16, N, K), dv_bf, acc, nullptr); },
@@ -337,10 +342,16 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
                 vs_lt, alt_s, ok ? "" : " FAIL");
     for (const std::string& r : extra_rows) std::printf("%s\n", r.c_str());
     if (err_lt.empty()) std::printf("#   cuBLASLt FP8: %s\n", gemm_fp8_cublaslt_algorithm(aq.view, bq.view, dv_lt, acc).c_str());
+    // Cycles rather than seconds: (t_lt * f_lt) / (t_ours * f_ours).
+    const double ratio_clk = ratio * ghz_lt / ghz_ours;
+    if (opt.clocks)
+      std::printf("#   SM clock: ours %.3f GHz, cuBLASLt FP8 %.3f GHz; ours/cuBLASLt per clock cycle %.3f\n", ghz_ours, ghz_lt,
+                  ratio_clk);
     if (!err_ours.empty()) std::printf("#   ours: %s\n", err_ours.c_str());
     if (!err_lt.empty()) std::printf("#   cuBLASLt FP8: %s\n", err_lt.c_str());
     if (!err_bf.empty()) std::printf("#   cuBLASLt BF16: %s\n", err_bf.c_str());
     std::fflush(stdout);
+    if (opt.clocks && !wgrad && M == 4096 && std::isfinite(ratio_clk) && ratio_clk > 0) r_m4096_clk.push_back(ratio_clk);
     if (std::isfinite(ratio) && ratio > 0) {
       r_all.push_back(ratio);
       if (wgrad) r_wgrad.push_back(ratio);
@@ -351,6 +362,9 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   std::printf("# geomean ours/cuBLASLt-FP8: M=4096 fprop %.3f (%zu) | M<=128 fprop %.3f (%zu) | wgrad %.3f (%zu) | all %.3f (%zu)\n",
               geomean(r_m4096), r_m4096.size(), geomean(r_small), r_small.size(), geomean(r_wgrad), r_wgrad.size(), geomean(r_all),
               r_all.size());
+  if (opt.clocks)
+    std::printf("# geomean ours/cuBLASLt-FP8 per SM clock cycle: M=4096 fprop %.3f (%zu)\n", geomean(r_m4096_clk),
+                r_m4096_clk.size());
   for (size_t e = 0; e < extra.size(); ++e)
     if (!extra_speedup[e].empty())
       std::printf("# geomean tile %s / chosen tile, M=4096 fprop: %.3fx (%zu)\n", tile_name(extra[e]).c_str(),

@@ -19,6 +19,7 @@ struct GemmBenchOptions {
   std::string set = "all";   // all | fprop | wgrad | m4096 | small | tails | emulated
   std::string shapes;        // "kind:MxNxK,..." instead of the set (kinds: GemmCase)
   uint64_t seed = 0;         // 0: fresh random seed (printed)
+  bool clocks = false;       // probe the SM clock around each timed launch (ours, cuBLASLt FP8)
 };
 
 // One problem of `bench gemm`.

@@ -57,8 +57,24 @@ enum class Flush { dirty, clean };
 // Reads all of `b` but its last 16 bytes (where the sweep's never-taken store points).
 void l2_read_sweep(const DeviceBuffer& b, cudaStream_t stream);
 
+// SM clock probe (bench_clock.cu): a stamp per block of a one-block-per-SM launch.
+struct ClockStamp {
+  uint32_t sm;
+  unsigned long long ns, cycles;
+};
+int clock_stamp_blocks();
+void clock_stamp(ClockStamp* slot, cudaStream_t stream);  // clock_stamp_blocks() stamps into `slot`
+// The median over SMs of cycles / nanoseconds between two probes (NaN when no SM is in both).
+double clock_ghz(const ClockStamp* before, const ClockStamp* after, int blocks);
+
 struct Timer {
   DeviceBuffer flush{size_t(512) << 20};
+  // With `clocks`, median_us also probes the SM clock right before and after each timed launch
+  // (after the flush, outside the timed events) and leaves the median over the launches in
+  // `last_ghz`: under the board's power cap the clock depends on the kernel, and a ratio of times
+  // divided by the ratio of clocks compares kernels cycle for cycle.
+  bool clocks = false;
+  double last_ghz = NAN;
   std::optional<DeviceBuffer> sweep;  // Flush::clean, allocated on first use
   // The mode where a call names none: FP8MOE_BENCH_FLUSH=clean|dirty (default dirty).
   Flush default_mode = [] {
@@ -75,14 +91,31 @@ struct Timer {
     FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<cudaEvent_t> ev(size_t(2 * iters));
     for (auto& e : ev) FP8MOE_CUDA_CHECK(cudaEventCreate(&e));
+    const int blocks = clocks ? clock_stamp_blocks() : 0;
+    DeviceBuffer stamps(size_t(2 * iters * blocks) * sizeof(ClockStamp));
+    auto stamp = [&](int i) { clock_stamp(static_cast<ClockStamp*>(stamps.p) + size_t(i * blocks), nullptr); };
     for (int i = 0; i < iters; ++i) {
       FP8MOE_CUDA_CHECK(cudaMemsetAsync(flush.p, i & 0xFF, flush.bytes, nullptr));
       if (mode == Flush::clean) l2_read_sweep(*sweep, nullptr);
+      if (clocks) stamp(2 * i);
       FP8MOE_CUDA_CHECK(cudaEventRecord(ev[size_t(2 * i)], nullptr));
       fn();
       FP8MOE_CUDA_CHECK(cudaEventRecord(ev[size_t(2 * i + 1)], nullptr));
+      if (clocks) stamp(2 * i + 1);
     }
     FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    last_ghz = NAN;
+    if (clocks) {
+      std::vector<ClockStamp> h(size_t(2 * iters * blocks));
+      FP8MOE_CUDA_CHECK(cudaMemcpy(h.data(), stamps.p, stamps.bytes, cudaMemcpyDeviceToHost));
+      std::vector<double> ghz;
+      for (int i = 0; i < iters; ++i) {
+        const double g = clock_ghz(&h[size_t(2 * i * blocks)], &h[size_t((2 * i + 1) * blocks)], blocks);
+        if (std::isfinite(g)) ghz.push_back(g);
+      }
+      std::sort(ghz.begin(), ghz.end());
+      if (!ghz.empty()) last_ghz = ghz[ghz.size() / 2];
+    }
     std::vector<double> us(static_cast<size_t>(iters));
     for (int i = 0; i < iters; ++i) {
       float ms = 0;
