@@ -34,9 +34,9 @@ struct GemmTile {
   bool pipelined = false;
   // 1d2d: the TMA-store epilogue stages FP32 (for f32 D: TMA store, or TMA reduce-add for D +=);
   // else BF16 (for bf16 D). A D of the other dtype takes the direct global-store epilogue. The
-  // FP32 staging tile is twice the size and costs a pipeline stage (192x128/f32 stages half of it
-  // at a time, in two store passes, and keeps its 4 stages). 1d1d (Wgrad) tiles always
-  // stage FP32 and leave this false.
+  // FP32 staging tile is twice the size and costs a pipeline stage (192x128/f32 and
+  // 128x128/pipe/f32 stage half of it at a time, in two store passes: 4 and 5 stages). 1d1d
+  // (Wgrad) tiles always stage FP32 and leave this false.
   bool f32_staging = false;
   // N blocks per rasterization group of the tile scheduler (kernels/scheduler.cuh): the tiles in
   // flight at once share at most this many B row-panels.
@@ -147,8 +147,9 @@ inline const std::vector<GemmTile>& gemm_tiles(bool b_1x128) {
 // Pipeline stages of a compiled tile, as GemmTraits computes them (gemm_launch.cuh asserts that
 // the two agree): the shared memory left after the epilogue's staging tiles (one per math
 // warpgroup, [64, BLOCK_N] bf16 or f32 in boxes of 128 bytes per row; half of it for three
-// warpgroups staging f32, which store in two passes), in stages of the A, B and
-// scale tiles of one 128-wide K block (1d2d: s_a and the pair of B block scales), at most 10.
+// warpgroups staging f32 and for the pipelined 128x128, which store in two passes), in stages of
+// the A, B and scale tiles of one 128-wide K block (1d2d: s_a and the pair of B block scales), at
+// most 10.
 constexpr int gemm_tile_stages(const GemmTile& t, bool b_1x128) {
   const int math_wg = t.block_m == 256 ? 2 : t.block_m / 64;
   const int waves = t.block_m / (64 * math_wg);
@@ -156,7 +157,7 @@ constexpr int gemm_tile_stages(const GemmTile& t, bool b_1x128) {
   const int elem = b_1x128 || t.f32_staging ? 4 : 2;
   const int boxes = (t.block_n * elem + 127) / 128;
   const bool staged = t.tma_epilogue && waves == 1 && t.block_n % (128 / elem) == 0;
-  const int passes = math_wg == 3 && elem == 4 ? 2 : 1;
+  const int passes = (math_wg == 3 && elem == 4) || (math_wg == 2 && t.pipelined && t.block_n == 128) ? 2 : 1;
   const int staging = staged ? math_wg * boxes * 64 * 128 / passes : 0;
   const int s = (232448 - 1024 - 512 - staging) / stage_bytes;
   return s > 10 ? 10 : s;
@@ -232,8 +233,9 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
   // (reduce-add for D +=) while the next tile's WGMMAs run, as bf16 D does; before them every f32
   // D took the direct masked stores (8192x4096x2048 in a training step: 0.290 ms, slower than
   // cuBLASLt's BF16 GEMM at 0.19-0.21 ms). Their
-  // staging tiles are twice as large, which costs a stage: 128x128/pipe 4 (bf16: 5), 128x192 3
-  // (bf16: 4). The pipelined mainloop holds two stages, the plain one one, so both still have
+  // staging tiles are twice as large, which costs a stage: 128x128/pipe 4 (bf16: 5; since
+  // 2026-12-01 5 and 6, staging half a tile at a time), 128x192 3 (bf16: 4). The pipelined
+  // mainloop holds two stages, the plain one one, so both still have
   // about two K blocks (~0.9 us and ~1.3 us) of loads in flight; yet 3 stages leave no slack, so
   // for f32 D the tile with enough stages (>= 4, 128x128/pipe/f32) is preferred: 128x192/f32 is
   // taken only when the model says it is at least kFewStagesMargin faster. Measured (H200,

@@ -74,13 +74,18 @@ struct GemmTraits {
   static constexpr int kStageBytes = kSmemA + kSmemB + kSmemSA + kSmemSB;
   // Epilogue staging dtype: f32 (Wgrad; 1d2d kF32Stg variants, for f32 D) or bf16 (1d2d).
   static constexpr bool kStageF32 = kB1x128 || kF32Stg;
-  // Three math warpgroups staging FP32 hold half a tile each and store it in two passes, so that
-  // the ring keeps 4 stages (three whole FP32 tiles, 96 KiB, would leave 3).
-  static constexpr int kStagingPasses = kNumMathWG == 3 && kStageF32 ? 2 : 1;
+  // Half a tile staged at a time, stored in two passes, where that buys a pipeline stage: three
+  // math warpgroups staging FP32 keep 4 stages (three whole FP32 tiles, 96 KiB, would leave 3);
+  // the pipelined 128x128 gets 6 stages for bf16 D (5 with whole tiles) and 5 for f32 D (4).
+  // NOTES: measured on H200 (2026-12-01, the pipelined 128x128 with bf16 D, 6 stages against 5,
+  // two runs): 2.5-5% faster at 512x4096x7168, 256x7168x16384 and 1024x4096x7168, 3.4% at
+  // 4096x7168x2048, 0.7% slower at 4096x4096x7168 (docs/PERF.md, "A sixth stage").
+  static constexpr int kStagingPasses =
+      (kNumMathWG == 3 && kStageF32) || (kNumMathWG == 2 && kPipe && BLOCK_N == 128) ? 2 : 1;
   using Staging = StagingTile<BLOCK_N, kStageF32, kStagingPasses>;
   // TMA-store epilogue only for tiles at least one 128-byte box wide.
-  // NOTES: the staging tiles cost pipeline stages (128x128 1d2d: 5 instead of 6); for long K the
-  // mainloop matters more than the epilogue, so the host may pick the variant without them.
+  // NOTES: the staging tiles cost pipeline stages (plain 128x128 1d2d: 5 instead of 6); for long K
+  // the mainloop matters more than the epilogue, so the host may pick the variant without them.
   static constexpr bool kTmaStoreOk = kTmaEpilogue && kWaves == 1 && BLOCK_N % Staging::kBoxCols == 0;
   static constexpr int kSmemStaging = kTmaStoreOk ? kNumMathWG * Staging::kBytes : 0;
   static constexpr int kStages = [] {
