@@ -50,8 +50,12 @@ struct GemmTile {
   int tail_split = 1;
 };
 
-// Output tiles of a bm x bn tiling of D [M, N].
+// Output tiles of a bm x bn tiling of D [M, N], and the waves of a persistent grid of one CTA per SM
+// that runs them.
 constexpr int64_t gemm_tile_count(int64_t M, int64_t N, int bm, int bn) { return ((M + bm - 1) / bm) * ((N + bn - 1) / bn); }
+constexpr int64_t gemm_waves(int64_t M, int64_t N, int bm, int bn, int64_t num_sms) {
+  return (gemm_tile_count(M, N, bm, bn) + num_sms - 1) / num_sms;
+}
 
 // Last-wave K slices: the tiles of the grid's full waves (a multiple of the SM count; none when
 // there is at most one wave) and the rest, which the slices split.
@@ -174,8 +178,7 @@ constexpr bool grouped_tile_ok(const GemmTile& t, bool b_1x128, bool contiguous 
 }
 
 inline double gemm_tile_cost(const GemmTile& t, int64_t M, int64_t N, int num_sms) {
-  const int64_t tiles = gemm_tile_count(M, N, t.block_m, t.block_n);
-  const int64_t waves = (tiles + num_sms - 1) / num_sms;
+  const int64_t waves = gemm_waves(M, N, t.block_m, t.block_n, num_sms);
   const double eff = t.block_n >= 128 ? 1.0 : t.block_n >= 64 ? 0.9 : t.block_n >= 32 ? 0.75 : 0.6;
   const double mma_clk = double(t.block_m) * t.block_n * 128 * 2 / 8192.0 / eff;
   // NOTES: 48 B/clk/SM of L2 -> SM bandwidth fits the measured 128x128 rate (~1070 TFLOPS, 54% of
@@ -246,7 +249,7 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
   // (kF32Epilogue = 2.0, kFewStagesMargin = 1.03).
   if (!b_1x128 && best.block_m >= 128 && best.block_n == 128) {
     const double kb = double(K / 128);
-    auto waves = [&](int bm, int bn) { return double((gemm_tile_count(M, N, bm, bn) + num_sms - 1) / num_sms); };
+    auto waves = [&](int bm, int bn) { return double(gemm_waves(M, N, bm, bn, num_sms)); };
     constexpr double kF32Epilogue = 2.0, kFewStagesMargin = 1.03;
     constexpr GemmTile t128 = {128, 128, true, 1, true}, t192 = {128, 192, true, 1, false};
     const double ce = d_f32 ? kF32Epilogue : 1.0;
