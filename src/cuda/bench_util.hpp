@@ -57,6 +57,16 @@ enum class Flush { dirty, clean };
 // Reads all of `b` but its last 16 bytes (where the sweep's never-taken store points).
 void l2_read_sweep(const DeviceBuffer& b, cudaStream_t stream);
 
+// The requantizer's TMA traffic alone (bench_tile_copy.cu): x [T, C] bytes copied in tiles of
+// `tokens` x 128 to the transposed places of q [C, T], unchanged, as `bench quant`'s bound for
+// requantize_128x1.
+struct TileCopyShape {
+  int tokens = 128;      // rows per tile: 128 or 256
+  int stages = 4;        // ring stages, 2..8
+  int ctas_per_sm = 2;
+};
+void tma_tile_copy(const void* x, void* q, int64_t T, int64_t C, const TileCopyShape& shape, cudaStream_t stream);
+
 // SM clock probe (bench_clock.cu): a stamp per block of a one-block-per-SM launch.
 struct ClockStamp {
   uint32_t sm;
