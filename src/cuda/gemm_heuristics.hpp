@@ -273,12 +273,18 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     // 192x128 was 3.8%, 3.0% and 7.2% faster than the chosen 128x192 at 8192x7168x16384,
     // 8192x2112x7168 and 8192x4096x7168, where the model called a tie; there its K block costs
     // 1.38. At M = 4096 the calibration above holds (ties and a loss to wave quantization).
+    // bf16 D at K >= 12288 (H200, 2026-12-01, `FP8MOE_BENCH_TILES=192x128/r8,128x128/pipe/r8,
+    // 128x192/r8,192x128/r8/t2,192x128/r8/t3 fp8moe bench gemm --shapes ...`, two runs): the K
+    // block of 128x128/pipe/r8 takes 0.41-0.46 us per wave at K = 16384 (0.40 at K <= 7168), that of
+    // 192x128/r8 0.56-0.585, 1.29-1.43x (1.33 on average): 192x128 was 5-18% faster than the
+    // former choice at M = 2048..6144 (2560x7168x16384 447 us against 527, 4096x4096x16384 with
+    // last-wave slices 400 against 450-469), and the other M = 1024..2048 shapes kept theirs.
     // Contiguous grouped GEMM: the 192-row tiles of a segment of whole 128-row blocks leave 0, 64
     // or 128 rows of their last tile to the next segment, 64 per segment on average. Measured
     // (H200, 2026-11-30, `fp8moe bench grouped` with 128x192 and 128x128/pipe beside the choice):
     // 192x128 taken and 4-10% faster than both on 4 and 8 experts (N 4096 / 7168), 1-4% on 32
     // experts of 1024 rows.
-    const double k192x128 = !d_f32 && M >= 8192 ? 1.38 : 1.43;
+    const double k192x128 = d_f32 ? 1.43 : K >= 12288 ? 1.33 : M >= 8192 ? 1.38 : 1.43;
     const double waste192 = 1.0 + 64.0 * double(contiguous_groups) / double(M);
     const double c192x128 = !grouped || contiguous_groups > 0
                                 ? waves(192, 128) * (kb * k192x128 + 2.15 * ce) * waste192

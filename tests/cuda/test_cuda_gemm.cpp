@@ -500,7 +500,6 @@ TEST(CudaGemmHeuristic, ThreeWarpgroupTileForShortK) {
   }
   // Ties and losses keep the tiles they had.
   EXPECT_EQ(cuda::choose_gemm_tile(4096, 4096, 7168, false, 132, false, false).block_m, 128);
-  EXPECT_EQ(cuda::choose_gemm_tile(4096, 7168, 16384, false, 132, false, false, false).block_m, 128);
   EXPECT_EQ(cuda::choose_gemm_tile(4096, 2112, 7168, false, 132, false, false).block_n, 192);
   // M = 128: one row block (128x64) rather than two (64x128) at an equal tile count.
   EXPECT_EQ(cuda::choose_gemm_tile(128, 7168, 16384, false, 132, false, false).block_m, 128);
@@ -512,6 +511,15 @@ TEST(CudaGemmHeuristic, ThreeWarpgroupTileForShortK) {
     EXPECT_EQ(cuda::choose_gemm_tile(8192, N, K, false, 132, false, false).block_m, 192) << N << "x" << K;
     EXPECT_NE(cuda::choose_gemm_tile(8192, N, K, false, 132, true, false).block_m, 192) << N << "x" << K;
   }
+  // bf16 D at K >= 12288: measured 5-18% faster than 128x128/pipe and 128x192 at M = 2048..6144
+  // (with or without last-wave slices); M = 1024 keeps 128x128/pipe, f32 D its calibration.
+  for (auto [M, N, K] : {std::tuple<int64_t, int64_t, int64_t>{2048, 7168, 16384}, {2560, 7168, 16384},
+                         {4096, 4096, 16384}, {3072, 7168, 12288}, {4096, 7168, 16384}}) {
+    EXPECT_EQ(cuda::choose_gemm_tile(M, N, K, false, 132, false, false).block_m, 192) << M << "x" << N << "x" << K;
+  }
+  EXPECT_EQ(cuda::choose_gemm_tile(4096, 7168, 16384, false, 132, false, false, false).block_m, 192);  // unsplit
+  EXPECT_EQ(cuda::choose_gemm_tile(1024, 7168, 16384, false, 132, false, false).block_m, 128);
+  EXPECT_EQ(cuda::choose_gemm_tile(2048, 7168, 16384, false, 132, false, true).block_m, 128);
   // Contiguous grouped GEMM: 192-row tiles for few long segments (4 x ~8800 rows), not for many
   // short ones (256 x 256 rows: a quarter of the rows wasted), nor for the masked GEMM.
   for (bool f32 : {false, true}) {
