@@ -2,7 +2,8 @@
 // DeepSeek-V3 shapes, measured side by side in one run.
 //
 // Timing: every timed launch follows a 512 MiB memset that flushes L2 and gives the host time to
-// enqueue the launch, so the event pair around it measures GPU time only; median of `iters`.
+// enqueue the launch, so the event pair around it measures GPU time only; median of `iters`. Ours
+// and cuBLASLt's FP8 GEMM take turns launch by launch (Timer::interleaved).
 // Correctness (GEMM): D of sampled rows against two FP64 host references: the unquantized BF16
 // inputs (calc_diff, recipe error) and the dequantized FP8 inputs (relative error, kernel error);
 // plus calc_diff against cuBLASLt's D on every element. Quantizers: byte-exact comparison with
@@ -202,10 +203,15 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
       err_lt = e.what();
     }
 
+    // Ours and cuBLASLt's FP8 GEMM timed side by side (Timer::interleaved), under the same clock.
     double t_ours = NAN, t_lt = NAN, t_bf = NAN, t_mc = NAN, ghz_ours = NAN, ghz_lt = NAN;
-    if (err_ours.empty()) {
-      t_ours = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr); }, opt.warmup, opt.iters);
-      ghz_ours = timer.last_ghz;
+    {
+      std::vector<std::function<void()>> fns;
+      if (err_ours.empty()) fns.push_back([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr); });
+      if (err_lt.empty()) fns.push_back([&] { gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, acc, nullptr); });
+      const std::vector<Timing> t = timer.interleaved(fns, opt.warmup, opt.iters);
+      if (err_ours.empty()) t_ours = t.front().us, ghz_ours = t.front().ghz;
+      if (err_lt.empty()) t_lt = t.back().us, ghz_lt = t.back().ghz;
     }
     // An alternative for large tiles, timed beside the choice: 256x128 -> 128x128 (epilogue by K;
     // f32 D: the pipelined FP32-staged one), 128x128 -> its 2-CTA multicast variant (not picked by
@@ -262,10 +268,6 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
         if (!same && !sliced) all_ok = false;
         if (!wgrad && M == 4096) extra_speedup[e].push_back(t_ours / tx);
       }
-    }
-    if (err_lt.empty()) {
-      t_lt = timer.median_us([&] { gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, acc, nullptr); }, opt.warmup, opt.iters);
-      ghz_lt = timer.last_ghz;
     }
     try {
       t_bf = timer.median_us(

@@ -11,8 +11,9 @@
 // TFLOPS count the real rows (tokens), not the padding. The cuBLASLt loop runs each expert's
 // 128-aligned slice from its own tensors (cuBLASLt takes no strided scale views), all GEMMs
 // queued back to back and timed as a whole. The dense kernel on the same rows (one expert's
-// weights; wgrad: all tokens into one dW) shows what the grouping costs. Timing as in bench.cpp: L2 flushed before every timed
-// run, median of `iters`. Correctness: sampled rows of 4 groups against FP64 host references
+// weights; wgrad: all tokens into one dW) shows what the grouping costs. Timing as in bench.cpp: L2
+// flushed before every timed run, median of `iters`, a case's kernels taking turns launch by
+// launch. Correctness: sampled rows of 4 groups against FP64 host references
 // (calc_diff vs the unquantized BF16 inputs, kerr vs the dequantized FP8 inputs, the latter rounded
 // to bf16 for bf16 D), padding rows must be zero; vs_lt: calc_diff ours vs the cuBLASLt loop on
 // all of D. FP8MOE_BENCH_TILES (see bench_util.hpp) times extra grouped tiles, D checked bit for
@@ -468,20 +469,31 @@ int run_grouped_bench(const GroupedBenchOptions& opt) {
       FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
     };
 
+    // One untimed run each names a failing side; then the kernels that ran take turns launch by
+    // launch (Timer::interleaved), so that all are timed under the same clock.
     std::string err_ours, err_lt;
     double t_ours = NAN, t_lt = NAN, t_contig = NAN, t_dense = NAN;
-    try {
-      t_ours = timer.median_us([&] { p.ours(nullptr, p.d_ours->p); }, opt.warmup, opt.iters);
-      if (p.contiguous) t_contig = timer.median_us(p.contiguous, opt.warmup, opt.iters);
-      t_dense = timer.median_us(p.dense, opt.warmup, opt.iters);
-    } catch (const std::exception& e) {
-      err_ours = e.what();
+    std::vector<std::function<void()>> fns;
+    std::vector<double*> dst;
+    auto add = [&](std::function<void()> fn, double* t, std::string& err) {
+      try {
+        fn();
+        FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+        fns.push_back(std::move(fn));
+        dst.push_back(t);
+      } catch (const std::exception& e) {
+        if (err.empty()) err = e.what();
+      }
+    };
+    add([&] { p.ours(nullptr, p.d_ours->p); }, &t_ours, err_ours);
+    if (err_ours.empty() && p.contiguous) add(p.contiguous, &t_contig, err_ours);
+    if (err_ours.empty()) add(p.dense, &t_dense, err_ours);
+    add(p.lt, &t_lt, err_lt);
+    if (!fns.empty()) {
+      const std::vector<Timing> t = timer.interleaved(fns, opt.warmup, opt.iters);
+      for (size_t i = 0; i < t.size(); ++i) *dst[i] = t[i].us;
     }
-    try {
-      t_lt = timer.median_us(p.lt, opt.warmup, opt.iters);
-    } catch (const std::exception& e) {
-      err_lt = e.what();
-    }
+    if (!err_ours.empty()) t_ours = NAN;
 
     Check c;
     double vs_lt = NAN;

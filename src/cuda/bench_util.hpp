@@ -77,14 +77,18 @@ void clock_stamp(ClockStamp* slot, cudaStream_t stream);  // clock_stamp_blocks(
 // The median over SMs of cycles / nanoseconds between two probes (NaN when no SM is in both).
 double clock_ghz(const ClockStamp* before, const ClockStamp* after, int blocks);
 
+// A timed function's median time and, with Timer::clocks, the median SM clock during its launches.
+struct Timing {
+  double us = NAN;
+  double ghz = NAN;
+};
+
 struct Timer {
   DeviceBuffer flush{size_t(512) << 20};
-  // With `clocks`, median_us also probes the SM clock right before and after each timed launch
-  // (after the flush, outside the timed events) and leaves the median over the launches in
-  // `last_ghz`: under the board's power cap the clock depends on the kernel, and a ratio of times
-  // divided by the ratio of clocks compares kernels cycle for cycle.
+  // With `clocks`, each timed launch is bracketed by SM clock probes (after the flush, outside the
+  // timed events): under the board's power cap the clock depends on the kernel, and a ratio of
+  // times divided by the ratio of clocks compares kernels cycle for cycle.
   bool clocks = false;
-  double last_ghz = NAN;
   std::optional<DeviceBuffer> sweep;  // Flush::clean, allocated on first use
   // The mode where a call names none: FP8MOE_BENCH_FLUSH=clean|dirty (default dirty).
   Flush default_mode = [] {
@@ -92,49 +96,67 @@ struct Timer {
     return e && std::string(e) == "clean" ? Flush::clean : Flush::dirty;
   }();
   double median_us(const std::function<void()>& fn, int warmup, int iters, std::optional<Flush> which = {}) {
+    return interleaved({fn}, warmup, iters, which)[0].us;
+  }
+  // Times several functions side by side: warm-up and timed launches go round the functions in
+  // turn (each timed launch after its own flush), so that all of them run in the same power and
+  // clock state of the board, whose clock falls as it warms under sustained load: timed one after
+  // the other, the first would meet a cooler board than the last (docs/PERF.md, "Order and
+  // warm-up of the timings").
+  std::vector<Timing> interleaved(const std::vector<std::function<void()>>& fns, int warmup, int iters,
+                                  std::optional<Flush> which = {}) {
     const Flush mode = which.value_or(default_mode);
     if (mode == Flush::clean && !sweep) {
       sweep.emplace((size_t(512) << 20) + 16);
       FP8MOE_CUDA_CHECK(cudaMemset(sweep->p, 0, sweep->bytes));
     }
-    for (int i = 0; i < warmup; ++i) fn();
+    const size_t F = fns.size();
+    for (int i = 0; i < warmup; ++i)
+      for (const auto& fn : fns) fn();
     FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<cudaEvent_t> ev(size_t(2 * iters));
+    // Launch (i, f) is the i-th timed launch of function f: events 2n and 2n + 1, n = i * F + f.
+    const size_t launches = size_t(iters) * F;
+    std::vector<cudaEvent_t> ev(2 * launches);
     for (auto& e : ev) FP8MOE_CUDA_CHECK(cudaEventCreate(&e));
     const int blocks = clocks ? clock_stamp_blocks() : 0;
-    DeviceBuffer stamps(size_t(2 * iters * blocks) * sizeof(ClockStamp));
-    auto stamp = [&](int i) { clock_stamp(static_cast<ClockStamp*>(stamps.p) + size_t(i * blocks), nullptr); };
-    for (int i = 0; i < iters; ++i) {
-      FP8MOE_CUDA_CHECK(cudaMemsetAsync(flush.p, i & 0xFF, flush.bytes, nullptr));
+    DeviceBuffer stamps(2 * launches * size_t(blocks) * sizeof(ClockStamp));
+    auto stamp = [&](size_t k) { clock_stamp(static_cast<ClockStamp*>(stamps.p) + k * size_t(blocks), nullptr); };
+    for (size_t n = 0; n < launches; ++n) {
+      FP8MOE_CUDA_CHECK(cudaMemsetAsync(flush.p, int(n & 0xFF), flush.bytes, nullptr));
       if (mode == Flush::clean) l2_read_sweep(*sweep, nullptr);
-      if (clocks) stamp(2 * i);
-      FP8MOE_CUDA_CHECK(cudaEventRecord(ev[size_t(2 * i)], nullptr));
-      fn();
-      FP8MOE_CUDA_CHECK(cudaEventRecord(ev[size_t(2 * i + 1)], nullptr));
-      if (clocks) stamp(2 * i + 1);
+      if (clocks) stamp(2 * n);
+      FP8MOE_CUDA_CHECK(cudaEventRecord(ev[2 * n], nullptr));
+      fns[n % F]();
+      FP8MOE_CUDA_CHECK(cudaEventRecord(ev[2 * n + 1], nullptr));
+      if (clocks) stamp(2 * n + 1);
     }
     FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
-    last_ghz = NAN;
+    std::vector<ClockStamp> h;
     if (clocks) {
-      std::vector<ClockStamp> h(size_t(2 * iters * blocks));
+      h.resize(2 * launches * size_t(blocks));
       FP8MOE_CUDA_CHECK(cudaMemcpy(h.data(), stamps.p, stamps.bytes, cudaMemcpyDeviceToHost));
-      std::vector<double> ghz;
-      for (int i = 0; i < iters; ++i) {
-        const double g = clock_ghz(&h[size_t(2 * i * blocks)], &h[size_t((2 * i + 1) * blocks)], blocks);
-        if (std::isfinite(g)) ghz.push_back(g);
-      }
-      std::sort(ghz.begin(), ghz.end());
-      if (!ghz.empty()) last_ghz = ghz[ghz.size() / 2];
     }
-    std::vector<double> us(static_cast<size_t>(iters));
-    for (int i = 0; i < iters; ++i) {
-      float ms = 0;
-      FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[size_t(2 * i)], ev[size_t(2 * i + 1)]));
-      us[size_t(i)] = double(ms) * 1e3;
+    auto median = [](std::vector<double> v) {
+      if (v.empty()) return double(NAN);
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    std::vector<Timing> out(F);
+    for (size_t f = 0; f < F; ++f) {
+      std::vector<double> us, ghz;
+      for (size_t n = f; n < launches; n += F) {
+        float ms = 0;
+        FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * n], ev[2 * n + 1]));
+        us.push_back(double(ms) * 1e3);
+        if (clocks) {
+          const double g = clock_ghz(&h[2 * n * size_t(blocks)], &h[(2 * n + 1) * size_t(blocks)], blocks);
+          if (std::isfinite(g)) ghz.push_back(g);
+        }
+      }
+      out[f] = {median(us), median(ghz)};
     }
     for (auto& e : ev) cudaEventDestroy(e);
-    std::sort(us.begin(), us.end());
-    return us[us.size() / 2];
+    return out;
   }
 };
 

@@ -1,5 +1,6 @@
 // The benchmarks' SM clock probe (src/cuda/bench_clock.cu, Timer::clocks in bench_util.hpp): the
-// per-SM matching of two probes on the host (no GPU), and the probe around a launch (GPU).
+// per-SM matching of two probes on the host (no GPU), and the probe around interleaved timed launches
+// (GPU).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -29,14 +30,21 @@ TEST(BenchClock, ProbesTheSmClockAroundTimedLaunches) {
   fp8moe::cuda::bench::Timer timer;
   fp8moe::cuda::bench::DeviceBuffer buf(size_t(256) << 20);
   auto fn = [&] { FP8MOE_CUDA_CHECK(cudaMemsetAsync(buf.p, 1, buf.bytes, nullptr)); };
-  timer.median_us(fn, 1, 3);
-  EXPECT_TRUE(std::isnan(timer.last_ghz));  // not asked for
+  EXPECT_TRUE(std::isnan(timer.interleaved({fn}, 1, 3)[0].ghz));  // not asked for
   timer.clocks = true;
-  const double us = timer.median_us(fn, 1, 5);
-  EXPECT_GT(us, 0.0);
+  // Two functions side by side: one result each, in their order (the second moves 4x the bytes).
+  auto big = [&] { FP8MOE_CUDA_CHECK(cudaMemsetAsync(buf.p, 2, buf.bytes, nullptr)); };
+  fp8moe::cuda::bench::DeviceBuffer buf4(size_t(1024) << 20);
+  auto fn4 = [&] { FP8MOE_CUDA_CHECK(cudaMemsetAsync(buf4.p, 3, buf4.bytes, nullptr)); };
+  const std::vector<fp8moe::cuda::bench::Timing> t = timer.interleaved({big, fn4}, 1, 5);
+  ASSERT_EQ(t.size(), 2u);
+  EXPECT_GT(t[0].us, 0.0);
+  EXPECT_GT(t[1].us, 2.0 * t[0].us);
   int khz = 0;
   FP8MOE_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
   // Between a tenth of the maximum SM clock and the maximum (5% for the timers' granularity).
-  EXPECT_GT(timer.last_ghz, 0.1 * khz * 1e-6);
-  EXPECT_LT(timer.last_ghz, 1.05 * khz * 1e-6);
+  for (const auto& x : t) {
+    EXPECT_GT(x.ghz, 0.1 * khz * 1e-6);
+    EXPECT_LT(x.ghz, 1.05 * khz * 1e-6);
+  }
 }
