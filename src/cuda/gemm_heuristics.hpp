@@ -276,9 +276,11 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     // bf16 D at K >= 12288 (H200, 2026-12-01, `FP8MOE_BENCH_TILES=192x128/r8,128x128/pipe/r8,
     // 128x192/r8,192x128/r8/t2,192x128/r8/t3 fp8moe bench gemm --shapes ...`, two runs): the K
     // block of 128x128/pipe/r8 takes 0.41-0.46 us per wave at K = 16384 (0.40 at K <= 7168), that of
-    // 192x128/r8 0.56-0.585, 1.29-1.43x (1.33 on average): 192x128 was 5-18% faster than the
-    // former choice at M = 2048..6144 (2560x7168x16384 447 us against 527, 4096x4096x16384 with
-    // last-wave slices 400 against 450-469), and the other M = 1024..2048 shapes kept theirs.
+    // 192x128/r8 0.56-0.585, 1.29-1.43x (1.33 on average): with it 192x128 is taken and was 2-12%
+    // faster than the former choice on ten shapes at M = 2048..6144, K = 12288 and 16384
+    // (2048x7168x16384 357 us against 385-390, 4096x4096x16384 with last-wave slices 402-407
+    // against 451-455), 2-4% slower at 2048x2112x16384 (192x128/r8/t2 129-131 us against 126-127
+    // for 128x128/pipe/r8/t8); M = 1024 and the M = 4096 set keep their tiles.
     // Contiguous grouped GEMM: the 192-row tiles of a segment of whole 128-row blocks leave 0, 64
     // or 128 rows of their last tile to the next segment, 64 per segment on average. Measured
     // (H200, 2026-11-30, `fp8moe bench grouped` with 128x192 and 128x128/pipe beside the choice):
