@@ -2,8 +2,9 @@
 // DeepSeek-V3 shapes, measured side by side in one run.
 //
 // Timing: every timed launch follows a 512 MiB memset that flushes L2 and gives the host time to
-// enqueue the launch, so the event pair around it measures GPU time only; median of `iters`. Ours
-// and cuBLASLt's FP8 GEMM take turns launch by launch (Timer::interleaved).
+// enqueue the launch, so the event pair around it measures GPU time only; median of `iters`. Ours,
+// cuBLASLt's FP8 GEMM and the tiles timed beside ours take turns launch by launch
+// (Timer::interleaved).
 // Correctness (GEMM): D of sampled rows against two FP64 host references: the unquantized BF16
 // inputs (calc_diff, recipe error) and the dequantized FP8 inputs (relative error, kernel error);
 // plus calc_diff against cuBLASLt's D on every element. Quantizers: byte-exact comparison with
@@ -203,16 +204,6 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
       err_lt = e.what();
     }
 
-    // Ours and cuBLASLt's FP8 GEMM timed side by side (Timer::interleaved), under the same clock.
-    double t_ours = NAN, t_lt = NAN, t_bf = NAN, t_mc = NAN, ghz_ours = NAN, ghz_lt = NAN;
-    {
-      std::vector<std::function<void()>> fns;
-      if (err_ours.empty()) fns.push_back([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr); });
-      if (err_lt.empty()) fns.push_back([&] { gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, acc, nullptr); });
-      const std::vector<Timing> t = timer.interleaved(fns, opt.warmup, opt.iters);
-      if (err_ours.empty()) t_ours = t.front().us, ghz_ours = t.front().ghz;
-      if (err_lt.empty()) t_lt = t.back().us, ghz_lt = t.back().ghz;
-    }
     // An alternative for large tiles, timed beside the choice: 256x128 -> 128x128 (epilogue by K;
     // f32 D: the pipelined FP32-staged one), 128x128 -> its 2-CTA multicast variant (not picked by
     // default; f32 D: the FP32-staged 128x192, which the heuristic avoids for its 3 stages).
@@ -232,42 +223,82 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
       alt.pipelined = false;  // multicast is compiled for the plain mainloop
       has_alt = true;
     }
-    if (err_ours.empty() && has_alt)
-      t_mc = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr, &alt); }, opt.warmup,
-                             opt.iters);
+    // The alternative and the extra tiles (FP8MOE_BENCH_TILES) that run for this kind; each extra's
+    // D bit for bit against the chosen tile's (same inputs, zeroed/poisoned D).
+    const DeviceBuffer d_x(dbytes);
+    const TensorView dv_x = dview(d_x.p, ddt, M, N);
+    std::vector<size_t> extra_ok;  // indices into `extra`
+    std::vector<bool> extra_same;
+    if (err_ours.empty()) {
+      try {
+        if (has_alt) gemm_fp8_sm90(aq.view, bq.view, dv_x, acc, nullptr, &alt);
+        FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      } catch (const std::exception&) {
+        has_alt = false;
+      }
+      if (!extra.empty()) {
+        FP8MOE_CUDA_CHECK(cudaMemset(d_ours.p, acc ? 0x00 : 0xFF, dbytes));
+        gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr);
+        FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto want = to_host<uint8_t>(d_ours.p, dbytes);
+        for (size_t e = 0; e < extra.size(); ++e) {
+          try {
+            FP8MOE_CUDA_CHECK(cudaMemset(d_x.p, acc ? 0x00 : 0xFF, dbytes));
+            gemm_fp8_sm90(aq.view, bq.view, dv_x, acc, nullptr, &extra[e]);
+            FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+          } catch (const std::exception&) {
+            continue;  // not compiled for this kind
+          }
+          extra_ok.push_back(e);
+          extra_same.push_back(to_host<uint8_t>(d_x.p, dbytes) == want);
+        }
+      }
+    }
+
+    // Ours, cuBLASLt's FP8 GEMM, the alternative and the extra tiles take turns launch by launch
+    // (Timer::interleaved): all are timed under the same clock.
+    double t_ours = NAN, t_lt = NAN, t_bf = NAN, t_mc = NAN, ghz_ours = NAN, ghz_lt = NAN;
+    std::vector<double> t_extra(extra_ok.size(), NAN);
+    {
+      std::vector<std::function<void()>> fns;
+      std::vector<std::pair<double*, double*>> dst;  // time, clock
+      if (err_ours.empty()) {
+        fns.push_back([&] { gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr); });
+        dst.push_back({&t_ours, &ghz_ours});
+      }
+      if (err_lt.empty()) {
+        fns.push_back([&] { gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, acc, nullptr); });
+        dst.push_back({&t_lt, &ghz_lt});
+      }
+      if (err_ours.empty() && has_alt) {
+        fns.push_back([&] { gemm_fp8_sm90(aq.view, bq.view, dv_x, acc, nullptr, &alt); });
+        dst.push_back({&t_mc, nullptr});
+      }
+      for (size_t i = 0; i < extra_ok.size(); ++i) {
+        fns.push_back([&, i] { gemm_fp8_sm90(aq.view, bq.view, dv_x, acc, nullptr, &extra[extra_ok[i]]); });
+        dst.push_back({&t_extra[i], nullptr});
+      }
+      const std::vector<Timing> t = timer.interleaved(fns, opt.warmup, opt.iters);
+      for (size_t i = 0; i < t.size(); ++i) {
+        *dst[i].first = t[i].us;
+        if (dst[i].second) *dst[i].second = t[i].ghz;
+      }
+    }
     char alt_s[64] = "-";
     if (has_alt) std::snprintf(alt_s, sizeof alt_s, "%s %.1f", tile_name(alt).c_str(), t_mc);
-    // Extra tiles: time, then D bit for bit against the chosen tile's D (same inputs, zeroed/poisoned D).
     std::vector<std::string> extra_rows;
-    if (err_ours.empty() && !extra.empty()) {
-      FP8MOE_CUDA_CHECK(cudaMemset(d_ours.p, acc ? 0x00 : 0xFF, dbytes));
-      gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr);
-      FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto want = to_host<uint8_t>(d_ours.p, dbytes);
-      for (size_t e = 0; e < extra.size(); ++e) {
-        const GemmTile& xt = extra[e];
-        double tx = NAN;
-        bool same = false;
-        try {
-          FP8MOE_CUDA_CHECK(cudaMemset(d_lt.p, acc ? 0x00 : 0xFF, dbytes));
-          gemm_fp8_sm90(aq.view, bq.view, dview(d_lt.p, ddt, M, N), acc, nullptr, &xt);
-          FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
-          same = to_host<uint8_t>(d_lt.p, dbytes) == want;
-          tx = timer.median_us([&] { gemm_fp8_sm90(aq.view, bq.view, dview(d_lt.p, ddt, M, N), acc, nullptr, &xt); },
-                               opt.warmup, opt.iters);
-        } catch (const std::exception&) {
-          continue;  // not compiled for this kind
-        }
-        // K slices sum in another order (which tiles are sliced depends on the tile shape).
-        const bool sliced = xt.tail_split > 1 || tile.tail_split > 1 || xt.split_k > 1 || tile.split_k > 1;
-        char row[160];
-        std::snprintf(row, sizeof row, "#   tile %s: %.1f us, %.0f TFLOPS, %.3fx the chosen tile, D %s", tile_name(xt).c_str(),
-                      tx, 2.0 * double(M) * double(N) * double(K) / (tx * 1e-6) / 1e12, t_ours / tx,
-                      same ? "bit-identical" : sliced ? "differs (K slices)" : "DIFFERS");
-        extra_rows.push_back(row);
-        if (!same && !sliced) all_ok = false;
-        if (!wgrad && M == 4096) extra_speedup[e].push_back(t_ours / tx);
-      }
+    for (size_t i = 0; i < extra_ok.size(); ++i) {
+      const GemmTile& xt = extra[extra_ok[i]];
+      const double tx = t_extra[i];
+      // K slices sum in another order (which tiles are sliced depends on the tile shape).
+      const bool sliced = xt.tail_split > 1 || tile.tail_split > 1 || xt.split_k > 1 || tile.split_k > 1;
+      char row[160];
+      std::snprintf(row, sizeof row, "#   tile %s: %.1f us, %.0f TFLOPS, %.3fx the chosen tile, D %s", tile_name(xt).c_str(),
+                    tx, 2.0 * double(M) * double(N) * double(K) / (tx * 1e-6) / 1e12, t_ours / tx,
+                    extra_same[i] ? "bit-identical" : sliced ? "differs (K slices)" : "DIFFERS");
+      extra_rows.push_back(row);
+      if (!extra_same[i] && !sliced) all_ok = false;
+      if (!wgrad && M == 4096) extra_speedup[extra_ok[i]].push_back(t_ours / tx);
     }
     try {
       t_bf = timer.median_us(

@@ -279,8 +279,9 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     // 192x128/r8 0.56-0.585, 1.29-1.43x (1.33 on average): with it 192x128 is taken and was 2-12%
     // faster than the former choice on ten shapes at M = 2048..6144, K = 12288 and 16384
     // (2048x7168x16384 357 us against 385-390, 4096x4096x16384 with last-wave slices 402-407
-    // against 451-455), 2-4% slower at 2048x2112x16384 (192x128/r8/t2 129-131 us against 126-127
-    // for 128x128/pipe/r8/t8); M = 1024 and the M = 4096 set keep their tiles.
+    // against 451-455); timed in turn with the others, the new choice was the fastest or within
+    // 1.1% on every such shape (2048x2112x16384: 192x128/r8/t2 127.2 us against 135.4 for
+    // 128x128/pipe/r8/t8). M = 1024 and the M = 4096 set keep their tiles.
     // Contiguous grouped GEMM: the 192-row tiles of a segment of whole 128-row blocks leave 0, 64
     // or 128 rows of their last tile to the next segment, 64 per segment on average. Measured
     // (H200, 2026-11-30, `fp8moe bench grouped` with 128x192 and 128x128/pipe beside the choice):
