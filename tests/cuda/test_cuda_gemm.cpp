@@ -519,6 +519,14 @@ TEST(CudaGemmHeuristic, ThreeWarpgroupTileForShortK) {
   }
   EXPECT_EQ(cuda::choose_gemm_tile(4096, 7168, 16384, false, 132, false, false, false).block_m, 192);  // unsplit
   EXPECT_EQ(cuda::choose_gemm_tile(1024, 7168, 16384, false, 132, false, false).block_m, 128);
+  // bf16 D, M >= 1536, N a multiple of 128: 192x128 where the model would take 128x192 (measured
+  // 1.03-1.10x); N = 2112 keeps 128x192 (checked above), the grouped GEMMs their tiles.
+  for (auto [M, N, K] : {std::tuple<int64_t, int64_t, int64_t>{3072, 7168, 7168}, {1536, 4096, 7168},
+                         {6144, 18432, 7168}, {2560, 24576, 1536}}) {
+    const cuda::GemmTile t = cuda::choose_gemm_tile(M, N, K, false, 132, false, false);
+    EXPECT_TRUE(t.block_m == 192 && t.block_n == 128) << M << "x" << N << "x" << K;
+  }
+  EXPECT_EQ(cuda::choose_gemm_tile(1536, 4096, 7168, false, 132, true, false).block_m, 128);  // masked
   EXPECT_EQ(cuda::choose_gemm_tile(2048, 7168, 16384, false, 132, false, true).block_m, 128);
   // Contiguous grouped GEMM: 192-row tiles for few long segments (4 x ~8800 rows), not for many
   // short ones (256 x 256 rows: a quarter of the rows wasted), nor for the masked GEMM.
