@@ -224,34 +224,33 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
       has_alt = true;
     }
     // The alternative and the extra tiles (FP8MOE_BENCH_TILES) that run for this kind; each extra's
-    // D bit for bit against the chosen tile's (same inputs, zeroed/poisoned D).
-    const DeviceBuffer d_x(dbytes);
+    // D bit for bit against the chosen tile's from the correctness run above (same inputs,
+    // zeroed/poisoned D).
+    has_alt = has_alt && err_ours.empty();
+    const DeviceBuffer d_x(has_alt || !extra.empty() ? dbytes : 0);
     const TensorView dv_x = dview(d_x.p, ddt, M, N);
     std::vector<size_t> extra_ok;  // indices into `extra`
     std::vector<bool> extra_same;
-    if (err_ours.empty()) {
+    if (has_alt) {
       try {
-        if (has_alt) gemm_fp8_sm90(aq.view, bq.view, dv_x, acc, nullptr, &alt);
+        gemm_fp8_sm90(aq.view, bq.view, dv_x, acc, nullptr, &alt);
         FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
       } catch (const std::exception&) {
         has_alt = false;
       }
-      if (!extra.empty()) {
-        FP8MOE_CUDA_CHECK(cudaMemset(d_ours.p, acc ? 0x00 : 0xFF, dbytes));
-        gemm_fp8_sm90(aq.view, bq.view, dv_ours, acc, nullptr);
-        FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
-        const auto want = to_host<uint8_t>(d_ours.p, dbytes);
-        for (size_t e = 0; e < extra.size(); ++e) {
-          try {
-            FP8MOE_CUDA_CHECK(cudaMemset(d_x.p, acc ? 0x00 : 0xFF, dbytes));
-            gemm_fp8_sm90(aq.view, bq.view, dv_x, acc, nullptr, &extra[e]);
-            FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
-          } catch (const std::exception&) {
-            continue;  // not compiled for this kind
-          }
-          extra_ok.push_back(e);
-          extra_same.push_back(to_host<uint8_t>(d_x.p, dbytes) == want);
+    }
+    if (err_ours.empty() && !extra.empty()) {
+      const auto want = to_host<uint8_t>(d_ours.p, dbytes);
+      for (size_t e = 0; e < extra.size(); ++e) {
+        try {
+          FP8MOE_CUDA_CHECK(cudaMemset(d_x.p, acc ? 0x00 : 0xFF, dbytes));
+          gemm_fp8_sm90(aq.view, bq.view, dv_x, acc, nullptr, &extra[e]);
+          FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+        } catch (const std::exception&) {
+          continue;  // not compiled for this kind
         }
+        extra_ok.push_back(e);
+        extra_same.push_back(to_host<uint8_t>(d_x.p, dbytes) == want);
       }
     }
 
@@ -270,7 +269,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
         fns.push_back([&] { gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, acc, nullptr); });
         dst.push_back({&t_lt, &ghz_lt});
       }
-      if (err_ours.empty() && has_alt) {
+      if (has_alt) {
         fns.push_back([&] { gemm_fp8_sm90(aq.view, bq.view, dv_x, acc, nullptr, &alt); });
         dst.push_back({&t_mc, nullptr});
       }

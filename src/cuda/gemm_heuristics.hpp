@@ -314,18 +314,19 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     int s128 = 1, s192x128 = 1;
     const double c128t = tail(128, 128, 1.0, 1.9 * ce, c128, s128);
     const double c192x128t = tail(192, 128, k192x128, 2.15 * ce, c192x128, s192x128);
-    if (c192x128t * 1.01 < std::min({c128t, c192, c256})) best = {192, 128}, best.tail_split = s192x128;
+    // Where the model takes 128x192 for bf16 D, dense, M >= 1536 and N a multiple of 128 (no
+    // half-empty last column block of 192x128; 128x192 fits N = 2112 exactly, and wins there), it
+    // takes 192x128 instead: faster on all 25 such shapes measured (H200, 2026-12-01, the tiles
+    // timed in turn, `FP8MOE_BENCH_TILES=128x128/pipe,128x192,192x128 fp8moe bench gemm --shapes
+    // ...`, M = 1536..6144, N 1536..24576, K 1536..7168): 1.03-1.10x, 1.063x on average; e.g.
+    // 3072x7168x7168 226.4 us against 242.9. Where the model takes 128x128/pipe the two were within
+    // 2.7% (7 shapes).
+    const bool n_fits_192x128 = !d_f32 && !grouped && M >= 1536 && N % 128 == 0;
+    if (c192x128t * 1.01 < std::min({c128t, c192, c256}) || (n_fits_192x128 && c192 < c128t && c192 <= c256))
+      best = {192, 128}, best.tail_split = s192x128;
     else if (c128t <= c192 && c128t <= c256) best = t128, best.tail_split = s128;
     else if (c192 <= c256) best = t192;
     else best = {256, 128, false, 1, false};
-    // 128x192 against 192x128, bf16 D, dense, M >= 1536: where N is a multiple of 128 (no half-empty
-    // last column block of 192x128; 128x192 fits N = 2112 exactly, and wins there), 192x128 was
-    // faster on all 25 shapes where the model took 128x192 (H200, 2026-12-01, the tiles timed in
-    // turn, `FP8MOE_BENCH_TILES=128x128/pipe,128x192,192x128 fp8moe bench gemm --shapes ...`, M =
-    // 1536..6144, N 1536..24576, K 1536..7168): 1.03-1.10x, 1.063x on average; e.g. 3072x7168x7168
-    // 226.4 us against 242.9. Where the model takes 128x128/pipe the two were within 2.7% (7 shapes).
-    if (best.block_n == 192 && !d_f32 && !grouped && M >= 1536 && N % 128 == 0)
-      best = {192, 128}, best.tail_split = s192x128;
     // The FP32-staged variant of the same shape (256x128/direct has no staging tile).
     best.f32_staging = d_f32 && best.tma_epilogue;
   }
