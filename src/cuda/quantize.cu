@@ -361,35 +361,37 @@ __global__ void __launch_bounds__(256) quantize_128x1_kernel(const Tin* __restri
 // Persistent CTAs (two per SM, eight warps) walk the 128-token x 128-channel tiles of x [T, C]
 // (tile id = token block * CB + channel block, CTA b taking b, b + grid, ...). Thread 0 loads each
 // tile's 16 KiB of bytes and its 128 token scales by TMA into a ring of kRqStages stages,
-// kRqStages - 1 tiles ahead (out-of-bounds tokens and channels zero-filled); per tile the warps
+// kRqStages - 2 tiles ahead (out-of-bounds tokens and channels zero-filled); per tile the warps
 //   1. decode their bytes (warp w: tokens 16w..16w+15; lane l: one 32-bit word per token, the
 //      channels 4l..4l+3) times the token's scale, keep the 64 FP32 products in registers with the
 //      per-channel amax over the warp's 16 tokens;
 //   2. meet in shared memory for the channels' amax; 128 threads compute scales and reciprocals;
 //   3. encode each of their 4 channels' 16 tokens into one 16-byte unit of a transposed byte tile
-//      [128 channels][128 tokens] in the TMA's 128-byte swizzle (unit u of row c at u ^ (c % 8));
-//   4. thread 0 stores the tile to q [C, T] by TMA (clipped at T and C) from one of two output
-//      buffers, so that the store runs while the next tile is decoded.
-// A stage is reloaded at the start of the tile after the one that read it: every warp has passed
-// that tile's barriers, so no "empty" barrier is needed.
+//      [128 channels][128 tokens] in the TMA's 128-byte swizzle (unit u of row c at u ^ (c % 8)),
+//      written in place over the tile's own input bytes, which every warp has read by step 2;
+//   4. thread 0 stores the tile to q [C, T] by TMA (clipped at T and C) from the stage, while the
+//      next tiles are decoded.
+// A stage is reloaded at the start of the tile two after the one that used it: every warp has
+// passed that tile's barriers (no "empty" barrier is needed) and thread 0 waits until its store
+// has read the stage (all but the last bulk group).
 // NOTES: each lane permutes the four bytes of its words (slot j holds channel 4l + (j ^ x), x =
 // (l / 2) % 4, one PRMT a word) so that the eight lanes of a quarter warp write their phase-3 units
 // to eight distinct 16-byte columns of the swizzled tile (without it: 4-way bank conflicts); the
 // amaxes and reciprocals are exchanged back to channel order in registers (8 selects), so their
 // shared-memory accesses stay vector-wide and conflict-free. Bit-exact with the 128x1 kernel: same
 // products, same scale arithmetic.
-// Measured on the H200 (x [8192, 7168], `fp8moe bench quant`): 37.9-38.6 us against 40.5 us for the
-// former kernel (cp.async stages, stores from registers: ~730 instructions per thread and tile, a
-// third of them addresses and bounds checks). Not faster (docs/PERF.md, "Quantization"): a
-// separate producer warp with empty barriers, 16 warps (64 registers), the store gated by an
-// mbarrier instead of a CTA barrier, column-major or chunked walks, a 128-byte-swizzled input
-// tile, 8% fewer instructions (no division per tile), and even contiguous (wrong) stores: 37.4 us.
-constexpr int kRqStages = 4;
-constexpr int kRqIn = 128 * 128;           // input bytes of a stage
-constexpr int kRqStage = kRqIn + 128 * 4;  // + the tile's 128 token scales (a multiple of 128 bytes)
-constexpr int kRqOut = 128 * 128;          // one output buffer (1024-byte aligned: the swizzle's period)
+// Measured on the H200 (x [8192, 7168], `fp8moe bench quant`): the former ring of 4 stages with
+// two separate output buffers 37.9-38.6 us; cp.async stages with stores from registers (~730
+// instructions per thread and tile, a third of them addresses and bounds checks) 40.5 us. Not
+// faster (docs/PERF.md, "Quantization"): a separate producer warp with empty barriers, 16 warps
+// (64 registers), the store gated by an mbarrier instead of a CTA barrier, column-major or chunked
+// walks, a 128-byte-swizzled input tile, 8% fewer instructions (no division per tile), and even
+// contiguous (wrong) stores: 37.4 us.
+constexpr int kRqStages = 6;
+constexpr int kRqIn = 128 * 128;         // input bytes of a stage, then the output tile in their place
+constexpr int kRqStage = kRqIn + 1024;   // + the tile's 128 token scales, padded to the swizzle's 1024-byte period
 constexpr int kRqWarps = 8, kRqThreads = kRqWarps * 32;
-constexpr int kRqSmem = 1024 + 2 * kRqOut + kRqStages * kRqStage + kRqWarps * 128 * 4 + 128 * 4 + kRqStages * 8;
+constexpr int kRqSmem = 1024 + kRqStages * kRqStage + kRqWarps * 128 * 4 + 128 * 4 + kRqStages * 8;
 
 // Tile walk of a persistent CTA: channel block cb, token block tb, advanced by gridDim.x tiles
 // = step.tb token blocks and step.cb channel blocks (computed on the host: no division per tile).
@@ -412,8 +414,7 @@ __global__ void __launch_bounds__(kRqThreads, 2)
                             int64_t ld, RqWalk step, float max_finite, bool pow2) {
   namespace p = ptx;
   extern __shared__ uint8_t rq_raw[];
-  uint8_t* const out = rq_raw + ((1024 - p::smem_addr(rq_raw) % 1024) % 1024);  // [2][channel][token], swizzled
-  uint8_t* const stages = out + 2 * kRqOut;
+  uint8_t* const stages = rq_raw + ((1024 - p::smem_addr(rq_raw) % 1024) % 1024);  // 128B swizzle: 1024-aligned
   float* const red = reinterpret_cast<float*>(stages + kRqStages * kRqStage);  // [warp][channel]
   float* const inv_s = red + kRqWarps * 128;
   uint64_t* const full = reinterpret_cast<uint64_t*>(inv_s + 128);  // [kRqStages]: a stage's bytes landed
@@ -427,7 +428,7 @@ __global__ void __launch_bounds__(kRqThreads, 2)
     if (load.tb < TB) {
       const int32_t cb = int32_t(load.cb), t0 = int32_t(load.tb) * 128;
       uint8_t* st = stages + load_stage * kRqStage;
-      p::mbar_arrive_expect_tx(&full[load_stage], kRqStage);
+      p::mbar_arrive_expect_tx(&full[load_stage], kRqIn + 128 * 4);
       p::tma_load_2d(&x_map, &full[load_stage], st, cb * 128, t0);
       p::tma_load_2d(&s_in_map, &full[load_stage], st + kRqIn, t0, cb);
       load.advance(step, CB);
@@ -440,7 +441,7 @@ __global__ void __launch_bounds__(kRqThreads, 2)
     p::prefetch_tmap(&x_map);
     p::prefetch_tmap(&s_in_map);
     p::prefetch_tmap(&q_map);
-    for (int i = 0; i < kRqStages - 1; ++i) issue();
+    for (int i = 0; i < kRqStages - 2; ++i) issue();
   }
   __syncthreads();
 
@@ -458,14 +459,17 @@ __global__ void __launch_bounds__(kRqThreads, 2)
       a[0] = a[2], a[1] = a[3], a[2] = t0, a[3] = t1;
     }
   };
-  int stage = 0, buf = 0;
+  int stage = 0;
   uint32_t parity = 0;
   for (RqWalk at = first; at.tb < TB; at.advance(step, CB)) {
-    // The stage of the previous tile: every warp read it before the previous tile's barriers.
-    if (tid == 0) issue();
+    // The stage of the tile before the previous one: its store (all but the last bulk group) has read it.
+    if (tid == 0) {
+      p::bulk_wait_read_but_last();
+      issue();
+    }
     const int64_t tb = at.tb, c0 = at.cb * 128;
     p::mbar_wait(&full[stage], parity);
-    const uint8_t* st = stages + stage * kRqStage;
+    uint8_t* const st = stages + stage * kRqStage;
 
     // 1. products and the thread's per-channel amax
     float v[16][4];
@@ -492,7 +496,7 @@ __global__ void __launch_bounds__(kRqThreads, 2)
     *reinterpret_cast<float4*>(red + warp * 128 + lane * 4) = make_float4(am[0], am[1], am[2], am[3]);
     p::named_barrier_sync(1, kRqThreads);
 
-    // 2. scales; the output buffer of two tiles ago has been read by its store
+    // 2. scales
     if (tid < 128) {
       float amax = red[tid];
 #pragma unroll
@@ -500,15 +504,14 @@ __global__ void __launch_bounds__(kRqThreads, 2)
       const float sc = scale_of(amax, max_finite, pow2);
       inv_s[tid] = inv_scale(sc);
       if (c0 + tid < C) s[tb * ld + c0 + tid] = sc;
-      if (tid == 0) p::bulk_wait_read_but_last();
     }
     p::named_barrier_sync(1, kRqThreads);
 
-    // 3. one 16-byte unit (tokens 16w..16w+15) per channel into the swizzled transposed tile
+    // 3. one 16-byte unit (tokens 16w..16w+15) per channel into the swizzled transposed tile, over the input
     const float4 r4 = *reinterpret_cast<const float4*>(inv_s + lane * 4);
     float r[4] = {r4.x, r4.y, r4.z, r4.w};
     exchange(r);
-    uint8_t* const o = out + buf * kRqOut;
+    uint8_t* const o = st;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int cl = lane * 4 + (j ^ x);
@@ -529,7 +532,6 @@ __global__ void __launch_bounds__(kRqThreads, 2)
       p::tma_store_2d(&q_map, o, int32_t(tb * 128), int32_t(c0));
       p::bulk_commit();
     }
-    buf ^= 1;
   }
   if (tid == 0) p::bulk_wait();
 }
