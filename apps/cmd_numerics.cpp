@@ -1,20 +1,27 @@
 // `fp8moe numerics`: reproduces the FP8 numerics of the report (§3.3) on the CPU reference.
 //   accum  the Tensor Core accumulation error of a K=4096 FP8 GEMM without promotion vs with
-//          promotion every N_c = 128, and a sweep over K and N_c.
+//          promotion every N_c = 128, and a sweep over K and N_c; --hardware: the same on the GPU's
+//          Tensor Cores beside the emulation, and the emulated width that reproduces them.
 //   quant  per-tensor vs 1x128 vs 128x128 quantization error on activations with outliers, and
 //          the two 128x1 paths (direct, and the report's dequantize-transpose-requantize).
 // Output: a readable table, or JSON with --json.
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "commands.hpp"
 #include "fp8moe/codecs.hpp"
 #include "fp8moe/gemm_ref.hpp"
 #include "fp8moe/quantize.hpp"
+#ifdef FP8MOE_HAVE_CUDA
+#include "cuda/cuda_backend.hpp"
+#include "cuda/kernel_api.hpp"
+#endif
 
 namespace fp8moe {
 namespace {
@@ -26,6 +33,7 @@ struct AccumArgs {
   int bits = 14;
   uint64_t seed = 0;
   bool sweep = false;
+  bool hardware = false;
   bool json = false;
 };
 
@@ -97,14 +105,15 @@ ErrorStats run_accum(const GemmProblem& p, int nc, int bits) {
 
 std::string nc_name(int nc) { return nc == 0 ? "never" : std::to_string(nc); }
 
+// The K and N_c of a run: --k and --nc, or the sweep's.
+std::pair<std::vector<int64_t>, std::vector<int>> accum_grid(const AccumArgs& args) {
+  if (args.sweep) return {{512, 1024, 2048, 4096, 8192, 16384}, {0, 32, 64, 128, 256, 512, 1024}};
+  return {args.ks, args.ncs};
+}
+
 void accum_command(const AccumArgs& args) {
   std::mt19937_64 rng(args.seed ? args.seed : std::random_device{}());
-  std::vector<int64_t> ks = args.ks;
-  std::vector<int> ncs = args.ncs;
-  if (args.sweep) {
-    ks = {512, 1024, 2048, 4096, 8192, 16384};
-    ncs = {0, 32, 64, 128, 256, 512, 1024};
-  }
+  const auto [ks, ncs] = accum_grid(args);
   nlohmann::json rows = nlohmann::json::array();
   if (!args.json) {
     std::printf("FP8 GEMM accumulation error: Tensor Core sum truncated to %d bits, M=%lld N=%lld, e4m3 inputs N(0,1)\n",
@@ -128,6 +137,97 @@ void accum_command(const AccumArgs& args) {
   else
     std::printf("\nmax/mean rel err: over outputs with |exact| >= RMS(exact); N_c = never: no promotion.\n");
 }
+
+#ifdef FP8MOE_HAVE_CUDA
+// --hardware: raw e4m3 operands (N(0,1) values, unit scales) through the GPU's own WGMMAs, their sum
+// promoted to FP32 every N_c (cuda::wgmma_accumulate), beside the emulation at --bits of the same
+// operands (cuda::gemm_fp8_emulated, gemm_fp8_ref's arithmetic bit for bit), and the mantissa width
+// in 8..24 whose emulation is bit-identical to the hardware on the most outputs.
+void accum_hardware_command(const AccumArgs& args) {
+  FP8MOE_CHECK(cuda_device_available() && cuda::sm90_available(), "numerics accum --hardware: needs an sm_90a GPU");
+  FP8MOE_CHECK(args.m > 0 && args.m % 64 == 0 && args.n > 0 && args.n % 128 == 0,
+               "numerics accum --hardware: --m must be a positive multiple of 64 and --n of 128, got "
+                   << args.m << " and " << args.n);
+  std::mt19937_64 rng(args.seed ? args.seed : std::random_device{}());
+  const auto [ks, ncs] = accum_grid(args);
+  auto be = make_cuda_backend();
+  auto device_copy = [&](const Tensor& h) {
+    Tensor t = be->empty(h.dtype(), {h.size(0), h.size(1)});
+    be->copy(t.view(), h.view());
+    return t;
+  };
+  const int64_t M = args.m, N = args.n;
+  nlohmann::json rows = nlohmann::json::array();
+  if (!args.json) {
+    std::printf("FP8 WGMMA accumulation on this GPU against its emulation, M=%lld N=%lld, e4m3 inputs N(0,1), unit "
+                "scales\nerrors vs the FP64 product of the same e4m3 inputs (accumulation error only)\n\n",
+                (long long)M, (long long)N);
+    std::printf("%7s %7s | %-36s | %-36s | %s\n", "", "", "hardware (relative error)",
+                ("emulation, " + std::to_string(args.bits) + " bits").c_str(), "emulation = hardware");
+    std::printf("%7s %7s | %11s %11s %12s | %11s %11s %12s | %4s %11s\n", "K", "N_c", "max", "mean", "norm", "max",
+                "mean", "norm", "bits", "identical");
+  }
+  for (int64_t K : ks) {
+    FP8MOE_CHECK(K > 0 && K % 128 == 0, "numerics accum --hardware: K must be a positive multiple of 128, got " << K);
+    QuantizedTensor a = make_quantized_host(M, K, DType::e4m3, ScaleKind::tile_1x128);
+    QuantizedTensor b = make_quantized_host(N, K, DType::e4m3, ScaleKind::block_128x128);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    for (QuantizedTensor* q : {&a, &b}) {
+      for (int64_t i = 0; i < q->values.numel(); ++i) q->values.ptr<uint8_t>()[i] = e4m3_encode(dist(rng));
+      for (int64_t i = 0; i < q->scales.numel(); ++i) q->scales.ptr<float>()[i] = 1.0f;
+    }
+    std::vector<double> exact(size_t(M * N), 0.0);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        double sum = 0;
+        for (int64_t k = 0; k < K; ++k)
+          sum += double(e4m3_decode(a.values.ptr<uint8_t>()[m * K + k])) * e4m3_decode(b.values.ptr<uint8_t>()[n * K + k]);
+        exact[size_t(m * N + n)] = sum;
+      }
+    const QuantizedTensor ad{device_copy(a.values), device_copy(a.scales), a.kind};
+    const QuantizedTensor bd{device_copy(b.values), device_copy(b.scales), b.kind};
+    Tensor d = be->empty(DType::f32, {M, N});
+    auto host_floats = [&] {
+      Tensor h = be->to_host(d);
+      return std::vector<float>(h.ptr<float>(), h.ptr<float>() + M * N);
+    };
+    auto emulate = [&](int nc, int bits) {
+      GemmOptions opt;
+      opt.accum = {AccumMode::tensor_core, bits, nc};
+      cuda::gemm_fp8_emulated(ad.view(), bd.view(), d.view(), opt, nullptr);
+      return host_floats();
+    };
+    for (int nc : ncs) {
+      if (nc > K) continue;
+      cuda::wgmma_accumulate(ad.values.view(), bd.values.view(), d.view(), nc, nullptr);
+      const std::vector<float> hw = host_floats();
+      const ErrorStats e_hw = compare(hw, exact), e_emu = compare(emulate(nc, args.bits), exact);
+      int best_bits = 0;
+      int64_t best_same = -1;
+      for (int bits = 8; bits <= 24; ++bits) {
+        const std::vector<float> emu = emulate(nc, bits);
+        int64_t same = 0;
+        for (size_t i = 0; i < hw.size(); ++i) same += std::memcmp(&hw[i], &emu[i], sizeof(float)) == 0;
+        if (same > best_same) best_same = same, best_bits = bits;
+      }
+      const double identical = double(best_same) / double(M * N);
+      rows.push_back({{"k", K}, {"n_c", nc}, {"hardware", {{"max_rel", e_hw.max_rel}, {"mean_rel", e_hw.mean_rel},
+                                                           {"norm_rel", e_hw.norm_rel}}},
+                      {"emulation", {{"bits", args.bits}, {"max_rel", e_emu.max_rel}, {"mean_rel", e_emu.mean_rel},
+                                     {"norm_rel", e_emu.norm_rel}}},
+                      {"best_bits", best_bits}, {"identical", identical}});
+      if (!args.json)
+        std::printf("%7lld %7s | %10.4f%% %10.4f%% %11.4f%% | %10.4f%% %10.4f%% %11.4f%% | %4d %10.2f%%\n",
+                    (long long)K, nc_name(nc).c_str(), 100 * e_hw.max_rel, 100 * e_hw.mean_rel, 100 * e_hw.norm_rel,
+                    100 * e_emu.max_rel, 100 * e_emu.mean_rel, 100 * e_emu.norm_rel, best_bits, 100 * identical);
+    }
+  }
+  if (args.json) std::printf("%s\n", rows.dump(2).c_str());
+  else
+    std::printf("\nmax/mean rel err: over outputs with |exact| >= RMS(exact); N_c = never: no promotion. bits: the "
+                "emulated mantissa width in 8..24 bit-identical to the hardware on the most outputs.\n");
+}
+#endif
 
 struct QuantArgs {
   int64_t tokens = 512, channels = 1024;
@@ -241,8 +341,17 @@ void add_numerics(CLI::App& app) {
   a->add_option("--bits", accum.bits, "bits kept by the Tensor Core accumulator")->capture_default_str();
   a->add_option("--seed", accum.seed, "random seed (0: fresh)");
   a->add_flag("--sweep", accum.sweep, "sweep K in 512..16384 and N_c in never,32..1024");
+  a->add_flag("--hardware", accum.hardware,
+              "measure the GPU's own WGMMA accumulation (sm_90a) beside the emulation; --m a multiple of 64, --n of 128");
   a->add_flag("--json", accum.json, "print JSON");
-  a->callback([] { accum_command(accum); });
+  a->callback([] {
+    if (!accum.hardware) return accum_command(accum);
+#ifdef FP8MOE_HAVE_CUDA
+    accum_hardware_command(accum);
+#else
+    throw Error("numerics accum --hardware: this build has no CUDA backend");
+#endif
+  });
 
   static QuantArgs quant;
   auto* q = cmd->add_subcommand("quant", "Per-tensor vs 1x128 vs 128x128 quantization error with outliers");

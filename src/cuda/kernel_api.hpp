@@ -48,6 +48,15 @@ inline bool needs_accum_emulation(const AccumConfig& ac) {
   return ac.mode == AccumMode::tensor_core && ac.promote_every != 128;
 }
 
+// ---- The Tensor Core's own accumulation, on the hardware (wgmma_accum.cu) ----
+// D [M, N] f32 = A [M, K] * B [N, K]^T, a [M, K] and b [N, K] raw e4m3 values (unit scales), by
+// WGMMAs whose running sum stays in the Tensor Core for `promote_every` elements of K (a multiple of
+// 32, one WGMMA; 0 = the whole K) and is then added to FP32 registers: the hardware counterpart of
+// gemm_fp8_ref's AccumMode::tensor_core with all scales 1. M % 64 == 0, N % 128 == 0, K % 128 ==
+// 0; a probe for `fp8moe numerics accum --hardware`, not a fast kernel.
+void wgmma_accumulate(const TensorView& a, const TensorView& b, const TensorView& d, int promote_every,
+                      cudaStream_t stream);
+
 // ---- quantization kernels (quantize.cu) ----
 // Same contracts as the CPU quantizers in quantize.hpp, bit-exact. `check_finite` makes the call
 // synchronous: the kernel flags NaN/Inf inputs and the host raises fp8moe::Error.
