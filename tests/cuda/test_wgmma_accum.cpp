@@ -3,9 +3,12 @@
 //      sum an integer below 2^11), every promotion interval: the plumbing (the 128-byte swizzle,
 //      descriptors, fragment layout, promotion points) against the integer product;
 //   2. the same operands through the emulation (gemm_fp8_emulated, unit scales) agree with it;
-//   3. bad arguments: shapes off the 64 x 128 grid, K not a multiple of 128, N_c not a multiple
+//   3. N(0,1) operands never promoted (docs/ACCURACY.md, "On the hardware"): of the emulated widths
+//      13, 14 and 15, 14 is bit-identical to the hardware on the most outputs, on most of them;
+//   4. bad arguments: shapes off the 64 x 128 grid, K not a multiple of 128, N_c not a multiple
 //      of 32, wrong dtypes, each with an error that names it.
 // Skips without a Hopper GPU.
+#include <random>
 #include <string>
 #include <vector>
 
@@ -79,6 +82,33 @@ TEST_F(WgmmaAccum, EmulationAgreesOnTernaryValues) {
     cuda::gemm_fp8_emulated(ad.view(), bd.view(), emu.view(), opt, nullptr);
     EXPECT_TRUE(bytes_equal(be_->to_host(hw), be_->to_host(emu))) << "N_c=" << nc;
   }
+}
+
+TEST_F(WgmmaAccum, NeverPromotedMatchesTheFourteenBitEmulationMost) {
+  auto rng = make_rng();
+  const int64_t M = 128, N = 128, K = 1024;
+  QuantizedTensor a = make_quantized_host(M, K, DType::e4m3, ScaleKind::tile_1x128);
+  QuantizedTensor b = make_quantized_host(N, K, DType::e4m3, ScaleKind::block_128x128);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (QuantizedTensor* q : {&a, &b}) {
+    for (int64_t i = 0; i < q->values.numel(); ++i) q->values.ptr<uint8_t>()[i] = e4m3_encode(dist(rng));
+    for (int64_t i = 0; i < q->scales.numel(); ++i) q->scales.ptr<float>()[i] = 1.0f;
+  }
+  const QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
+  Tensor d = be_->empty(DType::f32, {M, N});
+  cuda::wgmma_accumulate(ad.values.view(), bd.values.view(), d.view(), 0, nullptr);
+  const Tensor hw = be_->to_host(d);
+  int64_t same[3] = {0, 0, 0};
+  for (int bits : {13, 14, 15}) {
+    GemmOptions opt;
+    opt.accum = {AccumMode::tensor_core, bits, 0};
+    cuda::gemm_fp8_emulated(ad.view(), bd.view(), d.view(), opt, nullptr);
+    const Tensor emu = be_->to_host(d);
+    for (int64_t i = 0; i < M * N; ++i) same[bits - 13] += hw.ptr<float>()[i] == emu.ptr<float>()[i];
+  }
+  EXPECT_GT(same[1], same[0]) << "13 bits: " << same[0] << ", 14 bits: " << same[1] << " of " << M * N;
+  EXPECT_GT(same[1], same[2]) << "15 bits: " << same[2] << ", 14 bits: " << same[1] << " of " << M * N;
+  EXPECT_GT(same[1], M * N / 2) << "14 bits bit-identical on " << same[1] << " of " << M * N;
 }
 
 TEST_F(WgmmaAccum, RejectsBadArguments) {
