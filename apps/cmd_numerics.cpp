@@ -66,6 +66,23 @@ ErrorStats compare(const std::vector<float>& d, const std::vector<double>& ref) 
   return e;
 }
 
+// FP64 product A * B^T of the dequantized operands (A [M, K], B [N, K]): errors against it are
+// accumulation errors only.
+std::vector<double> exact_product(const QuantizedTensor& a, const QuantizedTensor& b) {
+  const int64_t M = a.values.size(0), N = b.values.size(0), K = a.values.size(1);
+  Tensor xa = Tensor::host(DType::f32, {M, K}), wb = Tensor::host(DType::f32, {N, K});
+  dequantize(a, xa);
+  dequantize(b, wb);
+  std::vector<double> exact(size_t(M * N), 0.0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += double(xa.ptr<float>()[m * K + k]) * wb.ptr<float>()[n * K + k];
+      exact[size_t(m * N + n)] = s;
+    }
+  return exact;
+}
+
 // A [M, K] and B [N, K] drawn from N(0, 1), quantized 1x128 / 128x128 (e4m3).
 struct GemmProblem {
   QuantizedTensor a, b;
@@ -81,16 +98,7 @@ GemmProblem make_problem(int64_t M, int64_t N, int64_t K, std::mt19937_64& rng) 
                 make_quantized_host(N, K, DType::e4m3, ScaleKind::block_128x128), {}};
   quantize_1x128(x, p.a);
   quantize_128x128(w, p.b);
-  Tensor xa = Tensor::host(DType::f32, {M, K}), wb = Tensor::host(DType::f32, {N, K});
-  dequantize(p.a, xa);
-  dequantize(p.b, wb);
-  p.exact.assign(size_t(M * N), 0.0);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) {
-      double s = 0;
-      for (int64_t k = 0; k < K; ++k) s += double(xa.ptr<float>()[m * K + k]) * wb.ptr<float>()[n * K + k];
-      p.exact[size_t(m * N + n)] = s;
-    }
+  p.exact = exact_product(p.a, p.b);
   return p;
 }
 
@@ -169,21 +177,8 @@ void accum_hardware_command(const AccumArgs& args) {
   }
   for (int64_t K : ks) {
     FP8MOE_CHECK(K > 0 && K % 128 == 0, "numerics accum --hardware: K must be a positive multiple of 128, got " << K);
-    QuantizedTensor a = make_quantized_host(M, K, DType::e4m3, ScaleKind::tile_1x128);
-    QuantizedTensor b = make_quantized_host(N, K, DType::e4m3, ScaleKind::block_128x128);
-    std::normal_distribution<float> dist(0.0f, 1.0f);
-    for (QuantizedTensor* q : {&a, &b}) {
-      for (int64_t i = 0; i < q->values.numel(); ++i) q->values.ptr<uint8_t>()[i] = e4m3_encode(dist(rng));
-      for (int64_t i = 0; i < q->scales.numel(); ++i) q->scales.ptr<float>()[i] = 1.0f;
-    }
-    std::vector<double> exact(size_t(M * N), 0.0);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) {
-        double sum = 0;
-        for (int64_t k = 0; k < K; ++k)
-          sum += double(e4m3_decode(a.values.ptr<uint8_t>()[m * K + k])) * e4m3_decode(b.values.ptr<uint8_t>()[n * K + k]);
-        exact[size_t(m * N + n)] = sum;
-      }
+    const auto [a, b] = cuda::wgmma_accumulate_operands(M, N, K, rng);
+    const std::vector<double> exact = exact_product(a, b);
     const QuantizedTensor ad{device_copy(a.values), device_copy(a.scales), a.kind};
     const QuantizedTensor bd{device_copy(b.values), device_copy(b.scales), b.kind};
     Tensor d = be->empty(DType::f32, {M, N});

@@ -4,7 +4,9 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <random>
 #include <string>
+#include <utility>
 
 #include "fp8moe/gemm_ref.hpp"
 #include "fp8moe/quantize.hpp"
@@ -56,6 +58,10 @@ inline bool needs_accum_emulation(const AccumConfig& ac) {
 // 0; a probe for `fp8moe numerics accum --hardware`, not a fast kernel.
 void wgmma_accumulate(const TensorView& a, const TensorView& b, const TensorView& d, int promote_every,
                       cudaStream_t stream);
+// Host operands for it and for the emulation of the same products: a [M, K] (1x128) and b [N, K]
+// (128x128) e4m3 values of N(0, 1) draws (a's, then b's, from one distribution), every scale 1.
+std::pair<QuantizedTensor, QuantizedTensor> wgmma_accumulate_operands(int64_t M, int64_t N, int64_t K,
+                                                                      std::mt19937_64& rng);
 
 // ---- quantization kernels (quantize.cu) ----
 // Same contracts as the CPU quantizers in quantize.hpp, bit-exact. `check_finite` makes the call

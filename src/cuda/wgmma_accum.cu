@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda_check.hpp"
+#include "fp8moe/codecs.hpp"
 #include "kernel_api.hpp"
 #include "kernels/mma.cuh"
 
@@ -112,6 +113,18 @@ void wgmma_accumulate(const TensorView& a, const TensorView& b, const TensorView
                                                              static_cast<const uint8_t*>(b.data),
                                                              static_cast<float*>(d.data), N, K, promote_every / 32);
   FP8MOE_CUDA_CHECK_LAUNCH("wgmma_accumulate_kernel");
+}
+
+std::pair<QuantizedTensor, QuantizedTensor> wgmma_accumulate_operands(int64_t M, int64_t N, int64_t K,
+                                                                      std::mt19937_64& rng) {
+  std::pair<QuantizedTensor, QuantizedTensor> ab{make_quantized_host(M, K, DType::e4m3, ScaleKind::tile_1x128),
+                                                 make_quantized_host(N, K, DType::e4m3, ScaleKind::block_128x128)};
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (QuantizedTensor* q : {&ab.first, &ab.second}) {
+    for (int64_t i = 0; i < q->values.numel(); ++i) q->values.ptr<uint8_t>()[i] = e4m3_encode(dist(rng));
+    for (int64_t i = 0; i < q->scales.numel(); ++i) q->scales.ptr<float>()[i] = 1.0f;
+  }
+  return ab;
 }
 
 }  // namespace fp8moe::cuda

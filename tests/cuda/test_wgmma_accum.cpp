@@ -8,7 +8,6 @@
 //   4. bad arguments: shapes off the 64 x 128 grid, K not a multiple of 128, N_c not a multiple
 //      of 32, wrong dtypes, each with an error that names it.
 // Skips without a Hopper GPU.
-#include <random>
 #include <string>
 #include <vector>
 
@@ -87,13 +86,7 @@ TEST_F(WgmmaAccum, EmulationAgreesOnTernaryValues) {
 TEST_F(WgmmaAccum, NeverPromotedMatchesTheFourteenBitEmulationMost) {
   auto rng = make_rng();
   const int64_t M = 128, N = 128, K = 1024;
-  QuantizedTensor a = make_quantized_host(M, K, DType::e4m3, ScaleKind::tile_1x128);
-  QuantizedTensor b = make_quantized_host(N, K, DType::e4m3, ScaleKind::block_128x128);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (QuantizedTensor* q : {&a, &b}) {
-    for (int64_t i = 0; i < q->values.numel(); ++i) q->values.ptr<uint8_t>()[i] = e4m3_encode(dist(rng));
-    for (int64_t i = 0; i < q->scales.numel(); ++i) q->scales.ptr<float>()[i] = 1.0f;
-  }
+  const auto [a, b] = cuda::wgmma_accumulate_operands(M, N, K, rng);
   const QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
   Tensor d = be_->empty(DType::f32, {M, N});
   cuda::wgmma_accumulate(ad.values.view(), bd.values.view(), d.view(), 0, nullptr);
