@@ -37,6 +37,9 @@ void add_bench(CLI::App& app) {
   gemm->add_flag("--clocks", g->clocks,
                  "probe the SM clock around each timed launch of ours and cuBLASLt FP8, and print their ratio per "
                  "clock cycle (under the power cap each kernel sets its own clock)");
+  gemm->add_flag("--ceiling", g->ceiling,
+                 "time beside each shape its FLOPs as bare FP8 WGMMAs on operands in shared memory (and with our tile's "
+                 "promotion): the Tensor Cores' ceiling at the clock the power cap allows");
   gemm->callback([g, no_check] {
     require_gpu();
     g->check = !*no_check;

@@ -134,7 +134,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   FP8MOE_CHECK(sm90_available(), "bench gemm: needs a Hopper GPU (sm_90), found " << prop.name);
   uint64_t seed = opt.seed ? opt.seed : (uint64_t(std::random_device{}()) << 32 | std::random_device{}());
   Timer timer;
-  timer.clocks = opt.clocks;
+  timer.clocks = opt.clocks || opt.ceiling;
   std::printf("# fp8moe bench gemm on %s (%d SMs), seed %llu, median of %d (warm-up %d, L2 flushed: %s)\n", prop.name,
               prop.multiProcessorCount, (unsigned long long)seed, opt.iters, opt.warmup,
               timer.default_mode == Flush::clean ? "clean" : "dirty");
@@ -164,6 +164,8 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   const std::vector<GemmTile> extra = extra_tiles_from_env();
   std::vector<std::vector<double>> extra_speedup(extra.size());  // chosen time / extra time, M=4096 fprop
   std::vector<double> r_m4096, r_small, r_wgrad, r_all, r_m4096_clk;
+  // --ceiling, [bare, promoted]: cuBLASLt time / ceiling time (M = 4096 fprop; wgrad), ceiling / ours.
+  std::vector<double> r_ceil_lt[2], r_ceil_ours[2], r_ceil_wg_lt[2];
   int case_id = 0;
   for (const GemmCase& gc : cases) {
     ++case_id;
@@ -258,6 +260,11 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     // (Timer::interleaved): all are timed under the same clock.
     double t_ours = NAN, t_lt = NAN, t_bf = NAN, t_mc = NAN, ghz_ours = NAN, ghz_lt = NAN;
     std::vector<double> t_extra(extra_ok.size(), NAN);
+    // --ceiling: the Tensor Cores' ceiling for this shape's FLOPs, bare and with our tile's promotion.
+    const CeilingMode ceil_mode[2] = {CeilingMode::bare, wgrad ? CeilingMode::promote_1d1d : CeilingMode::promote_1d2d};
+    const int64_t ceil_blocks[2] = {ceiling_blocks(ceil_mode[0], 2.0 * double(M) * double(N) * double(K)),
+                                    ceiling_blocks(ceil_mode[1], 2.0 * double(M) * double(N) * double(K))};
+    double t_ceil[2] = {NAN, NAN}, ghz_ceil[2] = {NAN, NAN};
     {
       std::vector<std::function<void()>> fns;
       std::vector<std::pair<double*, double*>> dst;  // time, clock
@@ -276,6 +283,12 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
       for (size_t i = 0; i < extra_ok.size(); ++i) {
         fns.push_back([&, i] { gemm_fp8_sm90(aq.view, bq.view, dv_x, acc, nullptr, &extra[extra_ok[i]]); });
         dst.push_back({&t_extra[i], nullptr});
+      }
+      for (int c = 0; c < (opt.ceiling ? 2 : 0); ++c) {
+        fns.push_back([&, c] {
+          tensor_ceiling(ceil_mode[c], aq.values.p, M, bq.values.p, N, K, ceil_blocks[c], 1.0f, nullptr, -1, nullptr);
+        });
+        dst.push_back({&t_ceil[c], &ghz_ceil[c]});
       }
       const std::vector<Timing> t = timer.interleaved(fns, opt.warmup, opt.iters);
       for (size_t i = 0; i < t.size(); ++i) {
@@ -379,6 +392,22 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     if (opt.clocks)
       std::printf("#   SM clock: ours %.3f GHz, cuBLASLt FP8 %.3f GHz; ours/cuBLASLt per clock cycle %.3f\n", ghz_ours, ghz_lt,
                   ratio_clk);
+    // The ceilings' times for this shape's FLOPs (they issue whole K blocks on every SM).
+    double us_ceil[2] = {NAN, NAN};
+    for (int c = 0; c < 2; ++c) us_ceil[c] = t_ceil[c] * flops / (double(ceil_blocks[c]) * ceiling_block_flops(ceil_mode[c]));
+    if (opt.ceiling) {
+      std::printf("#   Tensor Core ceiling: bare %.1f us, %.0f TFLOPS at %.3f GHz | %s %.1f us, %.0f TFLOPS at %.3f GHz;"
+                  " ours at %.1f%% / %.1f%% of them, cuBLASLt FP8 at %.1f%% / %.1f%%\n",
+                  us_ceil[0], tf(us_ceil[0]), ghz_ceil[0], wgrad ? "promoted 1d1d" : "promoted 1d2d", us_ceil[1],
+                  tf(us_ceil[1]), ghz_ceil[1], 100 * us_ceil[0] / t_ours, 100 * us_ceil[1] / t_ours,
+                  100 * us_ceil[0] / t_lt, 100 * us_ceil[1] / t_lt);
+      if (!wgrad && M == 4096) {
+        r_ceil_lt[0].push_back(t_lt / us_ceil[0]), r_ceil_lt[1].push_back(t_lt / us_ceil[1]);
+        r_ceil_ours[0].push_back(us_ceil[0] / t_ours), r_ceil_ours[1].push_back(us_ceil[1] / t_ours);
+      } else if (wgrad) {
+        r_ceil_wg_lt[0].push_back(t_lt / us_ceil[0]), r_ceil_wg_lt[1].push_back(t_lt / us_ceil[1]);
+      }
+    }
     if (!err_ours.empty()) std::printf("#   ours: %s\n", err_ours.c_str());
     if (!err_lt.empty()) std::printf("#   cuBLASLt FP8: %s\n", err_lt.c_str());
     if (!err_bf.empty()) std::printf("#   cuBLASLt BF16: %s\n", err_bf.c_str());
@@ -397,6 +426,13 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
   if (opt.clocks)
     std::printf("# geomean ours/cuBLASLt-FP8 per SM clock cycle: M=4096 fprop %.3f (%zu)\n", geomean(r_m4096_clk),
                 r_m4096_clk.size());
+  if (opt.ceiling)
+    std::printf("# geomean cuBLASLt-FP8 time / Tensor Core ceiling time (the most a kernel at the ceiling could be ahead of"
+                " cuBLASLt): M=4096 fprop bare %.3f, promoted %.3f (%zu) | wgrad bare %.3f, promoted %.3f (%zu); ours at"
+                " %.1f%% / %.1f%% of the ceilings (M=4096 fprop)\n",
+                geomean(r_ceil_lt[0]), geomean(r_ceil_lt[1]), r_ceil_lt[0].size(), geomean(r_ceil_wg_lt[0]),
+                geomean(r_ceil_wg_lt[1]), r_ceil_wg_lt[0].size(), 100 * geomean(r_ceil_ours[0]),
+                100 * geomean(r_ceil_ours[1]));
   for (size_t e = 0; e < extra.size(); ++e)
     if (!extra_speedup[e].empty())
       std::printf("# geomean tile %s / chosen tile, M=4096 fprop: %.3fx (%zu)\n", tile_name(extra[e]).c_str(),

@@ -20,6 +20,7 @@ struct GemmBenchOptions {
   std::string shapes;        // "kind:MxNxK,..." instead of the set (kinds: GemmCase)
   uint64_t seed = 0;         // 0: fresh random seed (printed)
   bool clocks = false;       // probe the SM clock around each timed launch (ours, cuBLASLt FP8)
+  bool ceiling = false;      // time the Tensor Cores' ceiling for each shape beside it (bench_ceiling.cu)
 };
 
 // One problem of `bench gemm`.

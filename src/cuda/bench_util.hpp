@@ -67,6 +67,23 @@ struct TileCopyShape {
 };
 void tma_tile_copy(const void* x, void* q, int64_t T, int64_t C, const TileCopyShape& shape, cudaStream_t stream);
 
+// The Tensor Cores' ceiling under the power cap (bench_ceiling.cu): `blocks` 128-wide K blocks of
+// FP8 WGMMAs on each of ceiling_ctas() CTAs (one per SM), on a tile of ceiling_tile_rows() x
+// ceiling_tile_cols(mode) held in shared memory (one K block of rows of a [M, K] and b [N, K],
+// e4m3, rows wrapped where M or N is smaller), every scale `scale`; no loads, no epilogue. bare:
+// the Tensor Core accumulates across all blocks; promote_1d2d / promote_1d1d: each block promoted
+// as our 128x128 tile does (per-block or per-column s_b). The CTA `d_cta` writes its f32 tile
+// (row-major) to d; no CTA writes when d_cta is out of range.
+enum class CeilingMode { bare, promote_1d2d, promote_1d1d };
+int ceiling_ctas();
+int ceiling_tile_rows();
+int ceiling_tile_cols(CeilingMode mode);
+double ceiling_block_flops(CeilingMode mode);  // FLOPs of one K block on every CTA
+// The K blocks per CTA that issue at least `flops`.
+int64_t ceiling_blocks(CeilingMode mode, double flops);
+void tensor_ceiling(CeilingMode mode, const void* a, int64_t M, const void* b, int64_t N, int64_t K, int64_t blocks,
+                    float scale, float* d, int d_cta, cudaStream_t stream);
+
 // SM clock probe (bench_clock.cu): a stamp per block of a one-block-per-SM launch.
 struct ClockStamp {
   uint32_t sm;

@@ -20,16 +20,6 @@ namespace {
 constexpr int kProbeM = 64, kProbeN = 128, kProbeK = 128;  // outputs of a CTA; K bytes per shared-memory block
 constexpr int kProbeSmem = 1024 + (kProbeM + kProbeN) * kProbeK;
 
-// rows x 128 bytes of a row-major [*, K] e4m3 operand into a K-major 128B-swizzled tile: the
-// 16-byte chunk c of row r at r * 128 + (c ^ (r % 8)) * 16, as TMA would write it.
-__device__ __forceinline__ void load_swizzled(uint8_t* tile, const uint8_t* src, int rows, int64_t K) {
-  for (int i = threadIdx.x; i < rows * 8; i += blockDim.x) {
-    const int r = i / 8, c = i % 8;
-    const uint4 v = *reinterpret_cast<const uint4*>(src + int64_t(r) * K + c * 16);
-    *reinterpret_cast<uint4*>(tile + r * 128 + ((c ^ (r % 8)) * 16)) = v;
-  }
-}
-
 __global__ void __launch_bounds__(128) wgmma_accumulate_kernel(const uint8_t* __restrict__ a,
                                                                const uint8_t* __restrict__ b, float* __restrict__ d,
                                                                int64_t N, int64_t K, int promote_steps) {
@@ -44,8 +34,8 @@ __global__ void __launch_bounds__(128) wgmma_accumulate_kernel(const uint8_t* __
   const int64_t steps = K / 32;
   int64_t s = 0;  // WGMMAs issued
   for (int64_t k0 = 0; k0 < K; k0 += kProbeK) {
-    load_swizzled(sa, a + m0 * K + k0, kProbeM, K);
-    load_swizzled(sb, b + n0 * K + k0, kProbeN, K);
+    load_k128b_swizzled(sa, a + m0 * K + k0, kProbeM, K, kProbeM);
+    load_k128b_swizzled(sb, b + n0 * K + k0, kProbeN, K, kProbeN);
     ptx::fence_proxy_async_smem();  // the threads' stores, visible to the WGMMAs' reads
     __syncthreads();
     const uint64_t desc_a = make_smem_desc_k128b(ptx::smem_addr(sa)), desc_b = make_smem_desc_k128b(ptx::smem_addr(sb));
