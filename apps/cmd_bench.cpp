@@ -63,6 +63,9 @@ void add_bench(CLI::App& app) {
   auto grouped_no_check = std::make_shared<bool>(false);
   grouped->add_flag("--no-check", *grouped_no_check, "skip the correctness columns");
   grouped->add_option("--seed", gr->seed, "random seed (0: fresh)");
+  grouped->add_flag("--ceiling", gr->ceiling,
+                    "time beside each case its FLOPs as bare FP8 WGMMAs on operands in shared memory (and with our "
+                    "tile's promotion): the Tensor Cores' ceiling at the clock the power cap allows");
   grouped->callback([gr, grouped_no_check] {
     require_gpu();
     gr->check = !*grouped_no_check;

@@ -261,10 +261,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     double t_ours = NAN, t_lt = NAN, t_bf = NAN, t_mc = NAN, ghz_ours = NAN, ghz_lt = NAN;
     std::vector<double> t_extra(extra_ok.size(), NAN);
     // --ceiling: the Tensor Cores' ceiling for this shape's FLOPs, bare and with our tile's promotion.
-    const CeilingMode ceil_mode[2] = {CeilingMode::bare, wgrad ? CeilingMode::promote_1d1d : CeilingMode::promote_1d2d};
-    const int64_t ceil_blocks[2] = {ceiling_blocks(ceil_mode[0], 2.0 * double(M) * double(N) * double(K)),
-                                    ceiling_blocks(ceil_mode[1], 2.0 * double(M) * double(N) * double(K))};
-    double t_ceil[2] = {NAN, NAN}, ghz_ceil[2] = {NAN, NAN};
+    Ceilings ceil(wgrad, 2.0 * double(M) * double(N) * double(K));
     {
       std::vector<std::function<void()>> fns;
       std::vector<std::pair<double*, double*>> dst;  // time, clock
@@ -284,11 +281,13 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
         fns.push_back([&, i] { gemm_fp8_sm90(aq.view, bq.view, dv_x, acc, nullptr, &extra[extra_ok[i]]); });
         dst.push_back({&t_extra[i], nullptr});
       }
-      for (int c = 0; c < (opt.ceiling ? 2 : 0); ++c) {
-        fns.push_back([&, c] {
-          tensor_ceiling(ceil_mode[c], aq.values.p, M, bq.values.p, N, K, ceil_blocks[c], 1.0f, nullptr, -1, nullptr);
-        });
-        dst.push_back({&t_ceil[c], &ghz_ceil[c]});
+      if (opt.ceiling) {
+        const auto launches = ceil.launches(aq.view, bq.view);
+        const auto results = ceil.results();
+        for (size_t i = 0; i < launches.size(); ++i) {
+          fns.push_back(launches[i]);
+          dst.push_back({&results[i]->us, &results[i]->ghz});
+        }
       }
       const std::vector<Timing> t = timer.interleaved(fns, opt.warmup, opt.iters);
       for (size_t i = 0; i < t.size(); ++i) {
@@ -392,21 +391,15 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     if (opt.clocks)
       std::printf("#   SM clock: ours %.3f GHz, cuBLASLt FP8 %.3f GHz; ours/cuBLASLt per clock cycle %.3f\n", ghz_ours, ghz_lt,
                   ratio_clk);
-    // The ceilings' times for this shape's FLOPs (they issue whole K blocks on every SM).
-    double us_ceil[2] = {NAN, NAN};
-    for (int c = 0; c < 2; ++c) us_ceil[c] = t_ceil[c] * flops / (double(ceil_blocks[c]) * ceiling_block_flops(ceil_mode[c]));
     if (opt.ceiling) {
-      std::printf("#   Tensor Core ceiling: bare %.1f us, %.0f TFLOPS at %.3f GHz | %s %.1f us, %.0f TFLOPS at %.3f GHz;"
-                  " ours at %.1f%% / %.1f%% of them, cuBLASLt FP8 at %.1f%% / %.1f%%\n",
-                  us_ceil[0], tf(us_ceil[0]), ghz_ceil[0], wgrad ? "promoted 1d1d" : "promoted 1d2d", us_ceil[1],
-                  tf(us_ceil[1]), ghz_ceil[1], 100 * us_ceil[0] / t_ours, 100 * us_ceil[1] / t_ours,
-                  100 * us_ceil[0] / t_lt, 100 * us_ceil[1] / t_lt);
-      if (!wgrad && M == 4096) {
-        r_ceil_lt[0].push_back(t_lt / us_ceil[0]), r_ceil_lt[1].push_back(t_lt / us_ceil[1]);
-        r_ceil_ours[0].push_back(us_ceil[0] / t_ours), r_ceil_ours[1].push_back(us_ceil[1] / t_ours);
-      } else if (wgrad) {
-        r_ceil_wg_lt[0].push_back(t_lt / us_ceil[0]), r_ceil_wg_lt[1].push_back(t_lt / us_ceil[1]);
-      }
+      std::printf("%s\n", ceil.line(t_ours, t_lt, "cuBLASLt FP8").c_str());
+      for (int c = 0; c < 2; ++c)
+        if (wgrad) {
+          r_ceil_wg_lt[c].push_back(t_lt / ceil.us(c));
+        } else if (M == 4096) {
+          r_ceil_lt[c].push_back(t_lt / ceil.us(c));
+          r_ceil_ours[c].push_back(ceil.us(c) / t_ours);
+        }
     }
     if (!err_ours.empty()) std::printf("#   ours: %s\n", err_ours.c_str());
     if (!err_lt.empty()) std::printf("#   cuBLASLt FP8: %s\n", err_lt.c_str());

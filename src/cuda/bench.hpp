@@ -65,6 +65,7 @@ struct GroupedBenchOptions {
   int check_rows = 16;       // rows of D compared against the FP64 references (over 4 groups)
   std::string set = "all";   // all | contiguous | masked | wgrad
   uint64_t seed = 0;         // 0: fresh random seed (printed)
+  bool ceiling = false;      // time the Tensor Cores' ceiling for each case beside it (bench_ceiling.cu)
 };
 
 // Causal attention (bench_attention.cpp): B sequences of seq_len tokens, H heads of Dk / Dv.

@@ -17,6 +17,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <functional>
+#include <string>
 
 #include "bench_util.hpp"
 #include "cuda_check.hpp"
@@ -212,6 +215,39 @@ void tensor_ceiling(CeilingMode mode, const void* a, int64_t M, const void* b, i
     case CeilingMode::promote_1d1d:
       return launch<CeilingMode::promote_1d1d>(pa, M, pb, N, K, blocks, scale, d, d_cta, stream);
   }
+}
+
+Ceilings::Ceilings(bool b_1x128, double case_flops)
+    : mode{CeilingMode::bare, b_1x128 ? CeilingMode::promote_1d1d : CeilingMode::promote_1d2d},
+      blocks{ceiling_blocks(mode[0], case_flops), ceiling_blocks(mode[1], case_flops)},
+      flops(case_flops) {}
+
+std::vector<std::function<void()>> Ceilings::launches(const QuantizedView& a, const QuantizedView& b) const {
+  std::vector<std::function<void()>> v;
+  for (int c = 0; c < 2; ++c)
+    for (int64_t n : {blocks[c], int64_t(1)})
+      v.push_back([=, this] {
+        tensor_ceiling(mode[c], a.values.data, a.values.size(0), b.values.data, b.values.size(0), a.values.size(1), n,
+                       1.0f, nullptr, -1, nullptr);
+      });
+  return v;
+}
+
+double Ceilings::us(int c) const {
+  const double per_block =
+      blocks[c] > 1 ? (t[c].us - t_one[c].us) / double(blocks[c] - 1) : t[c].us;  // one block: with the overhead
+  return per_block * flops / ceiling_block_flops(mode[c]);
+}
+
+std::string Ceilings::line(double t_ours, double t_ref, const char* ref) const {
+  auto tf = [&](double us) { return flops / (us * 1e-6) / 1e12; };
+  char s[512];
+  std::snprintf(s, sizeof s,
+                "#   Tensor Core ceiling: bare %.1f us, %.0f TFLOPS at %.3f GHz | promoted %s %.1f us, %.0f TFLOPS at "
+                "%.3f GHz; ours at %.1f%% / %.1f%% of them, %s at %.1f%% / %.1f%%",
+                us(0), tf(us(0)), t[0].ghz, mode[1] == CeilingMode::promote_1d1d ? "1d1d" : "1d2d", us(1), tf(us(1)),
+                t[1].ghz, 100 * us(0) / t_ours, 100 * us(1) / t_ours, ref, 100 * us(0) / t_ref, 100 * us(1) / t_ref);
+  return s;
 }
 
 }  // namespace fp8moe::cuda::bench

@@ -442,6 +442,8 @@ int run_grouped_bench(const GroupedBenchOptions& opt) {
   bool all_ok = true;
   const std::vector<GemmTile> extra = extra_tiles_from_env();
   std::map<Kind, std::vector<double>> vs_lt_ratio;
+  std::map<Kind, std::vector<double>> ceil_vs_lt[2];  // --ceiling: loop time / ceiling time, [bare, promoted]
+  timer.clocks = opt.ceiling;
   std::vector<double> masked_ratio;
   double min_vs_lt = INFINITY;
   int case_id = 0;
@@ -474,13 +476,13 @@ int run_grouped_bench(const GroupedBenchOptions& opt) {
     std::string err_ours, err_lt;
     double t_ours = NAN, t_lt = NAN, t_contig = NAN, t_dense = NAN;
     std::vector<std::function<void()>> fns;
-    std::vector<double*> dst;
-    auto add = [&](std::function<void()> fn, double* t, std::string& err) {
+    std::vector<std::pair<double*, double*>> dst;  // time, clock
+    auto add = [&](std::function<void()> fn, double* t, std::string& err, double* ghz = nullptr) {
       try {
         fn();
         FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
         fns.push_back(std::move(fn));
-        dst.push_back(t);
+        dst.push_back({t, ghz});
       } catch (const std::exception& e) {
         if (err.empty()) err = e.what();
       }
@@ -489,9 +491,20 @@ int run_grouped_bench(const GroupedBenchOptions& opt) {
     if (err_ours.empty() && p.contiguous) add(p.contiguous, &t_contig, err_ours);
     if (err_ours.empty()) add(p.dense, &t_dense, err_ours);
     add(p.lt, &t_lt, err_lt);
+    // --ceiling: the Tensor Cores' ceiling for the case's FLOPs, on its first two quantized operands.
+    Ceilings ceil(wgrad, p.flops);
+    std::string err_ceil;
+    if (opt.ceiling) {
+      const auto launches = ceil.launches(p.keep_q[0]->view, p.keep_q[1]->view);
+      const auto results = ceil.results();
+      for (size_t i = 0; i < launches.size(); ++i) add(launches[i], &results[i]->us, err_ceil, &results[i]->ghz);
+    }
     if (!fns.empty()) {
       const std::vector<Timing> t = timer.interleaved(fns, opt.warmup, opt.iters);
-      for (size_t i = 0; i < t.size(); ++i) *dst[i] = t[i].us;
+      for (size_t i = 0; i < t.size(); ++i) {
+        *dst[i].first = t[i].us;
+        if (dst[i].second) *dst[i].second = t[i].ghz;
+      }
     }
     if (!err_ours.empty()) t_ours = NAN;
 
@@ -554,6 +567,11 @@ int run_grouped_bench(const GroupedBenchOptions& opt) {
                 (long long)gc.K, tile_name(tile).c_str(), t_ours, tf(t_ours), tf(t_lt), ratio, t_dense, contig_s, mratio_s,
                 c.cd, c.kerr, vs_lt, ok ? "" : " FAIL");
     for (const std::string& r : extra_rows) std::printf("%s\n", r.c_str());
+    if (opt.ceiling && err_ceil.empty()) {
+      std::printf("%s\n", ceil.line(t_ours, t_lt, "the cuBLASLt loop").c_str());
+      for (int k = 0; k < 2; ++k) ceil_vs_lt[k][gc.kind].push_back(t_lt / ceil.us(k));
+    }
+    if (!err_ceil.empty()) std::printf("#   ceiling: %s\n", err_ceil.c_str());
     if (!c.zeros_ok) std::printf("#   padding rows of D not zero\n");
     if (!err_ours.empty()) std::printf("#   ours: %s\n", err_ours.c_str());
     if (!err_lt.empty()) std::printf("#   cuBLASLt: %s\n", err_lt.c_str());
@@ -564,6 +582,15 @@ int run_grouped_bench(const GroupedBenchOptions& opt) {
               geomean(vs_lt_ratio[Kind::contiguous]), vs_lt_ratio[Kind::contiguous].size(),
               geomean(vs_lt_ratio[Kind::masked]), vs_lt_ratio[Kind::masked].size(), geomean(vs_lt_ratio[Kind::wgrad]),
               vs_lt_ratio[Kind::wgrad].size(), min_vs_lt);
+  for (int k = 0; k < (opt.ceiling ? 2 : 0); ++k) {
+    double lowest = INFINITY;
+    for (const auto& [kind, v] : ceil_vs_lt[k])
+      for (double r : v) lowest = std::min(lowest, r);
+    std::printf("# geomean cuBLASLt-loop time / %s Tensor Core ceiling time (the most a kernel at that ceiling could be "
+                "ahead of the loop): contiguous %.3f | masked %.3f | wgrad %.3f; lowest %.3f\n",
+                k == 0 ? "bare" : "promoted", geomean(ceil_vs_lt[k][Kind::contiguous]),
+                geomean(ceil_vs_lt[k][Kind::masked]), geomean(ceil_vs_lt[k][Kind::wgrad]), lowest);
+  }
   if (!masked_ratio.empty())
     std::printf("# masked / contiguous time: geomean %.3f, worst %.3f (target <= 1.10)\n", geomean(masked_ratio),
                 *std::max_element(masked_ratio.begin(), masked_ratio.end()));

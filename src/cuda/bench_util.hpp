@@ -67,6 +67,22 @@ struct TileCopyShape {
 };
 void tma_tile_copy(const void* x, void* q, int64_t T, int64_t C, const TileCopyShape& shape, cudaStream_t stream);
 
+// SM clock probe (bench_clock.cu): a stamp per block of a one-block-per-SM launch.
+struct ClockStamp {
+  uint32_t sm;
+  unsigned long long ns, cycles;
+};
+int clock_stamp_blocks();
+void clock_stamp(ClockStamp* slot, cudaStream_t stream);  // clock_stamp_blocks() stamps into `slot`
+// The median over SMs of cycles / nanoseconds between two probes (NaN when no SM is in both).
+double clock_ghz(const ClockStamp* before, const ClockStamp* after, int blocks);
+
+// A timed function's median time and, with Timer::clocks, the median SM clock during its launches.
+struct Timing {
+  double us = NAN;
+  double ghz = NAN;
+};
+
 // The Tensor Cores' ceiling under the power cap (bench_ceiling.cu): `blocks` 128-wide K blocks of
 // FP8 WGMMAs on each of ceiling_ctas() CTAs (one per SM), on a tile of ceiling_tile_rows() x
 // ceiling_tile_cols(mode) held in shared memory (one K block of rows of a [M, K] and b [N, K],
@@ -84,20 +100,23 @@ int64_t ceiling_blocks(CeilingMode mode, double flops);
 void tensor_ceiling(CeilingMode mode, const void* a, int64_t M, const void* b, int64_t N, int64_t K, int64_t blocks,
                     float scale, float* d, int d_cta, cudaStream_t stream);
 
-// SM clock probe (bench_clock.cu): a stamp per block of a one-block-per-SM launch.
-struct ClockStamp {
-  uint32_t sm;
-  unsigned long long ns, cycles;
-};
-int clock_stamp_blocks();
-void clock_stamp(ClockStamp* slot, cudaStream_t stream);  // clock_stamp_blocks() stamps into `slot`
-// The median over SMs of cycles / nanoseconds between two probes (NaN when no SM is in both).
-double clock_ghz(const ClockStamp* before, const ClockStamp* after, int blocks);
-
-// A timed function's median time and, with Timer::clocks, the median SM clock during its launches.
-struct Timing {
-  double us = NAN;
-  double ghz = NAN;
+// `--ceiling` of bench gemm and bench grouped: a case's two ceilings (0: bare, 1: promoted as the
+// case's GEMM promotes), launched on its own e4m3 operands a [*, K] and b [*, K] and timed beside
+// it, each with all of its K blocks and with one: their difference, per block, is the Tensor Cores'
+// rate without the launch and the operand loads, which a real kernel pays as well; so the ceiling's
+// time for the case is an upper bound on any kernel's speed at the clock of that run.
+struct Ceilings {
+  CeilingMode mode[2];
+  int64_t blocks[2];
+  double flops;                              // the case's FLOPs
+  Timing t[2], t_one[2];                     // all K blocks, one K block
+  Ceilings(bool b_1x128, double case_flops);
+  // Launch f of launches(): (bare, all), (bare, one), (promoted, all), (promoted, one).
+  std::vector<std::function<void()>> launches(const QuantizedView& a, const QuantizedView& b) const;
+  std::vector<Timing*> results() { return {&t[0], &t_one[0], &t[1], &t_one[1]}; }
+  double us(int c) const;                    // the ceiling's time for the case's FLOPs
+  // "#   Tensor Core ceiling: ..." with ours' and the reference's (cuBLASLt's) share of each.
+  std::string line(double t_ours, double t_ref, const char* ref) const;
 };
 
 struct Timer {
