@@ -54,6 +54,25 @@ inline QuantizedTensor small_int_quantized(std::mt19937_64& rng, int64_t R, int6
   return q;
 }
 
+// [R, C] e4m3 values in {-1, 0, 1} (host): sums of their products are integers, exact wherever they
+// fit the accumulator's mantissa.
+inline Tensor ternary_e4m3(std::mt19937_64& rng, int64_t R, int64_t C) {
+  Tensor t = Tensor::host(DType::e4m3, {R, C});
+  std::uniform_int_distribution<int> v(-1, 1);
+  for (int64_t i = 0; i < R * C; ++i) t.ptr<uint8_t>()[i] = e4m3_encode(float(v(rng)));
+  return t;
+}
+
+// Tests of sm_90a kernels: skipped without a Hopper GPU; be_ is the CUDA backend.
+class Sm90Test : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    FP8MOE_REQUIRE_SM90();
+    be_ = make_cuda_backend();
+  }
+  std::unique_ptr<Backend> be_;
+};
+
 inline bool bytes_equal(const Tensor& x, const Tensor& y) {
   return x.view().nbytes() == y.view().nbytes() && std::memcmp(x.view().data, y.view().data, x.view().nbytes()) == 0;
 }

@@ -15,18 +15,8 @@ namespace {
 
 using cuda::bench::CeilingMode;
 
-class BenchCeiling : public ::testing::Test {
+class BenchCeiling : public Sm90Test {
  protected:
-  void SetUp() override {
-    FP8MOE_REQUIRE_SM90();
-    be_ = make_cuda_backend();
-  }
-  Tensor ternary(std::mt19937_64& rng, int64_t R, int64_t C) {
-    Tensor t = Tensor::host(DType::e4m3, {R, C});
-    std::uniform_int_distribution<int> v(-1, 1);
-    for (int64_t i = 0; i < R * C; ++i) t.ptr<uint8_t>()[i] = e4m3_encode(float(v(rng)));
-    return t;
-  }
   // CTA `cta`'s tile after `blocks` K blocks against the expected value: tile row r is A row
   // r % M (M <= 128), tile column c is B row c % N (N <= the tile's columns), over K block `kb`.
   void expect_tile(CeilingMode mode, const Tensor& a, const Tensor& b, int64_t blocks, float scale, int cta, int64_t kb) {
@@ -52,7 +42,6 @@ class BenchCeiling : public ::testing::Test {
                        << ": first mismatch at " << bad << " got " << (bad >= 0 ? got.ptr<float>()[bad] : 0.0f)
                        << " want " << want_bad;
   }
-  std::unique_ptr<Backend> be_;
 };
 
 TEST_F(BenchCeiling, IssuesTheClaimedWgmmasOnTheClaimedOperands) {
@@ -61,13 +50,13 @@ TEST_F(BenchCeiling, IssuesTheClaimedWgmmasOnTheClaimedOperands) {
     const int C = cuda::bench::ceiling_tile_cols(mode);
     // One K block, whole tiles; the promoting modes at scale 1/2 (each block's product 1/4); an
     // even and an odd number of blocks (the promoting loop alternates two accumulator sets), one.
-    expect_tile(mode, ternary(rng, 128, 128), ternary(rng, C, 128), 6, 0.5f, 0, 0);
-    expect_tile(mode, ternary(rng, 128, 128), ternary(rng, C, 128), 7, 0.5f, 0, 0);
-    expect_tile(mode, ternary(rng, 128, 128), ternary(rng, C, 128), 1, 1.0f, 0, 0);
+    expect_tile(mode, ternary_e4m3(rng, 128, 128), ternary_e4m3(rng, C, 128), 6, 0.5f, 0, 0);
+    expect_tile(mode, ternary_e4m3(rng, 128, 128), ternary_e4m3(rng, C, 128), 7, 0.5f, 0, 0);
+    expect_tile(mode, ternary_e4m3(rng, 128, 128), ternary_e4m3(rng, C, 128), 1, 1.0f, 0, 0);
     // Fewer rows than the tile: rows wrap (tile row r = A row r % 64, column c = B row c % 48).
-    expect_tile(mode, ternary(rng, 64, 128), ternary(rng, 48, 128), 4, 2.0f, 0, 0);
+    expect_tile(mode, ternary_e4m3(rng, 64, 128), ternary_e4m3(rng, 48, 128), 4, 2.0f, 0, 0);
     // K = 384: CTA 4 holds K block 4 % 3 = 1.
-    expect_tile(mode, ternary(rng, 128, 384), ternary(rng, C, 384), 2, 1.0f, 4, 1);
+    expect_tile(mode, ternary_e4m3(rng, 128, 384), ternary_e4m3(rng, C, 384), 2, 1.0f, 4, 1);
   }
 }
 

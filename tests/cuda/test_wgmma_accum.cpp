@@ -16,21 +16,7 @@
 namespace fp8moe::testing {
 namespace {
 
-class WgmmaAccum : public ::testing::Test {
- protected:
-  void SetUp() override {
-    FP8MOE_REQUIRE_SM90();
-    be_ = make_cuda_backend();
-  }
-  // [R, C] e4m3 values in {-1, 0, 1} (host).
-  Tensor ternary(std::mt19937_64& rng, int64_t R, int64_t C) {
-    Tensor t = Tensor::host(DType::e4m3, {R, C});
-    std::uniform_int_distribution<int> v(-1, 1);
-    for (int64_t i = 0; i < R * C; ++i) t.ptr<uint8_t>()[i] = e4m3_encode(float(v(rng)));
-    return t;
-  }
-  std::unique_ptr<Backend> be_;
-};
+using WgmmaAccum = Sm90Test;
 
 TEST_F(WgmmaAccum, ExactOnTernaryValuesAtEveryPromotionInterval) {
   auto rng = make_rng();
@@ -38,7 +24,7 @@ TEST_F(WgmmaAccum, ExactOnTernaryValuesAtEveryPromotionInterval) {
     int64_t M, N, K;
   };
   for (const Case c : {Case{64, 128, 128}, Case{128, 256, 512}, Case{192, 128, 1024}}) {
-    const Tensor a = ternary(rng, c.M, c.K), b = ternary(rng, c.N, c.K);
+    const Tensor a = ternary_e4m3(rng, c.M, c.K), b = ternary_e4m3(rng, c.N, c.K);
     std::vector<float> want(size_t(c.M * c.N));
     for (int64_t m = 0; m < c.M; ++m)
       for (int64_t n = 0; n < c.N; ++n) {
@@ -68,8 +54,8 @@ TEST_F(WgmmaAccum, EmulationAgreesOnTernaryValues) {
   const int64_t M = 128, N = 128, K = 512;
   QuantizedTensor a = make_quantized_host(M, K, DType::e4m3, ScaleKind::tile_1x128);
   QuantizedTensor b = make_quantized_host(N, K, DType::e4m3, ScaleKind::block_128x128);
-  a.values = ternary(rng, M, K);
-  b.values = ternary(rng, N, K);
+  a.values = ternary_e4m3(rng, M, K);
+  b.values = ternary_e4m3(rng, N, K);
   for (QuantizedTensor* q : {&a, &b})
     for (int64_t i = 0; i < q->scales.numel(); ++i) q->scales.ptr<float>()[i] = 1.0f;
   const QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
