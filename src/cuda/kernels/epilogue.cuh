@@ -84,10 +84,11 @@ struct StagingTile {
 };
 
 // r: row in the warpgroup's 64 rows (16*warp + lane/4); c: column of d[0] in the tile (2*(lane%4)).
-// Stages the columns of pass kPass (boxes [kPass * kPassBoxes, ...)) at the start of smem.
-template <int BLOCK_N, bool kF32, int kPasses = 1, int kPass = 0>
+// Stages the columns of pass kPass (boxes [kPass * kPassBoxes, ...)) at the start of the staging
+// tile: through the pointer smem, or (kShared) at the shared-memory address smem_s.
+template <int BLOCK_N, bool kF32, int kPasses = 1, int kPass = 0, bool kShared = false>
 __device__ __forceinline__ void stage_fragment(const float (&acc)[BLOCK_N / 2], uint8_t* smem, uint32_t r0,
-                                               uint32_t c0) {
+                                               uint32_t c0, uint32_t smem_s = 0) {
   using S = StagingTile<BLOCK_N, kF32, kPasses>;
   constexpr int kJ = BLOCK_N / 8 / kPasses;  // 8-column groups per pass
 #pragma unroll
@@ -99,7 +100,15 @@ __device__ __forceinline__ void stage_fragment(const float (&acc)[BLOCK_N / 2], 
       const uint32_t box = c / S::kBoxCols;
       const uint32_t byte = (c % S::kBoxCols) * S::kElemBytes;
       const uint32_t addr = box * S::kBoxBytes + r * 128 + (((byte / 16) ^ (r % 8)) * 16) + byte % 16;
-      if constexpr (kF32) {
+      if constexpr (kShared && kF32) {
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem_s + addr), "f"(acc[4 * j + 2 * i]),
+                     "f"(acc[4 * j + 2 * i + 1])
+                     : "memory");
+      } else if constexpr (kShared) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(acc[4 * j + 2 * i], acc[4 * j + 2 * i + 1]);
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_s + addr), "r"(*reinterpret_cast<const uint32_t*>(&h))
+                     : "memory");
+      } else if constexpr (kF32) {
         *reinterpret_cast<float2*>(smem + addr) = make_float2(acc[4 * j + 2 * i], acc[4 * j + 2 * i + 1]);
       } else {
         *reinterpret_cast<__nv_bfloat162*>(smem + addr) = __floats2bfloat162_rn(acc[4 * j + 2 * i], acc[4 * j + 2 * i + 1]);

@@ -343,6 +343,26 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 
     uint32_t stage = 0, phase = 0;
     float final_acc[W][kNumAccum];
+    // The pipelined 128x128 tile with two bf16 staging passes (dense, no multicast) stages its second
+    // pass in its own 64 rows of the A tile of the tile's last K block, which only its WGMMAs read:
+    // that stage stays held (`held`) until the pass's TMA store has read it, and each warpgroup's
+    // leader releases its four warps' share once the next tile's first WGMMAs are queued.
+    // NOTES: the second pass then need not wait for the first pass's store to read the staging tile
+    // (H200, 4096x7168x2048: ~470 of the ~1500 cycles of the epilogue, docs/PERF.md).
+    constexpr bool kStageInRing = kPipe && kG == Grouping::none && kMC == 1 && BLOCK_M == 128 &&
+                                  T::kTmaStoreOk && T::kStagingPasses == 2 && !T::kStageF32;
+    int32_t held = -1;
+    auto release_held = [&] {
+      if constexpr (kStageInRing) {
+        if (held >= 0) {
+          if (threadIdx.x % 128 == 0) {
+            ptx::bulk_wait_read();
+            ptx::mbar_arrive_count(full_bar_s + (STAGES + uint32_t(held)) * 8, 4);  // empty_bar[held]
+          }
+          held = -1;
+        }
+      }
+    };
 
     // Hands stage `s` back to the producer(s): its shared-memory reads are complete.
     auto release = [&](uint32_t s) {
@@ -442,42 +462,46 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
           if (++stage == STAGES) stage = 0, phase ^= 1;
         };
         // The block in `src` is complete: release its stage, promote it.
-        auto finish = [&](uint32_t s, float (&src)[kNumAccum]) {
+        // `last`: the tile's last block, whose stage kStageInRing holds for the epilogue.
+        auto finish = [&](uint32_t s, float (&src)[kNumAccum], bool last) {
 #pragma unroll
           for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(src[i]);
-          release(s);
+          if (!(kStageInRing && last && args.epi.tma_store)) release(s);
           promote_1d2d_at(bnd, final_acc[0], src, sa0c, sa1c, sb0c, sb1c);
         };
         // A grouped tile may have no K block (padding, empty group): nothing to start then.
         if (kG == Grouping::none || work.kb_end > work.kb_begin) {
           uint32_t cur_stage = stage;
           start(acc, sa0c, sa1c, sb0c, sb1c);
+          release_held();  // the last tile's held stage, its store long issued
           for (uint32_t kb = work.kb_begin;;) {
             // acc holds block kb in flight.
             if (kb + 1 == work.kb_end) {
               ptx::wgmma_wait<0>();
-              finish(cur_stage, acc);
+              finish(cur_stage, acc, true);
               break;
             }
             uint32_t nxt_stage = stage;
             start(acc2, sa0n, sa1n, sb0n, sb1n);
             ptx::wgmma_wait<1>();
-            finish(cur_stage, acc);
+            finish(cur_stage, acc, false);
             cur_stage = nxt_stage, sa0c = sa0n, sa1c = sa1n, sb0c = sb0n, sb1c = sb1n;
             ++kb;
             // acc2 holds block kb in flight.
             if (kb + 1 == work.kb_end) {
               ptx::wgmma_wait<0>();
-              finish(cur_stage, acc2);
+              finish(cur_stage, acc2, true);
               break;
             }
             nxt_stage = stage;
             start(acc, sa0n, sa1n, sb0n, sb1n);
             ptx::wgmma_wait<1>();
-            finish(cur_stage, acc2);
+            finish(cur_stage, acc2, false);
             cur_stage = nxt_stage, sa0c = sa0n, sa1c = sa1n, sb0c = sb0n, sb1c = sb1n;
             ++kb;
           }
+          // The last block's stage, not released by its finish (the one started last).
+          if (kStageInRing && args.epi.tma_store) held = int32_t(stage == 0 ? STAGES - 1 : stage - 1);
         }
       } else {
         for (uint32_t kb = work.kb_begin; kb < work.kb_end; ++kb) {
@@ -569,15 +593,23 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 
       if (T::kTmaStoreOk && args.epi.tma_store && box_ok) {
         using S = typename T::Staging;
-        uint8_t* stg = smem_stg + wg * S::kBytes;
         const bool leader = threadIdx.x % 128 == 0;
         auto stage_and_store = [&](auto pass) {
           constexpr int kPass = decltype(pass)::value;
-          // The previous TMA store must have read the staging tile before it is rewritten.
-          if (leader) ptx::bulk_wait_read();
+          // The pass's staging tile: the warpgroup's own (at a shared address where kStageInRing) or
+          // its 64 rows of the held stage's A tile.
+          // NOTES: a generic pointer into the ring made ptxas re-derive the ring's shared addresses in
+          // the K loop (SR_CgaCtaId per K block); shared addresses and st.shared do not.
+          const bool in_ring = kStageInRing && kPass == 1 && held >= 0;
+          uint8_t* stg = smem_stg + wg * S::kBytes;
+          const uint32_t stg_s = in_ring ? smem_a_s + uint32_t(held) * T::kSmemA + wg * 64 * kBlockK
+                                         : ptx::smem_addr(smem_stg) + wg * S::kBytes;
+          // The previous TMA store must have read the staging tile before it is rewritten (the held
+          // stage's A rows: read by this warpgroup's completed WGMMAs only).
+          if (leader && !in_ring) ptx::bulk_wait_read();
           ptx::named_barrier_sync(1 + wg, 128);
-          stage_fragment<BLOCK_N, T::kStageF32, T::kStagingPasses, kPass>(final_acc[0], stg, (warp % 4) * 16 + lane / 4,
-                                                                          c_frag);
+          stage_fragment<BLOCK_N, T::kStageF32, T::kStagingPasses, kPass, kStageInRing>(
+              final_acc[0], stg, (warp % 4) * 16 + lane / 4, c_frag, stg_s);
           ptx::fence_proxy_async_smem();
           ptx::named_barrier_sync(1 + wg, 128);
           const uint32_t row0 = m0 + wg * 64;
@@ -586,10 +618,11 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
             for (int b = 0; b < S::kPassBoxes; ++b) {
               const uint32_t col0 = n0 + (kPass * S::kPassBoxes + b) * S::kBoxCols;
               if (col0 >= args.N) break;
+              const uint32_t src = kStageInRing ? stg_s + b * S::kBoxBytes : ptx::smem_addr(stg + b * S::kBoxBytes);
               if (args.epi.accumulate)
-                ptx::tma_reduce_add_2d(&tmap_d, stg + b * S::kBoxBytes, int32_t(col0), int32_t(row0));
+                ptx::tma_reduce_add_2d(&tmap_d, src, int32_t(col0), int32_t(row0));
               else
-                ptx::tma_store_2d(&tmap_d, stg + b * S::kBoxBytes, int32_t(col0), int32_t(row0));
+                ptx::tma_store_2d(&tmap_d, src, int32_t(col0), int32_t(row0));
             }
             ptx::bulk_commit();
           }
