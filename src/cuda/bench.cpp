@@ -261,7 +261,7 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
     double t_ours = NAN, t_lt = NAN, t_bf = NAN, t_mc = NAN, ghz_ours = NAN, ghz_lt = NAN;
     std::vector<double> t_extra(extra_ok.size(), NAN);
     // --ceiling: the Tensor Cores' ceiling for this shape's FLOPs, bare and with our tile's promotion.
-    Ceilings ceil(wgrad, 2.0 * double(M) * double(N) * double(K));
+    Ceilings ceilings(wgrad, 2.0 * double(M) * double(N) * double(K));
     {
       std::vector<std::function<void()>> fns;
       std::vector<std::pair<double*, double*>> dst;  // time, clock
@@ -282,8 +282,8 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
         dst.push_back({&t_extra[i], nullptr});
       }
       if (opt.ceiling) {
-        const auto launches = ceil.launches(aq.view, bq.view);
-        const auto results = ceil.results();
+        const auto launches = ceilings.launches(aq.view, bq.view);
+        const auto results = ceilings.results();
         for (size_t i = 0; i < launches.size(); ++i) {
           fns.push_back(launches[i]);
           dst.push_back({&results[i]->us, &results[i]->ghz});
@@ -392,13 +392,13 @@ int run_gemm_bench(const GemmBenchOptions& opt) {
       std::printf("#   SM clock: ours %.3f GHz, cuBLASLt FP8 %.3f GHz; ours/cuBLASLt per clock cycle %.3f\n", ghz_ours, ghz_lt,
                   ratio_clk);
     if (opt.ceiling) {
-      std::printf("%s\n", ceil.line(t_ours, t_lt, "cuBLASLt FP8").c_str());
+      std::printf("%s\n", ceilings.line(t_ours, t_lt, "cuBLASLt FP8").c_str());
       for (int c = 0; c < 2; ++c)
         if (wgrad) {
-          r_ceil_wg_lt[c].push_back(t_lt / ceil.us(c));
+          r_ceil_wg_lt[c].push_back(t_lt / ceilings.us(c));
         } else if (M == 4096) {
-          r_ceil_lt[c].push_back(t_lt / ceil.us(c));
-          r_ceil_ours[c].push_back(ceil.us(c) / t_ours);
+          r_ceil_lt[c].push_back(t_lt / ceilings.us(c));
+          r_ceil_ours[c].push_back(ceilings.us(c) / t_ours);
         }
     }
     if (!err_ours.empty()) std::printf("#   ours: %s\n", err_ours.c_str());

@@ -492,11 +492,11 @@ int run_grouped_bench(const GroupedBenchOptions& opt) {
     if (err_ours.empty()) add(p.dense, &t_dense, err_ours);
     add(p.lt, &t_lt, err_lt);
     // --ceiling: the Tensor Cores' ceiling for the case's FLOPs, on its first two quantized operands.
-    Ceilings ceil(wgrad, p.flops);
+    Ceilings ceilings(wgrad, p.flops);
     std::string err_ceil;
     if (opt.ceiling) {
-      const auto launches = ceil.launches(p.keep_q[0]->view, p.keep_q[1]->view);
-      const auto results = ceil.results();
+      const auto launches = ceilings.launches(p.keep_q[0]->view, p.keep_q[1]->view);
+      const auto results = ceilings.results();
       for (size_t i = 0; i < launches.size(); ++i) add(launches[i], &results[i]->us, err_ceil, &results[i]->ghz);
     }
     if (!fns.empty()) {
@@ -568,8 +568,8 @@ int run_grouped_bench(const GroupedBenchOptions& opt) {
                 c.cd, c.kerr, vs_lt, ok ? "" : " FAIL");
     for (const std::string& r : extra_rows) std::printf("%s\n", r.c_str());
     if (opt.ceiling && err_ceil.empty()) {
-      std::printf("%s\n", ceil.line(t_ours, t_lt, "the cuBLASLt loop").c_str());
-      for (int k = 0; k < 2; ++k) ceil_vs_lt[k][gc.kind].push_back(t_lt / ceil.us(k));
+      std::printf("%s\n", ceilings.line(t_ours, t_lt, "the cuBLASLt loop").c_str());
+      for (int k = 0; k < 2; ++k) ceil_vs_lt[k][gc.kind].push_back(t_lt / ceilings.us(k));
     }
     if (!err_ceil.empty()) std::printf("#   ceiling: %s\n", err_ceil.c_str());
     if (!c.zeros_ok) std::printf("#   padding rows of D not zero\n");
