@@ -343,13 +343,13 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 
     uint32_t stage = 0, phase = 0;
     float final_acc[W][kNumAccum];
-    // The pipelined 128x128 tile with two bf16 staging passes (dense, no multicast) stages its second
+    // The pipelined 128x128 tile with two bf16 staging passes (no multicast, no K slices) stages its second
     // pass in its own 64 rows of the A tile of the tile's last K block, which only its WGMMAs read:
     // that stage stays held (`held`) until the pass's TMA store has read it, and each warpgroup's
     // leader releases its four warps' share once the next tile's first WGMMAs are queued.
     // NOTES: the second pass then need not wait for the first pass's store to read the staging tile
     // (H200, 4096x7168x2048: ~470 of the ~1500 cycles of the epilogue, docs/PERF.md).
-    constexpr bool kStageInRing = kPipe && kG == Grouping::none && kMC == 1 && BLOCK_M == 128 &&
+    constexpr bool kStageInRing = kPipe && kG != Grouping::tail_split && kMC == 1 && BLOCK_M == 128 &&
                                   T::kTmaStoreOk && T::kStagingPasses == 2 && !T::kStageF32;
     int32_t held = -1;
     auto release_held = [&] {
@@ -502,6 +502,8 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
           }
           // The last block's stage, not released by its finish (the one started last).
           if (kStageInRing && args.epi.tma_store) held = int32_t(stage == 0 ? STAGES - 1 : stage - 1);
+        } else {
+          release_held();  // a grouped tile without K blocks: its epilogue stages outside the ring
         }
       } else {
         for (uint32_t kb = work.kb_begin; kb < work.kb_end; ++kb) {
