@@ -66,23 +66,6 @@ ErrorStats compare(const std::vector<float>& d, const std::vector<double>& ref) 
   return e;
 }
 
-// FP64 product A * B^T of the dequantized operands (A [M, K], B [N, K]): errors against it are
-// accumulation errors only.
-std::vector<double> exact_product(const QuantizedTensor& a, const QuantizedTensor& b) {
-  const int64_t M = a.values.size(0), N = b.values.size(0), K = a.values.size(1);
-  Tensor xa = Tensor::host(DType::f32, {M, K}), wb = Tensor::host(DType::f32, {N, K});
-  dequantize(a, xa);
-  dequantize(b, wb);
-  std::vector<double> exact(size_t(M * N), 0.0);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) {
-      double s = 0;
-      for (int64_t k = 0; k < K; ++k) s += double(xa.ptr<float>()[m * K + k]) * wb.ptr<float>()[n * K + k];
-      exact[size_t(m * N + n)] = s;
-    }
-  return exact;
-}
-
 // A [M, K] and B [N, K] drawn from N(0, 1), quantized 1x128 / 128x128 (e4m3).
 struct GemmProblem {
   QuantizedTensor a, b;
@@ -98,7 +81,7 @@ GemmProblem make_problem(int64_t M, int64_t N, int64_t K, std::mt19937_64& rng) 
                 make_quantized_host(N, K, DType::e4m3, ScaleKind::block_128x128), {}};
   quantize_1x128(x, p.a);
   quantize_128x128(w, p.b);
-  p.exact = exact_product(p.a, p.b);
+  p.exact = dequantized_product(p.a, p.b);
   return p;
 }
 
@@ -178,7 +161,7 @@ void accum_hardware_command(const AccumArgs& args) {
   for (int64_t K : ks) {
     FP8MOE_CHECK(K > 0 && K % 128 == 0, "numerics accum --hardware: K must be a positive multiple of 128, got " << K);
     const auto [a, b] = cuda::wgmma_accumulate_operands(M, N, K, rng);
-    const std::vector<double> exact = exact_product(a, b);
+    const std::vector<double> exact = dequantized_product(a, b);
     const QuantizedTensor ad{device_copy(a.values), device_copy(a.scales), a.kind};
     const QuantizedTensor bd{device_copy(b.values), device_copy(b.scales), b.kind};
     Tensor d = be->empty(DType::f32, {M, N});

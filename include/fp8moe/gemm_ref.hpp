@@ -19,6 +19,8 @@
 //                           product enters the Tensor Core sum already multiplied by its group's
 //                           s_a * s_b, as a group-scaled MMA (report §3.5.2) would do.
 #pragma once
+#include <vector>
+
 #include "fp8moe/quantize.hpp"
 
 namespace fp8moe {
@@ -43,6 +45,10 @@ void gemm_fp8_ref(const QuantizedView& a, const QuantizedView& b, const TensorVi
 
 // Plain reference D [M, N] = A [M, K] * B [N, K]^T (+ D), inputs f32 | bf16, FP32 accumulation.
 void gemm_ref(const TensorView& a, const TensorView& b, const TensorView& d, bool accumulate = false);
+
+// FP64 product deq(A) * deq(B)^T of the dequantized operands (A [M, K], B [N, K], host), row-major
+// [M, N]: against it a GEMM's error on the same quantized inputs is its accumulation error alone.
+std::vector<double> dequantized_product(const QuantizedView& a, const QuantizedView& b);
 
 // The Tensor Core accumulation step of the emulation, exposed for tests: adds `n` products to
 // `acc`, aligning all of them and acc to the largest exponent and truncating to `bits`.

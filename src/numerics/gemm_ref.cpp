@@ -179,4 +179,20 @@ void gemm_ref(const TensorView& a, const TensorView& b, const TensorView& d, boo
     }
 }
 
+std::vector<double> dequantized_product(const QuantizedView& a, const QuantizedView& b) {
+  const int64_t M = a.rows(), N = b.rows(), K = a.cols();
+  FP8MOE_CHECK(b.cols() == K, "dequantized_product: b must have K = " << K << " columns, got " << b.cols());
+  Tensor da = Tensor::host(DType::f32, {M, K}), db = Tensor::host(DType::f32, {N, K});
+  dequantize(a, da);
+  dequantize(b, db);
+  std::vector<double> out(size_t(M * N));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += double(da.ptr<float>()[m * K + k]) * db.ptr<float>()[n * K + k];
+      out[size_t(m * N + n)] = s;
+    }
+  return out;
+}
+
 }  // namespace fp8moe
