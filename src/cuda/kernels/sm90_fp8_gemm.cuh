@@ -101,7 +101,13 @@ struct GemmTraits {
                 "BLOCK_M: 64, 128, 192 (three math warpgroups) or 256 (two waves)");
   static_assert(kNumMathWG < 3 || (!kB1x128 && !kPipe && kMC == 1 && BLOCK_N <= 128),
                 "three math warpgroups: 1d2d, one accumulator set of at most 128 columns (160 registers)");
-  static_assert(kProducerRegs * 128 + kMathRegs * kNumMathThreads <= 65536, "register file");
+  // setmaxnreg.inc takes registers from the CTA's pool, which holds what the launch allocated:
+  // the per-thread count ptxas gives a 1-CTA kernel of kNumThreads threads (65536 / kNumThreads,
+  // rounded down to a multiple of 8: 168 for 384 threads, 128 for 512) times kNumThreads.
+  // NOTES: a producer of 48 registers with two math warpgroups of 232 asks for 1024 more than
+  // 168 x 384, and the math warpgroups' setmaxnreg.inc then waits forever (a hang, seen on H200).
+  static_assert(kProducerRegs * 128 + kMathRegs * kNumMathThreads <= 65536 / kNumThreads / 8 * 8 * kNumThreads,
+                "register file: more than the CTA's pool");
   static_assert(kWaves == 1 || (!kB1x128 && !kTmaEpilogue && kMC == 1),
                 "BLOCK_M = 256: 1d2d with the direct epilogue only (registers)");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 192, "BLOCK_N: a WGMMA N");
