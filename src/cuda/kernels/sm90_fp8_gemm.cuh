@@ -355,7 +355,6 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     // leader releases its four warps' share once the next tile's first WGMMAs are queued.
     // NOTES: the second pass then need not wait for the first pass's store to read the staging tile
     // (H200, 4096x7168x2048: ~470 of the ~1500 cycles of the epilogue, docs/PERF.md).
-    // (Two bf16 staging passes: the pipelined 128x128 tile, GemmTraits::kStagingPasses.)
     constexpr bool kStageInRing = kG != Grouping::tail_split && kMC == 1 && T::kTmaStoreOk &&
                                   T::kStagingPasses == 2 && !T::kStageF32;
     int32_t held = -1;
