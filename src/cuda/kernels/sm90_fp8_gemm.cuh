@@ -348,6 +348,15 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     const uint32_t smem_a_s = ptx::smem_addr(smem_a), smem_b_s = ptx::smem_addr(smem_b);
 
     uint32_t stage = 0, phase = 0;
+    // The 1d2d plain mainloop's position in the ring as shared addresses (full barrier, A, B, s_a,
+    // s_b of the stage), carried from K block to K block: advanced by their stride, wrapped by
+    // subtraction.
+    // NOTES: derived from a shared base at each use, even from one computed once, ptxas re-read
+    // SR_CgaCtaId (an S2UR) in this loop before every full-barrier wait. The Wgrad keeps stage
+    // indices: its 64 scale reads as volatile loads at carried addresses measured 3-6% slower.
+    constexpr bool kCarry = !kB1x128 && !T::kPipelined;
+    uint32_t c_bar = full_bar_s, c_a = smem_a_s, c_b = smem_b_s, c_sa = ptx::smem_addr(smem_sa),
+             c_sb = ptx::smem_addr(smem_sb);
     float final_acc[W][kNumAccum];
     // The pipelined 128x128 tile with two bf16 staging passes (no multicast, no K slices) stages its second
     // pass in its own 64 rows of the A tile of the tile's last K block, which only its WGMMAs read:
@@ -373,21 +382,24 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     // Hands stage `s` back to the producer(s): its shared-memory reads are complete.
     auto release = [&](uint32_t s) {
       if (lane == 0) {
+        // empty_bar[s] (= full_bar[STAGES + s]: at the carried full-barrier address + STAGES * 8).
+        const uint32_t empty = kCarry ? c_bar + STAGES * 8 : ptx::smem_addr(&empty_bar[s]);
         if constexpr (kMC > 1) {
 #pragma unroll
           for (uint32_t r = 0; r < uint32_t(kMC); ++r) {
-            if (r == rank) ptx::mbar_arrive(&empty_bar[s]);
-            else ptx::mbar_arrive_cluster(&empty_bar[s], r);
+            if (r == rank) ptx::mbar_arrive(empty);
+            else ptx::mbar_arrive_cluster(empty, r);
           }
         } else {
-          ptx::mbar_arrive(&empty_bar[s]);
+          ptx::mbar_arrive(empty);
         }
       }
     };
     // Four m64nNk32 WGMMAs over the 128-wide K block of stage `s`, wave `w`, into `acc` (one commit group).
     auto issue = [&](uint32_t s, int w, float (&acc)[kNumAccum]) {
-      const uint64_t desc_b = make_smem_desc_k128b(smem_b_s + s * T::kSmemB);
-      const uint64_t desc_a = make_smem_desc_k128b(smem_a_s + s * T::kSmemA + (w * 128 + wg * 64) * kBlockK);
+      const uint32_t a_s = kCarry ? c_a : smem_a_s + s * T::kSmemA, b_s = kCarry ? c_b : smem_b_s + s * T::kSmemB;
+      const uint64_t desc_b = make_smem_desc_k128b(b_s);
+      const uint64_t desc_a = make_smem_desc_k128b(a_s + (w * 128 + wg * 64) * kBlockK);
 #pragma unroll
       for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
       ptx::wgmma_fence();
@@ -514,15 +526,24 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
       } else {
         for (uint32_t kb = work.kb_begin; kb < work.kb_end; ++kb) {
           float sb0 = 0.0f, sb1 = 0.0f;
-          ptx::mbar_wait(full_bar_s + stage * 8, phase);
-          if constexpr (!kB1x128) read_sb(stage, sb0, sb1);
+          ptx::mbar_wait(kCarry ? c_bar : full_bar_s + stage * 8, phase);
+          if constexpr (kCarry) {
+            const float2 v = ptx::lds_f32x2(c_sb);
+            sb0 = v.x;
+            sb1 = T::kTwoSb ? v.y : 0.0f;
+          }
 
           // Read the scales of this stage before releasing it.
           float sa0[W], sa1[W];
 #pragma unroll
           for (int w = 0; w < W; ++w) {
-            sa0[w] = smem_sa[stage * BLOCK_M + w * 128 + r_frag];
-            sa1[w] = smem_sa[stage * BLOCK_M + w * 128 + r_frag + 8];
+            if constexpr (kCarry) {
+              sa0[w] = ptx::lds_f32(c_sa + (w * 128 + r_frag) * 4);
+              sa1[w] = ptx::lds_f32(c_sa + (w * 128 + r_frag + 8) * 4);
+            } else {
+              sa0[w] = smem_sa[stage * BLOCK_M + w * 128 + r_frag];
+              sa1[w] = smem_sa[stage * BLOCK_M + w * 128 + r_frag + 8];
+            }
           }
           float sbc[kB1x128 ? BLOCK_N / 4 : 1];  // 1d1d: s_b of columns 8j + c_frag + {0, 1}
           if constexpr (kB1x128) {
@@ -555,7 +576,15 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 
             if (w == W - 1) {
               release(stage);
-              if (++stage == STAGES) stage = 0, phase ^= 1;
+              if (++stage == STAGES) {
+                stage = 0, phase ^= 1;
+                if constexpr (kCarry) {
+                  c_bar -= (STAGES - 1) * 8, c_a -= (STAGES - 1) * T::kSmemA, c_b -= (STAGES - 1) * T::kSmemB;
+                  c_sa -= (STAGES - 1) * T::kSmemSA, c_sb -= (STAGES - 1) * T::kSmemSB;
+                }
+              } else if constexpr (kCarry) {
+                c_bar += 8, c_a += T::kSmemA, c_b += T::kSmemB, c_sa += T::kSmemSA, c_sb += T::kSmemSB;
+              }
             }
 
             // Promotion: final += (s_a * s_b) * acc, in FP32 on the CUDA cores.
