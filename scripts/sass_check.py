@@ -95,13 +95,14 @@ def loops_reading_cta_id(code):
 
 
 def guarded_k_loop(func):
-    """The instantiations whose K loop must not read SR_CgaCtaId: every 1d2d one and the 128x128
-    Wgrad (template <BLOCK_M, BLOCK_N, kB1x128, kTmaEpilogue, kMC, kPipe, kG, kF32Stg>)."""
-    m = re.search(r"kernelILi(\d+)ELi(\d+)ELb([01])ELb[01]ELi(\d+)ELb([01])E", func)
+    """The instantiations whose K loop must not read SR_CgaCtaId: every 1d2d one (the pipelined
+    mainloop is 1d2d only) and the 128x128 Wgrad (template <BLOCK_M, BLOCK_N, kB1x128,
+    kTmaEpilogue, kMC, kPipe, kG, kF32Stg>)."""
+    m = re.search(r"kernelILi(\d+)ELi(\d+)ELb([01])ELb[01]ELi(\d+)E", func)
     if not m:
         return False
-    bm, bn, b1x128, mc, pipe = m.groups()
-    return pipe == "1" or b1x128 == "0" or (bm == bn == "128" and mc == "1")
+    bm, bn, b1x128, mc = m.groups()
+    return b1x128 == "0" or (bm == bn == "128" and mc == "1")
 
 
 def sass_counts(tool, nvdisasm, files):
