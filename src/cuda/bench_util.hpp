@@ -11,7 +11,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <numeric>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -138,7 +140,9 @@ struct Timer {
   // turn (each timed launch after its own flush), so that all of them run in the same power and
   // clock state of the board, whose clock falls as it warms under sustained load: timed one after
   // the other, the first would meet a cooler board than the last (docs/PERF.md, "Order and
-  // warm-up of the timings").
+  // warm-up of the timings"). Each round of timed launches takes the functions in a new random
+  // order (fixed seed), so that each follows every other about equally often: a kernel can slow
+  // the launch after it through the flush (docs/PERF.md, "The launch after a cluster kernel").
   std::vector<Timing> interleaved(const std::vector<std::function<void()>>& fns, int warmup, int iters,
                                   std::optional<Flush> which = {}) {
     const Flush mode = which.value_or(default_mode);
@@ -150,8 +154,18 @@ struct Timer {
     for (int i = 0; i < warmup; ++i)
       for (const auto& fn : fns) fn();
     FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
-    // Launch (i, f) is the i-th timed launch of function f: events 2n and 2n + 1, n = i * F + f.
+    // Timed launch n (events 2n and 2n + 1) runs function fn_of[n]; round i is launches i * F ...
     const size_t launches = size_t(iters) * F;
+    std::vector<size_t> fn_of(launches);
+    {
+      std::vector<size_t> round(F);
+      std::iota(round.begin(), round.end(), size_t(0));
+      std::mt19937 rng(20261201);
+      for (size_t n = 0; n < launches; n += F) {
+        std::shuffle(round.begin(), round.end(), rng);
+        std::copy(round.begin(), round.end(), fn_of.begin() + ptrdiff_t(n));
+      }
+    }
     std::vector<cudaEvent_t> ev(2 * launches);
     for (auto& e : ev) FP8MOE_CUDA_CHECK(cudaEventCreate(&e));
     const int blocks = clocks ? clock_stamp_blocks() : 0;
@@ -162,7 +176,7 @@ struct Timer {
       if (mode == Flush::clean) l2_read_sweep(*sweep, nullptr);
       if (clocks) stamp(2 * n);
       FP8MOE_CUDA_CHECK(cudaEventRecord(ev[2 * n], nullptr));
-      fns[n % F]();
+      fns[fn_of[n]]();
       FP8MOE_CUDA_CHECK(cudaEventRecord(ev[2 * n + 1], nullptr));
       if (clocks) stamp(2 * n + 1);
     }
@@ -180,7 +194,8 @@ struct Timer {
     std::vector<Timing> out(F);
     for (size_t f = 0; f < F; ++f) {
       std::vector<double> us, ghz;
-      for (size_t n = f; n < launches; n += F) {
+      for (size_t n = 0; n < launches; ++n) {
+        if (fn_of[n] != f) continue;
         float ms = 0;
         FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * n], ev[2 * n + 1]));
         us.push_back(double(ms) * 1e3);
