@@ -140,7 +140,7 @@ void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorV
   if (M == 0 || N == 0) return;
 
   const bool b_1x128 = b.kind == ScaleKind::tile_1x128;
-  const GemmTile t = tile ? *tile : gemm_fp8_sm90_tile(M, N, K, b_1x128, d.dtype == DType::f32);
+  const GemmTile t = tile_for_d(tile ? *tile : gemm_fp8_sm90_tile(M, N, K, b_1x128, d.dtype == DType::f32), b_1x128, d);
 
   GemmMaps maps{};
   maps.a = make_values_map(a.values, uint32_t(t.block_m), "a.values");

@@ -125,6 +125,24 @@ constexpr bool tail_split_tile_ok(const GemmTile& t, bool b_1x128) {
          ((t.block_m == 128 && t.pipelined) || (t.block_m == 192 && !t.pipelined));
 }
 
+// Dense 1d2d tiles of 128x128 and more with the TMA-store epilogue: their kernels store D through
+// the staging tile only (GemmTraits::kStagedOnly, the same test), so they need D's rows 16-byte
+// aligned and D of their staging dtype (f32 with f32_staging, else bf16).
+constexpr bool staged_only_tile(const GemmTile& t, bool b_1x128) {
+  return !b_1x128 && t.tma_epilogue && t.block_m != 256 && t.block_m * t.block_n >= 128 * 128;
+}
+
+// What runs a staged-only tile's GEMM where D cannot take its TMA stores: the same tile with the
+// direct epilogue, without last-wave K slices (192x128, compiled with staging only: the pipelined
+// 128x128).
+constexpr GemmTile direct_gemm_tile(GemmTile t) {
+  if (t.block_m == 192) t.block_m = 128, t.pipelined = true;
+  t.tma_epilogue = false;
+  t.f32_staging = false;
+  t.tail_split = 1;
+  return t;
+}
+
 // Tile shapes compiled into the library (1d2d: and the 64x64 tile with 2 and 4 K slices, the
 // tail-split tiles with 2 and 3 last-wave slices).
 inline const std::vector<GemmTile>& gemm_tiles(bool b_1x128) {

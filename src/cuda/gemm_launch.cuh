@@ -118,6 +118,18 @@ inline CUtensorMap make_scales_map(const TensorView& s, uint32_t box_rows, const
                       CU_TENSOR_MAP_SWIZZLE_NONE, what);
 }
 
+// D's rows 16-byte aligned, as a TMA-store map needs.
+inline bool d_rows_aligned16(const TensorView& d) {
+  return aligned16(d.data) && (d.strides[0] * int64_t(dtype_size(d.dtype))) % 16 == 0;
+}
+
+// Tile t, or its direct_gemm_tile where t stores D through TMA only and D cannot take that
+// (rows not 16-byte aligned, or D's dtype not t's staging dtype).
+inline GemmTile tile_for_d(const GemmTile& t, bool b_1x128, const TensorView& d) {
+  const bool fits = d_rows_aligned16(d) && (d.dtype == DType::f32) == t.f32_staging;
+  return staged_only_tile(t, b_1x128) && !fits ? direct_gemm_tile(t) : t;
+}
+
 // Epilogue arguments of D (rows: d.size(0), columns: d.size(1)) and, when its rows are 16-byte
 // aligned, the TMA-store map in maps.d (boxes [64, 128 bytes], 128B-swizzled).
 inline EpilogueArgs make_epilogue(const TensorView& d, bool accumulate, GemmMaps& maps) {
@@ -132,7 +144,7 @@ inline EpilogueArgs make_epilogue(const TensorView& d, bool accumulate, GemmMaps
   e.pair_ok = (d.strides[0] % 2 == 0) && (reinterpret_cast<uintptr_t>(d.data) % pair_align == 0);
   // TMA-store epilogue: 16-byte aligned rows (the kernel also needs D's dtype = its staging dtype).
   const int esize = int(dtype_size(d.dtype));
-  e.tma_store = aligned16(d.data) && (d.strides[0] * esize) % 16 == 0;
+  e.tma_store = d_rows_aligned16(d);
   if (e.tma_store)
     maps.d = make_tmap_2d(d.data, e.d_f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, esize,
                           uint64_t(d.size(1)), uint64_t(d.size(0)), uint64_t(d.strides[0]), uint32_t(128 / esize), 64,
@@ -157,6 +169,10 @@ void launch_kernel(const GemmMaps& maps, GemmKernelArgs args, cudaStream_t strea
   // TMA-store epilogue only when D has the staging dtype (the caller checked alignment); else
   // the direct stores (e.g. a bf16-staged tile forced on f32 D).
   args.epi.tma_store = args.epi.tma_store && T::kTmaStoreOk && (args.epi.d_f32 == T::kStageF32);
+  if constexpr (T::kStagedOnly && (kG == Grouping::none || kG == Grouping::tail_split))
+    FP8MOE_CHECK(args.epi.tma_store, "gemm_fp8: tile " << tile_name(TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>::tile())
+                                                       << " stores D by TMA only; D must have 16-byte aligned rows and "
+                                                       << (T::kStageF32 ? "f32" : "bf16") << " elements (tile_for_d)");
   if constexpr (kMC == 1) {
     kernel<<<grid, T::kNumThreads, T::kSmemBytes, stream>>>(maps.a, maps.b, maps.sa, maps.sb, maps.d, args);
   } else {
@@ -182,6 +198,8 @@ template <bool kB1x128, Grouping kG, int BM, int BN, bool kTmaEpi, int kMC, bool
 bool try_launch(TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>, const GemmTile& t, const GemmMaps& maps,
                 const GemmKernelArgs& args, cudaStream_t stream) {
   constexpr GemmTile kTile = TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>::tile();
+  static_assert(staged_only_tile(kTile, kB1x128) == GemmTraits<BM, BN, kB1x128, kTmaEpi, kMC, kPipe, kF32Stg>::kStagedOnly,
+                "staged_only_tile (gemm_heuristics.hpp) must follow GemmTraits::kStagedOnly");
   if constexpr (kG == Grouping::split_k      ? !split_k_tile_ok(kTile, kB1x128)
                 : kG == Grouping::tail_split ? !tail_split_tile_ok(kTile, kB1x128)
                                              : kG != Grouping::none &&

@@ -287,7 +287,8 @@ TEST_F(CudaGemm, KSlicesReplayInACudaGraph) {
 
 // Last-wave K slices after full waves of the grid: 1920x2048 has 240 tiles of 128x128 (132 whole,
 // 108 in slices: several rounds of units per CTA at S >= 2) and 160 of 192x128 (28 in slices).
-// Exact small integers for bf16 D, f32 D and D += (the join's sum, then the epilogue's add).
+// Exact small integers for bf16 D; f32 D and D += run the same tiles' direct_gemm_tile, unsplit
+// (the sliced tiles store bf16 D by TMA only), and must be exact as well.
 TEST_F(CudaGemm, LastWaveSlicesExactAfterFullWaves) {
   auto rng = make_rng();
   const Case c{1920, 2048, 1024};
@@ -316,15 +317,16 @@ TEST_F(CudaGemm, LastWaveSlicesExactAfterFullWaves) {
     }
 }
 
-// Random operands: the slices' join adds the partials in slice order, so D is the same in every
-// run, and within FP32 rounding of the unsplit tile (which sums the K blocks in one chain).
+// Random operands, bf16 D: the slices' join adds the partials in slice order, so D is the same in
+// every run, and the unsplit tile's (which sums the K blocks in one chain) but where the FP32 sums'
+// other order flips a bf16 rounding.
 TEST_F(CudaGemm, LastWaveSlicesDeterministicAndCloseToUnsplit) {
   auto rng = make_rng();
   const int64_t M = 1920, N = 2048;
   const RandomOperands o = random_operands(rng, {M, N, 2048}, false);
   QuantizedTensor ad = to_device(*be_, o.a), bd = to_device(*be_, o.b);
   auto run = [&](const cuda::GemmTile& t) {
-    Tensor d = be_->empty(DType::f32, {M, N});
+    Tensor d = be_->empty(DType::bf16, {M, N});
     cuda::gemm_fp8_sm90(ad.view(), bd.view(), d.view(), false, nullptr, &t);
     be_->synchronize();
     return be_->to_host(d);
@@ -335,7 +337,7 @@ TEST_F(CudaGemm, LastWaveSlicesDeterministicAndCloseToUnsplit) {
     const Tensor first = run(t), second = run(t);
     EXPECT_EQ(first_mismatch(first, second), -1) << cuda::tile_name(t) << ": runs differ";
     const double err = rel_error(to_doubles(first.view()), to_doubles(whole.view()));
-    EXPECT_LT(err, 1e-6) << cuda::tile_name(t);
+    EXPECT_LT(err, 1e-4) << cuda::tile_name(t);  // a bf16 rounding flipped here and there
     EXPECT_GT(err, 0.0) << cuda::tile_name(t) << ": no tile was sliced";
   }
 }
@@ -420,6 +422,20 @@ bool compiled(const cuda::GemmTile& t, bool b_1x128) {
         x.multicast == t.multicast && x.pipelined == t.pipelined && x.f32_staging == t.f32_staging)
       return true;
   return false;
+}
+
+// The tiles that store D by TMA only have a compiled tile to run where D cannot take that.
+TEST(CudaGemmHeuristic, StagedOnlyTilesHaveACompiledDirectTile) {
+  int staged_only = 0;
+  for (bool b_1x128 : {false, true})
+    for (const cuda::GemmTile& t : cuda::gemm_tiles(b_1x128)) {
+      if (!cuda::staged_only_tile(t, b_1x128)) continue;
+      ++staged_only;
+      const cuda::GemmTile d = cuda::direct_gemm_tile(t);
+      EXPECT_TRUE(compiled(d, b_1x128) && !cuda::staged_only_tile(d, b_1x128) && !d.tma_epilogue)
+          << cuda::tile_name(t) << " -> " << cuda::tile_name(d);
+    }
+  EXPECT_GE(staged_only, 8);  // 128x128 (plain, pipelined, multicast), 128x192, 192x128, 3 FP32-staged, K-sliced
 }
 
 TEST(CudaGemmHeuristic, F32DGetsTheFp32StagedTiles) {

@@ -87,6 +87,15 @@ struct GemmTraits {
   // NOTES: the staging tiles cost pipeline stages (plain 128x128 1d2d: 5 instead of 6); for long K
   // the mainloop matters more than the epilogue, so the host may pick the variant without them.
   static constexpr bool kTmaStoreOk = kTmaEpilogue && kWaves == 1 && BLOCK_N % Staging::kBoxCols == 0;
+  // Dense 1d2d tiles of 128x128 and more with the TMA-store epilogue store D through it only: the
+  // kernel compiles no direct stores (the grouped kernels, which fall back to them tile by tile,
+  // still do), and where D cannot take these TMA stores the host runs direct_gemm_tile() instead
+  // (gemm_heuristics.hpp, staged_only_tile: the same test on the host).
+  // NOTES: the direct stores (f32 and bf16 D, D +=, bounds) were ~70% of these kernels' code
+  // (128x128/pipe: 6008 SASS instructions, 1384 without), never run with the TMA store, and yet a
+  // launch after another kernel ran 1.8 us longer with them (H200, 128x32768x512: 15.9 against
+  // 14.0 us; docs/PERF.md, "The launch after another kernel").
+  static constexpr bool kStagedOnly = kTmaStoreOk && !kB1x128 && BLOCK_M * BLOCK_N >= 128 * 128;
   static constexpr int kSmemStaging = kTmaStoreOk ? kNumMathWG * Staging::kBytes : 0;
   static constexpr int kStages = [] {
     int s = (kMaxSmemBytes - 1024 - 512 - kSmemStaging) / kStageBytes;
@@ -666,7 +675,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         };
         stage_and_store(std::integral_constant<int, 0>{});
         if constexpr (T::kStagingPasses == 2) stage_and_store(std::integral_constant<int, 1>{});
-      } else {
+      } else if constexpr (!T::kStagedOnly || kRowGroups) {
 #pragma unroll
         for (int w = 0; w < W; ++w)
           store_fragment<BLOCK_N>(final_acc[w], args.epi, m0 + w * 128 + r_frag, n0 + c_frag, rows_ok);
