@@ -142,7 +142,7 @@ struct Timer {
   // the other, the first would meet a cooler board than the last (docs/PERF.md, "Order and
   // warm-up of the timings"). Each round of timed launches takes the functions in a new random
   // order (fixed seed), so that each follows every other about equally often: a kernel can slow
-  // the launch after it through the flush (docs/PERF.md, "The launch after a cluster kernel").
+  // the launch after it through the flush (docs/PERF.md, "The launch after another kernel").
   std::vector<Timing> interleaved(const std::vector<std::function<void()>>& fns, int warmup, int iters,
                                   std::optional<Flush> which = {}) {
     const Flush mode = which.value_or(default_mode);
@@ -154,7 +154,8 @@ struct Timer {
     for (int i = 0; i < warmup; ++i)
       for (const auto& fn : fns) fn();
     FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
-    // Timed launch n (events 2n and 2n + 1) runs function fn_of[n]; round i is launches i * F ...
+    // Timed launch n (events 2n and 2n + 1) runs function fn_of[n]; round i, launches i * F to
+    // i * F + F - 1, runs each function once.
     const size_t launches = size_t(iters) * F;
     std::vector<size_t> fn_of(launches);
     {

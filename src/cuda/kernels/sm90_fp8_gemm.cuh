@@ -93,8 +93,9 @@ struct GemmTraits {
   // (gemm_heuristics.hpp, staged_only_tile: the same test on the host).
   // NOTES: the direct stores (f32 and bf16 D, D +=, bounds) were ~70% of these kernels' code
   // (128x128/pipe: 6008 SASS instructions, 1384 without), never run with the TMA store, and yet a
-  // launch after another kernel ran 1.8 us longer with them (H200, 128x32768x512: 15.9 against
-  // 14.0 us; docs/PERF.md, "The launch after another kernel").
+  // launch after another kernel ran up to 2 us longer with them (H200, 128x32768x512: 14.9-15.9
+  // against 13.4-14.1 us; docs/PERF.md, "The launch after another kernel"). Without them the
+  // 1d1d 128x128 (Wgrad) measured 2-3% slower, so the 1d1d tiles keep them.
   static constexpr bool kStagedOnly = kTmaStoreOk && !kB1x128 && BLOCK_M * BLOCK_N >= 128 * 128;
   static constexpr int kSmemStaging = kTmaStoreOk ? kNumMathWG * Staging::kBytes : 0;
   static constexpr int kStages = [] {
