@@ -305,7 +305,15 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     // (H200, 2026-11-30, `fp8moe bench grouped` with 128x192 and 128x128/pipe beside the choice):
     // 192x128 taken and 4-10% faster than both on 4 and 8 experts (N 4096 / 7168), 1-4% on 32
     // experts of 1024 rows.
-    const double k192x128 = d_f32 ? 1.43 : K >= 12288 ? 1.33 : M >= 8192 ? 1.38 : 1.43;
+    // Dense bf16 D with N a multiple of 128 (no half-empty column block) and K < 12288: 1.5% off
+    // since the dense staged tiles lost their direct stores (192x128 2.2-2.5% faster, 128x128/pipe
+    // 0.5-0.8%). Measured with 128x128/pipe beside (H200, 2026-12-01): the 9 shapes of M = 1536..8192
+    // x the grid of N and K that this moves to 192x128 ran 1.01-1.11x faster (4096x4096x512 22.6
+    // against 25.1 us, 4096x7168x2048 96.4 against 97.5) or tied (4096x7168x7168); at K = 16384 it
+    // would have moved two shapes that ran 0.8-2% slower.
+    const bool n_fits_192x128 = !d_f32 && !grouped && M >= 1536 && N % 128 == 0;
+    const double k192x128 = (d_f32 ? 1.43 : K >= 12288 ? 1.33 : M >= 8192 ? 1.38 : 1.43) *
+                             (n_fits_192x128 && K < 12288 ? 0.985 : 1.0);
     const double waste192 = 1.0 + 64.0 * double(contiguous_groups) / double(M);
     const double c192x128 = !grouped || contiguous_groups > 0
                                 ? waves(192, 128) * (kb * k192x128 + 2.15 * ce) * waste192
@@ -339,7 +347,6 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     // ...`, M = 1536..6144, N 1536..24576, K 1536..7168): 1.03-1.10x, 1.063x on average; e.g.
     // 3072x7168x7168 226.4 us against 242.9. Where the model takes 128x128/pipe the two were within
     // 2.7% (7 shapes).
-    const bool n_fits_192x128 = !d_f32 && !grouped && M >= 1536 && N % 128 == 0;
     if (c192x128t * 1.01 < std::min({c128t, c192, c256}) || (n_fits_192x128 && c192 < c128t && c192 <= c256))
       best = {192, 128}, best.tail_split = s192x128;
     else if (c128t <= c192 && c128t <= c256) best = t128, best.tail_split = s128;
