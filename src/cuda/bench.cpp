@@ -3,8 +3,8 @@
 //
 // Timing: every timed launch follows a 512 MiB memset that flushes L2 and gives the host time to
 // enqueue the launch, so the event pair around it measures GPU time only; median of `iters`. Ours,
-// cuBLASLt's FP8 GEMM and the tiles timed beside ours take turns launch by launch
-// (Timer::interleaved).
+// cuBLASLt's FP8 GEMM and the tiles timed beside ours take turns launch by launch, each round in
+// a new random order (Timer::interleaved).
 // Correctness (GEMM): D of sampled rows against two FP64 host references: the unquantized BF16
 // inputs (calc_diff, recipe error) and the dequantized FP8 inputs (relative error, kernel error);
 // plus calc_diff against cuBLASLt's D on every element. Quantizers: byte-exact comparison with
