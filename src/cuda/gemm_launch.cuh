@@ -167,7 +167,8 @@ void launch_kernel(const GemmMaps& maps, GemmKernelArgs args, cudaStream_t strea
   const int64_t units = work_units<kG>(uint32_t((rows + BM * kMC - 1) / (BM * kMC) * ((args.N + BN - 1) / BN)), args.group);
   const int grid = int(std::min<int64_t>(units, device_props().multiProcessorCount / kMC)) * kMC;
   // TMA-store epilogue only when D has the staging dtype (the caller checked alignment); else
-  // the direct stores (e.g. a bf16-staged tile forced on f32 D).
+  // the direct stores (e.g. a 64x64 tile on f32 D). Staged-only tiles have none: tile_for_d gave
+  // such a D their direct variant, and a D that reaches one anyway is refused here.
   args.epi.tma_store = args.epi.tma_store && T::kTmaStoreOk && (args.epi.d_f32 == T::kStageF32);
   if constexpr (T::kStagedOnly && (kG == Grouping::none || kG == Grouping::tail_split))
     FP8MOE_CHECK(args.epi.tma_store, "gemm_fp8: tile " << tile_name(TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>::tile())
