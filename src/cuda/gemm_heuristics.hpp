@@ -125,9 +125,9 @@ constexpr bool tail_split_tile_ok(const GemmTile& t, bool b_1x128) {
          ((t.block_m == 128 && t.pipelined) || (t.block_m == 192 && !t.pipelined));
 }
 
-// Dense 1d2d tiles of 128x128 and more with the TMA-store epilogue: their kernels store D through
-// the staging tile only (GemmTraits::kStagedOnly, the same test), so they need D's rows 16-byte
-// aligned and D of their staging dtype (f32 with f32_staging, else bf16).
+// 1d2d tiles of 128x128 and more with the TMA-store epilogue: their kernels, dense and m-grouped,
+// store D through the staging tile only (GemmTraits::kStagedOnly, the same test), so they need D's
+// rows 16-byte aligned and D of their staging dtype (f32 with f32_staging, else bf16).
 constexpr bool staged_only_tile(const GemmTile& t, bool b_1x128) {
   return !b_1x128 && t.tma_epilogue && t.block_m != 256 && t.block_m * t.block_n >= 128 * 128;
 }

@@ -123,10 +123,11 @@ inline bool d_rows_aligned16(const TensorView& d) {
   return aligned16(d.data) && (d.strides[0] * int64_t(dtype_size(d.dtype))) % 16 == 0;
 }
 
-// Tile t, or its direct_gemm_tile where t stores D through TMA only and D cannot take that
-// (rows not 16-byte aligned, or D's dtype not t's staging dtype).
-inline GemmTile tile_for_d(const GemmTile& t, bool b_1x128, const TensorView& d) {
-  const bool fits = d_rows_aligned16(d) && (d.dtype == DType::f32) == t.f32_staging;
+// Tile t, or its direct_gemm_tile where t stores D through TMA only and D cannot take that: rows
+// not 16-byte aligned, D's dtype not t's staging dtype, or (whole_boxes false: the masked GEMM
+// with M_max no multiple of 64) 64-row store boxes holding rows of two groups.
+inline GemmTile tile_for_d(const GemmTile& t, bool b_1x128, const TensorView& d, bool whole_boxes = true) {
+  const bool fits = d_rows_aligned16(d) && (d.dtype == DType::f32) == t.f32_staging && whole_boxes;
   return staged_only_tile(t, b_1x128) && !fits ? direct_gemm_tile(t) : t;
 }
 
@@ -170,10 +171,12 @@ void launch_kernel(const GemmMaps& maps, GemmKernelArgs args, cudaStream_t strea
   // the direct stores (e.g. a 64x64 tile on f32 D). Staged-only tiles have none: tile_for_d gave
   // such a D their direct variant, and a D that reaches one anyway is refused here.
   args.epi.tma_store = args.epi.tma_store && T::kTmaStoreOk && (args.epi.d_f32 == T::kStageF32);
-  if constexpr (T::kStagedOnly && (kG == Grouping::none || kG == Grouping::tail_split))
-    FP8MOE_CHECK(args.epi.tma_store, "gemm_fp8: tile " << tile_name(TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>::tile())
-                                                       << " stores D by TMA only; D must have 16-byte aligned rows and "
-                                                       << (T::kStageF32 ? "f32" : "bf16") << " elements (tile_for_d)");
+  if constexpr (T::kStagedOnly)
+    FP8MOE_CHECK(args.epi.tma_store && (kG != Grouping::masked || args.group.group_rows % 64 == 0),
+                 "gemm_fp8: tile " << tile_name(TileConfig<BM, BN, kTmaEpi, kMC, kPipe, kF32Stg>::tile())
+                                   << " stores D by TMA only; D must have 16-byte aligned rows and "
+                                   << (T::kStageF32 ? "f32" : "bf16")
+                                   << " elements, a masked D groups of M_max rows a multiple of 64 (tile_for_d)");
   if constexpr (kMC == 1) {
     kernel<<<grid, T::kNumThreads, T::kSmemBytes, stream>>>(maps.a, maps.b, maps.sa, maps.sb, maps.d, args);
   } else {

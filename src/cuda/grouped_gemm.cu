@@ -119,7 +119,8 @@ void grouped_gemm_fp8_contiguous_cuda(const QuantizedView& a, const QuantizedVie
   group.table = row_group.ptr<const int32_t>();
   group.groups = uint32_t(groups);
   group.b_rows = uint32_t(N);
-  const GemmTile t = tile ? *tile : grouped_gemm_tile(a.rows(), N, a.cols(), false, d.dtype == DType::f32, groups);
+  const GemmTile t =
+      tile_for_d(tile ? *tile : grouped_gemm_tile(a.rows(), N, a.cols(), false, d.dtype == DType::f32, groups), false, d);
   if (t.block_m <= 128) {
     launch_m_grouped<Grouping::contiguous>(a, b, group, d, accumulate, stream, t, op);
     return;
@@ -151,7 +152,9 @@ void grouped_gemm_fp8_masked_cuda(const QuantizedView& a, const QuantizedView& b
   group.groups = uint32_t(groups);
   group.group_rows = uint32_t(a.rows() / groups);
   group.b_rows = uint32_t(N);
-  const GemmTile t = tile ? *tile : grouped_gemm_tile(a.rows(), N, a.cols(), false, d.dtype == DType::f32);
+  // Rows past M_max are the next group's: a 64-row store box holds one group's rows when 64 | M_max.
+  const GemmTile t = tile_for_d(tile ? *tile : grouped_gemm_tile(a.rows(), N, a.cols(), false, d.dtype == DType::f32),
+                                false, d, /*whole_boxes=*/group.group_rows % 64 == 0);
   launch_m_grouped<Grouping::masked>(a, b, group, d, false, stream, t, op);
 }
 

@@ -434,6 +434,13 @@ TEST(CudaGemmHeuristic, StagedOnlyTilesHaveACompiledDirectTile) {
       const cuda::GemmTile d = cuda::direct_gemm_tile(t);
       EXPECT_TRUE(compiled(d, b_1x128) && !cuda::staged_only_tile(d, b_1x128) && !d.tma_epilogue)
           << cuda::tile_name(t) << " -> " << cuda::tile_name(d);
+      // A grouped GEMM's staged-only tile has a direct tile the same grouping runs.
+      for (bool contiguous : {false, true}) {
+        if (cuda::grouped_tile_ok(t, b_1x128, contiguous)) {
+          EXPECT_TRUE(cuda::grouped_tile_ok(d, b_1x128, contiguous))
+              << cuda::tile_name(t) << " -> " << cuda::tile_name(d) << (contiguous ? " contiguous" : " masked");
+        }
+      }
     }
   EXPECT_GE(staged_only, 8);  // 128x128 (plain, pipelined, multicast), 128x192, 192x128, 3 FP32-staged, K-sliced
 }

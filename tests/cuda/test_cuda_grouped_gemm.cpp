@@ -304,7 +304,8 @@ std::vector<int64_t> random_counts(std::mt19937_64& rng, int64_t G, int64_t Mmax
 
 TEST_F(CudaGroupedGemm, MaskedSmallIntegersExactForEveryTile) {
   auto rng = make_rng();
-  const MaskedCase cases[] = {{1, 37, 128, 256}, {2, 100, 256, 128}, {3, 200, 128, 384}, {4, 64, 256, 256}, {2, 129, 384, 128}};
+  const MaskedCase cases[] = {{1, 37, 128, 256}, {2, 100, 256, 128}, {3, 200, 128, 384}, {4, 64, 256, 256}, {2, 129, 384, 128},
+                              {3, 192, 256, 128}};  // M_max multiples of 64: the staged-only tiles' TMA stores
   for (const MaskedCase& c : cases) {
     const std::vector<int64_t> counts = random_counts(rng, c.G, c.Mmax);
     QuantizedTensor a = small_int_quantized(rng, c.G * c.Mmax, c.K, ScaleKind::tile_1x128);

@@ -3,7 +3,9 @@
 // src/cuda/kernels.
 //   store_fragment      direct global stores, rows >= M and columns >= N masked (any D);
 //   stage_fragment      into a 128B-swizzled shared-memory tile that TMA then stores (or adds)
-//                       asynchronously, clipped at the tensor bounds (D rows 16-byte aligned).
+//                       asynchronously, clipped at the tensor bounds (D rows 16-byte aligned);
+//   copy_box_rows       a staged box's rows to D by the warpgroup's threads, row by row (grouped
+//                       GEMMs: a box with rows to write beside rows to leave alone).
 #pragma once
 #include <cuda_bf16.h>
 
@@ -113,6 +115,34 @@ __device__ __forceinline__ void stage_fragment(const float (&acc)[BLOCK_N / 2], 
       } else {
         *reinterpret_cast<__nv_bfloat162*>(smem + addr) = __floats2bfloat162_rn(acc[4 * j + 2 * i], acc[4 * j + 2 * i + 1]);
       }
+    }
+  }
+}
+
+// The warpgroup copies the rows r of one staged box ([64 rows, 128 bytes] at the shared address
+// box_s, StagingTile's layout; D rows row0 + r, columns from col0) for which row_ok(r), in 16-byte
+// pieces, added to D when accumulating (f32). Rows past D's M rows and columns past its N are
+// skipped. D's rows 16-byte aligned (as for the TMA store). A loop, not unrolled: it runs for the
+// few boxes of a grouped GEMM that mix rows to write with rows to leave alone.
+template <bool kF32, class RowOk>
+__device__ __forceinline__ void copy_box_rows(uint32_t box_s, const EpilogueArgs& e, uint32_t row0, uint32_t col0,
+                                              RowOk row_ok) {
+  constexpr uint32_t kElemBytes = kF32 ? 4 : 2, kPieceCols = 16 / kElemBytes;
+#pragma unroll 1
+  for (uint32_t i = threadIdx.x % 128; i < 64 * 8; i += 128) {
+    const uint32_t r = i / 8, piece = i % 8, row = row0 + r, col = col0 + piece * kPieceCols;
+    if (row >= e.M || col >= e.N || !row_ok(r)) continue;
+    uint32_t v[4];
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                 : "r"(box_s + r * 128 + ((piece ^ (r % 8)) * 16)));
+    uint4* p = reinterpret_cast<uint4*>(static_cast<uint8_t*>(e.d) + (int64_t(row) * e.ldd + col) * kElemBytes);
+    if (kF32 && e.accumulate) {
+      const float4 old = *reinterpret_cast<const float4*>(p);
+      *reinterpret_cast<float4*>(p) = make_float4(old.x + __uint_as_float(v[0]), old.y + __uint_as_float(v[1]),
+                                                  old.z + __uint_as_float(v[2]), old.w + __uint_as_float(v[3]));
+    } else {
+      *p = make_uint4(v[0], v[1], v[2], v[3]);
     }
   }
 }

@@ -166,6 +166,21 @@ struct RowMask {
   uint32_t clipped;  // the row lies past D's M rows (a TMA store clips it, direct stores skip it)
 };
 
+// Tile row r (D row d_row + r): whether it gets the product, and whether it is the tile's group's.
+template <Grouping kG>
+__device__ __forceinline__ void tile_row(const TileWork& w, const GroupArgs& ga, uint32_t d_row, uint32_t r, uint32_t M,
+                                         bool& product, bool& own) {
+  if constexpr (kG == Grouping::contiguous) {
+    const uint32_t row = d_row + r;
+    const int32_t g = row < M ? __ldg(ga.table + row) : -1;
+    own = r < w.write_rows;  // BM = 192: the tile's rows in its segment
+    product = own && g >= 0 && uint32_t(g) < ga.groups;
+  } else {
+    product = r < w.valid_rows;
+    own = r < w.write_rows;
+  }
+}
+
 template <Grouping kG>
 __device__ __forceinline__ RowMask group_rows(const TileWork& w, const GroupArgs& ga, uint32_t d_row, uint32_t r_frag,
                                               uint32_t M) {
@@ -174,14 +189,7 @@ __device__ __forceinline__ RowMask group_rows(const TileWork& w, const GroupArgs
   for (uint32_t i = 0; i < 2; ++i) {
     const uint32_t r = r_frag + 8 * i, row = d_row + r;
     bool product, own;
-    if constexpr (kG == Grouping::contiguous) {
-      const int32_t g = row < M ? __ldg(ga.table + row) : -1;
-      own = r < w.write_rows;  // BM = 192: the tile's rows in its segment
-      product = own && g >= 0 && uint32_t(g) < ga.groups;
-    } else {
-      product = r < w.valid_rows;
-      own = r < w.write_rows;
-    }
+    tile_row<kG>(w, ga, d_row, r, M, product, own);
     m.product |= uint32_t(product) << i;
     m.own |= uint32_t(own) << i;
     m.clipped |= uint32_t(row >= M) << i;

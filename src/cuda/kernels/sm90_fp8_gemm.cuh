@@ -87,10 +87,13 @@ struct GemmTraits {
   // NOTES: the staging tiles cost pipeline stages (plain 128x128 1d2d: 5 instead of 6); for long K
   // the mainloop matters more than the epilogue, so the host may pick the variant without them.
   static constexpr bool kTmaStoreOk = kTmaEpilogue && kWaves == 1 && BLOCK_N % Staging::kBoxCols == 0;
-  // Dense 1d2d tiles of 128x128 and more with the TMA-store epilogue store D through it only: the
-  // kernel compiles no direct stores (the grouped kernels, which fall back to them tile by tile,
-  // still do), and where D cannot take these TMA stores the host runs direct_gemm_tile() instead
-  // (gemm_heuristics.hpp, staged_only_tile: the same test on the host).
+  // 1d2d tiles of 128x128 and more with the TMA-store epilogue store D through it only: the
+  // kernel compiles no direct stores, and where D cannot take these TMA stores the host runs
+  // direct_gemm_tile() instead (gemm_heuristics.hpp, staged_only_tile: the same test on the host;
+  // tile_for_d in gemm_launch.cuh). Their grouped kernels (contiguous, masked) are given only
+  // 64-row store boxes of all or none of the tile's rows, except for D += on the contiguous GEMM,
+  // where a box may hold padding rows to leave alone: those boxes are copied row by row from the
+  // staging tile (copy_box_rows).
   // NOTES: the direct stores (f32 and bf16 D, D +=, bounds) were ~70% of these kernels' code
   // (128x128/pipe: 6008 SASS instructions, 1384 without), never run with the TMA store, and yet a
   // launch after another kernel ran up to 2 us longer with them (H200, 128x32768x512: 14.9-15.9
@@ -621,7 +624,9 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
           continue;
 
       // Grouped: rows without a product get zeros (or stay untouched when accumulating), rows of
-      // other groups are never written; a 64-row TMA store box is used only when all its rows may be.
+      // other groups are never written; a 64-row TMA store box is used only when all its rows may be
+      // (else the rows that may be are written one by one: from the registers, or where the tile
+      // compiles no direct stores, from the staging tile: copy_box_rows).
       uint32_t rows_ok = 3;  // bit i: this thread's row r_frag + 8*i may be written
       bool box_ok = true;
       if constexpr (kRowGroups) {
@@ -638,7 +643,13 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
           box_ok = __reduce_and_sync(0xffffffffu, uint32_t(ptx::named_barrier_and(1 + wg, 128, mine_ok))) != 0;
       }
 
-      if (T::kTmaStoreOk && args.epi.tma_store && box_ok) {
+      // Staged-only tiles have no direct stores: a box not ok holds no rows to write (the host sees
+      // to that), except where D += may leave padding rows of the contiguous GEMM inside a box:
+      // there the box is staged and its rows to write copied from the staging tile.
+      // NOTES: the copy compiled into the bf16-staged 128x128/pipe kernels (which never accumulate)
+      // made ptxas re-derive the ring's shared addresses in their K loop (SR_CgaCtaId per K block).
+      constexpr bool kMixedBoxes = T::kStagedOnly && kG == Grouping::contiguous && T::kStageF32;
+      if (T::kTmaStoreOk && args.epi.tma_store && (box_ok || kMixedBoxes)) {
         using S = typename T::Staging;
         const bool leader = threadIdx.x % 128 == 0;
         auto stage_and_store = [&](auto pass) {
@@ -660,6 +671,22 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
           ptx::fence_proxy_async_smem();
           ptx::named_barrier_sync(1 + wg, 128);
           const uint32_t row0 = m0 + wg * 64;
+          if constexpr (kMixedBoxes) {
+            if (!box_ok) {
+              auto row_ok = [&](uint32_t r) {
+                bool product, own;
+                tile_row<kG>(work, args.group, m0, wg * 64 + r, args.M, product, own);
+                return own && (product || !args.epi.accumulate);
+              };
+#pragma unroll 1
+              for (int b = 0; b < S::kPassBoxes; ++b)
+                copy_box_rows<T::kStageF32>(stg_s + b * S::kBoxBytes, args.epi, row0,
+                                            n0 + (kPass * S::kPassBoxes + b) * S::kBoxCols, row_ok);
+              // Read before the staging tile (or the held stage) is reused.
+              ptx::named_barrier_sync(1 + wg, 128);
+              return;
+            }
+          }
           if (leader && row0 < args.M) {
 #pragma unroll
             for (int b = 0; b < S::kPassBoxes; ++b) {
@@ -676,7 +703,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
         };
         stage_and_store(std::integral_constant<int, 0>{});
         if constexpr (T::kStagingPasses == 2) stage_and_store(std::integral_constant<int, 1>{});
-      } else if constexpr (!T::kStagedOnly || kRowGroups) {
+      } else if constexpr (!T::kStagedOnly) {
 #pragma unroll
         for (int w = 0; w < W; ++w)
           store_fragment<BLOCK_N>(final_acc[w], args.epi, m0 + w * 128 + r_frag, n0 + c_frag, rows_ok);
