@@ -94,9 +94,10 @@ using Tiles1d2d = std::tuple<TileConfig<64, 16>, TileConfig<64, 32>, TileConfig<
                              TileConfig<256, 128, false>,
                              // Three math warpgroups (dense, and the contiguous grouped GEMM).
                              TileConfig<192, 128>,
-                             // FP32 staging (f32 D), for the large-problem tiles only: 4, 3 and 4 stages.
+                             // FP32 staging (f32 D): the large-problem tiles (4, 3 and 4 stages) and the
+                             // 128x64 of one or two row blocks (7).
                              TileConfig<128, 128, true, 1, true, true>, TileConfig<128, 192, true, 1, false, true>,
-                             TileConfig<192, 128, true, 1, false, true>>;
+                             TileConfig<192, 128, true, 1, false, true>, TileConfig<128, 64, true, 1, false, true>>;
 // NOTES: a 1d1d 128x128 without the FP32 staging tiles (6 stages instead of 4, direct D += stores)
 // measured 0.66-0.80x the staged tile on the Wgrad shapes (H200, 2026-11-30), so it is not compiled.
 // The pipelined mainloop is not compiled for 1d1d: it measured 0.87x the plain tile on the Wgrad
@@ -355,6 +356,13 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     // The FP32-staged variant of the same shape (256x128/direct has no staging tile).
     best.f32_staging = d_f32 && best.tma_epilogue;
   }
+  // f32 D on the 128x64 tile: its FP32-staged variant, whose TMA store (reduce-add for D +=) leaves
+  // the math warpgroups once the tile is staged, where the bf16-staged kernel stores f32 D directly
+  // (read-add-write for D +=). Measured (H200, 2026-12-01, `fp8moe bench gemm --shapes
+  // fprop32+:...`, two runs): D += 128x7168x2048 13.2-13.5 us against 19.2-19.4 (0.76x -> 1.09-1.11x
+  // cuBLASLt), 192x4096x2048 12.9-13.0 against 19.3-19.5, 512x2112x7168 22.3-22.5 against 28.1-28.2;
+  // f32 D without += within 1%.
+  if (!b_1x128 && d_f32 && best.block_m == 128 && best.block_n == 64 && best.tma_epilogue) best.f32_staging = true;
   // Rasterization (dense only): groups of 16 N blocks unless their B row-panels (raster_n x BN x
   // K bytes) would pass 24 MiB, about half the L2; then 8. Measured (H200, 2026-11-30, `fp8moe
   // bench gemm --set m4096` with /r8 and /r32 tiles beside the chosen one, D bit-identical): at

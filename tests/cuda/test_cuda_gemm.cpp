@@ -452,6 +452,8 @@ TEST(CudaGemmHeuristic, F32DGetsTheFp32StagedTiles) {
   EXPECT_EQ(cuda::gemm_tile_stages({128, 192, true, 1, false, true}, false), 3);
   EXPECT_EQ(cuda::gemm_tile_stages({128, 128, true, 1, true}, false), 6);
   EXPECT_EQ(cuda::gemm_tile_stages({128, 192}, false), 4);
+  EXPECT_EQ(cuda::gemm_tile_stages({128, 64, true, 1, false, true}, false), 7);
+  EXPECT_EQ(cuda::gemm_tile_stages({128, 64}, false), 8);
   // Three math warpgroups: bf16 staging, or FP32 staged in two passes of half a tile; 4 stages.
   EXPECT_EQ(cuda::gemm_tile_stages({192, 128}, false), 4);
   EXPECT_EQ(cuda::gemm_tile_stages({192, 128, true, 1, false, true}, false), 4);
@@ -474,14 +476,15 @@ TEST(CudaGemmHeuristic, F32DGetsTheFp32StagedTiles) {
             if (grouped) {
               EXPECT_TRUE(cuda::grouped_tile_ok(tf, b_1x128)) << what;
             }
-            // f32 D: the shape may differ (fewer stages), never the kind of tile below 128x128.
+            // f32 D: the shape may differ (fewer stages), never the kind of tile below 128x128;
+            // 128-row 1d2d tiles of 64 columns and more with a staging tile stage FP32.
             if (!b_1x128 && tb.block_m == 128 && tb.block_n >= 128) {
               EXPECT_TRUE(tf.f32_staging) << what;
             }
             if (b_1x128 || tb.block_m < 128 || tb.block_n < 128) {
               EXPECT_EQ(tf.block_m, tb.block_m) << what;
               EXPECT_EQ(tf.block_n, tb.block_n) << what;
-              EXPECT_FALSE(tf.f32_staging) << what;
+              EXPECT_EQ(tf.f32_staging, !b_1x128 && tb.block_m == 128 && tb.block_n == 64 && tb.tma_epilogue) << what;
             }
           }
   // The model's shared-expert Dgrad: 192x128, staging bf16 or FP32 as D.
