@@ -477,7 +477,7 @@ TEST(CudaGemmHeuristic, F32DGetsTheFp32StagedTiles) {
               EXPECT_TRUE(cuda::grouped_tile_ok(tf, b_1x128)) << what;
             }
             // f32 D: the shape may differ (fewer stages), never the kind of tile below 128x128;
-            // 128-row 1d2d tiles of 64 columns and more with a staging tile stage FP32.
+            // the 128x64 tile with a staging tile stages FP32, as the large ones do.
             if (!b_1x128 && tb.block_m == 128 && tb.block_n >= 128) {
               EXPECT_TRUE(tf.f32_staging) << what;
             }
