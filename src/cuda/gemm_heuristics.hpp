@@ -353,16 +353,19 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     else if (c128t <= c192 && c128t <= c256) best = t128, best.tail_split = s128;
     else if (c192 <= c256) best = t192;
     else best = {256, 128, false, 1, false};
-    // The FP32-staged variant of the same shape (256x128/direct has no staging tile).
-    best.f32_staging = d_f32 && best.tma_epilogue;
   }
-  // f32 D on the 128x64 tile: its FP32-staged variant, whose TMA store (reduce-add for D +=) leaves
-  // the math warpgroups once the tile is staged, where the bf16-staged kernel stores f32 D directly
-  // (read-add-write for D +=). Measured (H200, 2026-12-01, `fp8moe bench gemm --shapes
-  // fprop32+:...`, two runs): D += 128x7168x2048 13.2-13.5 us against 19.2-19.4 (0.76x -> 1.09-1.11x
+  // f32 D (1d2d): the FP32-staged variant of the chosen tile where one is compiled (128x64 and the
+  // large tiles with a staging tile; not 256x128/direct), whose TMA store (reduce-add for D +=)
+  // leaves the math warpgroups once the tile is staged, where a bf16-staged kernel stores f32 D
+  // directly (read-add-write for D +=). Measured on the 128x64 (H200, 2026-12-01, `fp8moe bench
+  // gemm --shapes fprop32+:...`, two runs): D += 128x7168x2048 13.2-13.5 us against 19.2-19.4 (0.76x -> 1.09-1.11x
   // cuBLASLt), 192x4096x2048 12.9-13.0 against 19.3-19.5, 512x2112x7168 22.3-22.5 against 28.1-28.2;
   // f32 D without += within 1%.
-  if (!b_1x128 && d_f32 && best.block_m == 128 && best.block_n == 64 && best.tma_epilogue) best.f32_staging = true;
+  if (!b_1x128 && d_f32)
+    for (const GemmTile& t : gemm_tiles(false))
+      if (t.f32_staging && t.block_m == best.block_m && t.block_n == best.block_n && t.tma_epilogue == best.tma_epilogue &&
+          t.multicast == best.multicast && t.pipelined == best.pipelined)
+        best.f32_staging = true;
   // Rasterization (dense only): groups of 16 N blocks unless their B row-panels (raster_n x BN x
   // K bytes) would pass 24 MiB, about half the L2; then 8. Measured (H200, 2026-11-30, `fp8moe
   // bench gemm --set m4096` with /r8 and /r32 tiles beside the chosen one, D bit-identical): at

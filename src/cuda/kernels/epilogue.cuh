@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "ptx.cuh"
+
 namespace fp8moe::cuda {
 
 struct EpilogueArgs {
@@ -132,17 +134,14 @@ __device__ __forceinline__ void copy_box_rows(uint32_t box_s, const EpilogueArgs
   for (uint32_t i = threadIdx.x % 128; i < 64 * 8; i += 128) {
     const uint32_t r = i / 8, piece = i % 8, row = row0 + r, col = col0 + piece * kPieceCols;
     if (row >= e.M || col >= e.N || !row_ok(r)) continue;
-    uint32_t v[4];
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
-                 : "r"(box_s + r * 128 + ((piece ^ (r % 8)) * 16)));
+    const uint4 v = ptx::lds_b32x4(box_s + r * 128 + ((piece ^ (r % 8)) * 16));
     uint4* p = reinterpret_cast<uint4*>(static_cast<uint8_t*>(e.d) + (int64_t(row) * e.ldd + col) * kElemBytes);
     if (kF32 && e.accumulate) {
       const float4 old = *reinterpret_cast<const float4*>(p);
-      *reinterpret_cast<float4*>(p) = make_float4(old.x + __uint_as_float(v[0]), old.y + __uint_as_float(v[1]),
-                                                  old.z + __uint_as_float(v[2]), old.w + __uint_as_float(v[3]));
+      *reinterpret_cast<float4*>(p) = make_float4(old.x + __uint_as_float(v.x), old.y + __uint_as_float(v.y),
+                                                  old.z + __uint_as_float(v.z), old.w + __uint_as_float(v.w));
     } else {
-      *p = make_uint4(v[0], v[1], v[2], v[3]);
+      *p = v;
     }
   }
 }
