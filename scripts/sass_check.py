@@ -5,7 +5,10 @@ Every instantiation of sm90_fp8_gemm_kernel (dense and grouped, every tile) must
   - use no stack or local memory (a register spill in the mainloop costs the Tensor Cores),
   - read and write shared memory with LDS/STS: no generic LD/ST (their 64-bit address arithmetic
     and the run-time address-space check once cost the Wgrad mainloop ~50 instructions per K block),
-  - contain FP8 WGMMAs (QGMMA),
+  - contain FP8 WGMMAs (QGMMA), issued in batches: four per commit group (one 128-wide K block),
+    so one in four carries the group's scoreboard (gsb0). ptxas serialises them (a wait after
+    every WGMMA, its message C7514 is only "info") when it cannot prove that no other instruction
+    touches an accumulator in flight: then every QGMMA carries gsb0,
   - for every 1d2d mainloop (pipelined and plain) and the 128x128 Wgrad: not read SR_CgaCtaId
     inside the K loop (ptxas re-derived the ring's shared addresses from it before every
     full-barrier wait, a long-latency S2UR on the path from one K block's WGMMAs to the next: the
@@ -106,7 +109,8 @@ def guarded_k_loop(func):
 
 
 def sass_counts(tool, nvdisasm, files):
-    """{function: (generic loads/stores, QGMMAs, WGMMA loops reading SR_CgaCtaId)} of the GEMM kernels."""
+    """{function: (generic loads/stores, QGMMAs, QGMMAs carrying gsb0, WGMMA loops reading SR_CgaCtaId)}
+    of the GEMM kernels."""
     code = {}
     for func, line in kernel_lines(run(tool, ["-sass"] + files, nvdisasm), r"Function\s*:\s*(\S+)"):
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;", line)
@@ -114,7 +118,8 @@ def sass_counts(tool, nvdisasm, files):
             code.setdefault(func, []).append((int(m.group(1), 16), m.group(2)))
     generic = re.compile(r"(^|\s)(LD|ST)(\.E|\.64|\.128|\.U8|\.U16|\.S8|\.S16)*\s")
     return {
-        f: (sum(1 for _, t in c if generic.search(t)), sum(1 for _, t in c if "QGMMA" in t), loops_reading_cta_id(c))
+        f: (sum(1 for _, t in c if generic.search(t)), sum(1 for _, t in c if "QGMMA" in t),
+            sum(1 for _, t in c if "QGMMA" in t and "gsb0" in t), loops_reading_cta_id(c))
         for f, c in code.items()
     }
 
@@ -167,7 +172,7 @@ def main():
     unguarded = 0
     for func in sorted(set(usage) | set(counts)):
         reg, stack, local = usage.get(func, (0, 0, 0))
-        generic, qgmma, loops = counts.get(func, (0, 0, []))
+        generic, qgmma, gsb, loops = counts.get(func, (0, 0, 0, []))
         problems = []
         if stack or local:
             problems.append(f"stack {stack} B, local {local} B (register spills)")
@@ -175,6 +180,8 @@ def main():
             problems.append(f"{generic} generic LD/ST (shared memory reached through a generic pointer)")
         if not qgmma:
             problems.append("no QGMMA (FP8 WGMMA)")
+        elif 2 * gsb > qgmma:
+            problems.append(f"{gsb} of {qgmma} QGMMAs wait for themselves (WGMMAs serialised, ptxas C7514)")
         if loops and guarded_k_loop(func):
             top, end = loops[0]
             problems.append(f"SR_CgaCtaId read in the K loop {top:#x}..{end:#x} (shared addresses re-derived per K block)")

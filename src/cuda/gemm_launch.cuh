@@ -167,6 +167,7 @@ void launch_kernel(const GemmMaps& maps, GemmKernelArgs args, cudaStream_t strea
   const int64_t rows = sched_rows<kG, BM>(args.M, args.group);
   const int64_t units = work_units<kG>(uint32_t((rows + BM * kMC - 1) / (BM * kMC) * ((args.N + BN - 1) / BN)), args.group);
   const int grid = int(std::min<int64_t>(units, device_props().multiProcessorCount / kMC)) * kMC;
+  args.sched = sched_divs(uint32_t(rows), args.N, BM, BN, kMC, args.raster_n);
   // TMA-store epilogue only when D has the staging dtype (the caller checked alignment); else
   // the direct stores (e.g. a 64x64 tile on f32 D). Staged-only tiles have none: tile_for_d gave
   // such a D their direct variant, and a D that reaches one anyway is refused here.

@@ -12,6 +12,7 @@
 #include <string>
 #include <tuple>
 
+#include "cuda/kernels/fast_div.hpp"
 #include "cuda_test_util.hpp"
 #include "fp8moe/codecs.hpp"
 
@@ -607,6 +608,39 @@ TEST(CudaGemmHeuristic, RasterWidthFollowsThePanelSize) {
   for (int64_t K : {128, 2048, 16384, 65536})
     for (bool grouped : {false, true})
       EXPECT_GE(cuda::choose_gemm_tile(4096, 4096, K, false, 132, grouped, false).raster_n, 1);
+}
+
+// The tile scheduler's division by a run-time divisor (multiply-high, add, shift) equals integer
+// division for every numerator below 2^31: small divisors exhaustively over the low numerators,
+// and for powers of two and their neighbours up to 2^31 - 1, random divisors, the numerators
+// next to multiples of the divisor and the largest ones.
+TEST(CudaTileScheduler, FastDivEqualsIntegerDivision) {
+  std::mt19937 rng(7);
+  int64_t mismatches = 0;
+  auto check = [&](uint32_t d) {
+    const cuda::FastDiv f(d);
+    auto one = [&](uint32_t n) {
+      if (f.div(n) != n / d && mismatches++ < 5) ADD_FAILURE() << n << " / " << d << " gave " << f.div(n);
+    };
+    for (uint32_t n = 0; n < 2048; ++n) one(n);
+    for (int i = 0; i < 256; ++i) one(rng() & 0x7fffffffu);
+    for (uint64_t k : {uint64_t(1), uint64_t(2), uint64_t(0x7fffffffu / d)}) {
+      const uint64_t v = k * d;
+      if (v < 0x80000000u) {
+        one(uint32_t(v - 1));
+        one(uint32_t(v));
+        if (v + 1 < 0x80000000u) one(uint32_t(v + 1));
+      }
+    }
+    one(0x7fffffffu);
+  };
+  for (uint32_t d = 1; d <= 4096; ++d) check(d);
+  for (int b = 13; b < 31; ++b)
+    for (int e = -2; e <= 2; ++e) check(uint32_t((1ll << b) + e));
+  for (int i = 0; i < 4096; ++i) check((rng() & 0x7fffffffu) | 1u);
+  check(0x7fffffffu);
+  EXPECT_EQ(cuda::FastDiv(0).div(12345), 12345u);  // divisor 0 is taken as 1
+  EXPECT_EQ(mismatches, 0);
 }
 
 }  // namespace

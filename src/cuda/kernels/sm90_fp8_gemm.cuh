@@ -209,6 +209,7 @@ struct GemmKernelArgs {
   uint32_t M, N, K;     // D rows, D columns (per group), K of the operands (k_grouped: R tokens)
   GroupArgs group;      // grouped kernels only
   uint32_t raster_n;    // N blocks per rasterization group of the tile scheduler (launch_gemm: GemmTile::raster_n)
+  SchedDivs sched;      // the scheduler's divisors (launch_kernel: sched_divs)
 };
 
 template <int BLOCK_M, int BLOCK_N, bool kB1x128, bool kTmaEpilogue, int kMC, bool kPipe, Grouping kG,
@@ -269,7 +270,12 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
   if constexpr (kMC > 1) ptx::cluster_sync();
   else __syncthreads();
 
-  const TileScheduler sched(sched_rows<kG, BLOCK_M>(args.M, args.group), args.N, BLOCK_M, BLOCK_N, kMC, args.raster_n);
+  // A contiguous GEMM of 192-row tiles reads its rows from the group table: its divisors too.
+  const uint32_t rows = sched_rows<kG, BLOCK_M>(args.M, args.group);
+  const TileScheduler sched(rows, args.N, BLOCK_M, BLOCK_N, kMC, args.raster_n,
+                            kG == Grouping::contiguous && BLOCK_M > 128
+                                ? sched_divs(rows, args.N, BLOCK_M, BLOCK_N, kMC, args.raster_n)
+                                : args.sched);
   const uint32_t num_k_blocks = args.K / kBlockK;
   const uint32_t num_units = work_units<kG>(sched.num_tiles, args.group);
   // Grouped rows (contiguous, masked, k_grouped, split_k): tiles resolve their rows from the group
