@@ -37,25 +37,21 @@ __host__ __device__ __forceinline__ SchedDivs sched_divs(uint32_t M, uint32_t N,
 
 struct TileScheduler {
   uint32_t num_m_blocks, num_n_blocks, num_tiles;
-  uint32_t group_n;       // N blocks per rasterization group
-
   uint32_t mc;            // CTAs per cluster sharing B (1 or 2)
-  uint32_t num_m_units;   // ceil(num_m_blocks / mc)
-  SchedDivs divs;         // sched_divs of the same arguments
+  SchedDivs divs;         // sched_divs of the same arguments (divs.width.d: N blocks per rasterization group)
 
   // num_tiles counts units of mc tiles.
   __device__ __forceinline__ TileScheduler(uint32_t M, uint32_t N, uint32_t block_m, uint32_t block_n, uint32_t mc_,
-                                           uint32_t group_n_, const SchedDivs& divs_)
+                                           const SchedDivs& divs_)
       : num_m_blocks((M + block_m - 1) / block_m),
         num_n_blocks((N + block_n - 1) / block_n),
         num_tiles(((num_m_blocks + mc_ - 1) / mc_) * num_n_blocks),
-        group_n(group_n_),
         mc(mc_),
-        num_m_units((num_m_blocks + mc_ - 1) / mc_),
         divs(divs_) {}
 
   // Unit `t` (< num_tiles) and CTA rank -> (m block, n block); m_blk may be a phantom (>= num_m_blocks).
   __device__ __forceinline__ void tile_coords(uint32_t t, uint32_t rank, uint32_t& m_blk, uint32_t& n_blk) const {
+    const uint32_t group_n = divs.width.d;
     const uint32_t group = divs.per_group.div(t);
     const uint32_t first_n = group * group_n;
     const uint32_t in_group = t - group * divs.per_group.d;

@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 
   // A contiguous GEMM of 192-row tiles reads its rows from the group table: its divisors too.
   const uint32_t rows = sched_rows<kG, BLOCK_M>(args.M, args.group);
-  const TileScheduler sched(rows, args.N, BLOCK_M, BLOCK_N, kMC, args.raster_n,
+  const TileScheduler sched(rows, args.N, BLOCK_M, BLOCK_N, kMC,
                             kG == Grouping::contiguous && BLOCK_M > 128
                                 ? sched_divs(rows, args.N, BLOCK_M, BLOCK_N, kMC, args.raster_n)
                                 : args.sched);
