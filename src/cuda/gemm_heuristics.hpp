@@ -105,7 +105,7 @@ using Tiles1d2d = std::tuple<TileConfig<64, 16>, TileConfig<64, 32>, TileConfig<
 // loads and no spills (H200, 2026-12-01, two runs of `--set wgrad`): its promotion reads the
 // per-column s_b from the stage after the next block's WGMMAs are issued.
 using Tiles1d1d = std::tuple<TileConfig<64, 64>, TileConfig<64, 128>, TileConfig<128, 64>, TileConfig<128, 128>,
-                             TileConfig<128, 128, true, 2>>;
+                             TileConfig<128, 128, true, 2>, TileConfig<192, 128>>;
 
 template <class... C>
 std::vector<GemmTile> tile_list(std::tuple<C...>*) {
@@ -239,6 +239,15 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
       best_cost = c;
     }
   }
+  // 1x128 B (Wgrad), dense: the 192x128 tile (three math warpgroups) where it takes fewer waves.
+  // A wave of it takes 1.45x one of 128x128 tiles (3% less per FLOP), fitted to the six Wgrad
+  // shapes (H200, 2026-12-01, `FP8MOE_BENCH_TILES=192x128 fp8moe bench gemm --set wgrad`, three
+  // runs; 192x128 against 128x128): 2112x7168x4096 (5 waves against 8) 1.075x, 24576x1536x4096
+  // (12 / 18) 1.026x, 7168x16384x4096 (37 / 55) 1.020-1.027x; 32768x512x4096 (6 / 8) 0.92x,
+  // 4096x7168x4096 (10 / 14) and 7168x2048x4096 (5 / 7) 0.97x, which the model leaves on 128x128.
+  if (b_1x128 && !grouped && best.block_m == 128 && best.block_n == 128 &&
+      1.45 * double(gemm_waves(M, N, 192, 128, num_sms)) < 0.99 * double(gemm_waves(M, N, 128, 128, num_sms)))
+    best = {192, 128};
   if (best.block_m == 128 && best.block_n == 128) {
     if (!b_1x128 && K >= 4096) best.tma_epilogue = false;
     // NOTES: the multicast variant is correct (tested) but measured 2x slower on H200 (it looked

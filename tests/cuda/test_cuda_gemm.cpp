@@ -458,8 +458,9 @@ TEST(CudaGemmHeuristic, F32DGetsTheFp32StagedTiles) {
   // Three math warpgroups: bf16 staging, or FP32 staged in two passes of half a tile; 4 stages.
   EXPECT_EQ(cuda::gemm_tile_stages({192, 128}, false), 4);
   EXPECT_EQ(cuda::gemm_tile_stages({192, 128, true, 1, false, true}, false), 4);
-  // Wgrad (1d1d): FP32 staging leaves 4 stages.
+  // Wgrad (1d1d): FP32 staging leaves 4 stages (192x128: in two passes of half a tile).
   EXPECT_EQ(cuda::gemm_tile_stages({128, 128}, true), 4);
+  EXPECT_EQ(cuda::gemm_tile_stages({192, 128}, true), 4);
   const int64_t Ms[] = {1, 64, 200, 1000, 4096, 8192};
   const int64_t Ns[] = {16, 136, 1536, 2112, 4096, 7168, 16384};
   const int64_t Ks[] = {128, 512, 2048, 4096, 16384};
@@ -512,6 +513,21 @@ TEST(CudaGemmHeuristic, KSlicesForFewTilesAndLongK) {
   EXPECT_EQ(cuda::choose_gemm_tile(64, 2112, 7168, true, 132, false, false).split_k, 1);      // 1d1d
   EXPECT_EQ(cuda::choose_gemm_tile(64, 2112, 7168, false, 132, true, false).split_k, 1);      // grouped
   EXPECT_FALSE(cuda::grouped_tile_ok(t, false));
+}
+
+// Wgrad: 192x128 where it takes enough fewer waves than 128x128 (measured faster at the first
+// three shapes, slower at the last three); never for the grouped GEMMs.
+TEST(CudaGemmHeuristic, ThreeWarpgroupWgradTileWhereFewerWaves) {
+  for (auto [M, N] : {std::pair<int64_t, int64_t>{2112, 7168}, {24576, 1536}, {7168, 16384}}) {
+    const cuda::GemmTile t = cuda::choose_gemm_tile(M, N, 4096, true, 132, false, false);
+    EXPECT_TRUE(t.block_m == 192 && t.block_n == 128) << M << "x" << N << ": " << cuda::tile_name(t);
+    EXPECT_EQ(cuda::choose_gemm_tile(M, N, 4096, true, 132, true, false).block_m, 128);
+  }
+  for (auto [M, N] : {std::pair<int64_t, int64_t>{32768, 512}, {4096, 7168}, {7168, 2048}}) {
+    const cuda::GemmTile t = cuda::choose_gemm_tile(M, N, 4096, true, 132, false, false);
+    EXPECT_EQ(cuda::tile_name(t), "128x128") << M << "x" << N;
+  }
+  EXPECT_NE(cuda::choose_gemm_tile(512, 512, 4096, true, 132, false, false).block_m, 192);  // one wave either way
 }
 
 TEST(CudaGemmHeuristic, ThreeWarpgroupTileForShortK) {

@@ -112,8 +112,8 @@ struct GemmTraits {
 
   static_assert(BLOCK_M == 64 || BLOCK_M == 128 || BLOCK_M == 192 || BLOCK_M == 256,
                 "BLOCK_M: 64, 128, 192 (three math warpgroups) or 256 (two waves)");
-  static_assert(kNumMathWG < 3 || (!kB1x128 && !kPipe && kMC == 1 && BLOCK_N <= 128),
-                "three math warpgroups: 1d2d, one accumulator set of at most 128 columns (160 registers)");
+  static_assert(kNumMathWG < 3 || (!kPipe && kMC == 1 && BLOCK_N <= 128),
+                "three math warpgroups: one accumulator set of at most 128 columns (160 registers)");
   // setmaxnreg.inc takes registers from the CTA's pool, which holds what the launch allocated:
   // the per-thread count ptxas gives a 1-CTA kernel of kNumThreads threads (65536 / kNumThreads,
   // rounded down to a multiple of 8: 168 for 384 threads, 128 for 512) times kNumThreads.
@@ -564,8 +564,12 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
               sa1[w] = smem_sa[stage * BLOCK_M + w * 128 + r_frag + 8];
             }
           }
-          float sbc[kB1x128 ? BLOCK_N / 4 : 1];  // 1d1d: s_b of columns 8j + c_frag + {0, 1}
-          if constexpr (kB1x128) {
+          // 1d1d on three math warpgroups: s_b read during the promotion, and the stage released
+          // after it. NOTES: held in registers across the WGMMAs (32 of them), as with two
+          // warpgroups, the s_b spilled (72 bytes of stack) at 160 registers.
+          constexpr bool kLateSb = kB1x128 && T::kNumMathWG == 3;
+          float sbc[kB1x128 && !kLateSb ? BLOCK_N / 4 : 1];  // 1d1d: s_b of columns 8j + c_frag + {0, 1}
+          if constexpr (kB1x128 && !kLateSb) {
 #pragma unroll
             for (int j = 0; j < BLOCK_N / 8; ++j) {
               const float2 v = *reinterpret_cast<const float2*>(&smem_sb[stage * BLOCK_N + 8 * j + c_frag]);
@@ -577,7 +581,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 #pragma unroll
           for (int w = 0; w < W; ++w) {
             issue(stage, w, acc);
-            if constexpr (kB1x128) {
+            if constexpr (kB1x128 && !kLateSb) {
               // NOTES: the 64 scale products s_a * s_b do not depend on the WGMMAs, and the
               // compiler placed them before the WGMMA issue, holding it back by 64 FMULs per K
               // block; the fence pins them behind the issue, where they overlap the Tensor Cores.
@@ -593,7 +597,7 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 #pragma unroll
             for (int i = 0; i < kNumAccum; ++i) ptx::fence_operand(acc[i]);
 
-            if (w == W - 1) {
+            auto advance = [&] {
               release(stage);
               if (++stage == STAGES) {
                 stage = 0, phase ^= 1;
@@ -604,11 +608,22 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
               } else if constexpr (kCarry) {
                 c_bar += 8, c_a += T::kSmemA, c_b += T::kSmemB, c_sa += T::kSmemSA, c_sb += T::kSmemSB;
               }
-            }
+            };
+            if (!kLateSb && w == W - 1) advance();
 
             // Promotion: final += (s_a * s_b) * acc, in FP32 on the CUDA cores.
             float(&fa)[kNumAccum] = final_acc[w];
-            if constexpr (kB1x128) {
+            if constexpr (kLateSb) {
+#pragma unroll
+              for (int j = 0; j < BLOCK_N / 8; ++j) {
+                const float2 v = *reinterpret_cast<const float2*>(&smem_sb[stage * BLOCK_N + 8 * j + c_frag]);
+                fa[4 * j + 0] = fmaf(sa0[w] * v.x, acc[4 * j + 0], fa[4 * j + 0]);
+                fa[4 * j + 1] = fmaf(sa0[w] * v.y, acc[4 * j + 1], fa[4 * j + 1]);
+                fa[4 * j + 2] = fmaf(sa1[w] * v.x, acc[4 * j + 2], fa[4 * j + 2]);
+                fa[4 * j + 3] = fmaf(sa1[w] * v.y, acc[4 * j + 3], fa[4 * j + 3]);
+              }
+              if (w == W - 1) advance();
+            } else if constexpr (kB1x128) {
 #pragma unroll
               for (int j = 0; j < BLOCK_N / 8; ++j) {
                 fa[4 * j + 0] = fmaf(sa0[w] * sbc[2 * j], acc[4 * j + 0], fa[4 * j + 0]);
