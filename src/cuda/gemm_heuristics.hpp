@@ -9,6 +9,7 @@
 // for short K), 192x128 (three math warpgroups: short K) or 256x128; for f32 D the FP32-staged
 // variants of the first three; for bf16 D and long K, with the tiles past the last full wave in K
 // slices (GemmTile::tail_split). M <= 64 with few tiles and long K takes K slices on 64x64.
+// The dense Wgrad (1x128 B) takes 192x128 over 128x128 where it needs enough fewer waves.
 #pragma once
 #include <algorithm>
 #include <cmath>
