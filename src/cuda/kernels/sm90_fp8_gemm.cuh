@@ -568,11 +568,15 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
           // after it. NOTES: held in registers across the WGMMAs (32 of them), as with two
           // warpgroups, the s_b spilled (72 bytes of stack) at 160 registers.
           constexpr bool kLateSb = kB1x128 && T::kNumMathWG == 3;
-          float sbc[kB1x128 && !kLateSb ? BLOCK_N / 4 : 1];  // 1d1d: s_b of columns 8j + c_frag + {0, 1}
+          // 1d1d: s_b of columns 8j + c_frag + {0, 1}, from the stage.
+          auto stage_sb = [&](int j) {
+            return *reinterpret_cast<const float2*>(&smem_sb[stage * BLOCK_N + 8 * j + c_frag]);
+          };
+          float sbc[kB1x128 && !kLateSb ? BLOCK_N / 4 : 1];  // stage_sb(j) in 2j, 2j + 1
           if constexpr (kB1x128 && !kLateSb) {
 #pragma unroll
             for (int j = 0; j < BLOCK_N / 8; ++j) {
-              const float2 v = *reinterpret_cast<const float2*>(&smem_sb[stage * BLOCK_N + 8 * j + c_frag]);
+              const float2 v = stage_sb(j);
               sbc[2 * j] = v.x;
               sbc[2 * j + 1] = v.y;
             }
@@ -613,24 +617,16 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
 
             // Promotion: final += (s_a * s_b) * acc, in FP32 on the CUDA cores.
             float(&fa)[kNumAccum] = final_acc[w];
-            if constexpr (kLateSb) {
+            if constexpr (kB1x128) {
 #pragma unroll
               for (int j = 0; j < BLOCK_N / 8; ++j) {
-                const float2 v = *reinterpret_cast<const float2*>(&smem_sb[stage * BLOCK_N + 8 * j + c_frag]);
+                const float2 v = kLateSb ? stage_sb(j) : make_float2(sbc[2 * j], sbc[2 * j + 1]);
                 fa[4 * j + 0] = fmaf(sa0[w] * v.x, acc[4 * j + 0], fa[4 * j + 0]);
                 fa[4 * j + 1] = fmaf(sa0[w] * v.y, acc[4 * j + 1], fa[4 * j + 1]);
                 fa[4 * j + 2] = fmaf(sa1[w] * v.x, acc[4 * j + 2], fa[4 * j + 2]);
                 fa[4 * j + 3] = fmaf(sa1[w] * v.y, acc[4 * j + 3], fa[4 * j + 3]);
               }
-              if (w == W - 1) advance();
-            } else if constexpr (kB1x128) {
-#pragma unroll
-              for (int j = 0; j < BLOCK_N / 8; ++j) {
-                fa[4 * j + 0] = fmaf(sa0[w] * sbc[2 * j], acc[4 * j + 0], fa[4 * j + 0]);
-                fa[4 * j + 1] = fmaf(sa0[w] * sbc[2 * j + 1], acc[4 * j + 1], fa[4 * j + 1]);
-                fa[4 * j + 2] = fmaf(sa1[w] * sbc[2 * j], acc[4 * j + 2], fa[4 * j + 2]);
-                fa[4 * j + 3] = fmaf(sa1[w] * sbc[2 * j + 1], acc[4 * j + 3], fa[4 * j + 3]);
-              }
+              if (kLateSb && w == W - 1) advance();
             } else {
               promote_1d2d_at(bnd, fa, acc, sa0[w], sa1[w], sb0, sb1);
             }
