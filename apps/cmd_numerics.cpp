@@ -143,7 +143,7 @@ void accum_hardware_command(const AccumArgs& args) {
   const auto [ks, ncs] = accum_grid(args);
   auto be = make_cuda_backend();
   auto device_copy = [&](const Tensor& h) {
-    Tensor t = be->empty(h.dtype(), {h.size(0), h.size(1)});
+    Tensor t = be->zeros(h.dtype(), {h.size(0), h.size(1)});
     be->copy(t.view(), h.view());
     return t;
   };
@@ -164,7 +164,7 @@ void accum_hardware_command(const AccumArgs& args) {
     const std::vector<double> exact = dequantized_product(a, b);
     const QuantizedTensor ad{device_copy(a.values), device_copy(a.scales), a.kind};
     const QuantizedTensor bd{device_copy(b.values), device_copy(b.scales), b.kind};
-    Tensor d = be->empty(DType::f32, {M, N});
+    Tensor d = be->zeros(DType::f32, {M, N});
     auto host_floats = [&] {
       Tensor h = be->to_host(d);
       return std::vector<float>(h.ptr<float>(), h.ptr<float>() + M * N);

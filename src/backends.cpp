@@ -57,7 +57,7 @@ std::string_view op_name(Op op) {
 
 QuantizedTensor Backend::empty_quantized(int64_t rows, int64_t cols, DType dtype, ScaleKind kind) {
   auto ss = scale_shape(kind, rows, cols);
-  return {uninitialized(dtype, {rows, cols}), uninitialized(DType::f32, {ss[0], ss[1]}), kind};
+  return {empty(dtype, {rows, cols}), empty(DType::f32, {ss[0], ss[1]}), kind};
 }
 
 void Backend::quantize_1x128_and_128x1(const TensorView& x, const QuantizedView& rows, const QuantizedView& cols,
@@ -70,7 +70,7 @@ void Backend::quantize_1x128_and_128x1(const TensorView& x, const QuantizedView&
 // A copy from a zero-filled tensor: correct on any backend, one pass slower than a memset.
 void Backend::zero(const TensorView& dst) {
   FP8MOE_CHECK(dst.is_contiguous(), "zero: " << dst.str() << " is not contiguous");
-  const Tensor z = empty(DType::u8, {int64_t(dst.nbytes())});
+  const Tensor z = zeros(DType::u8, {int64_t(dst.nbytes())});
   copy(TensorView(dst.data, DType::u8, {int64_t(dst.nbytes())}, dst.device), z.view());
 }
 
@@ -120,7 +120,7 @@ void Backend::swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView
   const int64_t T = dout.size(0), F = dout.size(1);
   for (auto [q, name] : {std::pair{&gate, "gate"}, {&up, "up"}})
     check_covers_rows(*q, "swiglu_backward_fp8", name, T, F, "dout " + dout.str());
-  Tensor g = uninitialized(DType::f32, {gate.rows(), F}), u = uninitialized(DType::f32, {up.rows(), F});
+  Tensor g = empty(DType::f32, {gate.rows(), F}), u = empty(DType::f32, {up.rows(), F});
   dequantize(gate, g.view());
   dequantize(up, u.view());
   const TensorView gv(g.view().data, DType::f32, {T, F}, device()), uv(u.view().data, DType::f32, {T, F}, device());
@@ -133,7 +133,7 @@ void Backend::rmsnorm_forward_fp8(const TensorView& x, const TensorView& w, cons
   FP8MOE_CHECK(x.ndim == 2, "rmsnorm_forward_fp8: x must be 2-D, got " << x.str());
   const int64_t T = x.size(0), D = x.size(1);
   check_covers_rows(out, "rmsnorm_forward_fp8", "out", T, D, "x " + x.str());
-  Tensor y = out.rows() == T ? uninitialized(x.dtype, {T, D}) : empty(x.dtype, {out.rows(), D});
+  Tensor y = out.rows() == T ? empty(x.dtype, {T, D}) : zeros(x.dtype, {out.rows(), D});
   rmsnorm_forward(x, w, TensorView(y.view().data, x.dtype, {T, D}, device()), rstd, eps);
   quantize_1x128(y.view(), out, mode);
 }
@@ -146,7 +146,7 @@ void Backend::swiglu_forward_fp8(const TensorView& gate, const TensorView& up, c
   check_covers_rows(out, "swiglu_forward_fp8", "out", T, F, "gate " + gate.str());
   quantize_1x128(gate, gq, mode);
   quantize_1x128(up, uq, mode);
-  Tensor a = out.rows() == T ? uninitialized(gate.dtype, {T, F}) : empty(gate.dtype, {out.rows(), F});
+  Tensor a = out.rows() == T ? empty(gate.dtype, {T, F}) : zeros(gate.dtype, {out.rows(), F});
   swiglu_forward(gate, up, TensorView(a.view().data, gate.dtype, {T, F}, device()));
   quantize_1x128(a.view(), out, mode);
 }

@@ -12,6 +12,7 @@
 
 #include "fp8moe/gemm_ref.hpp"
 #include "fp8moe/quantize.hpp"
+#include "fp8moe/stream.hpp"
 
 namespace fp8moe {
 
@@ -71,12 +72,25 @@ class Backend {
   virtual Device device() const = 0;
   virtual bool supports(Op op) const = 0;
 
-  // Memory: a zero-filled tensor on this backend's device; copies between any two devices.
-  virtual Tensor empty(DType dtype, std::initializer_list<int64_t> shape) = 0;
+  // ---- Streams (stream.hpp). Every op is enqueued on the current stream, which starts as the
+  // backend's own compute stream; no op makes the host wait unless its contract says so (host
+  // read-backs: to_host, sum_squares, synchronize). Work on two streams is ordered only by events.
+  // A tensor allocated on one stream and used on another must stay alive (or the allocating
+  // stream must wait for an event recorded after its last use) until that use has run.
+  virtual Stream stream() const { return {}; }
+  // Another stream on this backend's device (communication, copies), and a fresh event.
+  virtual Stream new_stream() { return {}; }
+  virtual Event new_event() { return {}; }
+  // Ops after this call go to `s` (a stream of this backend's device). StreamScope below restores.
+  virtual void set_stream(const Stream&) {}
+
+  // Memory: names as in torch and numpy: `zeros` is filled with zeros, `empty` is not. Copies
+  // between any two devices, ordered on the current stream.
+  virtual Tensor zeros(DType dtype, std::initializer_list<int64_t> shape) = 0;
   // A tensor for an op to overwrite whole (a quantizer's output, a conversion's): no zero fill on
-  // a GPU. The CPU backend fills it with 0xFF bytes (NaN in every float format, FP8 included), so
+  // a GPU (the steady state takes it from a cache, no cudaMalloc). The CPU backend fills it with 0xFF bytes (NaN in every float format, FP8 included), so
   // a read before the write shows in its tests.
-  virtual Tensor uninitialized(DType dtype, std::initializer_list<int64_t> shape) { return empty(dtype, shape); }
+  virtual Tensor empty(DType dtype, std::initializer_list<int64_t> shape) { return zeros(dtype, shape); }
   virtual void copy(const TensorView& dst, const TensorView& src) = 0;
   // Every byte of a contiguous tensor set to zero, in place (the gradients before a step).
   virtual void zero(const TensorView& dst);
@@ -278,6 +292,19 @@ class Backend {
   virtual double sum_squares(const TensorView& x);
   // The sum over all of xs (in order), with one host synchronization where the backend can.
   virtual double sum_squares_all(const std::vector<TensorView>& xs);
+};
+
+// Runs the ops of a scope on another stream: { StreamScope on_comm(be, comm); be.copy(...); }
+class StreamScope {
+ public:
+  StreamScope(Backend& be, const Stream& s) : be_(be), prev_(be.stream()) { be_.set_stream(s); }
+  ~StreamScope() { be_.set_stream(prev_); }
+  StreamScope(const StreamScope&) = delete;
+  StreamScope& operator=(const StreamScope&) = delete;
+
+ private:
+  Backend& be_;
+  Stream prev_;
 };
 
 // Rows of the expert-sorted layout that always suffice: every segment padded to align.

@@ -24,8 +24,8 @@ class CpuBackend final : public Backend {
 
   // The backend's tensors are counted while they live, so that device_memory_peak() measures what
   // a recipe allocates the way the CUDA pool's high-water mark does on a GPU.
-  Tensor empty(DType dtype, std::initializer_list<int64_t> shape) override { return allocate(dtype, shape, false); }
-  Tensor uninitialized(DType dtype, std::initializer_list<int64_t> shape) override {
+  Tensor zeros(DType dtype, std::initializer_list<int64_t> shape) override { return allocate(dtype, shape, false); }
+  Tensor empty(DType dtype, std::initializer_list<int64_t> shape) override {
     return allocate(dtype, shape, true);
   }
   // Bytes of this backend's live tensors (host memory), and their high-water mark.
@@ -199,7 +199,7 @@ class CpuBackend final : public Backend {
 
  private:
   // A counted host tensor: zero-filled, or filled with 0xFF bytes (NaN in every float format) for
-  // uninitialized(), so that an op reading what nobody wrote yields NaN in the tests.
+  // empty(), so that an op reading what nobody wrote yields NaN in the tests.
   Tensor allocate(DType dtype, std::initializer_list<int64_t> shape, bool poison) {
     struct Counted {
       Tensor t;

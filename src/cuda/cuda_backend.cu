@@ -186,12 +186,12 @@ class CudaBackend final : public Backend {
   Device device() const override { return Device::cuda; }
   bool supports(Op) const override { return true; }
 
-  Tensor empty(DType dtype, std::initializer_list<int64_t> shape) override {
-    FP8MOE_TIMED_OP("empty");
+  Tensor zeros(DType dtype, std::initializer_list<int64_t> shape) override {
+    FP8MOE_TIMED_OP("zeros");
     return allocate(dtype, shape, true);
   }
-  Tensor uninitialized(DType dtype, std::initializer_list<int64_t> shape) override {
-    FP8MOE_TIMED_OP("uninitialized");
+  Tensor empty(DType dtype, std::initializer_list<int64_t> shape) override {
+    FP8MOE_TIMED_OP("empty");
     return allocate(dtype, shape, false);
   }
 

@@ -63,14 +63,14 @@ class AttentionLayer final : public Layer {
   // Q, K, V [T, H, *] with RoPE applied.
   void build_qkv(const Batch& b, State& s, Tensor& Q, Tensor& K, Tensor& V) {
     const int64_t T = s.x.size(0);
-    Q = c_.uninit({T, H_, dqk_});
-    K = c_.uninit({T, H_, dqk_});
-    V = c_.uninit({T, H_, dv_});
+    Q = c_.empty({T, H_, dqk_});
+    K = c_.empty({T, H_, dqk_});
+    V = c_.empty({T, H_, dv_});
     linear_forward(c_, q_a_ ? s.cqn : s.h, *q_b_, reshaped(Q, {T, H_ * dqk_}), c_.recipe.linear);
     c_.be.rope(Q.view(), dn_, dr_, b.positions.view(), c_.cfg.rope_theta, false);
-    Tensor kv = c_.uninit({T, H_ * (dn_ + dv_)});
+    Tensor kv = c_.empty({T, H_ * (dn_ + dv_)});
     linear_forward(c_, s.ckvn, *kv_b_, kv, c_.recipe.linear);
-    Tensor kpe = c_.uninit({T, 1, dr_});  // shared RoPE key
+    Tensor kpe = c_.empty({T, 1, dr_});  // shared RoPE key
     c_.be.copy_cols(s.ckv.view(), rkv_, reshape(kpe.view(), {T, dr_}), 0, dr_, false);
     c_.be.rope(kpe.view(), 0, dr_, b.positions.view(), c_.cfg.rope_theta, false);
     // Every head's k_nope and v in one copy each: kv [T, H*(dn+dv)] is [T*H, dn+dv] row-major,
@@ -79,7 +79,7 @@ class AttentionLayer final : public Layer {
     c_.be.copy_cols(kvh, 0, reshape(K.view(), {T * H_, dqk_}), 0, dn_, false);
     c_.be.copy_cols(kvh, dn_, reshape(V.view(), {T * H_, dv_}), 0, dv_, false);
     // The shared RoPE key into every head: kpe's row t repeated for rows t*H + h, then one copy.
-    Tensor kpe_heads = c_.uninit({T * H_, dr_});
+    Tensor kpe_heads = c_.empty({T * H_, dr_});
     c_.be.gather_rows(reshape(kpe.view(), {T, dr_}), head_rows(T).view(), TensorView(), kpe_heads.view());
     c_.be.copy_cols(kpe_heads.view(), 0, reshape(K.view(), {T * H_, dqk_}), dn_, dr_, false);
   }
@@ -99,31 +99,31 @@ class AttentionLayer final : public Layer {
     const int64_t T = x.size(0), D = x.size(1);
     const ScaleMode sm = c_.recipe.scale_mode;
     s->x = x;
-    s->rstd = c_.uninit({T});
+    s->rstd = c_.empty({T});
     s->h = rmsnorm_linear_input(c_, x, *norm_, s->rstd, sm);
     if (q_a_) {
       const int64_t rq = q_a_->weight.size(0);
-      s->cq = c_.uninit({T, rq});
+      s->cq = c_.empty({T, rq});
       linear_forward(c_, s->h, *q_a_, s->cq, c_.recipe.linear);
-      s->rstd_q = c_.uninit({T});
+      s->rstd_q = c_.empty({T});
       s->cqn = rmsnorm_linear_input(c_, s->cq, *q_a_norm_, s->rstd_q, sm);
     }
-    s->ckv = c_.uninit({T, rkv_ + dr_});
+    s->ckv = c_.empty({T, rkv_ + dr_});
     linear_forward(c_, s->h, *kv_a_, s->ckv, c_.recipe.linear);
-    Tensor ckv_c = c_.uninit({T, rkv_});
+    Tensor ckv_c = c_.empty({T, rkv_});
     c_.be.copy_cols(s->ckv.view(), 0, ckv_c.view(), 0, rkv_, false);
-    s->rstd_kv = c_.uninit({T});
+    s->rstd_kv = c_.empty({T});
     s->ckvn = rmsnorm_linear_input(c_, ckv_c, *kv_a_norm_, s->rstd_kv, sm);
 
     Tensor Q, K, V;
     build_qkv(b, *s, Q, K, V);
-    Tensor O = c_.uninit({T, H_, dv_});
-    s->lse = c_.uninit({H_, T});
+    Tensor O = c_.empty({T, H_, dv_});
+    s->lse = c_.empty({H_, T});
     c_.be.attention_forward(Q.view(), K.view(), V.view(), O.view(), s->lse.view(), b.seq, scale_,
                            c_.recipe.attn_compute);
     // The attention-out Linear input: E5M6 with power-of-two scales in the FP8 recipes.
     s->o = linear_input(c_, reshape(O.view(), {T, H_ * dv_}), c_.recipe.pow2_mode, c_.recipe.attn_out_cache);
-    Tensor out = c_.uninit({T, D});
+    Tensor out = c_.empty({T, D});
     linear_forward(c_, s->o, *o_, out, c_.recipe.linear);
     c_.be.axpy(1.0, x.view(), 1.0, out.view());  // the residual, into the sublayer output
     y = out;
@@ -149,19 +149,19 @@ class AttentionLayer final : public Layer {
     auto& s = static_cast<State&>(saved);
     const int64_t T = dy.size(0), D = dy.size(1);
     const LinearPrecision prec = c_.recipe.linear;
-    Tensor dO = c_.uninit({T, H_, dv_});
+    Tensor dO = c_.empty({T, H_, dv_});
     s.dy = linear_backward_input(c_, dy, *o_, reshaped(dO, {T, H_ * dv_}), false, prec);
     Tensor Q, K, V;
     build_qkv(b, s, Q, K, V);  // recomputation of the up-projections
     Tensor O = s.o.restore(c_);  // [T, H*dv]
-    Tensor dQ = c_.uninit({T, H_, dqk_}), dK = c_.uninit({T, H_, dqk_}), dV = c_.uninit({T, H_, dv_});
+    Tensor dQ = c_.empty({T, H_, dqk_}), dK = c_.empty({T, H_, dqk_}), dV = c_.empty({T, H_, dv_});
     c_.be.attention_backward(Q.view(), K.view(), V.view(), reshape(O.view(), {T, H_, dv_}), s.lse.view(), dO.view(),
                              dQ.view(), dK.view(), dV.view(), b.seq, scale_, c_.recipe.attn_compute);
     // RoPE backward: the inverse rotation of the gradient.
     c_.be.rope(dQ.view(), dn_, dr_, b.positions.view(), c_.cfg.rope_theta, true);
-    Tensor dq = c_.uninit({T, H_ * dqk_});
+    Tensor dq = c_.empty({T, H_ * dqk_});
     c_.be.copy(dq.view(), reshape(dQ.view(), {T, H_ * dqk_}));
-    Tensor dkv = c_.uninit({T, H_ * (dn_ + dv_)});
+    Tensor dkv = c_.empty({T, H_ * (dn_ + dv_)});
     Tensor dkpe = c_.zeros({T, 1, dr_});  // zero-filled: the heads' gradients accumulate into it
     // dkv [T*H, dn+dv] = [dK's k_nope | dV] of every head, one copy each.
     const TensorView dkvh = reshape(dkv.view(), {T * H_, dn_ + dv_});
@@ -172,26 +172,26 @@ class AttentionLayer final : public Layer {
       c_.be.copy_cols(dK2, h * dqk_ + dn_, dkpe2, 0, dr_, true);  // the shared key sums over heads
     c_.be.rope(dkpe.view(), 0, dr_, b.positions.view(), c_.cfg.rope_theta, true);
 
-    s.dh = c_.uninit({T, D});  // written by the first Dgrad below, then accumulated into
+    s.dh = c_.empty({T, D});  // written by the first Dgrad below, then accumulated into
     if (q_a_) {
       const int64_t rq = q_a_->weight.size(0);
-      s.dcqn = c_.uninit({T, rq});
+      s.dcqn = c_.empty({T, rq});
       s.dq = linear_backward_input(c_, dq, *q_b_, s.dcqn, false, prec);
-      Tensor dcq = c_.uninit({T, rq});
+      Tensor dcq = c_.empty({T, rq});
       c_.be.rmsnorm_backward(s.cq.view(), q_a_norm_->weight.view(), s.rstd_q.view(), s.dcqn.view(), dcq.view(),
                              TensorView(), false);
       s.dcq = linear_backward_input(c_, dcq, *q_a_, s.dh, false, prec);
     } else {
       s.dq = linear_backward_input(c_, dq, *q_b_, s.dh, false, prec);
     }
-    s.dckvn = c_.uninit({T, rkv_});
+    s.dckvn = c_.empty({T, rkv_});
     s.dkv = linear_backward_input(c_, dkv, *kv_b_, s.dckvn, false, prec);
-    Tensor ckv_c = c_.uninit({T, rkv_});
+    Tensor ckv_c = c_.empty({T, rkv_});
     c_.be.copy_cols(s.ckv.view(), 0, ckv_c.view(), 0, rkv_, false);
-    Tensor dckv_c = c_.uninit({T, rkv_});
+    Tensor dckv_c = c_.empty({T, rkv_});
     c_.be.rmsnorm_backward(ckv_c.view(), kv_a_norm_->weight.view(), s.rstd_kv.view(), s.dckvn.view(), dckv_c.view(),
                            TensorView(), false);
-    Tensor dckv = c_.uninit({T, rkv_ + dr_});
+    Tensor dckv = c_.empty({T, rkv_ + dr_});
     c_.be.copy_cols(dckv_c.view(), 0, dckv.view(), 0, rkv_, false);
     c_.be.copy_cols(dkpe2, 0, dckv.view(), rkv_, dr_, false);
     s.dckv = linear_backward_input(c_, dckv, *kv_a_, s.dh, true, prec);
@@ -213,7 +213,7 @@ class AttentionLayer final : public Layer {
     }
     linear_backward_weight(c_, s.ckvn, s.dkv, *kv_b_, prec);
     const int64_t T = s.x.size(0);
-    Tensor ckv_c = c_.uninit({T, rkv_});
+    Tensor ckv_c = c_.empty({T, rkv_});
     c_.be.copy_cols(s.ckv.view(), 0, ckv_c.view(), 0, rkv_, false);
     c_.be.rmsnorm_backward(ckv_c.view(), kv_a_norm_->weight.view(), s.rstd_kv.view(), s.dckvn.view(), TensorView(),
                            kv_a_norm_->grad.view(), false);

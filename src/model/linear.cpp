@@ -39,7 +39,7 @@ namespace {
 // A tensor of the backend with t's dtype and shape, zero-filled or not.
 Tensor alloc_like(Backend& be, const TensorView& t, bool zero, const char* what) {
   const auto make = [&](std::initializer_list<int64_t> shape) {
-    return zero ? be.empty(t.dtype, shape) : be.uninitialized(t.dtype, shape);
+    return zero ? be.zeros(t.dtype, shape) : be.empty(t.dtype, shape);
   };
   switch (t.ndim) {
     case 1: return make({t.shape[0]});
@@ -53,11 +53,11 @@ Tensor alloc_like(Backend& be, const TensorView& t, bool zero, const char* what)
 
 }  // namespace
 
-Tensor empty_like(Backend& be, const TensorView& t) { return alloc_like(be, t, true, "empty_like"); }
-Tensor uninitialized_like(Backend& be, const TensorView& t) { return alloc_like(be, t, false, "uninitialized_like"); }
+Tensor zeros_like(Backend& be, const TensorView& t) { return alloc_like(be, t, true, "zeros_like"); }
+Tensor empty_like(Backend& be, const TensorView& t) { return alloc_like(be, t, false, "empty_like"); }
 
 Tensor clone(Ctx& c, const TensorView& t) {
-  Tensor o = uninitialized_like(c.be, t);
+  Tensor o = empty_like(c.be, t);
   c.be.copy(o.view(), t);
   return o;
 }
@@ -84,7 +84,7 @@ MemoryItem account_item(const std::string& layer, const std::string& name, const
 }
 
 Tensor to_bf16(Ctx& c, const TensorView& x) {
-  Tensor o = c.be.uninitialized(DType::bf16, {x.size(0), x.size(1)});
+  Tensor o = c.be.empty(DType::bf16, {x.size(0), x.size(1)});
   c.be.convert(x, o.view());
   return o;
 }
@@ -117,7 +117,7 @@ void quant_weight(Ctx& c, const TensorView& w, const QuantizedView& out) {  // 1
 void quant_tokens(Ctx& c, const TensorView& x, const QuantizedView& out, ScaleMode m) {  // x [T, C] -> [C, T]
   if (c.recipe.per_tensor) {
     require_cpu_for_per_tensor(c);
-    Tensor xt = c.be.uninitialized(x.dtype, {x.size(1), x.size(0)});
+    Tensor xt = c.be.empty(x.dtype, {x.size(1), x.size(0)});
     c.be.transpose(x, xt.view());
     quantize_per_tensor(xt.view(), out, m);
   } else {
@@ -130,7 +130,7 @@ void quant_tokens(Ctx& c, const TensorView& x, const QuantizedView& out, ScaleMo
 // any E4M3 tile with a normal amax), at half the bytes of FP32.
 Tensor dequantized(Ctx& c, const QuantizedView& in, ScaleMode mode) {
   const bool exact_in_bf16 = in.values.dtype == DType::e5m6 && mode == ScaleMode::pow2;
-  Tensor x = c.be.uninitialized(exact_in_bf16 ? DType::bf16 : DType::f32, {in.rows(), in.cols()});
+  Tensor x = c.be.empty(exact_in_bf16 ? DType::bf16 : DType::f32, {in.rows(), in.cols()});
   c.be.dequantize(in, x.view());
   return x;
 }
@@ -151,7 +151,7 @@ void requant_tokens(Ctx& c, const QuantizedView& in, const QuantizedView& out) {
 // must be zero: the zero fill of `empty` stays.
 Tensor pad_rows(Ctx& c, const Tensor& x, int64_t rows) {
   if (x.size(0) == rows) return x;
-  Tensor o = c.be.empty(x.dtype(), {rows, x.size(1)});
+  Tensor o = c.be.zeros(x.dtype(), {rows, x.size(1)});
   c.be.copy(rows_view(o.view(), 0, x.size(0)), x.view());
   return o;
 }
@@ -159,7 +159,7 @@ Tensor pad_rows(Ctx& c, const Tensor& x, int64_t rows) {
 // x [R, C] padded with zero columns to [R, cols] (zero fill kept, as in pad_rows).
 Tensor pad_cols(Ctx& c, const Tensor& x, int64_t cols) {
   if (x.size(1) == cols) return x;
-  Tensor o = c.be.empty(x.dtype(), {x.size(0), cols});
+  Tensor o = c.be.zeros(x.dtype(), {x.size(0), cols});
   c.be.copy_cols(x.view(), 0, o.view(), 0, x.size(1), false);
   return o;
 }
@@ -201,7 +201,7 @@ Cached cache_activation(Ctx& c, const TensorView& x, DType qdtype, ScaleMode mod
     case LinearPrecision::fp8: {
       const int64_t rows = pad ? round_up(k.rows, kQuantGroup) : k.rows;
       // Zero-filled: the padding rows must be zero.
-      Tensor xp = rows == k.rows ? Tensor() : c.be.empty(x.dtype, {rows, x.size(1)});
+      Tensor xp = rows == k.rows ? Tensor() : c.be.zeros(x.dtype, {rows, x.size(1)});
       if (xp.defined()) c.be.copy(rows_view(xp.view(), 0, k.rows), x);
       k.q = c.be.empty_quantized(rows, x.size(1), qdtype, ScaleKind::tile_1x128);
       quant_act(c, xp.defined() ? xp.view() : x, k.q, mode);
@@ -215,12 +215,12 @@ Cached cache_activation(Ctx& c, const TensorView& x, DType qdtype, ScaleMode mod
 Tensor Cached::restore(Ctx& c) const {
   if (full.defined()) {
     if (full.dtype() == c.act()) return prefix_rows(full, rows);
-    Tensor o = c.be.uninitialized(c.act(), {full.size(0), full.size(1)});
+    Tensor o = c.be.empty(c.act(), {full.size(0), full.size(1)});
     c.be.convert(full.view(), o.view());
     return prefix_rows(o, rows);
   }
   FP8MOE_CHECK(q.values.defined(), "Cached::restore: nothing cached");
-  Tensor o = c.be.uninitialized(DType::f32, {q.values.size(0), q.values.size(1)});
+  Tensor o = c.be.empty(DType::f32, {q.values.size(0), q.values.size(1)});
   c.be.dequantize(q, o.view());
   return prefix_rows(o, rows);
 }
@@ -257,7 +257,7 @@ void linear_forward(Ctx& c, const Cached& x, Parameter& w, const Tensor& y, Line
       if (Tp == x.rows) {
         c.be.gemm_fp8(xa, wq, y.view(), gemm_options(c, false));
       } else {
-        Tensor d = c.be.uninitialized(DType::f32, {Tp, N});
+        Tensor d = c.be.empty(DType::f32, {Tp, N});
         c.be.gemm_fp8(xa, wq, d.view(), gemm_options(c, false));
         c.be.copy(y.view(), rows_view(d.view(), 0, x.rows));
       }
@@ -334,7 +334,7 @@ void linear_backward_weight(Ctx& c, const Cached& x, const WgradDy& dy, Paramete
 
 Tensor to_backend(Ctx& c, const Tensor& host) {
   if (c.be.device() == Device::cpu) return host;
-  Tensor o = uninitialized_like(c.be, host.view());
+  Tensor o = empty_like(c.be, host.view());
   c.be.copy(o.view(), host.view());
   return o;
 }
@@ -379,7 +379,7 @@ Cached rmsnorm_linear_input(Ctx& c, const Tensor& x, Parameter& w, const Tensor&
     c.be.rmsnorm_forward_fp8(x.view(), w.weight.view(), k.q, rstd.view(), c.cfg.rms_norm_eps, mode);
     return k;
   }
-  Tensor h = c.uninit({T, D});  // the norm output: not kept
+  Tensor h = c.empty({T, D});  // the norm output: not kept
   rmsnorm(c, x, w, h, rstd);
   return linear_input(c, h.view(), mode);
 }

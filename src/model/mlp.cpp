@@ -34,7 +34,7 @@ void MlpState::account(std::vector<MemoryItem>& items, const std::string& layer,
 void mlp_forward(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& out, ScaleMode) {
   const int64_t T = st.in.rows, F = p.gate->weight.size(0);
   const LinearPrecision prec = c.recipe.linear;
-  Tensor g = c.uninit({T, F}), u = c.uninit({T, F});  // [T, F] act
+  Tensor g = c.empty({T, F}), u = c.empty({T, F});  // [T, F] act
   fwd(c, p, st.in, *p.gate, g);
   fwd(c, p, st.in, *p.up, u);
   if (prec == LinearPrecision::fp8 && !c.recipe.per_tensor && !c.recipe.f32_cache && c.act() == DType::f32) {
@@ -54,7 +54,7 @@ void mlp_forward(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& out, Sc
   }
   st.g = cache_activation(c, g.view(), DType::e4m3, c.recipe.scale_mode, false, prec);
   st.u = cache_activation(c, u.view(), DType::e4m3, c.recipe.scale_mode, false, prec);
-  Tensor a = c.uninit({T, F});  // [T, F] act: SwiGLU output, not kept
+  Tensor a = c.empty({T, F});  // [T, F] act: SwiGLU output, not kept
   c.be.swiglu_forward(g.view(), u.view(), a.view());
   fwd(c, p, linear_input(c, a.view(), c.recipe.scale_mode), *p.down, out);
 }
@@ -62,11 +62,11 @@ void mlp_forward(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& out, Sc
 void mlp_backward_input(Ctx& c, const MlpParams& p, MlpState& st, const Tensor& dy, const Tensor& dx, bool accumulate,
                         ScaleMode dy_mode, const Tensor* combine_grad) {
   const int64_t T = st.in.rows, F = p.gate->weight.size(0);
-  Tensor da = c.uninit({T, F});  // [T, F]
+  Tensor da = c.empty({T, F});  // [T, F]
   st.dy = bwd_input(c, p, dy, *p.down, da, false, dy_mode);
   // Recompute the SwiGLU output from its cached input, and the SwiGLU backward.
-  Tensor a = c.uninit({T, F});  // [T, F] act
-  Tensor dg = c.uninit({T, F}), du = c.uninit({T, F});
+  Tensor a = c.empty({T, F});  // [T, F] act
+  Tensor dg = c.empty({T, F}), du = c.empty({T, F});
   if (st.g.q.values.defined() && st.u.q.values.defined() && !st.g.full.defined() && c.act() == DType::f32) {
     // FP8 cache: both straight from the FP8 tiles (no f32 copies of g and u), bit-identical to the
     // path below.
@@ -118,9 +118,9 @@ class MlpLayer final : public Layer {
     auto s = std::make_unique<State>();
     const int64_t T = x.size(0), D = x.size(1);
     s->x = x;
-    s->rstd = c_.uninit({T});
+    s->rstd = c_.empty({T});
     s->mlp.in = rmsnorm_linear_input(c_, x, *norm_, s->rstd, c_.recipe.scale_mode);
-    Tensor out = c_.uninit({T, D});
+    Tensor out = c_.empty({T, D});
     mlp_forward(c_, p_, s->mlp, out, c_.recipe.scale_mode);
     c_.be.axpy(1.0, x.view(), 1.0, out.view());  // the residual, into the sublayer output
     y = out;
@@ -134,7 +134,7 @@ class MlpLayer final : public Layer {
   void backward_input(const Batch&, Saved& saved, const Tensor& dy, Tensor& dx) override {
     auto& s = static_cast<State&>(saved);
     const int64_t T = dy.size(0), D = dy.size(1);
-    s.dh = c_.uninit({T, D});  // written by the gate's Dgrad (accumulate = false), then the up's adds
+    s.dh = c_.empty({T, D});  // written by the gate's Dgrad (accumulate = false), then the up's adds
     mlp_backward_input(c_, p_, s.mlp, dy, s.dh, false, c_.recipe.scale_mode);
     dx = clone(c_, dy.view());
     c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(), TensorView(),

@@ -80,24 +80,24 @@ struct Model::Impl {
   double head_loss(const Tensor& h, Parameter& norm_w, const Tensor& targets, double weight, double grad_scale,
                    bool backward, const Tensor& dh, Tensor* logits_out) {
     const int64_t T = h.size(0), D = h.size(1), V = cfg.vocab_size;
-    Tensor rstd = ctx.uninit({T}), hn = ctx.uninit({T, D});
+    Tensor rstd = ctx.empty({T}), hn = ctx.empty({T, D});
     model::rmsnorm(ctx, h, norm_w, hn, rstd);
     const Cached hin = model::cache_activation(ctx, hn.view(), DType::e4m3, ScaleMode::fp32, false, head_prec());
-    Tensor logits = ctx.uninit({T, V});
+    Tensor logits = ctx.empty({T, V});
     model::linear_forward(ctx, hin, *head, logits, head_prec());
     if (logits_out) *logits_out = logits;
     const Tensor tg = be.to_host(targets);
     int64_t valid = 0;
     for (int64_t t = 0; t < T; ++t) valid += tg.ptr<int32_t>()[t] >= 0;
     const double n = double(std::max<int64_t>(valid, 1));
-    Tensor losses = ctx.uninit({T});
-    Tensor dlogits = backward ? ctx.uninit({T, V}) : Tensor();
+    Tensor losses = ctx.empty({T});
+    Tensor dlogits = backward ? ctx.empty({T, V}) : Tensor();
     be.cross_entropy(logits.view(), targets.view(), losses.view(), backward ? dlogits.view() : TensorView(),
                      grad_scale * weight / n);
     double sum = 0;
     for (double v : model::to_doubles(ctx, losses)) sum += v;
     if (backward) {
-      Tensor dhn = ctx.uninit({T, D});
+      Tensor dhn = ctx.empty({T, D});
       const model::WgradDy dl = model::linear_backward_input(ctx, dlogits, *head, dhn, false, head_prec());
       model::linear_backward_weight(ctx, hin, dl, *head, head_prec());
       be.rmsnorm_backward(h.view(), norm_w.weight.view(), rstd.view(), dhn.view(), dh.view(), norm_w.grad.view(), true);
@@ -119,16 +119,16 @@ struct Model::Impl {
     }
     ids = model::to_backend(ctx, ids);
     tg2 = model::to_backend(ctx, tg2);
-    Tensor e = ctx.uninit({T, D}), en = ctx.uninit({T, D}), rstd_e = ctx.uninit({T});
+    Tensor e = ctx.empty({T, D}), en = ctx.empty({T, D}), rstd_e = ctx.empty({T});
     be.embedding_forward(ids.view(), embed->weight.view(), e.view());
     model::rmsnorm(ctx, e, *enorm, en, rstd_e);
-    Tensor hn = ctx.uninit({T, D}), rstd_h = ctx.uninit({T});
+    Tensor hn = ctx.empty({T, D}), rstd_h = ctx.empty({T});
     model::rmsnorm(ctx, h, *hnorm, hn, rstd_h);
-    Tensor cat = ctx.uninit({T, 2 * D});  // [enorm(e); hnorm(h)]
+    Tensor cat = ctx.empty({T, 2 * D});  // [enorm(e); hnorm(h)]
     be.copy_cols(en.view(), 0, cat.view(), 0, D, false);
     be.copy_cols(hn.view(), 0, cat.view(), D, D, false);
     const Cached catin = model::linear_input(ctx, cat.view(), recipe.scale_mode);
-    Tensor x = ctx.uninit({T, D});
+    Tensor x = ctx.empty({T, D});
     model::linear_forward(ctx, catin, *eh, x, recipe.linear);
     // Sublayer numbers of the records: the trunk's, the main head, then eh, the block, the head.
     const size_t sub = trunk.size() + 1;
@@ -175,17 +175,17 @@ struct Model::Impl {
       dx = dprev;
     }
     record(sub, L, "dy", dx);
-    Tensor dcat = ctx.uninit({T, 2 * D});
+    Tensor dcat = ctx.empty({T, 2 * D});
     const model::WgradDy deh = model::linear_backward_input(ctx, dx, *eh, dcat, false, recipe.linear);
     model::linear_backward_weight(ctx, catin, deh, *eh, recipe.linear);
-    Tensor den = ctx.uninit({T, D}), dhn = ctx.uninit({T, D}), de = ctx.uninit({T, D});
+    Tensor den = ctx.empty({T, D}), dhn = ctx.empty({T, D}), de = ctx.empty({T, D});
     be.copy_cols(dcat.view(), 0, den.view(), 0, D, false);
     be.copy_cols(dcat.view(), D, dhn.view(), 0, D, false);
     be.rmsnorm_backward(e.view(), enorm->weight.view(), rstd_e.view(), den.view(), de.view(), enorm->grad.view(), false);
     be.embedding_backward(ids.view(), de.view(), embed->grad.view());
     be.rmsnorm_backward(h.view(), hnorm->weight.view(), rstd_h.view(), dhn.view(), dh.view(), hnorm->grad.view(), true);
     if (recording) {  // eh's own share of dh, computed once more on its own
-      Tensor dh_eh = ctx.uninit({T, D});
+      Tensor dh_eh = ctx.empty({T, D});
       be.rmsnorm_backward(h.view(), hnorm->weight.view(), rstd_h.view(), dhn.view(), dh_eh.view(), TensorView(), false);
       record(sub, L, "dx", dh_eh);
     }
@@ -212,18 +212,18 @@ Model::Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uin
       const int64_t e = std::stoll(s.name.substr(e0, e1 - e0)), E = cfg.n_routed_experts, R = s.shape[0];
       auto& st = stacks[s.name.substr(0, e0) + "*" + s.name.substr(e1)];
       if (!st.first.defined()) {
-        st = {backend.empty(dt, {E * R, s.shape[1]}), backend.empty(dt, {E * R, s.shape[1]})};
+        st = {backend.zeros(dt, {E * R, s.shape[1]}), backend.zeros(dt, {E * R, s.shape[1]})};
         m.grad_blocks.push_back(st.second);
       }
       p.weight = model::rows_of(st.first, e * R, R);
       p.grad = model::rows_of(st.second, e * R, R);
     } else if (s.shape.size() == 1) {
-      p.weight = backend.empty(dt, {s.shape[0]});
-      p.grad = backend.empty(dt, {s.shape[0]});
+      p.weight = backend.zeros(dt, {s.shape[0]});
+      p.grad = backend.zeros(dt, {s.shape[0]});
       m.grad_blocks.push_back(p.grad);
     } else {
-      p.weight = backend.empty(dt, {s.shape[0], s.shape[1]});
-      p.grad = backend.empty(dt, {s.shape[0], s.shape[1]});
+      p.weight = backend.zeros(dt, {s.shape[0], s.shape[1]});
+      p.grad = backend.zeros(dt, {s.shape[0], s.shape[1]});
       m.grad_blocks.push_back(p.grad);
     }
     p.trainable = s.trainable;
@@ -320,8 +320,8 @@ Batch Model::make_batch(const TensorView& tokens, const TensorView& targets) con
   const int64_t T = b.batch * b.seq;
   FP8MOE_CHECK(b.seq <= m.cfg.max_position_embeddings,
                "tokens: sequence length " << b.seq << " exceeds max_position_embeddings = " << m.cfg.max_position_embeddings);
-  b.tokens = m.be.uninitialized(DType::i32, {T});
-  b.targets = m.be.uninitialized(DType::i32, {T});
+  b.tokens = m.be.empty(DType::i32, {T});
+  b.targets = m.be.empty(DType::i32, {T});
   m.be.copy(b.tokens.view(), model::reshape(tokens, {T}));
   m.be.copy(b.targets.view(), model::reshape(targets, {T}));
   Tensor pos = Tensor::host(DType::i32, {T});
@@ -332,7 +332,7 @@ Batch Model::make_batch(const TensorView& tokens, const TensorView& targets) con
 
 Tensor Model::embed_forward(const Batch& b) {
   auto& m = *impl_;
-  Tensor x = m.ctx.uninit({b.tokens_count(), m.cfg.hidden_size});
+  Tensor x = m.ctx.empty({b.tokens_count(), m.cfg.hidden_size});
   m.be.embedding_forward(b.tokens.view(), m.embed->weight.view(), x.view());
   return x;
 }

@@ -64,11 +64,11 @@ struct Ctx {
   DType act() const { return recipe.act_dtype; }
   // A zero-filled activation: for outputs that an op accumulates into (or that are read before
   // every element is written).
-  Tensor zeros(std::initializer_list<int64_t> shape) const { return be.empty(recipe.act_dtype, shape); }
-  // An activation without the zero fill (Backend::uninitialized): for outputs that the next op
+  Tensor zeros(std::initializer_list<int64_t> shape) const { return be.zeros(recipe.act_dtype, shape); }
+  // An activation without the zero fill (Backend::empty): for outputs that the next op
   // writes completely, without accumulating. The CPU backend fills it with NaN, so a read before
   // the write shows in the tests.
-  Tensor uninit(std::initializer_list<int64_t> shape) const { return be.uninitialized(recipe.act_dtype, shape); }
+  Tensor empty(std::initializer_list<int64_t> shape) const { return be.empty(recipe.act_dtype, shape); }
 };
 
 // A non-owning view of rows [r0, r0 + n) of a contiguous 2-D tensor.
@@ -77,8 +77,8 @@ TensorView rows_view(const TensorView& t, int64_t r0, int64_t n);
 TensorView reshape(const TensorView& t, std::initializer_list<int64_t> shape);
 // A zero tensor of the backend with t's dtype and shape, the same without the zero fill (for an op
 // to overwrite whole), and a copy of t.
+Tensor zeros_like(Backend& be, const TensorView& t);
 Tensor empty_like(Backend& be, const TensorView& t);
-Tensor uninitialized_like(Backend& be, const TensorView& t);
 Tensor clone(Ctx& c, const TensorView& t);
 // x [R, C] converted to a new bf16 tensor on the backend.
 Tensor to_bf16(Ctx& c, const TensorView& x);

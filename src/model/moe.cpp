@@ -79,29 +79,29 @@ class MoeLayer final : public Layer {
     const int64_t T = x.size(0), D = x.size(1), E = cfg.n_routed_experts, K = cfg.num_experts_per_tok;
     const ScaleMode pow2 = c_.recipe.pow2_mode;
     s->x = x;
-    s->rstd = c_.uninit({T});
-    Tensor h = c_.uninit({T, D});
+    s->rstd = c_.empty({T});
+    Tensor h = c_.empty({T, D});
     rmsnorm(c_, x, *norm_, h, s->rstd);
     if (shared_.gate) {
       s->shared.in = linear_input(c_, h.view(), pow2);
       s->h = s->shared.in;
-      y = c_.uninit({T, D});
+      y = c_.empty({T, D});
       mlp_forward(c_, shared_, s->shared, y, pow2);
       c_.be.axpy(1.0, x.view(), 1.0, y.view());  // the residual, into the shared expert's output
     } else {
       y = clone(c_, x.view());
     }
     // Router in the activation precision.
-    Tensor logits = c_.uninit({T, E});
+    Tensor logits = c_.empty({T, E});
     c_.be.gemm(h.view(), gate_->weight.view(), logits.view(), false, true, false);
-    s->scores = c_.uninit({T, E});
-    s->idx = c_.be.uninitialized(DType::i32, {T, K});
-    s->w = c_.uninit({T, K});
+    s->scores = c_.empty({T, E});
+    s->idx = c_.be.empty(DType::i32, {T, K});
+    s->w = c_.empty({T, K});
     c_.be.moe_route(logits.view(), bias_->weight.view(), s->scores.view(), s->idx.view(), s->w.view(), cfg.n_group,
                     cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor);
     layout(*s, T);
     const int64_t R = s->row_slot.size(0);
-    Tensor ye = c_.uninit({R, D});  // expert outputs, expert-sorted rows
+    Tensor ye = c_.empty({R, D});  // expert outputs, expert-sorted rows
     if (grouped_) {
       MlpParams p = grouped_params(*s);
       if (c_.recipe.is_fp8() && !c_.recipe.f32_cache) {  // gather and quantize in one pass
@@ -109,13 +109,13 @@ class MoeLayer final : public Layer {
         s->experts.in.q = c_.be.empty_quantized(R, D, DType::e4m3, ScaleKind::tile_1x128);
         c_.be.moe_permute_quantize(h.view(), s->row_slot.view(), K, TensorView(), s->experts.in.q, pow2);
       } else {
-        Tensor xe = c_.uninit({R, D});
+        Tensor xe = c_.empty({R, D});
         c_.be.moe_permute(h.view(), s->row_slot.view(), K, TensorView(), xe.view());
         s->experts.in = linear_input(c_, xe.view(), pow2);
       }
       mlp_forward(c_, p, s->experts, ye, pow2);
     } else {
-      Tensor xe = c_.uninit({R, D});
+      Tensor xe = c_.empty({R, D});
       c_.be.moe_permute(h.view(), s->row_slot.view(), K, TensorView(), xe.view());
       s->expert.assign(size_t(E), MlpState{});
       for (int64_t e = 0; e < E; ++e) {
@@ -158,10 +158,10 @@ class MoeLayer final : public Layer {
     const ScaleMode pow2 = c_.recipe.pow2_mode;
     s.dh = c_.zeros({T, D});  // zero-filled: the shared expert, the combine and the router add into it
     if (shared_.gate) mlp_backward_input(c_, shared_, s.shared, dy, s.dh, true, pow2);
-    Tensor dye = c_.uninit({R, D});  // w * dy of the routed rows
+    Tensor dye = c_.empty({R, D});  // w * dy of the routed rows
     c_.be.moe_permute(dy.view(), s.row_slot.view(), K, s.w.view(), dye.view());
-    Tensor dxe = c_.uninit({R, D});
-    Tensor cg = c_.uninit({R});
+    Tensor dxe = c_.empty({R, D});
+    Tensor cg = c_.empty({R});
     if (grouped_) {
       mlp_backward_input(c_, grouped_params(s), s.experts, dye, dxe, false, pow2, &cg);
     } else {
@@ -174,17 +174,17 @@ class MoeLayer final : public Layer {
       }
     }
     c_.be.moe_combine(dxe.view(), s.slot_row.view(), TensorView(), s.dh.view(), true);
-    Tensor dw = c_.uninit({T, K});
+    Tensor dw = c_.empty({T, K});
     // NOTES: w > 0 always (sigmoid affinities, positive scaling factor, validated).
     c_.be.moe_combine_weight_grad(cg.view(), s.slot_row.view(), s.w.view(), dw.view());
     Tensor dscores;
     if (cfg.aux_loss_alpha > 0) {
       std::vector<double> ds(size_t(T * E), 0.0);
       balance_loss(b, s, &ds);
-      dscores = c_.uninit({T, E});
+      dscores = c_.empty({T, E});
       c_.be.copy(dscores.view(), reshape(act_vector(c_, ds).view(), {T, E}));
     }
-    s.dlogits = c_.uninit({T, E});
+    s.dlogits = c_.empty({T, E});
     c_.be.moe_route_backward(s.scores.view(), s.idx.view(), dw.view(), dscores.defined() ? dscores.view() : TensorView(),
                              s.dlogits.view(), cfg.norm_topk_prob, cfg.routed_scaling_factor);
     c_.be.gemm(s.dlogits.view(), gate_->weight.view(), s.dh.view(), false, false, true);
@@ -200,7 +200,7 @@ class MoeLayer final : public Layer {
       if (s.expert[e].in.defined()) mlp_backward_weight(c_, experts_[e], s.expert[e]);
     // The gate's Wgrad needs h in full precision: recompute the norm.
     const int64_t T = s.x.size(0), D = s.x.size(1);
-    Tensor h = c_.uninit({T, D}), rstd = c_.uninit({T});
+    Tensor h = c_.empty({T, D}), rstd = c_.empty({T});
     rmsnorm(c_, s.x, *norm_, h, rstd);
     c_.be.gemm(s.dlogits.view(), h.view(), gate_->grad.view(), true, false, true);
     c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
@@ -240,10 +240,10 @@ class MoeLayer final : public Layer {
     const int64_t R = moe_layout_rows(T * K, E, kAlign);
     const int64_t used = s.groups.start[size_t(E - 1)] + s.groups.count[size_t(E - 1)];
     // moe_layout writes every entry of its tables (-1 where no row or slot).
-    Tensor row_slot = c_.be.uninitialized(DType::i32, {R}), row_group = c_.be.uninitialized(DType::i32, {R});
-    s.slot_row = c_.be.uninitialized(DType::i32, {T, K});
+    Tensor row_slot = c_.be.empty(DType::i32, {R}), row_group = c_.be.empty(DType::i32, {R});
+    s.slot_row = c_.be.empty(DType::i32, {T, K});
     s.groups.groups = E;
-    s.groups.offsets = c_.be.uninitialized(DType::i32, {E + 1});
+    s.groups.offsets = c_.be.empty(DType::i32, {E + 1});
     c_.be.moe_layout(s.idx.view(), kAlign, row_slot.view(), row_group.view(), s.slot_row.view(),
                      s.groups.offsets.view());
     s.row_slot = prefix_rows(row_slot, used);

@@ -71,7 +71,7 @@ AdamW::AdamW(Backend& backend, std::vector<ParamRef> params, AdamWConfig cfg)
   m_.resize(params_.size());
   v_.resize(params_.size());
   for (const ParamRun& r : contiguous_runs(params_, true)) {
-    Run run{r.value(params_), r.grad(params_), backend.empty(md, {r.numel}), backend.empty(md, {r.numel}),
+    Run run{r.value(params_), r.grad(params_), backend.zeros(md, {r.numel}), backend.zeros(md, {r.numel}),
             params_[r.index[0]].weight_decay};
     for (size_t j = 0; j < r.index.size(); ++j) {
       const int64_t c = params_[r.index[j]].value.numel();

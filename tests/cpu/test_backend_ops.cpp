@@ -39,7 +39,7 @@ std::vector<Case> all_cases() {
 Tensor upload(Backend& be, const Tensor& host) {
   if (be.device() == Device::cpu) return host;
   const TensorView& v = host.view();
-  Tensor t = v.ndim == 2 ? be.empty(v.dtype, {v.shape[0], v.shape[1]}) : be.empty(v.dtype, {v.shape[0]});
+  Tensor t = v.ndim == 2 ? be.zeros(v.dtype, {v.shape[0], v.shape[1]}) : be.zeros(v.dtype, {v.shape[0]});
   be.copy(t.view(), v);
   return t;
 }
@@ -84,7 +84,7 @@ void expect_same_quantized(Backend& be, const QuantizedTensor& got, const Quanti
 void check_dequantize(Backend& cpu, Backend& be, const QuantizedTensor& q, DType out, const char* what) {
   const int64_t R = q.values.size(0), C = q.values.size(1);
   Tensor want = Tensor::host(out, {R, C});
-  Tensor got = be.empty(out, {R, C});
+  Tensor got = be.zeros(out, {R, C});
   poison(be, got);
   cpu.dequantize(q, want);
   be.dequantize(upload(be, q), got);
@@ -138,7 +138,7 @@ void check_swiglu_backward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, 
   const QuantizedTensor gqb = upload(be, gq), uqb = upload(be, uq);
   const Tensor db = upload(be, dout);
   auto fresh = [&] {
-    Tensor t = be.empty(DType::f32, {T, F});
+    Tensor t = be.zeros(DType::f32, {T, F});
     poison(be, t);
     return t;
   };
@@ -186,7 +186,7 @@ void check_swiglu_forward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, i
   QuantizedTensor gq_want = q(T, F), uq_want = q(T, F), out_want = q(R, F);
   cpu.quantize_1x128(g, gq_want, mode);
   cpu.quantize_1x128(u, uq_want, mode);
-  Tensor a = cpu.empty(DType::f32, {R, F});
+  Tensor a = cpu.zeros(DType::f32, {R, F});
   cpu.swiglu_forward(g, u, TensorView(a.view().data, DType::f32, {T, F}));
   cpu.quantize_1x128(a, out_want, mode);
 
@@ -204,7 +204,7 @@ void check_swiglu_forward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, i
   if (be.device() == Device::cpu) {
     expect_same_quantized(be, out, out_want, "out");
   } else {
-    Tensor got_d = be.empty(DType::f32, {R, F}), want_d = Tensor::host(DType::f32, {R, F});
+    Tensor got_d = be.zeros(DType::f32, {R, F}), want_d = Tensor::host(DType::f32, {R, F});
     be.dequantize(out, got_d);
     cpu.dequantize(out_want, want_d);
     expect_close(be, got_d, want_d, 0.13, 1e-5, "out (dequantized)");
@@ -234,7 +234,7 @@ void check_rmsnorm_forward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, 
   }
   const Tensor xb = upload(be, x), wb = upload(be, w);
   auto fresh = [&] {
-    Tensor r = be.empty(DType::f32, {T});
+    Tensor r = be.zeros(DType::f32, {T});
     poison(be, r);
     return std::pair{poisoned_quantized(be, R, D, DType::e4m3, ScaleKind::tile_1x128), r};
   };
@@ -245,7 +245,7 @@ void check_rmsnorm_forward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, 
   expect_same_quantized(be, got, got2, "vs unfused");
   expect_same_bytes(be, rstd, be.to_host(rstd2), "rstd vs unfused");
   expect_close(be, rstd, rstd_want, 1e-6, 0, "rstd");
-  Tensor got_d = be.empty(DType::f32, {R, D}), want_d = Tensor::host(DType::f32, {R, D});
+  Tensor got_d = be.zeros(DType::f32, {R, D}), want_d = Tensor::host(DType::f32, {R, D});
   be.dequantize(got, got_d);
   cpu.dequantize(want, want_d);
   expect_close(be, got_d, want_d, 0.13, 1e-5, "out (dequantized)");
@@ -384,7 +384,7 @@ TEST_P(BackendOps, MatchesCpu) {
         cpu->quantize_128x128(w, qb, mode);
         for (DType out : {DType::f32, DType::bf16}) {
           Tensor want = Tensor::host(out, {M, N});
-          Tensor got = be->empty(out, {M, N});
+          Tensor got = be->zeros(out, {M, N});
           poison(*be, got);
           cpu->gemm_fp8(qa, qb, want, {});
           be->gemm_fp8(upload(*be, qa), upload(*be, qb), got, {});
@@ -407,7 +407,7 @@ TEST_P(BackendOps, MatchesCpu) {
       }
       case Op::gemm_bf16: {
         Tensor want = Tensor::host(DType::f32, {M, N});
-        Tensor got = be->empty(DType::f32, {M, N});
+        Tensor got = be->zeros(DType::f32, {M, N});
         poison(*be, got);
         cpu->gemm_bf16(x, w, want, false);
         be->gemm_bf16(upload(*be, x), upload(*be, w), got, false);
@@ -434,14 +434,14 @@ TEST(Backends, ZeroClearsInPlace) {
     SCOPED_TRACE(name);
     auto be = make_backend(name);
     for (bool fallback : {false, true}) {
-      Tensor t = be->empty(DType::f32, {37, 129});
+      Tensor t = be->zeros(DType::f32, {37, 129});
       poison(*be, t);
       const TensorView rows = t.view();
       if (fallback) be->Backend::zero(rows);
       else be->zero(rows);
       for (double v : to_doubles(be->to_host(t))) ASSERT_EQ(v, 0.0);
     }
-    Tensor e = be->empty(DType::bf16, {0, 8});
+    Tensor e = be->zeros(DType::bf16, {0, 8});
     EXPECT_NO_THROW(be->zero(e.view()));
   }
 }
@@ -453,12 +453,12 @@ TEST(Backends, Quantize1x128And128x1RefusesBadArguments) {
     SCOPED_TRACE(name);
     auto be = make_backend(name);
     const int64_t T = 200, C = 136;
-    const Tensor x = be->empty(DType::f32, {T, C});
+    const Tensor x = be->zeros(DType::f32, {T, C});
     const auto rows = be->empty_quantized(T, C, DType::e4m3, ScaleKind::tile_1x128);
     const auto cols = be->empty_quantized(C, T, DType::e4m3, ScaleKind::tile_1x128);
     const auto square = be->empty_quantized(T, T, DType::e4m3, ScaleKind::tile_1x128);
     const auto blocks = be->empty_quantized(C, T, DType::e4m3, ScaleKind::block_128x128);
-    const Tensor x_i32 = be->empty(DType::i32, {T, C}), bad_scales = be->empty(DType::f32, {2, T});
+    const Tensor x_i32 = be->zeros(DType::i32, {T, C}), bad_scales = be->zeros(DType::f32, {2, T});
     for (bool fallback : {false, true}) {
       auto run = [&](const TensorView& xv, const QuantizedView& r, const QuantizedView& c) {
         if (fallback) be->Backend::quantize_1x128_and_128x1(xv, r, c, ScaleMode::fp32);

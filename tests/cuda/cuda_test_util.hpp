@@ -29,7 +29,7 @@ namespace fp8moe::testing {
 
 // A device copy of a 1-D or 2-D host tensor.
 inline Tensor to_device(Backend& be, const Tensor& h) {
-  Tensor d = h.view().ndim == 1 ? be.empty(h.dtype(), {h.size(0)}) : be.empty(h.dtype(), {h.size(0), h.size(1)});
+  Tensor d = h.view().ndim == 1 ? be.zeros(h.dtype(), {h.size(0)}) : be.zeros(h.dtype(), {h.size(0), h.size(1)});
   be.copy(d.view(), h.view());
   return d;
 }

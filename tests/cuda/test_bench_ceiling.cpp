@@ -23,7 +23,7 @@ class BenchCeiling : public Sm90Test {
     const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
     const int R = cuda::bench::ceiling_tile_rows(), C = cuda::bench::ceiling_tile_cols(mode);
     const Tensor ad = to_device(*be_, a), bd = to_device(*be_, b);
-    Tensor d = be_->empty(DType::f32, {R, C});
+    Tensor d = be_->zeros(DType::f32, {R, C});
     cuda::bench::tensor_ceiling(mode, ad.view().data, M, bd.view().data, N, K, blocks, scale,
                                 static_cast<float*>(d.view().data), cta, nullptr);
     const Tensor got = be_->to_host(d);
@@ -74,7 +74,7 @@ TEST_F(BenchCeiling, BlocksCoverTheFlops) {
 }
 
 TEST_F(BenchCeiling, RejectsBadArguments) {
-  const Tensor a = be_->empty(DType::e4m3, {128, 256});
+  const Tensor a = be_->zeros(DType::e4m3, {128, 256});
   const void* p = a.view().data;
   auto message = [&](CeilingMode mode, const void* x, int64_t K, int64_t blocks) {
     try {

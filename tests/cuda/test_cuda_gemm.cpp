@@ -327,7 +327,7 @@ TEST_F(CudaGemm, LastWaveSlicesDeterministicAndCloseToUnsplit) {
   const RandomOperands o = random_operands(rng, {M, N, 2048}, false);
   QuantizedTensor ad = to_device(*be_, o.a), bd = to_device(*be_, o.b);
   auto run = [&](const cuda::GemmTile& t) {
-    Tensor d = be_->empty(DType::bf16, {M, N});
+    Tensor d = be_->zeros(DType::bf16, {M, N});
     cuda::gemm_fp8_sm90(ad.view(), bd.view(), d.view(), false, nullptr, &t);
     be_->synchronize();
     return be_->to_host(d);
@@ -353,7 +353,7 @@ TEST_F(CudaGemm, CublasLtAgrees) {
     Tensor ref = Tensor::host(DType::f32, {M, N});
     gemm_fp8_ref(a.view(), b.view(), ref.view());
     QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
-    Tensor d = be_->empty(DType::f32, {M, N});
+    Tensor d = be_->zeros(DType::f32, {M, N});
     try {
       lt->gemm_fp8(ad.view(), bd.view(), d.view(), {});
     } catch (const Error& e) {
@@ -375,7 +375,7 @@ TEST_F(CudaGemm, Bf16MatchesReference) {
   Tensor a = random_normal(rng, DType::bf16, {M, K}), b = random_normal(rng, DType::bf16, {N, K});
   Tensor ref = Tensor::host(DType::f32, {M, N});
   gemm_ref(a.view(), b.view(), ref.view());
-  Tensor d = be_->empty(DType::f32, {M, N});
+  Tensor d = be_->zeros(DType::f32, {M, N});
   be_->gemm_bf16(to_device(*be_, a).view(), to_device(*be_, b).view(), d.view(), false);
   EXPECT_LT(rel_error(to_doubles(be_->to_host(d).view()), to_doubles(ref.view())), 1e-5);
 }
@@ -383,7 +383,7 @@ TEST_F(CudaGemm, Bf16MatchesReference) {
 TEST_F(CudaGemm, RejectsBadArguments) {
   QuantizedTensor a = be_->empty_quantized(64, 256, DType::e4m3, ScaleKind::tile_1x128);
   QuantizedTensor b = be_->empty_quantized(128, 256, DType::e4m3, ScaleKind::block_128x128);
-  Tensor d = be_->empty(DType::bf16, {64, 128});
+  Tensor d = be_->zeros(DType::bf16, {64, 128});
   // K not a multiple of 128.
   QuantizedTensor a100 = be_->empty_quantized(64, 100, DType::e4m3, ScaleKind::tile_1x128);
   QuantizedTensor b100 = be_->empty_quantized(128, 100, DType::e4m3, ScaleKind::block_128x128);
@@ -392,18 +392,18 @@ TEST_F(CudaGemm, RejectsBadArguments) {
   QuantizedTensor b384 = be_->empty_quantized(128, 384, DType::e4m3, ScaleKind::block_128x128);
   EXPECT_THROW(be_->gemm_fp8(a.view(), b384.view(), d.view(), {}), Error);
   // Wrong D shape; accumulate into bf16.
-  Tensor d_bad = be_->empty(DType::bf16, {64, 120});
+  Tensor d_bad = be_->zeros(DType::bf16, {64, 120});
   EXPECT_THROW(be_->gemm_fp8(a.view(), b.view(), d_bad.view(), {}), Error);
   GemmOptions acc;
   acc.accumulate = true;
   EXPECT_THROW(be_->gemm_fp8(a.view(), b.view(), d.view(), acc), Error);
   // Wrong scale shape of A; A with 128x128 scales.
-  Tensor s_bad = be_->empty(DType::f32, {2, 60});
+  Tensor s_bad = be_->zeros(DType::f32, {2, 60});
   EXPECT_THROW(be_->gemm_fp8({a.values.view(), s_bad.view(), ScaleKind::tile_1x128}, b.view(), d.view(), {}), Error);
   QuantizedTensor a_blk = be_->empty_quantized(64, 256, DType::e4m3, ScaleKind::block_128x128);
   EXPECT_THROW(be_->gemm_fp8(a_blk.view(), b.view(), d.view(), {}), Error);
   // Misaligned A pointer (one byte in), through the kernel entry point.
-  Tensor big = be_->empty(DType::e4m3, {1, 64 * 256 + 16});
+  Tensor big = be_->zeros(DType::e4m3, {1, 64 * 256 + 16});
   TensorView mis(static_cast<uint8_t*>(big.view().data) + 1, DType::e4m3, {64, 256}, Device::cuda);
   EXPECT_THROW(cuda::gemm_fp8_sm90({mis, a.scales.view(), ScaleKind::tile_1x128}, b.view(), d.view(), false, nullptr),
                Error);

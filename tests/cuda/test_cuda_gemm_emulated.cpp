@@ -353,7 +353,7 @@ TEST_F(CudaGemmEmulated, CublasLtBackendRoutesToo) {
 TEST_F(CudaGemmEmulated, RejectsBadAccumulationSettings) {
   QuantizedTensor a = be_->empty_quantized(64, 256, DType::e4m3, ScaleKind::tile_1x128);
   QuantizedTensor b = be_->empty_quantized(128, 256, DType::e4m3, ScaleKind::block_128x128);
-  Tensor d = be_->empty(DType::bf16, {64, 128});
+  Tensor d = be_->zeros(DType::bf16, {64, 128});
   expect_error([&] { be_->gemm_fp8(a, b, d, tc_options(14, 48)); }, "promote_every");
   expect_error([&] { be_->gemm_fp8(a, b, d, tc_options(0, 0)); }, "mantissa_bits");
   expect_error([&] { be_->gemm_fp8(a, b, d, tc_options(53, 32)); }, "mantissa_bits");
@@ -364,9 +364,9 @@ TEST_F(CudaGemmEmulated, RejectsBadAccumulationSettings) {
   expect_error([&] { be_->gemm_fp8(a100, b100, d, tc_options(14, 0)); }, "multiple of 128");
   QuantizedTensor ah = make_quantized_host(64, 256, DType::e4m3, ScaleKind::tile_1x128);
   expect_error([&] { be_->gemm_fp8(ah, b, d, tc_options(14, 0)); }, "must be on the GPU");
-  Tensor cnt = be_->empty(DType::i32, {2});
+  Tensor cnt = be_->zeros(DType::i32, {2});
   QuantizedTensor b2 = be_->empty_quantized(256, 256, DType::e4m3, ScaleKind::block_128x128);
-  expect_error([&] { be_->grouped_gemm_fp8_masked(a, b2, cnt, 2, be_->empty(DType::f32, {64, 128}),
+  expect_error([&] { be_->grouped_gemm_fp8_masked(a, b2, cnt, 2, be_->zeros(DType::f32, {64, 128}),
                                                   tc_options(14, 0, true)); },
                "accumulate is unsupported");
 }

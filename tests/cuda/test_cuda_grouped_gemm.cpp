@@ -483,15 +483,15 @@ TEST_F(CudaGroupedGemm, RejectsBadArguments) {
   const int64_t R = 256, K = 256, N = 128, G = 2;
   QuantizedTensor a = be.empty_quantized(R, K, DType::e4m3, ScaleKind::tile_1x128);
   QuantizedTensor b = be.empty_quantized(G * N, K, DType::e4m3, ScaleKind::block_128x128);
-  Tensor rg = be.empty(DType::i32, {R});
-  Tensor d = be.empty(DType::bf16, {R, N});
+  Tensor rg = be.zeros(DType::i32, {R});
+  Tensor d = be.zeros(DType::bf16, {R, N});
   GemmOptions acc;
   acc.accumulate = true;
   // Contiguous.
   expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b, rg, 0, d, {}); }, "groups must be positive");
   expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b, rg, 3, d, {}); }, "do not split into 3 groups");
   QuantizedTensor b192 = be.empty_quantized(2 * 192, K, DType::e4m3, ScaleKind::block_128x128);
-  expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b192, rg, 2, be.empty(DType::bf16, {R, 192}), {}); },
+  expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b192, rg, 2, be.zeros(DType::bf16, {R, 192}), {}); },
                "multiple of 128");
   QuantizedTensor b384 = be.empty_quantized(G * N, 384, DType::e4m3, ScaleKind::block_128x128);
   expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b384, rg, G, d, {}); }, "b: expected K = 256");
@@ -502,16 +502,16 @@ TEST_F(CudaGroupedGemm, RejectsBadArguments) {
   expect_error([&] { be.grouped_gemm_fp8_contiguous(a_blk, b, rg, G, d, {}); }, "a: expected 1x128 scales");
   QuantizedTensor b_1x = be.empty_quantized(G * N, K, DType::e4m3, ScaleKind::tile_1x128);
   expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b_1x, rg, G, d, {}); }, "b: expected 128x128 scales");
-  expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b, be.empty(DType::f32, {R}), G, d, {}); },
+  expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b, be.zeros(DType::f32, {R}), G, d, {}); },
                "row_group must be a contiguous 1-D i32");
-  expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b, be.empty(DType::i32, {R - 1}), G, d, {}); },
+  expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b, be.zeros(DType::i32, {R - 1}), G, d, {}); },
                "row_group must have 256 entries");
   Tensor rg_host = Tensor::host(DType::i32, {R});
   expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b, rg_host, G, d, {}); }, "row_group must be on the GPU");
-  expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b, rg, G, be.empty(DType::bf16, {R, N + 8}), {}); },
+  expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b, rg, G, be.zeros(DType::bf16, {R, N + 8}), {}); },
                "d: expected shape");
   expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b, rg, G, d, acc); }, "accumulate needs an f32");
-  expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b, rg, G, be.empty(DType::f64, {R, N}), {}); },
+  expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b, rg, G, be.zeros(DType::f64, {R, N}), {}); },
                "d: expected f32 or bf16");
   for (const cuda::GemmTile& t : {cuda::GemmTile{256, 128, false}, cuda::GemmTile{128, 128, true, 2}})
     expect_error([&] { cuda::grouped_gemm_fp8_contiguous_cuda(a, b, rg, G, d, false, nullptr, &t); }, "unsupported");
@@ -520,31 +520,31 @@ TEST_F(CudaGroupedGemm, RejectsBadArguments) {
   odd.accum.promote_every = 48;
   expect_error([&] { be.grouped_gemm_fp8_contiguous(a, b, rg, G, d, odd); }, "promote_every");
   // Masked.
-  Tensor cnt = be.empty(DType::i32, {G});
-  expect_error([&] { be.grouped_gemm_fp8_masked(a, b, cnt, G, be.empty(DType::f32, {R, N}), acc); },
+  Tensor cnt = be.zeros(DType::i32, {G});
+  expect_error([&] { be.grouped_gemm_fp8_masked(a, b, cnt, G, be.zeros(DType::f32, {R, N}), acc); },
                "accumulate is unsupported");
   QuantizedTensor a255 = be.empty_quantized(255, K, DType::e4m3, ScaleKind::tile_1x128);
-  expect_error([&] { be.grouped_gemm_fp8_masked(a255, b, cnt, G, be.empty(DType::bf16, {255, N}), {}); },
+  expect_error([&] { be.grouped_gemm_fp8_masked(a255, b, cnt, G, be.zeros(DType::bf16, {255, N}), {}); },
                "do not split into 2 groups of M_max");
-  expect_error([&] { be.grouped_gemm_fp8_masked(a, b, be.empty(DType::i32, {G + 1}), G, d, {}); },
+  expect_error([&] { be.grouped_gemm_fp8_masked(a, b, be.zeros(DType::i32, {G + 1}), G, d, {}); },
                "counts must have 2 entries");
-  expect_error([&] { be.grouped_gemm_fp8_masked(a, b, be.empty(DType::i64, {G}), G, d, {}); },
+  expect_error([&] { be.grouped_gemm_fp8_masked(a, b, be.zeros(DType::i64, {G}), G, d, {}); },
                "counts must be a contiguous 1-D i32");
   // K-grouped Wgrad: dy_t [N, R], x_t [K, R].
   QuantizedTensor dy = be.empty_quantized(N, R, DType::e4m3, ScaleKind::tile_1x128);
   QuantizedTensor x = be.empty_quantized(K, R, DType::e4m3, ScaleKind::tile_1x128);
-  Tensor off = be.empty(DType::i32, {G + 1});
-  Tensor dw = be.empty(DType::f32, {G * N, K});
+  Tensor off = be.zeros(DType::i32, {G + 1});
+  Tensor dw = be.zeros(DType::f32, {G * N, K});
   QuantizedTensor x384 = be.empty_quantized(K, 384, DType::e4m3, ScaleKind::tile_1x128);
   expect_error([&] { be.grouped_wgrad_fp8(dy, x384, off, dw, {}); }, "x_t: 384 token columns");
   QuantizedTensor dy200 = be.empty_quantized(N, 200, DType::e4m3, ScaleKind::tile_1x128);
   QuantizedTensor x200 = be.empty_quantized(K, 200, DType::e4m3, ScaleKind::tile_1x128);
   expect_error([&] { be.grouped_wgrad_fp8(dy200, x200, off, dw, {}); }, "multiple of 128");
-  expect_error([&] { be.grouped_wgrad_fp8(dy, x, be.empty(DType::i32, {1}), dw, {}); }, "G + 1 >= 2");
-  expect_error([&] { be.grouped_wgrad_fp8(dy, x, be.empty(DType::f32, {G + 1}), dw, {}); },
+  expect_error([&] { be.grouped_wgrad_fp8(dy, x, be.zeros(DType::i32, {1}), dw, {}); }, "G + 1 >= 2");
+  expect_error([&] { be.grouped_wgrad_fp8(dy, x, be.zeros(DType::f32, {G + 1}), dw, {}); },
                "offsets must be a contiguous 1-D i32");
-  expect_error([&] { be.grouped_wgrad_fp8(dy, x, off, be.empty(DType::bf16, {G * N, K}), {}); }, "must be f32");
-  expect_error([&] { be.grouped_wgrad_fp8(dy, x, off, be.empty(DType::f32, {N, K}), {}); }, "d: expected shape");
+  expect_error([&] { be.grouped_wgrad_fp8(dy, x, off, be.zeros(DType::bf16, {G * N, K}), {}); }, "must be f32");
+  expect_error([&] { be.grouped_wgrad_fp8(dy, x, off, be.zeros(DType::f32, {N, K}), {}); }, "d: expected shape");
   QuantizedTensor x_blk = be.empty_quantized(K, R, DType::e4m3, ScaleKind::block_128x128);
   expect_error([&] { be.grouped_wgrad_fp8(dy, x_blk, off, dw, {}); }, "x_t: expected 1x128 scales");
   Tensor off_host = Tensor::host(DType::i32, {G + 1});

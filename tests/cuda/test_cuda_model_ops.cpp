@@ -120,9 +120,9 @@ class CudaModelOps : public ::testing::Test {
   Tensor dev(const Tensor& h) {
     Tensor d;
     switch (h.view().ndim) {
-      case 1: d = gpu_->empty(h.dtype(), {h.size(0)}); break;
-      case 2: d = gpu_->empty(h.dtype(), {h.size(0), h.size(1)}); break;
-      default: d = gpu_->empty(h.dtype(), {h.size(0), h.size(1), h.size(2)}); break;
+      case 1: d = gpu_->zeros(h.dtype(), {h.size(0)}); break;
+      case 2: d = gpu_->zeros(h.dtype(), {h.size(0), h.size(1)}); break;
+      default: d = gpu_->zeros(h.dtype(), {h.size(0), h.size(1), h.size(2)}); break;
     }
     gpu_->copy(d.view(), h.view());
     return d;
@@ -704,12 +704,12 @@ TEST(CudaChecks, DeferredChecksRaiseAtSynchronize) {
   FP8MOE_REQUIRE_GPU();
   auto be = make_backend("cuda");
   be->set_checks(Backend::Checks::deferred);
-  Tensor src = be->empty(DType::f32, {4, 8}), dst = be->empty(DType::f32, {3, 8});
+  Tensor src = be->zeros(DType::f32, {4, 8}), dst = be->zeros(DType::f32, {3, 8});
   Tensor idx_h = Tensor::host(DType::i32, {3});
   idx_h.ptr<int32_t>()[0] = 1;
   idx_h.ptr<int32_t>()[1] = 7;  // outside [0, 4)
   idx_h.ptr<int32_t>()[2] = 2;
-  Tensor idx = be->empty(DType::i32, {3});
+  Tensor idx = be->zeros(DType::i32, {3});
   be->copy(idx.view(), idx_h.view());
   EXPECT_NO_THROW(be->gather_rows(src.view(), idx.view(), TensorView(), dst.view()));
   expect_error([&] { be->synchronize(); }, "gather_rows: idx[1] outside [0, 4)");
@@ -718,7 +718,7 @@ TEST(CudaChecks, DeferredChecksRaiseAtSynchronize) {
   Tensor xh = Tensor::host(DType::f32, {4, 128});
   for (int64_t i = 0; i < xh.numel(); ++i) xh.ptr<float>()[i] = 1.0f;
   xh.ptr<float>()[5] = std::numeric_limits<float>::quiet_NaN();
-  Tensor x = be->empty(DType::f32, {4, 128});
+  Tensor x = be->zeros(DType::f32, {4, 128});
   be->copy(x.view(), xh.view());
   QuantizedTensor q = be->empty_quantized(4, 128, DType::e4m3, ScaleKind::tile_1x128);
   EXPECT_NO_THROW(be->quantize_1x128(x.view(), q, ScaleMode::fp32));
@@ -737,7 +737,7 @@ TEST(CudaEma, AsyncSnapshotsMatchSequentialAverage) {
   auto rng = make_rng();
   const int64_t n = 1 << 20;
   Tensor wh = random_normal(rng, DType::f32, {n});
-  Tensor w = be->empty(DType::f32, {n}), g = be->empty(DType::f32, {n});
+  Tensor w = be->zeros(DType::f32, {n}), g = be->zeros(DType::f32, {n});
   be->copy(w.view(), wh.view());
   std::vector<double> ref(to_doubles(wh));
   ParameterEma ema({{"w", w.view(), g.view(), true}}, 0.9f, *be);

@@ -31,7 +31,7 @@ struct Guarded {
 
   Guarded(Backend& gpu, DType dt, std::initializer_list<int64_t> shape, uint8_t poison) {
     const size_t bytes = TensorView(nullptr, dt, shape).nbytes();
-    storage = gpu.empty(DType::u8, {int64_t(bytes + 2 * kGuard)});
+    storage = gpu.zeros(DType::u8, {int64_t(bytes + 2 * kGuard)});
     Tensor h = Tensor::host(DType::u8, {int64_t(bytes + 2 * kGuard)});
     std::memset(h.view().data, poison, h.view().nbytes());
     gpu.copy(storage.view(), h.view());
@@ -223,7 +223,7 @@ TEST_F(CudaMoeDispatch, PermuteUnalignedAndOutOfRangeSlots) {
   Tensor want = Tensor::host(DType::bf16, {R, D});
   cpu_->moe_permute(x, sanitized(L.row_slot, slots), s.topk, w, want);
   // x one element past a 16-byte boundary.
-  Tensor xbuf = gpu_->empty(DType::bf16, {s.tokens * D + 8});
+  Tensor xbuf = gpu_->zeros(DType::bf16, {s.tokens * D + 8});
   TensorView xv(xbuf.ptr<uint16_t>() + 1, DType::bf16, {s.tokens, D}, Device::cuda);
   gpu_->copy(xv, x.view());
   Guarded got(*gpu_, DType::bf16, {R, D}, 0xFF);
@@ -323,7 +323,7 @@ TEST_F(CudaMoeDispatch, CombineUnalignedAndOutOfRangeRows) {
   const Tensor y = random_normal(rng_, DType::f32, {R, N}, 1.0f), w = weights(s.tokens, s.topk);
   Tensor want = Tensor::host(DType::f32, {s.tokens, N});
   cpu_->moe_combine(y, sanitized(L.slot_row, R), w, want, false);
-  Tensor ybuf = gpu_->empty(DType::f32, {R * N + 4});
+  Tensor ybuf = gpu_->zeros(DType::f32, {R * N + 4});
   TensorView yv(ybuf.ptr<float>() + 1, DType::f32, {R, N}, Device::cuda);
   gpu_->copy(yv, y.view());
   Guarded got(*gpu_, DType::f32, {s.tokens, N}, 0xFF);
@@ -412,8 +412,8 @@ TEST_F(CudaMoeDispatch, CapturedOnAStreamWithoutHostSync) {
 TEST_F(CudaMoeDispatch, RejectsBadArguments) {
   const Tensor ids = random_routing(rng_, {10, 2, 4, 0, 0, {}});
   const int64_t R = moe_layout_rows(20, 4, 8);
-  Tensor rs = gpu_->empty(DType::i32, {R}), rg = gpu_->empty(DType::i32, {R}), sr = gpu_->empty(DType::i32, {10, 2}),
-         off = gpu_->empty(DType::i32, {5});
+  Tensor rs = gpu_->zeros(DType::i32, {R}), rg = gpu_->zeros(DType::i32, {R}), sr = gpu_->zeros(DType::i32, {10, 2}),
+         off = gpu_->zeros(DType::i32, {5});
   expect_error([&] { gpu_->moe_layout(ids, 8, rs, rg, sr, off); }, "moe_layout: expert_ids must be a cuda tensor");
   TensorView short_rs = rs.view(), short_rg = rg.view();
   short_rs.shape[0] = short_rg.shape[0] = R - 1;
@@ -426,11 +426,11 @@ TEST_F(CudaMoeDispatch, RejectsBadArguments) {
   gpu_->moe_permute_quantize(x_off, rs, 2, TensorView{}, q, ScaleMode::pow2);
   x_off.data = x.ptr<uint16_t>() + 1;
   expect_error([&] { gpu_->moe_permute_quantize(x_off, rs, 2, TensorView{}, q, ScaleMode::pow2); }, "16-byte aligned");
-  Tensor out = gpu_->empty(DType::f32, {11, 256});
+  Tensor out = gpu_->zeros(DType::f32, {11, 256});
   expect_error([&] { gpu_->moe_combine(x, sr, TensorView{}, out, false); }, "moe_combine: out: expected shape");
   // f64, which the CPU ops accept for the finite-difference checks, is refused on the device.
   const Tensor x64 = dev(Tensor::host(DType::f64, {10, 256}));
-  Tensor p64 = gpu_->empty(DType::f64, {R, 256});
+  Tensor p64 = gpu_->zeros(DType::f64, {R, 256});
   expect_error([&] { gpu_->moe_permute(x64, rs, 2, TensorView{}, p64); }, "moe_permute: x: expected dtype f32|bf16");
 }
 

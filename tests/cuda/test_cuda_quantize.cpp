@@ -135,7 +135,7 @@ TEST_F(CudaQuantize, RequantizeRaggedPoisonedMatchesCpuBitExact) {
             QuantizedTensor ref = make_quantized_host(s.c, s.r, out_dt, ScaleKind::tile_1x128);
             requantize_128x1(in.view(), ref.view(), mode);
             QuantizedTensor in_d = to_device(*be_, in);
-            Tensor shifted = be_->empty(in_dt, {s.r * s.c + 16});
+            Tensor shifted = be_->zeros(in_dt, {s.r * s.c + 16});
             QuantizedView in_v = in_d.view();
             if (misaligned) {
               in_v.values.data = static_cast<uint8_t*>(shifted.view().data) + 1;
@@ -160,7 +160,7 @@ void expect_1x128_and_128x1(Backend& be, const Tensor& x, DType rows_dt, DType c
   QuantizedTensor ref_cols = make_quantized_host(C, T, cols_dt, ScaleKind::tile_1x128);
   quantize_1x128(x.view(), ref_rows.view(), mode);
   quantize_128x1(x.view(), ref_cols.view(), mode);
-  Tensor buf = be.empty(x.dtype(), {T * C + shift});
+  Tensor buf = be.zeros(x.dtype(), {T * C + shift});
   const TensorView xd(static_cast<char*>(buf.view().data) + shift * int64_t(dtype_size(x.dtype())), x.dtype(), {T, C},
                       Device::cuda);
   be.copy(xd, x.view());
@@ -252,7 +252,7 @@ TEST_F(CudaQuantize, DequantizeMatchesCpu) {
       else quantize_128x128(x.view(), q.view());
       Tensor ref = Tensor::host(out, {257, 1000});
       dequantize(q.view(), ref.view());
-      Tensor d = be_->empty(out, {257, 1000});
+      Tensor d = be_->zeros(out, {257, 1000});
       be_->dequantize(to_device(*be_, q).view(), d.view());
       EXPECT_EQ(first_mismatch(be_->to_host(d), ref), -1);
     }
@@ -274,10 +274,10 @@ TEST_F(CudaQuantize, RefusesNonFiniteInput) {
 }
 
 TEST_F(CudaQuantize, RejectsBadArguments) {
-  Tensor x = be_->empty(DType::bf16, {64, 256});
+  Tensor x = be_->zeros(DType::bf16, {64, 256});
   // Wrong scale shape.
   QuantizedTensor q = be_->empty_quantized(64, 256, DType::e4m3, ScaleKind::tile_1x128);
-  Tensor wrong = be_->empty(DType::f32, {2, 63});
+  Tensor wrong = be_->zeros(DType::f32, {2, 63});
   EXPECT_THROW(be_->quantize_1x128(x.view(), {q.values.view(), wrong.view(), ScaleKind::tile_1x128}, ScaleMode::fp32), Error);
   // Wrong scale kind, wrong values shape, host input.
   QuantizedTensor qb = be_->empty_quantized(64, 256, DType::e4m3, ScaleKind::block_128x128);

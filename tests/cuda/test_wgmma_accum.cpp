@@ -36,7 +36,7 @@ TEST_F(WgmmaAccum, ExactOnTernaryValuesAtEveryPromotionInterval) {
     const Tensor ad = to_device(*be_, a), bd = to_device(*be_, b);
     for (int nc : {0, 32, 64, 128, 256}) {
       if (nc > c.K) continue;
-      Tensor d = be_->empty(DType::f32, {c.M, c.N});
+      Tensor d = be_->zeros(DType::f32, {c.M, c.N});
       cuda::wgmma_accumulate(ad.view(), bd.view(), d.view(), nc, nullptr);
       const Tensor got = be_->to_host(d);
       int64_t bad = -1;
@@ -59,7 +59,7 @@ TEST_F(WgmmaAccum, EmulationAgreesOnTernaryValues) {
   for (QuantizedTensor* q : {&a, &b})
     for (int64_t i = 0; i < q->scales.numel(); ++i) q->scales.ptr<float>()[i] = 1.0f;
   const QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
-  Tensor hw = be_->empty(DType::f32, {M, N}), emu = be_->empty(DType::f32, {M, N});
+  Tensor hw = be_->zeros(DType::f32, {M, N}), emu = be_->zeros(DType::f32, {M, N});
   for (int nc : {0, 128}) {
     cuda::wgmma_accumulate(ad.values.view(), bd.values.view(), hw.view(), nc, nullptr);
     GemmOptions opt;
@@ -74,7 +74,7 @@ TEST_F(WgmmaAccum, NeverPromotedMatchesTheFourteenBitEmulationMost) {
   const int64_t M = 128, N = 128, K = 1024;
   const auto [a, b] = cuda::wgmma_accumulate_operands(M, N, K, rng);
   const QuantizedTensor ad = to_device(*be_, a), bd = to_device(*be_, b);
-  Tensor d = be_->empty(DType::f32, {M, N});
+  Tensor d = be_->zeros(DType::f32, {M, N});
   cuda::wgmma_accumulate(ad.values.view(), bd.values.view(), d.view(), 0, nullptr);
   const Tensor hw = be_->to_host(d);
   int64_t same[3] = {0, 0, 0};
@@ -91,7 +91,7 @@ TEST_F(WgmmaAccum, NeverPromotedMatchesTheFourteenBitEmulationMost) {
 }
 
 TEST_F(WgmmaAccum, RejectsBadArguments) {
-  auto dev = [&](DType dt, int64_t R, int64_t C) { return be_->empty(dt, {R, C}); };
+  auto dev = [&](DType dt, int64_t R, int64_t C) { return be_->zeros(dt, {R, C}); };
   const Tensor a = dev(DType::e4m3, 64, 128), b = dev(DType::e4m3, 128, 128), d = dev(DType::f32, 64, 128);
   auto expect_error = [&](const TensorView& x, const TensorView& y, const TensorView& z, int nc, const std::string& part) {
     try {

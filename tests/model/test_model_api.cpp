@@ -310,7 +310,7 @@ class NoModelOps final : public Backend {
   std::string name() const override { return "bare"; }
   Device device() const override { return Device::cpu; }
   bool supports(Op) const override { return false; }
-  Tensor empty(DType t, std::initializer_list<int64_t> s) override { return Tensor::host(t, s); }
+  Tensor zeros(DType t, std::initializer_list<int64_t> s) override { return Tensor::host(t, s); }
   void copy(const TensorView&, const TensorView&) override {}
   void quantize_1x128(const TensorView&, const QuantizedView&, ScaleMode) override {}
   void quantize_128x128(const TensorView&, const QuantizedView&, ScaleMode) override {}

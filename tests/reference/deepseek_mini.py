@@ -66,7 +66,7 @@ def rope(x, pos, theta):
     ang = pos[:, None].double() * freq[None, :]                      # [T, d/2]
     c, s = torch.cos(ang), torch.sin(ang)
     a, b = x[..., 0::2], x[..., 1::2]
-    out = torch.empty_like(x)
+    out = torch.zeros_like(x)
     out[..., 0::2] = a * c - b * s
     out[..., 1::2] = a * s + b * c
     return out
