@@ -1,0 +1,98 @@
+// The communicator: what expert parallelism, ZeRO-1 and the pipeline executor exchange between
+// ranks, behind one interface with two engines (src/comm/):
+//   "mpi"   Open MPI: host tensors directly; device tensors staged through pinned host buffers,
+//           so several processes can share one GPU. What CI runs, as CPU ranks under mpirun.
+//   "nccl"  NCCL on GPUs, bootstrapped over MPI: grouped ncclSend/ncclRecv for the all-to-all,
+//           NCCL's collectives for the rest. Needs one GPU per rank (NCCL_NVLS_ENABLE=0).
+// Every rank of a communicator calls a collective with the same arguments (counts may differ
+// where the op says so); a mismatch is an error on every rank that names it, and a peer that has
+// gone away makes the others fail with an error naming it after FP8MOE_COMM_TIMEOUT_S seconds
+// (default 300) instead of hanging.
+//
+// Work is ordered on a Stream like any op: it starts after the work queued on `s` so far and
+// work queued on `s` later sees its result. With NCCL it is enqueued on `s` and the host returns
+// at once; with MPI the host waits for `s`, exchanges, and queues the copies back on `s`.
+// Tensors are contiguous; counts and offsets are in rows (the first dimension; elements of a 1-D
+// tensor), so that a [T, D] activation is exchanged by token.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fp8moe/stream.hpp"
+#include "fp8moe/tensor.hpp"
+
+namespace fp8moe {
+
+// A point-to-point transfer in flight (isend, irecv): wait() returns once the tensor may be
+// reused (send) or read (receive, on the stream it was posted on).
+class CommRequest {
+ public:
+  class Impl {
+   public:
+    virtual ~Impl() = default;
+    virtual void wait() = 0;
+    virtual bool test() = 0;
+  };
+  CommRequest() = default;
+  explicit CommRequest(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  void wait() {
+    if (impl_) impl_->wait();
+  }
+  bool test() { return impl_ ? impl_->test() : true; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  virtual std::string name() const = 0;  // "mpi" | "nccl"
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // The ranks with the same color, ordered by key then by rank (a PP, EP or DP group).
+  // Collective over this communicator.
+  virtual std::unique_ptr<Comm> split(int color, int key) = 0;
+
+  // Whole tensors, the same dtype and byte count on both sides.
+  virtual void send(const TensorView& t, int peer, const Stream& s) = 0;
+  virtual void recv(const TensorView& t, int peer, const Stream& s) = 0;
+  virtual CommRequest isend(const TensorView& t, int peer, const Stream& s) = 0;
+  virtual CommRequest irecv(const TensorView& t, int peer, const Stream& s) = 0;
+
+  // send [sum(send_counts), ...] holds the rows for rank 0, then rank 1, ...; recv [sum(recv_counts),
+  // ...] receives rank 0's rows, then rank 1's. send_counts[j] on rank i equals recv_counts[i] on
+  // rank j (checked); zero counts allowed; the row shape and dtype are the same everywhere.
+  virtual void all_to_all_v(const TensorView& send, std::span<const int64_t> send_counts, const TensorView& recv,
+                            std::span<const int64_t> recv_counts, const Stream& s) = 0;
+  // recv [size * n, ...] = every rank's send [n, ...], in rank order.
+  virtual void all_gather(const TensorView& send, const TensorView& recv, const Stream& s) = 0;
+  // recv [n, ...] = the sum over ranks r = 0, 1, ... (in that order) of rows [rank * n, (rank + 1) * n)
+  // of send [size * n, ...]. f32 | f64 | bf16 (bf16 summed in f32, rounded once).
+  virtual void reduce_scatter(const TensorView& send, const TensorView& recv, const Stream& s) = 0;
+  // t = the sum over ranks of t, in place, the same bits on every rank and in every run.
+  virtual void all_reduce(const TensorView& t, const Stream& s) = 0;
+  virtual void broadcast(const TensorView& t, int root, const Stream& s) = 0;
+  virtual void barrier() = 0;
+  // Every rank's bytes (any length each), in rank order, on the host: bootstrap data such as CUDA
+  // IPC handles or an NCCL unique id.
+  virtual std::vector<std::string> exchange(std::string_view mine) = 0;
+};
+
+// Where this process sits in its launch: mpirun's environment (OMPI_COMM_WORLD_*), or one rank.
+struct LaunchInfo {
+  int rank = 0, size = 1, local_rank = 0, local_size = 1;
+  bool under_mpirun = false;
+};
+LaunchInfo launch_info();
+
+// The world communicator: "mpi", "nccl" or "auto" (nccl when every rank has a GPU of its own and
+// NCCL is built, else mpi). A single process without mpirun gets a one-rank communicator.
+std::unique_ptr<Comm> make_comm(std::string_view kind);
+
+}  // namespace fp8moe
