@@ -38,9 +38,10 @@ namespace {
 // FP8MOE_PROFILE_OPS=1: every op records a CUDA event before and after itself on the stream all
 // ops use; the GPU time between the two is added to a per-op table, printed when the backend is
 // destroyed (sorted by the time after each op's first call), with the sum against the wall time
-// of the profiled span: the rest is the time the GPU waited for the host. Nothing synchronizes per
-// op, so the run keeps its speed; an op that calls another op counts both, and its events are read
-// only after it has ended.
+// of the profiled span: the rest is the time the GPU waited for the host. 'host ms' is the time
+// the host spent inside each op: an op far above its GPU time waits for the device or the driver.
+// Nothing synchronizes per op, so the run keeps its speed; an op that calls another op counts
+// both, and its events are read only after it has ended.
 // FP8MOE_PROFILE_OPS=shapes: the GEMMs count per problem (dtypes, M x N x K, transposes).
 class OpTimes {
  public:
@@ -60,7 +61,7 @@ class OpTimes {
       FP8MOE_CUDA_CHECK(cudaEventCreate(&b));
       free_.push_back({a, b});
     }
-    pending_.push_back({std::move(op), free_.back(), false});
+    pending_.push_back({std::move(op), free_.back(), false, std::chrono::steady_clock::now(), 0.0});
     free_.pop_back();
     if (!started_) {
       started_ = true;
@@ -73,6 +74,7 @@ class OpTimes {
     Pending& p = pending_[size_t(id - base_)];
     (void)cudaEventRecord(p.ev.second, 0);
     p.ended = true;
+    p.host = std::chrono::duration<double>(std::chrono::steady_clock::now() - p.host_start).count();
   }
   void print() {
     if (!enabled_ || !started_) return;
@@ -88,11 +90,12 @@ class OpTimes {
     std::fprintf(stderr,
                  "# cuda backend op times (FP8MOE_PROFILE_OPS, GPU time per op): ops %.3f s of %.3f s wall; "
                  "'first': the first call (plans, module loading), 'rest': the mean of the others\n"
-                 "%-44s %8s %11s %7s %10s %10s\n",
-                 total, wall, "op", "calls", "ms", "share", "first ms", "rest ms");
+                 "%-44s %8s %11s %7s %10s %10s %10s\n",
+                 total, wall, "op", "calls", "ms", "share", "first ms", "rest ms", "host ms");
     for (const auto& [op, e] : rows)
-      std::fprintf(stderr, "%-44s %8lld %11.2f %6.1f%% %10.3f %10.4f\n", op.c_str(), (long long)e.calls, e.total * 1e3,
-                   100.0 * e.total / total, e.first * 1e3, e.calls > 1 ? (e.total - e.first) * 1e3 / double(e.calls - 1) : 0.0);
+      std::fprintf(stderr, "%-44s %8lld %11.2f %6.1f%% %10.3f %10.4f %10.2f\n", op.c_str(), (long long)e.calls,
+                   e.total * 1e3, 100.0 * e.total / total, e.first * 1e3,
+                   e.calls > 1 ? (e.total - e.first) * 1e3 / double(e.calls - 1) : 0.0, e.host * 1e3);
   }
 
  private:
@@ -112,6 +115,7 @@ class OpTimes {
       auto& e = table_[p.op];
       if (e.calls++ == 0) e.first = ms * 1e-3;
       e.total += ms * 1e-3;
+      e.host += p.host;
       free_.push_back(p.ev);
       pending_.pop_front();
       ++base_;
@@ -124,13 +128,15 @@ class OpTimes {
     std::string op;
     std::pair<cudaEvent_t, cudaEvent_t> ev;  // start, stop
     bool ended;
+    std::chrono::steady_clock::time_point host_start;
+    double host;  // seconds the host spent inside the op
   };
   std::deque<Pending> pending_;  // in the order the ops began; pending_[i] has id base_ + i
   int64_t base_ = 0;
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> free_;
   struct Entry {
     int64_t calls = 0;
-    double total = 0, first = 0;  // seconds
+    double total = 0, first = 0, host = 0;  // seconds
   };
   std::map<std::string, Entry> table_;
 };
