@@ -1,12 +1,12 @@
 // `fp8moe bench gemm`, `quant`, `grouped`, `permute` and `attention`: our CUDA kernels against
-// cuBLASLt and the copy bandwidth, and the attention's two paths, side by side (src/cuda/bench.hpp).
+// cuBLASLt and the copy bandwidth, and the attention's two paths, side by side (bench/bench.hpp).
 // Example:  fp8moe bench gemm --iters 30 --set m4096
 #include <memory>
 
 #include "commands.hpp"
 #include "fp8moe/error.hpp"
 #ifdef FP8MOE_HAVE_CUDA
-#include "cuda/bench.hpp"
+#include "bench/bench.hpp"
 #include "cuda/cuda_backend.hpp"
 #endif
 

@@ -91,6 +91,8 @@ class Backend {
   // a GPU (the steady state takes it from a cache, no cudaMalloc). The CPU backend fills it with 0xFF bytes (NaN in every float format, FP8 included), so
   // a read before the write shows in its tests.
   virtual Tensor empty(DType dtype, std::initializer_list<int64_t> shape) { return zeros(dtype, shape); }
+  // A copy into host memory returns once the data is there (the host waits for the current
+  // stream only); a device-to-device copy is queued.
   virtual void copy(const TensorView& dst, const TensorView& src) = 0;
   // Every byte of a contiguous tensor set to zero, in place (the gradients before a step).
   virtual void zero(const TensorView& dst);
@@ -109,6 +111,13 @@ class Backend {
   // High-water mark of the bytes of this backend's tensors since it was made, or -1 where the
   // backend cannot tell.
   virtual int64_t device_memory_peak() const { return -1; }
+  // The backend's own allocations: bytes in tensors and scratch (and their high-water mark), bytes
+  // held from the device for them (in use + cached for reuse), requests served and those that
+  // had to go to the device (the rest came from the cache). -1 where the backend cannot tell.
+  struct MemoryStats {
+    int64_t allocated = -1, peak_allocated = -1, reserved = -1, allocations = -1, device_allocations = -1;
+  };
+  virtual MemoryStats memory_stats() const { return {device_memory_in_use(), device_memory_peak(), -1, -1, -1}; }
   // Dense BF16 Tensor Core peak of the device in TFLOPS (the denominator of the MFU the trainer
   // reports), or 0 where the backend does not know it.
   virtual double peak_bf16_tflops() const { return 0; }

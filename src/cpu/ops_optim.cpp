@@ -1,5 +1,5 @@
 // CPU optimizer ops: the AdamW update of one parameter (BF16 or FP32 moments) and the sum of
-// squares behind gradient clipping. The CUDA update (src/cuda/adamw.cu) reproduces this one bit
+// squares behind gradient clipping. The CUDA update (src/cuda/ops/adamw.cu) reproduces this one bit
 // for bit: same operation order, FP64 bias correction and update.
 #include <cmath>
 

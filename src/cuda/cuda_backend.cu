@@ -16,11 +16,13 @@
 #include <type_traits>
 #include <vector>
 
-#include "cuda_check.hpp"
+#include "cuda/runtime/caching_allocator.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/runtime/cuda_stream.hpp"
 #include "kernel_api.hpp"
-#include "device_checks.hpp"
-#include "model_ops.hpp"
-#include "moe_api.hpp"
+#include "cuda/runtime/device_checks.hpp"
+#include "cuda/ops/model_ops.hpp"
+#include "cuda/moe/moe_api.hpp"
 
 namespace fp8moe {
 
@@ -35,8 +37,7 @@ bool cuda_device_available() {
 
 namespace {
 
-// FP8MOE_PROFILE_OPS=1: every op records a CUDA event before and after itself on the stream all
-// ops use; the GPU time between the two is added to a per-op table, printed when the backend is
+// FP8MOE_PROFILE_OPS=1: every op records a CUDA event before and after itself on its stream; the GPU time between the two is added to a per-op table, printed when the backend is
 // destroyed (sorted by the time after each op's first call), with the sum against the wall time
 // of the profiled span: the rest is the time the GPU waited for the host. 'host ms' is the time
 // the host spent inside each op: an op far above its GPU time waits for the device or the driver.
@@ -53,7 +54,7 @@ class OpTimes {
   bool by_shape() const { return by_shape_; }
   // A new op: its id, with its start event recorded on the stream all ops use. end(id) records
   // its stop event.
-  int64_t begin(std::string op) {
+  int64_t begin(std::string op, cudaStream_t stream) {
     if (pending_.size() >= kBatch) resolve();
     if (free_.empty()) {
       cudaEvent_t a = nullptr, b = nullptr;
@@ -67,12 +68,13 @@ class OpTimes {
       started_ = true;
       t0_ = std::chrono::steady_clock::now();
     }
-    FP8MOE_CUDA_CHECK(cudaEventRecord(pending_.back().ev.first, 0));
+    pending_.back().stream = stream;
+    FP8MOE_CUDA_CHECK(cudaEventRecord(pending_.back().ev.first, stream));
     return base_ + int64_t(pending_.size()) - 1;
   }
   void end(int64_t id) {
     Pending& p = pending_[size_t(id - base_)];
-    (void)cudaEventRecord(p.ev.second, 0);
+    (void)cudaEventRecord(p.ev.second, p.stream);
     p.ended = true;
     p.host = std::chrono::duration<double>(std::chrono::steady_clock::now() - p.host_start).count();
   }
@@ -96,6 +98,12 @@ class OpTimes {
       std::fprintf(stderr, "%-44s %8lld %11.2f %6.1f%% %10.3f %10.4f %10.2f\n", op.c_str(), (long long)e.calls,
                    e.total * 1e3, 100.0 * e.total / total, e.first * 1e3,
                    e.calls > 1 ? (e.total - e.first) * 1e3 / double(e.calls - 1) : 0.0, e.host * 1e3);
+    const cuda::AllocatorStats a = cuda::allocator_stats();
+    std::fprintf(stderr,
+                 "# caching allocator: %lld requests, %lld from the device pool (the rest from the cache); "
+                 "tensors at peak %.1f MiB, reserved %.1f MiB (peak %.1f MiB)\n",
+                 (long long)a.allocations, (long long)a.pool_allocations, double(a.peak_allocated) / 1048576.0,
+                 double(a.reserved) / 1048576.0, double(a.peak_reserved) / 1048576.0);
   }
 
  private:
@@ -130,6 +138,7 @@ class OpTimes {
     bool ended;
     std::chrono::steady_clock::time_point host_start;
     double host;  // seconds the host spent inside the op
+    cudaStream_t stream = nullptr;
   };
   std::deque<Pending> pending_;  // in the order the ops began; pending_[i] has id base_ + i
   int64_t base_ = 0;
@@ -145,13 +154,13 @@ class TimedOp {
  public:
   // `shape` (called only when profiling by shape) names the op's problem.
   template <class Shape = std::nullptr_t>
-  explicit TimedOp(const char* op, Shape shape = nullptr) {
+  TimedOp(cudaStream_t stream, const char* op, Shape shape = nullptr) {
     auto& t = OpTimes::get();
     if (!t.enabled()) return;
     if constexpr (std::is_same_v<Shape, std::nullptr_t>) {
-      id_ = t.begin(op);
+      id_ = t.begin(op, stream);
     } else {
-      id_ = t.begin(t.by_shape() ? std::string(op) + " " + shape() : std::string(op));
+      id_ = t.begin(t.by_shape() ? std::string(op) + " " + shape() : std::string(op), stream);
     }
   }
   ~TimedOp() {
@@ -163,8 +172,8 @@ class TimedOp {
  private:
   int64_t id_ = -1;
 };
-#define FP8MOE_TIMED_OP(op) const TimedOp timed_op_(op)
-#define FP8MOE_TIMED_GEMM(op, a, b, ta, tb) const TimedOp timed_op_(op, [&] { return gemm_shape(a, b, ta, tb); })
+#define FP8MOE_TIMED_OP(op) const TimedOp timed_op_(s_, op)
+#define FP8MOE_TIMED_GEMM(op, a, b, ta, tb) const TimedOp timed_op_(s_, op, [&] { return gemm_shape(a, b, ta, tb); })
 
 // "bf16xbf16 MxNxK NT" for D = op(a) op(b), op = transpose where the flag is set.
 std::string gemm_shape(const TensorView& a, const TensorView& b, bool ta, bool tb) {
@@ -176,16 +185,24 @@ std::string gemm_shape(const TensorView& a, const TensorView& b, bool ta, bool t
 class CudaBackend final : public Backend {
  public:
   ~CudaBackend() override { OpTimes::get().print(); }
-  explicit CudaBackend(bool gemm_via_cublaslt) : cublaslt_(gemm_via_cublaslt) {
+  explicit CudaBackend(bool gemm_via_cublaslt)
+      : cublaslt_(gemm_via_cublaslt) {
     FP8MOE_CUDA_CHECK(cudaFree(nullptr));  // create the context now, not inside the first timed call
-    // Tensors come from the device's default memory pool, stream-ordered on the legacy stream
-    // that every op uses: no allocation or free synchronizes the host. The pool keeps freed memory
-    // for reuse instead of returning it to the driver at each synchronization.
-    int dev = 0;
-    FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
-    FP8MOE_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool_, dev));
-    uint64_t keep = UINT64_MAX;
-    FP8MOE_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep));
+    FP8MOE_CUDA_CHECK(cudaGetDevice(&device_));
+    // The backend's own compute stream: ops never run on the legacy stream, so that a
+    // communication or copy stream beside it overlaps with them.
+    compute_ = cuda::make_stream();
+    set_stream(compute_);
+  }
+
+  Stream stream() const override { return current_; }
+  Stream new_stream() override { return cuda::make_stream(); }
+  Event new_event() override { return cuda::make_event(); }
+  void set_stream(const Stream& s) override {
+    FP8MOE_CHECK(s.device() == Device::cuda, "set_stream: a stream of the cuda backend is needed, got one of the "
+                                                 << (s.device() == Device::cpu ? "host" : "other device"));
+    current_ = s;
+    s_ = cuda::native(s);
   }
 
   std::string name() const override { return cublaslt_ ? "cublaslt" : "cuda"; }
@@ -207,14 +224,19 @@ class CudaBackend final : public Backend {
                  "copy: dst " << dst.str() << " and src " << src.str() << " differ in dtype or size");
     FP8MOE_CHECK(dst.is_contiguous() && src.is_contiguous(), "copy: dst and src must be contiguous");
     if (src.nbytes() == 0) return;
-    FP8MOE_CUDA_CHECK(cudaMemcpy(dst.data, src.data, src.nbytes(), cudaMemcpyDefault));
+    FP8MOE_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.nbytes(), cudaMemcpyDefault, s_));
+    // A copy into host memory is a read-back: the host waits for this stream (only), so that the
+    // caller can read it. From pageable host memory CUDA has staged the source before returning;
+    // from page-locked memory the host waits too, so that the caller may overwrite its source.
+    if (dst.device == Device::cpu || (src.device == Device::cpu && is_page_locked(src.data)))
+      FP8MOE_CUDA_CHECK(cudaStreamSynchronize(s_));
   }
 
   void zero(const TensorView& dst) override {
     FP8MOE_TIMED_OP("zero");
     FP8MOE_CHECK(dst.device == Device::cuda && dst.is_contiguous(),
                  "zero: " << dst.str() << " must be a contiguous tensor on the GPU");
-    if (dst.nbytes() > 0) FP8MOE_CUDA_CHECK(cudaMemsetAsync(dst.data, 0, dst.nbytes(), nullptr));
+    if (dst.nbytes() > 0) FP8MOE_CUDA_CHECK(cudaMemsetAsync(dst.data, 0, dst.nbytes(), s_));
   }
 
   Tensor empty_host(DType dtype, std::initializer_list<int64_t> shape) override {
@@ -243,14 +265,14 @@ class CudaBackend final : public Backend {
       FP8MOE_CUDA_CHECK(cudaEventCreateWithFlags(&queued_, cudaEventDisableTiming));
       FP8MOE_CUDA_CHECK(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming));
     }
-    // After the work queued so far on the legacy stream, on a stream that blocks nobody.
-    FP8MOE_CUDA_CHECK(cudaEventRecord(queued_, nullptr));
+    // After the work queued so far on the current stream, on a stream that blocks nobody.
+    FP8MOE_CUDA_CHECK(cudaEventRecord(queued_, s_));
     FP8MOE_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, queued_, 0));
     FP8MOE_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.nbytes(), cudaMemcpyDeviceToHost, copy_stream_));
     FP8MOE_CUDA_CHECK(cudaEventRecord(copied_, copy_stream_));
   }
   void fence_copies() override {
-    if (copy_stream_) FP8MOE_CUDA_CHECK(cudaStreamWaitEvent(nullptr, copied_, 0));
+    if (copy_stream_) FP8MOE_CUDA_CHECK(cudaStreamWaitEvent(s_, copied_, 0));
   }
   void wait_copies() override {
     if (copy_stream_) FP8MOE_CUDA_CHECK(cudaEventSynchronize(copied_));
@@ -262,19 +284,23 @@ class CudaBackend final : public Backend {
     cuda::raise_deferred_checks();
   }
   void set_checks(Checks c) override { cuda::set_checks_deferred(c == Checks::deferred); }
-  // Memory the driver holds for this process minus what the pool keeps free for reuse.
+  // Memory the driver holds for this process (cuBLASLt's workspaces and the context included)
+  // minus what the caching allocator and the pool keep free for reuse.
   int64_t device_memory_in_use() const override {
     size_t free = 0, total = 0;
     FP8MOE_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-    uint64_t reserved = 0, used = 0;
-    FP8MOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemCurrent, &reserved));
-    FP8MOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrUsedMemCurrent, &used));
-    return int64_t(total - free) - int64_t(reserved - used);
+    const cuda::AllocatorStats a = cuda::allocator_stats();
+    uint64_t pool_reserved = 0, pool_used = 0;
+    cudaMemPool_t pool = nullptr;
+    FP8MOE_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
+    FP8MOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &pool_reserved));
+    FP8MOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &pool_used));
+    return int64_t(total - free) - int64_t(pool_reserved - pool_used) - (a.reserved - a.allocated);
   }
-  int64_t device_memory_peak() const override {
-    uint64_t high = 0;
-    FP8MOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrUsedMemHigh, &high));
-    return int64_t(high);
+  int64_t device_memory_peak() const override { return cuda::allocator_stats().peak_allocated; }
+  MemoryStats memory_stats() const override {
+    const cuda::AllocatorStats a = cuda::allocator_stats();
+    return {a.allocated, a.peak_allocated, a.reserved, a.allocations, a.pool_allocations};
   }
 
   // Hopper (sm_90): 4096 dense BF16 FLOPs per SM per clock at the 1830 MHz of NVIDIA's datasheets
@@ -289,36 +315,36 @@ class CudaBackend final : public Backend {
 
   void quantize_1x128(const TensorView& x, const QuantizedView& out, ScaleMode mode) override {
     FP8MOE_TIMED_OP("quantize_1x128");
-    if (out.values.dtype == DType::e5m6) return cuda::quantize_1x128_e5m6_cuda(x, out, mode, nullptr);
-    cuda::quantize_1x128_cuda(x, out, mode, nullptr, /*check_finite=*/true);
+    if (out.values.dtype == DType::e5m6) return cuda::quantize_1x128_e5m6_cuda(x, out, mode, s_);
+    cuda::quantize_1x128_cuda(x, out, mode, s_, /*check_finite=*/true);
   }
   void quantize_128x128(const TensorView& w, const QuantizedView& out, ScaleMode mode) override {
     FP8MOE_TIMED_OP("quantize_128x128");
-    cuda::quantize_128x128_cuda(w, out, mode, nullptr, true);
+    cuda::quantize_128x128_cuda(w, out, mode, s_, true);
   }
   void quantize_128x1(const TensorView& x, const QuantizedView& out, ScaleMode mode) override {
     FP8MOE_TIMED_OP("quantize_128x1");
-    cuda::quantize_128x1_cuda(x, out, mode, nullptr, true);
+    cuda::quantize_128x1_cuda(x, out, mode, s_, true);
   }
   void quantize_1x128_and_128x1(const TensorView& x, const QuantizedView& rows, const QuantizedView& cols,
                                 ScaleMode mode) override {
     // E5M6 rows (quantize_1x128 only): the two ops.
     if (rows.values.dtype == DType::e5m6) return Backend::quantize_1x128_and_128x1(x, rows, cols, mode);
     FP8MOE_TIMED_OP("quantize_1x128_and_128x1");
-    cuda::quantize_1x128_and_128x1_cuda(x, rows, cols, mode, nullptr, true);
+    cuda::quantize_1x128_and_128x1_cuda(x, rows, cols, mode, s_, true);
   }
   void requantize_128x1(const QuantizedView& in, const QuantizedView& out, ScaleMode mode) override {
     FP8MOE_TIMED_OP("requantize_128x1");
-    cuda::requantize_128x1_cuda(in, out, mode, nullptr);
+    cuda::requantize_128x1_cuda(in, out, mode, s_);
   }
   void transpose_128x128(const QuantizedView& in, const QuantizedView& out, int64_t groups) override {
     FP8MOE_TIMED_OP("transpose_128x128");
-    cuda::transpose_128x128_cuda(in, out, groups, nullptr);
+    cuda::transpose_128x128_cuda(in, out, groups, s_);
   }
   void dequantize(const QuantizedView& in, const TensorView& out) override {
     FP8MOE_TIMED_OP("dequantize");
-    if (in.values.dtype == DType::e5m6) return cuda::dequantize_e5m6_cuda(in, out, nullptr);
-    cuda::dequantize_cuda(in, out, nullptr);
+    if (in.values.dtype == DType::e5m6) return cuda::dequantize_e5m6_cuda(in, out, s_);
+    cuda::dequantize_cuda(in, out, s_);
   }
 
   void gemm_fp8(const QuantizedView& a, const QuantizedView& b, const TensorView& d, const GemmOptions& opt) override {
@@ -326,189 +352,189 @@ class CudaBackend final : public Backend {
     // The hardware accumulates each 128-wide K block in the Tensor Cores and promotes to FP32:
     // AccumMode::fp32 (ideal promotion) up to Tensor Core rounding inside a block, and exactly the
     // tensor_core emulation's N_c = 128. Other promotion intervals run on the emulation kernels.
-    if (cuda::needs_accum_emulation(opt.accum)) return cuda::gemm_fp8_emulated(a, b, d, opt, nullptr);
+    if (cuda::needs_accum_emulation(opt.accum)) return cuda::gemm_fp8_emulated(a, b, d, opt, s_);
     // NOTES: cuBLASLt's block-scaled FP8 GEMM returned results 14% off on M = 200, N = 136,
     // K = 384 (H200, CUDA 13.0), while tile-aligned shapes agree; the cublaslt backend sends only
     // shapes with M and N multiples of 128 to it.
     const bool lt_aligned = a.rows() % 128 == 0 && b.rows() % 128 == 0;
     if ((cublaslt_ && lt_aligned) || !cuda::sm90_available())
-      cuda::gemm_fp8_cublaslt(a, b, d, opt.accumulate, nullptr);
+      cuda::gemm_fp8_cublaslt(a, b, d, opt.accumulate, s_);
     else
-      cuda::gemm_fp8_sm90(a, b, d, opt.accumulate, nullptr);
+      cuda::gemm_fp8_sm90(a, b, d, opt.accumulate, s_);
   }
 
   void gemm_bf16(const TensorView& a, const TensorView& b, const TensorView& d, bool accumulate) override {
     FP8MOE_TIMED_OP("gemm_bf16");
-    cuda::gemm_bf16_cublaslt(a, b, d, accumulate, nullptr);
+    cuda::gemm_bf16_cublaslt(a, b, d, accumulate, s_);
   }
 
   // ---- Model ops: src/cuda/model_ops_*.cu (the CPU ops are their specification).
   void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b,
             bool accumulate) override {
     FP8MOE_TIMED_GEMM("gemm", a, b, trans_a, trans_b);
-    cuda::cuda_gemm(a, b, d, trans_a, trans_b, accumulate);
+    cuda::cuda_gemm(a, b, d, trans_a, trans_b, accumulate, s_);
   }
   void convert(const TensorView& src, const TensorView& dst) override {
-    FP8MOE_TIMED_OP("convert"); cuda::cuda_convert(src, dst); }
+    FP8MOE_TIMED_OP("convert"); cuda::cuda_convert(src, dst, s_); }
   void axpy(double alpha, const TensorView& x, double beta, const TensorView& y) override {
     FP8MOE_TIMED_OP("axpy");
-    cuda::cuda_axpy(alpha, x, beta, y);
+    cuda::cuda_axpy(alpha, x, beta, y, s_);
   }
   void copy_cols(const TensorView& src, int64_t src_col, const TensorView& dst, int64_t dst_col, int64_t ncols,
                  bool accumulate) override {
     FP8MOE_TIMED_OP("copy_cols");
-    cuda::cuda_copy_cols(src, src_col, dst, dst_col, ncols, accumulate);
+    cuda::cuda_copy_cols(src, src_col, dst, dst_col, ncols, accumulate, s_);
   }
   void transpose(const TensorView& src, const TensorView& dst) override {
-    FP8MOE_TIMED_OP("transpose"); cuda::cuda_transpose(src, dst); }
+    FP8MOE_TIMED_OP("transpose"); cuda::cuda_transpose(src, dst, s_); }
   void embedding_forward(const TensorView& ids, const TensorView& table, const TensorView& out) override {
     FP8MOE_TIMED_OP("embedding_forward");
-    cuda::cuda_embedding_forward(ids, table, out);
+    cuda::cuda_embedding_forward(ids, table, out, s_);
   }
   void embedding_backward(const TensorView& ids, const TensorView& dout, const TensorView& dtable) override {
     FP8MOE_TIMED_OP("embedding_backward");
-    cuda::cuda_embedding_backward(ids, dout, dtable);
+    cuda::cuda_embedding_backward(ids, dout, dtable, s_);
   }
   void rmsnorm_forward(const TensorView& x, const TensorView& w, const TensorView& y, const TensorView& rstd,
                        double eps) override {
     FP8MOE_TIMED_OP("rmsnorm_forward");
-    cuda::cuda_rmsnorm_forward(x, w, y, rstd, eps);
+    cuda::cuda_rmsnorm_forward(x, w, y, rstd, eps, s_);
   }
   void rmsnorm_forward_fp8(const TensorView& x, const TensorView& w, const QuantizedView& out, const TensorView& rstd,
                            double eps, ScaleMode mode) override {
     FP8MOE_TIMED_OP("rmsnorm_forward_fp8");
-    cuda::cuda_rmsnorm_forward_fp8(x, w, out, rstd, eps, mode);
+    cuda::cuda_rmsnorm_forward_fp8(x, w, out, rstd, eps, mode, s_);
   }
   void rmsnorm_backward(const TensorView& x, const TensorView& w, const TensorView& rstd, const TensorView& dy,
                         const TensorView& dx, const TensorView& dw, bool accumulate_dx) override {
     FP8MOE_TIMED_OP("rmsnorm_backward");
-    cuda::cuda_rmsnorm_backward(x, w, rstd, dy, dx, dw, accumulate_dx);
+    cuda::cuda_rmsnorm_backward(x, w, rstd, dy, dx, dw, accumulate_dx, s_);
   }
   void rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& positions, double theta,
             bool inverse) override {
     FP8MOE_TIMED_OP("rope");
-    cuda::cuda_rope(x, col0, rot, positions, theta, inverse);
+    cuda::cuda_rope(x, col0, rot, positions, theta, inverse, s_);
   }
   void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                          const TensorView& lse, int64_t seq_len, double scale, DType compute) override {
     FP8MOE_TIMED_OP("attention_forward");
-    cuda::cuda_attention_forward(q, k, v, out, lse, seq_len, scale, compute);
+    cuda::cuda_attention_forward(q, k, v, out, lse, seq_len, scale, compute, s_);
   }
   void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                           const TensorView& lse, const TensorView& dout, const TensorView& dq, const TensorView& dk,
                           const TensorView& dv, int64_t seq_len, double scale, DType compute) override {
     FP8MOE_TIMED_OP("attention_backward");
-    cuda::cuda_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, seq_len, scale, compute);
+    cuda::cuda_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, seq_len, scale, compute, s_);
   }
   void swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out) override {
     FP8MOE_TIMED_OP("swiglu_forward");
-    cuda::cuda_swiglu_forward(gate, up, out);
+    cuda::cuda_swiglu_forward(gate, up, out, s_);
   }
   void swiglu_backward(const TensorView& gate, const TensorView& up, const TensorView& dout, const TensorView& dgate,
                        const TensorView& dup) override {
     FP8MOE_TIMED_OP("swiglu_backward");
-    cuda::cuda_swiglu_backward(gate, up, dout, dgate, dup);
+    cuda::cuda_swiglu_backward(gate, up, dout, dgate, dup, s_);
   }
   void swiglu_backward_fp8(const QuantizedView& gate, const QuantizedView& up, const TensorView& dout,
                            const TensorView& out, const TensorView& dgate, const TensorView& dup) override {
     FP8MOE_TIMED_OP("swiglu_backward_fp8");
-    cuda::cuda_swiglu_backward_fp8(gate, up, dout, out, dgate, dup);
+    cuda::cuda_swiglu_backward_fp8(gate, up, dout, out, dgate, dup, s_);
   }
   void swiglu_forward_fp8(const TensorView& gate, const TensorView& up, const QuantizedView& gq,
                           const QuantizedView& uq, const QuantizedView& out, ScaleMode mode) override {
     FP8MOE_TIMED_OP("swiglu_forward_fp8");
-    cuda::cuda_swiglu_forward_fp8(gate, up, gq, uq, out, mode);
+    cuda::cuda_swiglu_forward_fp8(gate, up, gq, uq, out, mode, s_);
   }
   void cross_entropy(const TensorView& logits, const TensorView& targets, const TensorView& losses,
                      const TensorView& dlogits, double grad_scale) override {
     FP8MOE_TIMED_OP("cross_entropy");
-    cuda::cuda_cross_entropy(logits, targets, losses, dlogits, grad_scale);
+    cuda::cuda_cross_entropy(logits, targets, losses, dlogits, grad_scale, s_);
   }
   void moe_route(const TensorView& logits, const TensorView& bias, const TensorView& scores, const TensorView& idx,
                  const TensorView& weights, int64_t n_group, int64_t topk_group, bool norm, double scaling) override {
     FP8MOE_TIMED_OP("moe_route");
-    cuda::cuda_moe_route(logits, bias, scores, idx, weights, n_group, topk_group, norm, scaling);
+    cuda::cuda_moe_route(logits, bias, scores, idx, weights, n_group, topk_group, norm, scaling, s_);
   }
   void moe_route_backward(const TensorView& scores, const TensorView& idx, const TensorView& dweights,
                           const TensorView& dscores, const TensorView& dlogits, bool norm, double scaling) override {
     FP8MOE_TIMED_OP("moe_route_backward");
-    cuda::cuda_moe_route_backward(scores, idx, dweights, dscores, dlogits, norm, scaling);
+    cuda::cuda_moe_route_backward(scores, idx, dweights, dscores, dlogits, norm, scaling, s_);
   }
   void gather_rows(const TensorView& src, const TensorView& idx, const TensorView& w, const TensorView& dst) override {
     FP8MOE_TIMED_OP("gather_rows");
-    cuda::cuda_gather_rows(src, idx, w, dst);
+    cuda::cuda_gather_rows(src, idx, w, dst, s_);
   }
   void scatter_add_rows(const TensorView& src, const TensorView& idx, const TensorView& w,
                         const TensorView& dst) override {
     FP8MOE_TIMED_OP("scatter_add_rows");
-    cuda::cuda_scatter_add_rows(src, idx, w, dst);
+    cuda::cuda_scatter_add_rows(src, idx, w, dst, s_);
   }
   void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out) override {
     FP8MOE_TIMED_OP("rows_dot");
-    cuda::cuda_rows_dot(a, b, out);
+    cuda::cuda_rows_dot(a, b, out, s_);
   }
 
-  // ---- MoE dispatch and grouped GEMMs: src/cuda/moe_dispatch.cu, grouped_gemm.cu.
+  // ---- MoE dispatch and grouped GEMMs: src/cuda/moe/moe_dispatch.cu, grouped_gemm.cu.
   void moe_layout(const TensorView& expert_ids, int64_t align, const TensorView& row_slot, const TensorView& row_group,
                   const TensorView& slot_row, const TensorView& offsets) override {
     FP8MOE_TIMED_OP("moe_layout");
-    cuda::moe_layout_cuda(expert_ids, align, row_slot, row_group, slot_row, offsets, nullptr);
+    cuda::moe_layout_cuda(expert_ids, align, row_slot, row_group, slot_row, offsets, s_);
   }
   void moe_permute(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
                    const TensorView& out) override {
     FP8MOE_TIMED_OP("moe_permute");
-    cuda::moe_permute_cuda(x, row_slot, topk, w, out, nullptr);
+    cuda::moe_permute_cuda(x, row_slot, topk, w, out, s_);
   }
   void moe_permute_quantize(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
                             const QuantizedView& out, ScaleMode mode) override {
     FP8MOE_TIMED_OP("moe_permute_quantize");
-    cuda::moe_permute_quantize_cuda(x, row_slot, topk, w, out, mode, nullptr);
+    cuda::moe_permute_quantize_cuda(x, row_slot, topk, w, out, mode, s_);
   }
   void moe_combine(const TensorView& y, const TensorView& slot_row, const TensorView& w, const TensorView& out,
                    bool accumulate) override {
     FP8MOE_TIMED_OP("moe_combine");
-    cuda::moe_combine_cuda(y, slot_row, w, out, accumulate, nullptr);
+    cuda::moe_combine_cuda(y, slot_row, w, out, accumulate, s_);
   }
   void moe_combine_weight_grad(const TensorView& v, const TensorView& slot_row, const TensorView& w,
                                const TensorView& dw) override {
     FP8MOE_TIMED_OP("moe_combine_weight_grad");
-    cuda::moe_combine_weight_grad_cuda(v, slot_row, w, dw, nullptr);
+    cuda::moe_combine_weight_grad_cuda(v, slot_row, w, dw, s_);
   }
   void grouped_gemm_fp8_contiguous(const QuantizedView& a, const QuantizedView& b, const TensorView& row_group,
                                    int64_t groups, const TensorView& d, const GemmOptions& opt) override {
     FP8MOE_TIMED_OP("grouped_gemm_fp8_contiguous");
     if (cuda::needs_accum_emulation(opt.accum))
-      return cuda::grouped_gemm_fp8_contiguous_emulated(a, b, row_group, groups, d, opt, nullptr);
-    cuda::grouped_gemm_fp8_contiguous_cuda(a, b, row_group, groups, d, opt.accumulate, nullptr);
+      return cuda::grouped_gemm_fp8_contiguous_emulated(a, b, row_group, groups, d, opt, s_);
+    cuda::grouped_gemm_fp8_contiguous_cuda(a, b, row_group, groups, d, opt.accumulate, s_);
   }
   void grouped_gemm_fp8_masked(const QuantizedView& a, const QuantizedView& b, const TensorView& counts,
                                int64_t groups, const TensorView& d, const GemmOptions& opt) override {
     FP8MOE_TIMED_OP("grouped_gemm_fp8_masked");
     if (cuda::needs_accum_emulation(opt.accum))
-      return cuda::grouped_gemm_fp8_masked_emulated(a, b, counts, groups, d, opt, nullptr);
-    cuda::grouped_gemm_fp8_masked_cuda(a, b, counts, groups, d, opt.accumulate, nullptr);
+      return cuda::grouped_gemm_fp8_masked_emulated(a, b, counts, groups, d, opt, s_);
+    cuda::grouped_gemm_fp8_masked_cuda(a, b, counts, groups, d, opt.accumulate, s_);
   }
   void grouped_wgrad_fp8(const QuantizedView& dy_t, const QuantizedView& x_t, const TensorView& offsets,
                          const TensorView& d, const GemmOptions& opt) override {
     FP8MOE_TIMED_OP("grouped_wgrad_fp8");
     if (cuda::needs_accum_emulation(opt.accum))
-      return cuda::grouped_wgrad_fp8_emulated(dy_t, x_t, offsets, d, opt, nullptr);
-    cuda::grouped_wgrad_fp8_cuda(dy_t, x_t, offsets, d, opt.accumulate, nullptr);
+      return cuda::grouped_wgrad_fp8_emulated(dy_t, x_t, offsets, d, opt, s_);
+    cuda::grouped_wgrad_fp8_cuda(dy_t, x_t, offsets, d, opt.accumulate, s_);
   }
 
   // ---- Optimizer ops.
   void adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
                   const AdamWStep& p) override {
     FP8MOE_TIMED_OP("adamw_step");
-    cuda::cuda_adamw_step(w, g, m, v, p);
+    cuda::cuda_adamw_step(w, g, m, v, p, s_);
   }
   double sum_squares(const TensorView& x) override {
-    FP8MOE_TIMED_OP("sum_squares"); return cuda::cuda_sum_squares({x}); }
+    FP8MOE_TIMED_OP("sum_squares"); return cuda::cuda_sum_squares({x}, s_); }
   double sum_squares_all(const std::vector<TensorView>& xs) override {
-    FP8MOE_TIMED_OP("sum_squares_all"); return cuda::cuda_sum_squares(xs); }
+    FP8MOE_TIMED_OP("sum_squares_all"); return cuda::cuda_sum_squares(xs, s_); }
 
  private:
-  // Stream-ordered allocation from the pool, zero-filled or not.
+  // A block of the caching allocator on the current stream, zero-filled or not.
   Tensor allocate(DType dtype, std::initializer_list<int64_t> shape, bool zero) {
     int64_t n = 1;
     for (int64_t s : shape) {
@@ -516,23 +542,30 @@ class CudaBackend final : public Backend {
       n *= s;
     }
     const size_t bytes = size_t(n) * dtype_size(dtype);
-    void* p = nullptr;
-    if (bytes > 0) {
-      FP8MOE_CUDA_CHECK(cudaMallocAsync(&p, bytes, nullptr));
-      const cudaError_t e = zero ? cudaMemsetAsync(p, 0, bytes, nullptr) : cudaSuccess;
-      if (e != cudaSuccess) cudaFreeAsync(p, nullptr);
+    void* p = cuda::cached_malloc(bytes, s_);
+    if (p && zero) {
+      const cudaError_t e = cudaMemsetAsync(p, 0, bytes, s_);
+      if (e != cudaSuccess) cuda::cached_free(p);
       FP8MOE_CUDA_CHECK(e);
     }
-    // NOTES: a deleter may not throw; a failing free means a broken context, which the next
-    // checked call reports.
-    std::shared_ptr<void> storage(p, [](void* q) {
-      if (q) (void)cudaFreeAsync(q, nullptr);
-    });
+    std::shared_ptr<void> storage(p, [](void* q) { cuda::cached_free(q); });
     return Tensor(std::move(storage), dtype, shape, Device::cuda);
   }
 
+  static bool is_page_locked(const void* p) {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return a.type == cudaMemoryTypeHost;
+  }
+
   bool cublaslt_;
-  cudaMemPool_t pool_ = nullptr;
+  int device_ = 0;
+  Stream compute_, current_;  // the backend's own stream, and the one ops go to now
+  cudaStream_t s_ = nullptr;  // current_'s
+
   // copy_to_host_async: its stream, and the events "queued work reached" and "copies done".
   // NOTES: not destroyed: the backend lives until exit, and destroying them in a static
   // destruction order that outlives the context fails.

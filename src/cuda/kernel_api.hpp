@@ -10,7 +10,7 @@
 
 #include "fp8moe/gemm_ref.hpp"
 #include "fp8moe/quantize.hpp"
-#include "gemm_heuristics.hpp"
+#include "cuda/gemm/gemm_heuristics.hpp"
 
 namespace fp8moe::cuda {
 

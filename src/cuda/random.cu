@@ -2,7 +2,7 @@
 // tensors are filled without host-side generation or transfers.
 #include <cuda_bf16.h>
 
-#include "cuda_check.hpp"
+#include "cuda/runtime/cuda_check.hpp"
 #include "kernel_api.hpp"
 
 namespace fp8moe::cuda {

@@ -329,6 +329,17 @@ struct Trainer::Impl {
                        {"mtp_loss", agg.mtp_loss}, {"mtp_weight", mtp_weight}, {"balance_loss", agg.balance_loss}, {"lr", lr},
                        {"grad_norm", norm},  {"tokens_per_s", tok_s},          {"tflops", flops_tok * tok_s / 1e12},
                        {"rss_bytes", resident_bytes()}};
+      // The backend's allocator: bytes in tensors now, their high-water mark, and what is held
+      // from the device for them (in use + cached).
+      const Backend::MemoryStats ms = backend->memory_stats();
+      char mem[96] = "";
+      if (ms.reserved >= 0) {
+        j["mem_allocated"] = ms.allocated;
+        j["mem_peak"] = ms.peak_allocated;
+        j["mem_reserved"] = ms.reserved;
+        std::snprintf(mem, sizeof mem, " | mem %.0f/%.0f/%.0f MiB", double(ms.allocated) / 1048576.0,
+                      double(ms.peak_allocated) / 1048576.0, double(ms.reserved) / 1048576.0);
+      }
       char mfu[32] = "";
       if (peak_tflops > 0) {
         j["mfu"] = flops_tok * tok_s / 1e12 / peak_tflops;
@@ -344,10 +355,10 @@ struct Trainer::Impl {
       metrics << j.dump() << "\n";
       metrics.flush();
       if (!opt.quiet && ((step + 1) % opt.log_every == 0 || last || step == 0))
-        std::printf("step %6lld | loss %.4f | val %s | lr %.2e | norm %.3f | %.0f tok/s | %.3f TFLOPS%s | rss %.0f MiB\n",
+        std::printf("step %6lld | loss %.4f | val %s | lr %.2e | norm %.3f | %.0f tok/s | %.3f TFLOPS%s | rss %.0f MiB%s\n",
                     (long long)step, agg.main_loss,
                     j.contains("val_loss") ? std::to_string(j["val_loss"].get<double>()).substr(0, 6).c_str() : "  -   ",
-                    double(lr), norm, tok_s, flops_tok * tok_s / 1e12, mfu, double(resident_bytes()) / 1048576.0);
+                    double(lr), norm, tok_s, flops_tok * tok_s / 1e12, mfu, double(resident_bytes()) / 1048576.0, mem);
       if (!opt.quiet) std::fflush(stdout);  // progress reaches logs and pipes as it happens
       if ((step + 1) % opt.log_every == 0 || last) {
         sum.final_loss = loss_acc / double(loss_n);

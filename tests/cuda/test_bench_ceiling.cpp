@@ -1,4 +1,4 @@
-// The Tensor Cores' ceiling of `bench gemm --ceiling` (src/cuda/bench_ceiling.cu): that it issues
+// The Tensor Cores' ceiling of `bench gemm --ceiling` (bench/bench_ceiling.cu): that it issues
 // the WGMMAs it claims, on the operands it claims, is checked where no sum can round: e4m3 values
 // in {-1, 0, 1} and scales of powers of two, so a CTA's f32 tile after B blocks is exactly B times
 // (scale squared, when promoting) the integer product of its K block of rows of A and B. Also the
@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/bench_util.hpp"
+#include "bench/bench_util.hpp"
 #include "cuda_test_util.hpp"
 
 namespace fp8moe::testing {

@@ -1,4 +1,4 @@
-// The benchmarks' SM clock probe (src/cuda/bench_clock.cu, Timer::clocks in bench_util.hpp): the
+// The benchmarks' SM clock probe (bench/bench_clock.cu, Timer::clocks in bench_util.hpp): the
 // per-SM matching of two probes on the host (no GPU), and the probe around interleaved timed
 // launches (GPU).
 #include <gtest/gtest.h>
@@ -6,7 +6,7 @@
 #include <cmath>
 #include <vector>
 
-#include "cuda/bench_util.hpp"
+#include "bench/bench_util.hpp"
 #include "cuda_test_util.hpp"
 
 using fp8moe::cuda::bench::clock_ghz;

@@ -1,7 +1,7 @@
 // `fp8moe bench gemm --shapes`: the problem list it parses (host only, runs without a GPU).
 #include <gtest/gtest.h>
 
-#include "cuda/bench.hpp"
+#include "bench/bench.hpp"
 #include "testing.hpp"
 
 using fp8moe::cuda::parse_gemm_shapes;

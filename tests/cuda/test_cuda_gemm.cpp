@@ -12,7 +12,7 @@
 #include <string>
 #include <tuple>
 
-#include "cuda/kernels/fast_div.hpp"
+#include "cuda/gemm/kernels/fast_div.hpp"
 #include "cuda_test_util.hpp"
 #include "fp8moe/codecs.hpp"
 

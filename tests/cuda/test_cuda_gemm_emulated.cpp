@@ -1,4 +1,4 @@
-// The FP8 GEMMs with emulated Tensor Core accumulation (src/cuda/gemm_fp8_emulated.cu) against
+// The FP8 GEMMs with emulated Tensor Core accumulation (src/cuda/emulation/gemm_fp8_emulated.cu) against
 // the CPU backend's (gemm_fp8_ref's emulate branch), bit for bit (memcmp of D):
 //   1. dense, through the Backend: M and N off the 64-row tile grid, K = 128..4096, mantissa bits
 //      14 and 13, promotion never / every 32 / every 256, f32 and bf16 outputs, accumulation into
@@ -18,7 +18,7 @@
 #include <string>
 #include <utility>
 
-#include "cuda/moe_api.hpp"
+#include "cuda/moe/moe_api.hpp"
 #include "cuda_test_util.hpp"
 #include "grouped_testing.hpp"
 

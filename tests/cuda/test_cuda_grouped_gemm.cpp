@@ -1,4 +1,4 @@
-// The grouped FP8 GEMMs of the CUDA backend (src/cuda/moe_api.hpp: contiguous, masked, K-grouped
+// The grouped FP8 GEMMs of the CUDA backend (src/cuda/moe/moe_api.hpp: contiguous, masked, K-grouped
 // Wgrad) against the CPU backend's ops on the same quantized inputs:
 //   1. small-integer inputs with power-of-two scales (exact arithmetic): D bit for bit equal to the
 //      CPU op for every grouped tile, bf16 and f32, with D poisoned (NaN) first, so every row the
@@ -16,7 +16,7 @@
 #include <limits>
 #include <string>
 
-#include "cuda/moe_api.hpp"
+#include "cuda/moe/moe_api.hpp"
 #include "cuda_test_util.hpp"
 #include "grouped_testing.hpp"
 

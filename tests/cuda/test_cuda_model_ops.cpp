@@ -1,4 +1,4 @@
-// The CUDA model ops (src/cuda/model_ops.hpp) and the device AdamW against the CPU backend, op by
+// The CUDA model ops (src/cuda/ops/model_ops.hpp) and the device AdamW against the CPU backend, op by
 // op, on fresh random inputs of awkward sizes (rows not a multiple of 32, several sequences and
 // heads, ragged head dims), device outputs poisoned with NaN before each run. Ops whose CUDA
 // arithmetic repeats the CPU's roundings are compared bit for bit (data movement, axpy, convert,
@@ -12,7 +12,7 @@
 #include <limits>
 #include <string>
 
-#include "cuda/model_ops.hpp"
+#include "cuda/ops/model_ops.hpp"
 #include "cuda_test_util.hpp"
 #include "fp8moe/codecs.hpp"
 #include "fp8moe/ema.hpp"
@@ -160,7 +160,7 @@ TEST_F(CudaModelOps, GemmF32AllTransposesMatchCpu) {
           Tensor want = clone(d0);
           cpu_->gemm(a, b, want, ta, tb, acc);
           Tensor d = dev(d0);
-          cuda_gemm(dev(a), dev(b), d, ta, tb, acc);
+          cuda_gemm(dev(a), dev(b), d, ta, tb, acc, nullptr);
           expect_close(host(d), want, 1e-5,
                        "gemm f32 M=" + std::to_string(s.m) + " N=" + std::to_string(s.n) + " K=" +
                            std::to_string(s.k) + " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) +
@@ -178,7 +178,7 @@ TEST_F(CudaModelOps, GemmBf16InputsMatchCpuOnRoundedInputs) {
         Tensor want = Tensor::host(DType::f32, {M, N});
         cpu_->gemm(as_dtype(a, DType::f32), as_dtype(b, DType::f32), want, ta, tb, false);
         Tensor d = poisoned(dd, {M, N});
-        cuda_gemm(dev(a), dev(b), d, ta, tb, false);
+        cuda_gemm(dev(a), dev(b), d, ta, tb, false, nullptr);
         const std::string what = "gemm bf16 ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) + " d " +
                                   std::string(dtype_name(dd));
         expect_close(host(d), want, dd == DType::bf16 ? 1.0 / 256 : 1e-5, what, 1e-5);
@@ -195,7 +195,7 @@ TEST_F(CudaModelOps, ConvertBitExact) {
     Tensor want = nan_host(to, {37, 65});
     cpu_->convert(src, want);
     Tensor d = poisoned(to, {37, 65});
-    cuda_convert(dev(src), d);
+    cuda_convert(dev(src), d, nullptr);
     expect_bits(host(d), want, "convert " + std::string(dtype_name(from)) + " -> " + std::string(dtype_name(to)));
   }
 }
@@ -206,7 +206,7 @@ TEST_F(CudaModelOps, AxpyBitExact) {
     Tensor want = clone(y0);
     cpu_->axpy(-1.7, x, beta, want);
     Tensor y = dev(y0);
-    cuda_axpy(-1.7, dev(x), beta, y);
+    cuda_axpy(-1.7, dev(x), beta, y, nullptr);
     expect_bits(host(y), want, "axpy beta=" + std::to_string(beta));
   }
 }
@@ -221,7 +221,7 @@ TEST_F(CudaModelOps, CopyColsBitExact) {
         Tensor want = clone(d0);
         cpu_->copy_cols(src, 7, want, 30, 33, acc);
         Tensor d = dev(d0);
-        cuda_copy_cols(dev(src), 7, d, 30, 33, acc);
+        cuda_copy_cols(dev(src), 7, d, 30, 33, acc, nullptr);
         expect_bits(host(d), want, "copy_cols " + std::string(dtype_name(sd)) + " -> " +
                                        std::string(dtype_name(dd)) + (acc ? " accumulate" : ""));
       }
@@ -234,7 +234,7 @@ TEST_F(CudaModelOps, TransposeBitExact) {
       Tensor want = nan_host(dt, {c, r});
       cpu_->transpose(src, want);
       Tensor d = poisoned(dt, {c, r});
-      cuda_transpose(dev(src), d);
+      cuda_transpose(dev(src), d, nullptr);
       expect_bits(host(d), want, "transpose " + std::string(dtype_name(dt)) + " [" + std::to_string(r) + ", " +
                                      std::to_string(c) + "]");
     }
@@ -250,7 +250,7 @@ TEST_F(CudaModelOps, EmbeddingForwardBackwardBitExact) {
   cpu_->embedding_forward(ids, table, want);
   Tensor out = poisoned(DType::f32, {N, D});
   Tensor ids_d = dev(ids);
-  cuda_embedding_forward(ids_d, dev(table), out);
+  cuda_embedding_forward(ids_d, dev(table), out, nullptr);
   expect_bits(host(out), want, "embedding_forward");
 
   Tensor dout = randn({N, D});
@@ -258,7 +258,7 @@ TEST_F(CudaModelOps, EmbeddingForwardBackwardBitExact) {
   Tensor dwant = clone(dt0);
   cpu_->embedding_backward(ids, dout, dwant);
   Tensor dt = dev(dt0);
-  cuda_embedding_backward(ids_d, dev(dout), dt);
+  cuda_embedding_backward(ids_d, dev(dout), dt, nullptr);
   expect_bits(host(dt), dwant, "embedding_backward");
   {
     // Runs longer than the kernel's 128-position chunk (about 330 tokens per id), two column blocks.
@@ -269,12 +269,12 @@ TEST_F(CudaModelOps, EmbeddingForwardBackwardBitExact) {
     Tensor want2 = clone(d0);
     cpu_->embedding_backward(ids2, dout2, want2);
     Tensor d2 = dev(d0);
-    cuda_embedding_backward(dev(ids2), dev(dout2), d2);
+    cuda_embedding_backward(dev(ids2), dev(dout2), d2, nullptr);
     expect_bits(host(d2), want2, "embedding_backward, long runs");
   }
 
   ids.ptr<int32_t>()[17] = int32_t(V);
-  expect_error([&] { cuda_embedding_forward(dev(ids), dev(table), out); }, "ids[17] = 50");
+  expect_error([&] { cuda_embedding_forward(dev(ids), dev(table), out, nullptr); }, "ids[17] = 50");
 }
 
 TEST_F(CudaModelOps, CrossEntropyMatchesCpu) {
@@ -287,13 +287,13 @@ TEST_F(CudaModelOps, CrossEntropyMatchesCpu) {
     Tensor lw = nan_host(DType::f32, {N}), gw = nan_host(DType::f32, {N, V});
     cpu_->cross_entropy(logits, targets, lw, grad ? gw.view() : TensorView{}, 0.25);
     Tensor l = poisoned(DType::f32, {N}), g = poisoned(DType::f32, {N, V});
-    cuda_cross_entropy(dev(logits), dev(targets), l, grad ? g.view() : TensorView{}, 0.25);
+    cuda_cross_entropy(dev(logits), dev(targets), l, grad ? g.view() : TensorView{}, 0.25, nullptr);
     expect_close(host(l), lw, 1e-5, "cross_entropy losses");
     if (grad) expect_close(host(g), gw, 1e-5, "cross_entropy dlogits");
   }
   targets.ptr<int32_t>()[5] = int32_t(V);
   Tensor l = poisoned(DType::f32, {N});
-  expect_error([&] { cuda_cross_entropy(dev(logits), dev(targets), l, TensorView{}, 1.0); }, "targets[5]");
+  expect_error([&] { cuda_cross_entropy(dev(logits), dev(targets), l, TensorView{}, 1.0, nullptr); }, "targets[5]");
 }
 
 // ---- norm, rope, attention, MLP ----
@@ -305,7 +305,7 @@ TEST_F(CudaModelOps, RmsnormForwardBackwardMatchCpu) {
     cpu_->rmsnorm_forward(x, w, yw, rw, 1e-6);
     Tensor y = poisoned(DType::f32, {N, D}), r = poisoned(DType::f32, {N});
     Tensor xd = dev(x), wd = dev(w);
-    cuda_rmsnorm_forward(xd, wd, y, r, 1e-6);
+    cuda_rmsnorm_forward(xd, wd, y, r, 1e-6, nullptr);
     const std::string shape = " [" + std::to_string(N) + ", " + std::to_string(D) + "]";
     expect_close(host(y), yw, 1e-6, "rmsnorm_forward y" + shape);
     expect_close(host(r), rw, 1e-6, "rmsnorm_forward rstd" + shape);
@@ -317,19 +317,19 @@ TEST_F(CudaModelOps, RmsnormForwardBackwardMatchCpu) {
       Tensor dxw = clone(dx0), dww = clone(dw0);
       cpu_->rmsnorm_backward(x, w, rw, dy, dxw, dww, acc);
       Tensor dx = dev(dx0), dwt = dev(dw0);
-      cuda_rmsnorm_backward(xd, wd, dev(rw), dev(dy), dx, dwt, acc);
+      cuda_rmsnorm_backward(xd, wd, dev(rw), dev(dy), dx, dwt, acc, nullptr);
       expect_close(host(dx), dxw, 1e-5, "rmsnorm_backward dx" + shape + (acc ? " accumulate" : ""));
       expect_close(host(dwt), dww, 1e-5, "rmsnorm_backward dw" + shape);
     }
     // Either output undefined: skipped.
     Tensor dx = poisoned(DType::f32, {N, D});
-    cuda_rmsnorm_backward(xd, wd, dev(rw), dev(dy), dx, TensorView{}, false);
+    cuda_rmsnorm_backward(xd, wd, dev(rw), dev(dy), dx, TensorView{}, false, nullptr);
     Tensor dxw = nan_host(DType::f32, {N, D});
     cpu_->rmsnorm_backward(x, w, rw, dy, dxw, TensorView{}, false);
     expect_close(host(dx), dxw, 1e-5, "rmsnorm_backward dx only" + shape);
     Tensor dw0 = randn({D});
     Tensor dwt = dev(dw0);
-    cuda_rmsnorm_backward(xd, wd, dev(rw), dev(dy), TensorView{}, dwt, false);
+    cuda_rmsnorm_backward(xd, wd, dev(rw), dev(dy), TensorView{}, dwt, false, nullptr);
     Tensor dww = clone(dw0);
     cpu_->rmsnorm_backward(x, w, rw, dy, TensorView{}, dww, false);
     expect_close(host(dwt), dww, 1e-5, "rmsnorm_backward dw only" + shape);
@@ -345,7 +345,7 @@ TEST_F(CudaModelOps, RopeForwardInverseMatchCpu) {
       Tensor want = clone(x0);
       cpu_->rope(want, col0, rot, pos, 10000.0, inverse);
       Tensor x = dev(x0);
-      cuda_rope(x, col0, rot, dev(pos), 10000.0, inverse);
+      cuda_rope(x, col0, rot, dev(pos), 10000.0, inverse, nullptr);
       expect_close(host(x), want, 1e-5,
                    "rope col0=" + std::to_string(col0) + " rot=" + std::to_string(rot) + (inverse ? " inverse" : ""));
     }
@@ -419,9 +419,9 @@ class CudaAttention : public CudaModelOps {
     Got g{poisoned(DType::f32, {T, c.H, c.Dv}), poisoned(DType::f32, {c.H, T}), poisoned(DType::f32, {T, c.H, c.Dk}),
           poisoned(DType::f32, {T, c.H, c.Dk}), poisoned(DType::f32, {T, c.H, c.Dv})};
     const Tensor qd = dev(w.q), kd = dev(w.k), vd = dev(w.v);
-    cuda_attention_forward(qd, kd, vd, g.out, g.lse, c.S, scale(c), w.compute, path, cap);
+    cuda_attention_forward(qd, kd, vd, g.out, g.lse, c.S, scale(c), w.compute, nullptr, path, cap);
     cuda_attention_backward(qd, kd, vd, dev(w.out), dev(w.lse), dev(w.dout), g.dq, g.dk, g.dv, c.S, scale(c),
-                            w.compute, path, cap);
+                            w.compute, nullptr, path, cap);
     return {host(g.out), host(g.lse), host(g.dq), host(g.dk), host(g.dv)};
   }
 
@@ -542,13 +542,13 @@ TEST_F(CudaAttention, GemmPathChunksAndDispatch) {
 TEST_F(CudaModelOps, AttentionRejectsBadArguments) {
   Tensor q = poisoned(DType::f32, {10, 2, 8}), v = poisoned(DType::f32, {10, 2, 8});
   Tensor l = poisoned(DType::f32, {2, 10});
-  expect_error([&] { cuda_attention_forward(q, q, v, v, l, 3, 1.0, DType::f32); }, "seq_len = 3");
+  expect_error([&] { cuda_attention_forward(q, q, v, v, l, 3, 1.0, DType::f32, nullptr); }, "seq_len = 3");
   Tensor lbad = poisoned(DType::f32, {10, 2});
-  expect_error([&] { cuda_attention_forward(q, q, v, v, lbad, 5, 1.0, DType::f32); }, "lse");
+  expect_error([&] { cuda_attention_forward(q, q, v, v, lbad, 5, 1.0, DType::f32, nullptr); }, "lse");
   Tensor qbig = poisoned(DType::f32, {10, 2, 300});
-  expect_error([&] { cuda_attention_forward(qbig, qbig, v, v, l, 5, 1.0, DType::bf16, AttentionPath::flash); },
+  expect_error([&] { cuda_attention_forward(qbig, qbig, v, v, l, 5, 1.0, DType::bf16, nullptr, AttentionPath::flash); },
                "Dk = 300");
-  expect_error([&] { cuda_attention_forward(q, q, v, v, l, 5, 1.0, DType::e4m3); },
+  expect_error([&] { cuda_attention_forward(q, q, v, v, l, 5, 1.0, DType::e4m3, nullptr); },
                "attention_forward: compute = e4m3 must be bf16 or the tensors' dtype f32");
 }
 
@@ -559,12 +559,12 @@ TEST_F(CudaModelOps, SwigluForwardBackwardMatchCpu) {
   cpu_->swiglu_forward(g, u, ow);
   Tensor o = poisoned(DType::f32, {T, F});
   Tensor gd = dev(g), ud = dev(u);
-  cuda_swiglu_forward(gd, ud, o);
+  cuda_swiglu_forward(gd, ud, o, nullptr);
   expect_close(host(o), ow, 1e-5, "swiglu_forward", 1e-7);
   Tensor dgw = nan_host(DType::f32, {T, F}), duw = nan_host(DType::f32, {T, F});
   cpu_->swiglu_backward(g, u, dout, dgw, duw);
   Tensor dg = poisoned(DType::f32, {T, F}), du = poisoned(DType::f32, {T, F});
-  cuda_swiglu_backward(gd, ud, dev(dout), dg, du);
+  cuda_swiglu_backward(gd, ud, dev(dout), dg, du, nullptr);
   expect_close(host(dg), dgw, 1e-5, "swiglu_backward dgate", 1e-7);
   expect_close(host(du), duw, 1e-5, "swiglu_backward dup", 1e-7);
 }
@@ -589,7 +589,7 @@ TEST_F(CudaModelOps, MoeRouteAndBackwardMatchCpu) {
     cpu_->moe_route(logits, bias, sw, iw, ww, c.n_group, c.topk_group, c.norm, c.scaling);
     Tensor s = poisoned(DType::f32, {c.N, c.E}), id = poisoned(DType::i32, {c.N, c.k}),
            w = poisoned(DType::f32, {c.N, c.k});
-    cuda_moe_route(dev(logits), dev(bias), s, id, w, c.n_group, c.topk_group, c.norm, c.scaling);
+    cuda_moe_route(dev(logits), dev(bias), s, id, w, c.n_group, c.topk_group, c.norm, c.scaling, nullptr);
     expect_close(host(s), sw, 1e-6, "moe_route scores" + what);
     expect_bits(host(id), iw, "moe_route idx" + what);
     expect_close(host(w), ww, 1e-5, "moe_route weights" + what);
@@ -601,7 +601,7 @@ TEST_F(CudaModelOps, MoeRouteAndBackwardMatchCpu) {
       cpu_->moe_route_backward(sw, iw, dweights, with_ds ? ds.view() : TensorView{}, dlw, c.norm, c.scaling);
       Tensor dl = poisoned(DType::f32, {c.N, c.E});
       cuda_moe_route_backward(dev(sw), dev(iw), dev(dweights), with_ds ? dev(ds).view() : TensorView{}, dl, c.norm,
-                              c.scaling);
+                              c.scaling, nullptr);
       expect_close(host(dl), dlw, 1e-5, "moe_route_backward" + what + (with_ds ? " dscores" : ""));
     }
   }
@@ -616,7 +616,7 @@ TEST_F(CudaModelOps, GatherScatterRowsDotMatchCpu) {
     Tensor want = nan_host(DType::f32, {Np, D});
     cpu_->gather_rows(src, idx, weighted ? w.view() : TensorView{}, want);
     Tensor dst = poisoned(DType::f32, {Np, D});
-    cuda_gather_rows(dev(src), dev(idx), weighted ? dev(w).view() : TensorView{}, dst);
+    cuda_gather_rows(dev(src), dev(idx), weighted ? dev(w).view() : TensorView{}, dst, nullptr);
     expect_bits(host(dst), want, std::string("gather_rows") + (weighted ? " weighted" : ""));  // rows >= N stay NaN
   }
   {
@@ -624,7 +624,7 @@ TEST_F(CudaModelOps, GatherScatterRowsDotMatchCpu) {
     Tensor want = nan_host(DType::bf16, {Np, D});
     cpu_->gather_rows(s16, idx, TensorView{}, want);
     Tensor dst = poisoned(DType::bf16, {Np, D});
-    cuda_gather_rows(dev(s16), dev(idx), TensorView{}, dst);
+    cuda_gather_rows(dev(s16), dev(idx), TensorView{}, dst, nullptr);
     expect_bits(host(dst), want, "gather_rows bf16");
   }
   Tensor rows = randn({Np, D});
@@ -633,21 +633,21 @@ TEST_F(CudaModelOps, GatherScatterRowsDotMatchCpu) {
     Tensor want = clone(d0);
     cpu_->scatter_add_rows(rows, idx, weighted ? w.view() : TensorView{}, want);
     Tensor dst = dev(d0);
-    cuda_scatter_add_rows(dev(rows), dev(idx), weighted ? dev(w).view() : TensorView{}, dst);
+    cuda_scatter_add_rows(dev(rows), dev(idx), weighted ? dev(w).view() : TensorView{}, dst, nullptr);
     expect_bits(host(dst), want, std::string("scatter_add_rows") + (weighted ? " weighted" : ""));
   }
   Tensor b = randn({Np + 2, D});
   Tensor want = nan_host(DType::f32, {N});
   cpu_->rows_dot(rows, b, want);
   Tensor out = poisoned(DType::f32, {N});
-  cuda_rows_dot(dev(rows), dev(b), out);
+  cuda_rows_dot(dev(rows), dev(b), out, nullptr);
   expect_close(host(out), want, 1e-6, "rows_dot");
 
   idx.ptr<int32_t>()[9] = -2;
   Tensor dst = poisoned(DType::f32, {Np, D});
-  expect_error([&] { cuda_gather_rows(dev(src), dev(idx), TensorView{}, dst); }, "idx[9] = -2");
+  expect_error([&] { cuda_gather_rows(dev(src), dev(idx), TensorView{}, dst, nullptr); }, "idx[9] = -2");
   Tensor dd = dev(randn({T, D}));
-  expect_error([&] { cuda_scatter_add_rows(dev(rows), dev(idx), TensorView{}, dd); }, "idx[9] = -2");
+  expect_error([&] { cuda_scatter_add_rows(dev(rows), dev(idx), TensorView{}, dd, nullptr); }, "idx[9] = -2");
 }
 
 // ---- optimizer ----
@@ -690,11 +690,11 @@ TEST_F(CudaModelOps, AdamWMatchesCpuBitExact) {
 
 TEST_F(CudaModelOps, F64IsRejectedByName) {
   Tensor x = poisoned(DType::f64, {4, 8}), w = poisoned(DType::f64, {8}), r = poisoned(DType::f64, {4});
-  expect_error([&] { cuda_rmsnorm_forward(x, w, x, r, 1e-6); }, "f64 unsupported on cuda");
-  expect_error([&] { cuda_gemm(x, x, x, false, true, false); }, "f64 unsupported on cuda");
-  expect_error([&] { cuda_swiglu_forward(x, x, x); }, "f64 unsupported on cuda");
+  expect_error([&] { cuda_rmsnorm_forward(x, w, x, r, 1e-6, nullptr); }, "f64 unsupported on cuda");
+  expect_error([&] { cuda_gemm(x, x, x, false, true, false, nullptr); }, "f64 unsupported on cuda");
+  expect_error([&] { cuda_swiglu_forward(x, x, x, nullptr); }, "f64 unsupported on cuda");
   Tensor h = Tensor::host(DType::f32, {4, 8});
-  expect_error([&] { cuda_swiglu_forward(h, h, h); }, "device tensor");
+  expect_error([&] { cuda_swiglu_forward(h, h, h, nullptr); }, "device tensor");
 }
 
 // Deferred checks (Backend::set_checks): a bad index or a NaN reaching a quantizer does not raise

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/moe_api.hpp"
+#include "cuda/moe/moe_api.hpp"
 #include "cuda_test_util.hpp"
 #include "moe_routing.hpp"
 

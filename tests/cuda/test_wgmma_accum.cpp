@@ -1,4 +1,4 @@
-// The hardware accumulation probe (src/cuda/wgmma_accum.cu, cuda::wgmma_accumulate):
+// The hardware accumulation probe (src/cuda/emulation/wgmma_accum.cu, cuda::wgmma_accumulate):
 //   1. exact where no accumulator can round: e4m3 values in {-1, 0, 1}, K <= 1024 (every partial
 //      sum an integer below 2^11), every promotion interval: the plumbing (the 128-byte swizzle,
 //      descriptors, fragment layout, promotion points) against the integer product;

@@ -1,0 +1,177 @@
+// The caching allocator (caching_allocator.hpp): free lists per (device, stream, size class) and
+// a map from pointer to block; one mutex, held for a hash lookup and a vector push or pop.
+#include "cuda/runtime/caching_allocator.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "cuda/runtime/cuda_check.hpp"
+
+namespace fp8moe::cuda {
+
+size_t allocator_size_class(size_t bytes) {
+  constexpr size_t kSmallStep = 512, kSmallMax = size_t(1) << 20;
+  if (bytes <= kSmallMax) return std::max(kSmallStep, (bytes + kSmallStep - 1) / kSmallStep * kSmallStep);
+  // 2^k <= bytes - 1 < 2^(k+1): classes 2^k * (1 + i/4), i = 1..4.
+  const int k = std::bit_width(bytes - 1) - 1;
+  const size_t quarter = size_t(1) << (k - 2);
+  return (bytes + quarter - 1) / quarter * quarter;
+}
+
+namespace {
+
+struct Block {
+  size_t size;  // its size class
+  cudaStream_t stream;
+  int device;
+};
+
+struct Key {
+  int device;
+  cudaStream_t stream;
+  size_t size;
+  bool operator==(const Key& o) const { return device == o.device && stream == o.stream && size == o.size; }
+};
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    return (std::hash<const void*>()(k.stream) * 31 + std::hash<size_t>()(k.size)) * 31 + size_t(k.device);
+  }
+};
+
+class Cache {
+ public:
+  void* allocate(size_t bytes, cudaStream_t stream) {
+    const size_t size = allocator_size_class(bytes);
+    int device = 0;
+    FP8MOE_CUDA_CHECK(cudaGetDevice(&device));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stat(device).allocations;
+      auto it = free_.find(Key{device, stream, size});
+      if (it != free_.end() && !it->second.empty()) {
+        void* p = it->second.back();
+        it->second.pop_back();
+        taken(p, Block{size, stream, device});
+        return p;
+      }
+    }
+    cudaMemPool_t pool = pool_of(device);
+    void* p = nullptr;
+    cudaError_t e = cudaMallocAsync(&p, size, pool, stream);
+    if (e == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      release(device);
+      e = cudaMallocAsync(&p, size, pool, stream);
+    }
+    FP8MOE_CUDA_CHECK(e);
+    std::lock_guard<std::mutex> lock(mu_);
+    AllocatorStats& st = stat(device);
+    ++st.pool_allocations;
+    st.reserved += int64_t(size);
+    st.peak_reserved = std::max(st.peak_reserved, st.reserved);
+    taken(p, Block{size, stream, device});
+    return p;
+  }
+
+  void free(void* p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = live_.find(p);
+    if (it == live_.end()) return;
+    const Block b = it->second;
+    live_.erase(it);
+    stat(b.device).allocated -= int64_t(b.size);
+    free_[Key{b.device, b.stream, b.size}].push_back(p);
+  }
+
+  void release(int device) {
+    std::vector<std::pair<void*, cudaStream_t>> cached;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = free_.begin(); it != free_.end();) {
+        if (it->first.device != device) {
+          ++it;
+          continue;
+        }
+        for (void* p : it->second) cached.emplace_back(p, it->first.stream);
+        stat(device).reserved -= int64_t(it->first.size * it->second.size());
+        it = free_.erase(it);
+      }
+    }
+    for (const auto& [p, s] : cached) (void)cudaFreeAsync(p, s);
+    // The blocks return to the driver once the streams have passed their frees.
+    (void)cudaDeviceSynchronize();
+    (void)cudaMemPoolTrimTo(pool_of(device), 0);
+  }
+
+  AllocatorStats stats(int device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stat(device);
+  }
+  void reset_peak(int device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    AllocatorStats& st = stat(device);
+    st.peak_allocated = st.allocated;
+    st.peak_reserved = st.reserved;
+  }
+
+ private:
+  // Under mu_.
+  AllocatorStats& stat(int device) {
+    if (size_t(device) >= stats_.size()) stats_.resize(size_t(device) + 1);
+    return stats_[size_t(device)];
+  }
+  void taken(void* p, const Block& b) {
+    live_.emplace(p, b);
+    AllocatorStats& st = stat(b.device);
+    st.allocated += int64_t(b.size);
+    st.peak_allocated = std::max(st.peak_allocated, st.allocated);
+  }
+  // The device's stream-ordered pool, set to keep what it is given back for reuse instead of
+  // returning it to the driver at every synchronization (release() trims it).
+  cudaMemPool_t pool_of(int device) {
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    if (size_t(device) >= pools_.size()) pools_.resize(size_t(device) + 1, nullptr);
+    if (!pools_[size_t(device)]) {
+      cudaMemPool_t pool = nullptr;
+      FP8MOE_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+      uint64_t keep = UINT64_MAX;
+      FP8MOE_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+      pools_[size_t(device)] = pool;
+    }
+    return pools_[size_t(device)];
+  }
+
+  std::mutex mu_, pool_mu_;
+  std::unordered_map<void*, Block> live_;
+  std::unordered_map<Key, std::vector<void*>, KeyHash> free_;
+  std::vector<AllocatorStats> stats_;  // per device
+  std::vector<cudaMemPool_t> pools_;
+};
+
+// Made on first use and never destroyed: blocks may be freed during static destruction, after
+// the context is gone, and the process returns the memory anyway.
+Cache& cache() {
+  static Cache* c = new Cache;
+  return *c;
+}
+
+int current_device() {
+  int device = 0;
+  FP8MOE_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
+}  // namespace
+
+void* cached_malloc(size_t bytes, cudaStream_t stream) { return bytes == 0 ? nullptr : cache().allocate(bytes, stream); }
+void cached_free(void* p) {
+  if (p) cache().free(p);
+}
+AllocatorStats allocator_stats() { return cache().stats(current_device()); }
+void reset_peak_stats() { cache().reset_peak(current_device()); }
+void release_cached() { cache().release(current_device()); }
+
+}  // namespace fp8moe::cuda

@@ -1,0 +1,43 @@
+// The stream-ordered caching allocator of the CUDA backend: every tensor and scratch buffer of the
+// backend comes from here. A freed block goes back to a free list of its size class and of the
+// stream it was allocated on, and the next request of that class on that stream takes it at once:
+// the stream's own order guarantees that the earlier user's work has run before the new user's
+// (as PyTorch's CUDACachingAllocator does). In the steady state of a training step no CUDA call
+// is made: a miss takes memory from the device's stream-ordered pool (cudaMallocAsync), and
+// nothing is returned to the driver until release_cached() or an allocation that fails (then the
+// cache is released and the allocation tried once more).
+// A block used on another stream than its own must be kept alive until that use has run (or the
+// owning stream made to wait for an event recorded after it): the allocator does not track it.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fp8moe::cuda {
+
+struct AllocatorStats {
+  int64_t allocated = 0;       // bytes of the blocks in use, as requested (rounded to their class)
+  int64_t peak_allocated = 0;  // high-water mark of `allocated`
+  int64_t reserved = 0;        // bytes held from the pool: in use + cached
+  int64_t peak_reserved = 0;
+  int64_t allocations = 0;     // requests served
+  int64_t pool_allocations = 0;  // requests that went to the pool (misses)
+};
+
+// The size class of a request: multiples of 512 bytes up to 1 MiB; above, four classes per power
+// of two (2^k, 1.25, 1.5, 1.75 x 2^k), so that shapes that vary a little from step to step (MoE
+// segments) share blocks and at most a fifth of a block is unused.
+size_t allocator_size_class(size_t bytes);
+
+// Thread-safe; one per device, for the device current at the call.
+void* cached_malloc(size_t bytes, cudaStream_t stream);
+// `p` from cached_malloc (nullptr is ignored); its block becomes free on its own stream.
+void cached_free(void* p);
+AllocatorStats allocator_stats();
+void reset_peak_stats();
+// Returns the cached free blocks to the pool (stream-ordered) and the pool's unused memory to the
+// driver.
+void release_cached();
+
+}  // namespace fp8moe::cuda

@@ -1,0 +1,72 @@
+// Stream and Event handles of the CUDA backend (cuda_stream.hpp).
+#include "cuda/runtime/cuda_stream.hpp"
+
+#include <memory>
+
+#include "cuda/runtime/cuda_check.hpp"
+
+namespace fp8moe::cuda {
+
+namespace {
+
+class CudaStream final : public Stream::Impl {
+ public:
+  CudaStream(cudaStream_t s, bool owned) : s_(s), owned_(owned) {}
+  ~CudaStream() override {
+    // NOTES: cudaStreamDestroy returns before the stream's work ends; waiting first keeps a later
+    // stream that reuses the handle from inheriting the caching allocator's blocks too early.
+    if (owned_) {
+      (void)cudaStreamSynchronize(s_);
+      (void)cudaStreamDestroy(s_);
+    }
+  }
+  Device device() const override { return Device::cuda; }
+  void* native() const override { return s_; }
+  void synchronize() const override { FP8MOE_CUDA_CHECK(cudaStreamSynchronize(s_)); }
+  bool query() const override {
+    const cudaError_t e = cudaStreamQuery(s_);
+    if (e == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    FP8MOE_CUDA_CHECK(e);
+    return true;
+  }
+
+ private:
+  cudaStream_t s_;
+  bool owned_;
+};
+
+class CudaEvent final : public Event::Impl {
+ public:
+  CudaEvent() { FP8MOE_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
+  ~CudaEvent() override { (void)cudaEventDestroy(e_); }
+  void record(const Stream& s) override { FP8MOE_CUDA_CHECK(cudaEventRecord(e_, native(s))); }
+  void wait(const Stream& s) const override { FP8MOE_CUDA_CHECK(cudaStreamWaitEvent(native(s), e_, 0)); }
+  void synchronize() const override { FP8MOE_CUDA_CHECK(cudaEventSynchronize(e_)); }
+  bool query() const override {
+    const cudaError_t e = cudaEventQuery(e_);
+    if (e == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    FP8MOE_CUDA_CHECK(e);
+    return true;
+  }
+
+ private:
+  cudaEvent_t e_ = nullptr;
+};
+
+}  // namespace
+
+Stream make_stream() {
+  cudaStream_t s = nullptr;
+  FP8MOE_CUDA_CHECK(cudaStreamCreate(&s));
+  return Stream(std::make_shared<CudaStream>(s, true));
+}
+Stream wrap_stream(cudaStream_t s) { return Stream(std::make_shared<CudaStream>(s, false)); }
+Event make_event() { return Event(std::make_shared<CudaEvent>()); }
+
+}  // namespace fp8moe::cuda
