@@ -1,4 +1,4 @@
-// The sm_90a FP8 block-scaled GEMM kernel with per-128-K promotion (SPEC.md §1, report §3.3.2):
+// The sm_90a FP8 block-scaled GEMM kernel with per-128-K promotion (contract: gemm_ref.hpp, report §3.3.2):
 //
 //   D [M, N] = A [M, K] * B [N, K]^T  (+ D),  A 1x128-scaled, B 128x128-scaled (Fprop, Dgrad:
 //   kind "1d2d") or 1x128-scaled (Wgrad: "1d1d"), D bf16 | f32.
