@@ -515,7 +515,7 @@ int run_quant_bench(const QuantBenchOptions& opt) {
     row("requantize_128x1", shape, double(T * C) * 2 + scale_bytes_tc + double((T + 127) / 128 * scale_ld(C)) * 4, us,
         compare(q, ref) ? "yes" : "NO");
     // Its bound: the same TMA tiles moved without arithmetic (and without the scales), in its own
-    // tiling and in the fastest tiling measured (docs/PERF.md, "The requantizer's memory bound").
+    // tiling and in the fastest tiling measured (docs/PERF-log.md, "The requantizer's memory bound").
     for (const TileCopyShape tc : {TileCopyShape{128, 6, 2}, TileCopyShape{256, 6, 1}}) {
       if (T % tc.tokens != 0 || C % 128 != 0) continue;
       const auto us_tc = time2([&] { tma_tile_copy(in.values.p, q.values.p, T, C, tc, nullptr); });

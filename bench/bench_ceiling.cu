@@ -1,5 +1,5 @@
 // The Tensor Cores' ceiling under the board's power cap (bench_util.hpp: tensor_ceiling, Ceilings;
-// `fp8moe bench gemm --ceiling`, `bench grouped --ceiling`, docs/PERF.md "The Tensor Cores'
+// `fp8moe bench gemm --ceiling`, `bench grouped --ceiling`, docs/PERF-log.md "The Tensor Cores'
 // ceiling"): a GEMM's FLOPs as back-to-back FP8 WGMMAs on operands held in shared memory, with no
 // loads, no epilogue and no partly filled tiles or waves, spread evenly over one CTA per SM. Timed
 // beside the GEMMs (Timer::interleaved) it runs in the same power state of the board. A kernel that

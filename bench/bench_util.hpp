@@ -139,10 +139,10 @@ struct Timer {
   // Times several functions side by side: warm-up and timed launches go round the functions in
   // turn (each timed launch after its own flush), so that all of them run in the same power and
   // clock state of the board, whose clock falls as it warms under sustained load: timed one after
-  // the other, the first would meet a cooler board than the last (docs/PERF.md, "Order and
+  // the other, the first would meet a cooler board than the last (docs/PERF-log.md, "Order and
   // warm-up of the timings"). Each round of timed launches takes the functions in a new random
   // order (fixed seed), so that each follows every other about equally often: a kernel can slow
-  // the launch after it through the flush (docs/PERF.md, "The launch after another kernel").
+  // the launch after it through the flush (docs/PERF-log.md, "The launch after another kernel").
   std::vector<Timing> interleaved(const std::vector<std::function<void()>>& fns, int warmup, int iters,
                                   std::optional<Flush> which = {}) {
     const Flush mode = which.value_or(default_mode);

@@ -14,7 +14,7 @@ Every instantiation of sm90_fp8_gemm_kernel (dense and grouped, every tile) must
     full-barrier wait, a long-latency S2UR on the path from one K block's WGMMAs to the next: the
     pipelined loop computes them once, measured 2-5% on the H200; the plain 1d2d loop carries them
     from K block to block, measured 0.8-2.6%). The other 1d1d instantiations still do; they are
-    counted (carried addresses measured 3-6% slower on the Wgrad, docs/PERF.md).
+    counted (carried addresses measured 3-6% slower on the Wgrad, docs/PERF-log.md).
 The SASS comes from cuobjdump (which runs nvdisasm): the CUDA toolkit's, or those of NVIDIA's
 `nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` wheels that scripts/setup.sh installs into
 build/tools when the toolkit has none. Without them the check is skipped (exit code 77, which

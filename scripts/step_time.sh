@@ -6,9 +6,9 @@
 #   scripts/step_time.sh [config] [steps] [backend]     (defaults: configs/wide.json 12 cuda)
 # FP8MOE_BIN (folder with fp8moe, default build/bin) and FP8MOE_DATA (text, default the shared
 # tinyshakespeare) as in gpu_train_check.sh; FP8MOE_ARGS (more train options, default
-# "--ema-every 1000 --ckpt-every 0": the step without the EMA's host snapshot, docs/PERF.md, and no
-# checkpoint at the end, which for configs/gemm.json is ~17 GB to write). Output under $OUT
-# (default ./step_time_out).
+# "--ema-every 1000 --ckpt-every 0": the step without the EMA's host snapshot, docs/PERF-log.md,
+# and no checkpoint at the end, which for configs/gemm.json is ~17 GB to write). Output under
+# $OUT (default ./step_time_out).
 set -u
 CFG=${1:-configs/wide.json}
 STEPS=${2:-12}

@@ -1,4 +1,4 @@
-// Bit-exact scalar codecs for the number formats of the FP8 recipe (SPEC.md §1).
+// Bit-exact scalar codecs for the number formats of the FP8 recipe (docs/ACCURACY.md, "Codecs").
 // All encoders round to nearest, ties to even. They are the specification the CUDA kernels must
 // match bit for bit; tests/numerics/test_codecs.cpp checks them against cuda_fp8.h / cuda_bf16.h.
 //

@@ -1,4 +1,4 @@
-// DeepSeek-V3-mini model configuration (SPEC.md §6): the shape of the model, read from a JSON file
+// DeepSeek-V3-mini model configuration (docs/MODEL.md): the shape of the model, read from a JSON file
 // whose keys are those of DeepSeek-V3's Hugging Face config.json (configs/*.json), validated with
 // messages that name the offending key, and counted (total and activated parameters).
 //   auto cfg = fp8moe::load_config("configs/tiny.json");

@@ -1,4 +1,4 @@
-// Reference FP8 GEMM with fine-grained scales and promotion (SPEC.md §1, report §3.3.2), CPU.
+// Reference FP8 GEMM with fine-grained scales and promotion (report §3.3.2; docs/ACCURACY.md), CPU.
 //
 //   D [M, N] = A [M, K] * B [N, K]^T   (+ C if accumulate: D += ...)
 //   A: 1x128-scaled (activations / output gradients, per row per 128 K).

@@ -1,4 +1,4 @@
-// DeepSeek-V3-mini (SPEC.md §6): MLA attention, dense SwiGLU MLP for the first layers, DeepSeekMoE
+// DeepSeek-V3-mini (docs/MODEL.md): MLA attention, dense SwiGLU MLP for the first layers, DeepSeekMoE
 // (shared + routed experts, sigmoid affinity, group-limited top-k, auxiliary-loss-free bias, a
 // sequence-wise balance loss), output head and a depth-1 multi-token-prediction (MTP) module that
 // shares the embedding and the head. Written once against the Backend interface; every layer has

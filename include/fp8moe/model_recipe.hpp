@@ -1,4 +1,4 @@
-// The mixed-precision recipe of a model run (SPEC.md §1): which GEMM precision every Linear uses,
+// The mixed-precision recipe of a model run (docs/MODEL.md): which GEMM precision every Linear uses,
 // how activations are cached for backward, and the ablations of the FP8 recipe.
 //   fp64              FD-check mode: master weights, activations and GEMMs in FP64 (CPU only).
 //   fp32              everything in FP32: the oracle the PyTorch reference is compared with.

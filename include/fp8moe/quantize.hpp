@@ -1,4 +1,4 @@
-// Fine-grained FP8 quantization (SPEC.md §1, report §3.3.2, seed 002), CPU reference.
+// Fine-grained FP8 quantization (report §3.3.2; docs/ACCURACY.md), CPU reference.
 //
 // Online absmax: every tile/block gets scale s = amax / max_finite(dtype) (ScaleMode::fp32) or the
 // smallest power of two >= that (ScaleMode::pow2, so nothing overflows), and q = encode(x * r)

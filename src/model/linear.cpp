@@ -1,5 +1,5 @@
 // The Linear of every recipe: Fprop y = x w^T, Dgrad dx = dy w, Wgrad dW += dy^T x, and the
-// cached activation each keeps for backward (SPEC.md §1).
+// cached activation each keeps for backward (the recipes: include/fp8moe/model_recipe.hpp).
 //   full  float GEMMs (fp32 oracle, fp64 finite-difference mode); inputs cached as they are.
 //   bf16  BF16 operands, FP32 accumulation and output, transposes in the GEMM's flags; inputs
 //         cached in BF16.

@@ -99,11 +99,9 @@ using Tiles1d2d = std::tuple<TileConfig<64, 16>, TileConfig<64, 32>, TileConfig<
                              // 128x64 of one or two row blocks (7).
                              TileConfig<128, 128, true, 1, true, true>, TileConfig<128, 192, true, 1, false, true>,
                              TileConfig<192, 128, true, 1, false, true>, TileConfig<128, 64, true, 1, false, true>>;
-// NOTES: a 1d1d 128x128 without the FP32 staging tiles (6 stages instead of 4, direct D += stores)
-// measured 0.66-0.80x the staged tile on the Wgrad shapes (H200, 2026-11-30), so it is not compiled.
-// The pipelined mainloop is not compiled for 1d1d: it measured 0.87x the plain tile on the Wgrad
-// shapes when its scale reads were generic loads and it spilled, and 0.89-0.90x with shared-memory
-// loads and no spills (H200, 2026-12-01, two runs of `--set wgrad`): its promotion reads the
+// NOTES: no 1d1d 128x128 without the FP32 staging tiles: its 6 stages (against 4) do not pay for
+// the direct D += stores (0.66-0.80x the staged tile on the Wgrad shapes). No pipelined mainloop
+// for 1d1d either (0.87-0.90x the plain tile, with or without spills): its promotion reads the
 // per-column s_b from the stage after the next block's WGMMAs are issued.
 using Tiles1d1d = std::tuple<TileConfig<64, 64>, TileConfig<64, 128>, TileConfig<128, 64>, TileConfig<128, 128>,
                              TileConfig<128, 128, true, 2>, TileConfig<192, 128>>;
@@ -229,10 +227,9 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     // wins) and many rows.
     if (t.block_m == 256 && (grouped || M < 1024 || K < 4096)) continue;
     const double c = gemm_tile_cost(t, M, N, num_sms);
-    // Ties go to the larger tile, and between tiles of one size (1d2d) to the taller one: measured
-    // (H200, 2026-11-30) 128x64 against 64x128 at 128x7168x16384 1.13x (dirty L2) and 1.26x
-    // (clean), at 128x7168x2048 1.07x and 1.11x, at 256x4096x7168 1.14x, and 1.20x for the masked
-    // grouped GEMM of one group of 256 rows (N 4096, K 7168): fewer row blocks read B fewer times.
+    // Ties go to the larger tile, and between tiles of one size (1d2d) to the taller one: fewer row
+    // blocks read B fewer times (128x64 against 64x128: 1.07-1.26x at M = 128 and 256, dense and
+    // masked grouped).
     const bool larger = t.block_m * t.block_n > best.block_m * best.block_n ||
                         (!b_1x128 && t.block_m * t.block_n == best.block_m * best.block_n && t.block_m > best.block_m);
     if (best_cost < 0 || c < best_cost * 0.999 || (c <= best_cost * 1.001 && larger)) {
@@ -241,41 +238,34 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     }
   }
   // 1x128 B (Wgrad), dense: the 192x128 tile (three math warpgroups) where it takes fewer waves.
-  // A wave of it takes 1.45x one of 128x128 tiles (3% less per FLOP), fitted to the six Wgrad
-  // shapes (H200, 2026-12-01, `FP8MOE_BENCH_TILES=192x128 fp8moe bench gemm --set wgrad`, three
-  // runs; 192x128 against 128x128): 2112x7168x4096 (5 waves against 8) 1.075x, 24576x1536x4096
-  // (12 / 18) 1.026x, 7168x16384x4096 (37 / 55) 1.020-1.027x; 32768x512x4096 (6 / 8) 0.92x,
-  // 4096x7168x4096 (10 / 14) and 7168x2048x4096 (5 / 7) 0.97x, which the model leaves on 128x128.
+  // A wave of it takes 1.45x one of 128x128 tiles (3% less per FLOP: the promotion's FP32 work per
+  // FLOP is the same), fitted to the six Wgrad shapes: the tile wins where it needs at most about
+  // two thirds of the waves (2112x7168x4096: 5 against 8, 1.075x) and loses where it saves less
+  // (32768x512x4096: 6 against 8, 0.92x).
   if (b_1x128 && !grouped && best.block_m == 128 && best.block_n == 128 &&
       1.45 * double(gemm_waves(M, N, 192, 128, num_sms)) < 0.99 * double(gemm_waves(M, N, 128, 128, num_sms)))
     best = {192, 128};
   if (best.block_m == 128 && best.block_n == 128) {
     if (!b_1x128 && K >= 4096) best.tma_epilogue = false;
-    // NOTES: the multicast variant is correct (tested) but measured 2x slower on H200 (it looked
-    // like only half the clusters were resident), so it is not picked; `fp8moe bench gemm` times it
-    // beside the chosen tile and prints the cluster occupancy.
+    // NOTES: the multicast variant (/mc2) is correct (tested) but not picked: a stage is refilled
+    // only when the consumers of both CTAs have released it, and that coupling costs more than the
+    // halved B traffic saves (0.82-0.84x the chosen tiles at M = 4096); `fp8moe bench gemm` times
+    // it beside the chosen tile and prints the cluster occupancy.
   }
-  // NOTES: the pipelined mainloop is not used for 1x128 B (Wgrad): reading the per-column s_b from
-  // shared memory during the promotion made it 13-17% slower than the plain 128x128 (H200).
-  // 128x128 B (Fprop/Dgrad), 128-row tiles and up: a calibrated wave model over the three fastest
-  // kernels (H200, 2026-11-29, M = 4096, bf16 D). Per wave: num_k_blocks * c_k + c_e (the
+  // No pipelined mainloop for 1x128 B (Wgrad; see Tiles1d1d).
+  // 128x128 B (Fprop/Dgrad), 128-row tiles and up: a wave model over the three fastest kernels,
+  // fitted to their measured times at M = 4096, bf16 D. Per wave: num_k_blocks * c_k + c_e (the
   // epilogue), in units of one pipelined 128x128 K block (~0.45 us): 128x128/pipe 1 + 1.9,
   // 128x192 1.415 + 3.1, 256x128/direct 2.02 + 6.4 (K >= 4096 only).
   // NOTES (f32 D): the FP32-staged variants 128x128/pipe/f32 and 128x192/f32 store through TMA
-  // (reduce-add for D +=) while the next tile's WGMMAs run, as bf16 D does; before them every f32
-  // D took the direct masked stores (8192x4096x2048 in a training step: 0.290 ms, slower than
-  // cuBLASLt's BF16 GEMM at 0.19-0.21 ms). Their
-  // staging tiles are twice as large, which costs a stage: 128x128/pipe 4 (bf16: 5; since
-  // 2026-12-01 5 and 6, staging half a tile at a time), 128x192 3 (bf16: 4). The pipelined
-  // mainloop holds two stages, the plain one one, so both still have
-  // about two K blocks (~0.9 us and ~1.3 us) of loads in flight; yet 3 stages leave no slack, so
-  // for f32 D the tile with enough stages (>= 4, 128x128/pipe/f32) is preferred: 128x192/f32 is
-  // taken only when the model says it is at least kFewStagesMargin faster. Measured (H200,
-  // 2026-11-30, `fp8moe bench gemm --shapes fprop32:...`, L2 flushed): the staged f32 epilogue
-  // makes D += 1.6-1.8x faster than the direct stores (8192x4096x2048: 338 -> 187 us;
-  // 8192x16384x4096: 1662 -> 1016 us) and plain f32 D 2-5% faster; the choice between the two
-  // staged tiles is within 4% of the better one on the 10 shapes of the gemm config's step
-  // (kF32Epilogue = 2.0, kFewStagesMargin = 1.03).
+  // (reduce-add for D +=) while the next tile's WGMMAs run, as bf16 D does: through the direct
+  // stores D += is 1.6-1.8x slower and plain f32 D 2-5% slower. Their staging tiles are twice as
+  // large, which costs a stage: 128x192/f32 has 3 (bf16: 4), of which its plain mainloop holds one,
+  // leaving about two K blocks (~1.3 us) of loads in flight and no slack. So for f32 D the tile
+  // with more stages (128x128/pipe/f32: 5, staging half a tile at a time) is preferred, and
+  // 128x192/f32 is taken only when the model puts it at least kFewStagesMargin ahead. With
+  // kF32Epilogue = 2.0 and kFewStagesMargin = 1.03 the choice between the two staged tiles is within
+  // 4% of the better one on the 10 shapes of the gemm config's step.
   if (!b_1x128 && best.block_m >= 128 && best.block_n == 128) {
     const double kb = double(K / 128);
     auto waves = [&](int bm, int bn) { return double(gemm_waves(M, N, bm, bn, num_sms)); };
@@ -288,40 +278,26 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     const double c192 = waves(128, 192) * (kb * 1.415 + 3.1 * ce) * (few_stages_192 ? kFewStagesMargin : 1.0);
     const double c256 = !grouped && K >= 4096 && M >= 1024 ? waves(256, 128) * (kb * 2.02 + 6.4 * ce) : 1e300;
     // 192x128 (three math warpgroups; dense and contiguous grouped): calibrated against the two
-    // above in the same runs (H200, 2026-11-30, M = 4096, bf16 D: per wave 0.575 us per K block + 0.78 us, where
-    // 128x128/pipe took 0.402 + 0.69), taken only when the model puts it 1% ahead: measured
-    // 4096x24576x1536 241.8 us against 255.6 (128x192), 4096x32768x512 132.6 against 145.0, and
-    // within 0.5% where the model calls a tie (4096x2112x7168, 4096x7168x2048); chosen, 8192x4096x2048
-    // 111.1 us (128x192 119.5, 128x128/pipe 114.1) and 8192x7168x2048 186.2 (199.7, 191.2).
-    // f32 D (192x128/f32: half-tile FP32 staging, two store passes, 4 stages), measured on the gemm
-    // config's f32-D shapes (`FP8MOE_BENCH_TILES=192x128/f32,128x128/pipe/f32,128x192/f32 fp8moe
-    // bench gemm --shapes fprop32:...`): 3-12% faster than the better of the other two on 9 of
-    // 10 (8192x6144x1536 146 us against 158, D += 8192x4096x2048 164 against 179), 1.3% slower at
-    // 8192x2048x4096, where the model keeps 128x128/pipe/f32.
-    // bf16 D at M >= 8192 (H200, 2026-11-30, the same bench with 192x128 beside the choice):
-    // 192x128 was 3.8%, 3.0% and 7.2% faster than the chosen 128x192 at 8192x7168x16384,
-    // 8192x2112x7168 and 8192x4096x7168, where the model called a tie; there its K block costs
-    // 1.38. At M = 4096 the calibration above holds (ties and a loss to wave quantization).
-    // bf16 D at K >= 12288 (H200, 2026-12-01, `FP8MOE_BENCH_TILES=192x128/r8,128x128/pipe/r8,
-    // 128x192/r8,192x128/r8/t2,192x128/r8/t3 fp8moe bench gemm --shapes ...`, two runs): the K
-    // block of 128x128/pipe/r8 takes 0.41-0.46 us per wave at K = 16384 (0.40 at K <= 7168), that of
-    // 192x128/r8 0.56-0.585, 1.29-1.43x (1.33 on average): with it 192x128 is taken and was 2-12%
-    // faster than the former choice on ten shapes at M = 2048..6144, K = 12288 and 16384
-    // (2048x7168x16384 357 us against 385-390, 4096x4096x16384 with last-wave slices 402-407
-    // against 451-455); timed in turn with the others, the new choice was the fastest or within
-    // 1.1% on every such shape (2048x2112x16384: 192x128/r8/t2 127.2 us against 135.4 for
-    // 128x128/pipe/r8/t8). M = 1024 and the M = 4096 set keep their tiles.
+    // above on the same shapes (M = 4096, bf16 D: per wave 0.575 us per K block + 0.78 us, against
+    // 0.402 + 0.69 for 128x128/pipe: 1.43 and 2.15 in the model's units), and taken only when the
+    // model puts it 1% ahead (where the model calls a tie the two measure within 0.5%). For f32 D
+    // (192x128/f32: half-tile FP32 staging, two store passes, 4 stages) the same constants hold: it
+    // is 3-12% faster than the better of the other two on 9 of the gemm config's 10 f32-D shapes and
+    // 1.3% slower on the tenth (8192x2048x4096), where the model keeps 128x128/pipe/f32.
+    // bf16 D at M >= 8192: a K block of 192x128 costs 1.38 (at 1.43 the model called ties where
+    // 192x128 is 3-7% faster than 128x192); at M = 4096, 1.43 holds (ties, and losses to wave
+    // quantization).
+    // bf16 D at K >= 12288: 1.33, the ratio of the two tiles' K-block times per wave at K = 16384
+    // (1.29-1.43x, 1.33 on average); with it 192x128 is taken at M = 2048..6144, 2-12% faster than
+    // 128x128/pipe and 128x192. M = 1024 and the M = 4096 set keep their tiles.
     // Contiguous grouped GEMM: the 192-row tiles of a segment of whole 128-row blocks leave 0, 64
-    // or 128 rows of their last tile to the next segment, 64 per segment on average. Measured
-    // (H200, 2026-11-30, `fp8moe bench grouped` with 128x192 and 128x128/pipe beside the choice):
-    // 192x128 taken and 4-10% faster than both on 4 and 8 experts (N 4096 / 7168), 1-4% on 32
-    // experts of 1024 rows.
-    // Dense bf16 D with N a multiple of 128 (no half-empty column block) and K < 12288: 1.5% off
-    // since the dense staged tiles lost their direct stores (192x128 2.2-2.5% faster, 128x128/pipe
-    // 0.5-0.8%). Measured with 128x128/pipe beside (H200, 2026-12-01): the 9 shapes of M = 1536..8192
-    // x the grid of N and K that this moves to 192x128 ran 1.01-1.11x faster (4096x4096x512 22.6
-    // against 25.1 us, 4096x7168x2048 96.4 against 97.5) or tied (4096x7168x7168); at K = 16384 it
-    // would have moved two shapes that ran 0.8-2% slower.
+    // or 128 rows of their last tile to the next segment, 64 per segment on average (waste192); so
+    // 192x128 is taken for a few long segments (4-8 experts of 4-8K rows: 4-10% faster than both
+    // others; 32 of 1024 rows: 1-4%), not for many short ones.
+    // Dense bf16 D with N a multiple of 128 (no half-empty column block) and K < 12288: 1.5% off,
+    // what 192x128 gains over 128x128/pipe from carrying no direct stores in its code (2.2-2.5%
+    // against 0.5-0.8%); it moves 9 shapes of M = 1536..8192 to 192x128, which run 1.01-1.11x faster
+    // or tie. At K = 16384 it would move two shapes that run 0.8-2% slower, so it stops below 12288.
     const bool n_fits_192x128 = !d_f32 && !grouped && M >= 1536 && N % 128 == 0;
     const double k192x128 = (d_f32 ? 1.43 : K >= 12288 ? 1.33 : M >= 8192 ? 1.38 : 1.43) *
                              (n_fits_192x128 && K < 12288 ? 0.985 : 1.0);
@@ -331,11 +307,10 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
                                 : 1e300;
     // Last-wave K slices (bf16 D, dense, after at least one full wave): the R tiles past the last
     // full wave run as S slices each on R * S <= SMs CTAs, in the time of K / S blocks plus a cost
-    // that grows with K: (10.5 + 0.09 K / 128) us, fitted (H200, 2026-12-01) to the gains and
-    // losses of 30 (shape, S) pairs against the unsplit tile (`FP8MOE_BENCH_TILES=192x128/t2,...`):
-    // the slices won 6-39 us at K >= 7168 with one round of units, and lost 4-35 us at K <= 2048,
-    // with two rounds (R * S > SMs; one exception, +7 us) or at N = 2112 (in the model's units of
-    // ~0.45 us: 23.3 + 0.2 K / 128). Taken when 2% ahead of the unsplit tile.
+    // that grows with K: (10.5 + 0.09 K / 128) us (23.3 + 0.2 K / 128 in the model's units of
+    // ~0.45 us), fitted to the gains and losses of 30 (shape, S) pairs against the unsplit tile. So
+    // the slices win at K >= 7168 with one round of units, and lose at K <= 2048, with two rounds
+    // (R * S > SMs) or at N = 2112. Taken when 2% ahead of the unsplit tile.
     auto tail = [&](int bm, int bn, double ck, double cep, double whole, int& slices) {
       slices = 1;
       const LastWave lw = last_wave(gemm_tile_count(M, N, bm, bn), num_sms);
@@ -353,11 +328,8 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
     const double c192x128t = tail(192, 128, k192x128, 2.15 * ce, c192x128, s192x128);
     // Where the model takes 128x192 for bf16 D, dense, M >= 1536 and N a multiple of 128 (no
     // half-empty last column block of 192x128; 128x192 fits N = 2112 exactly, and wins there), it
-    // takes 192x128 instead: faster on all 25 such shapes measured (H200, 2026-12-01, the tiles
-    // timed in turn, `FP8MOE_BENCH_TILES=128x128/pipe,128x192,192x128 fp8moe bench gemm --shapes
-    // ...`, M = 1536..6144, N 1536..24576, K 1536..7168): 1.03-1.10x, 1.063x on average; e.g.
-    // 3072x7168x7168 226.4 us against 242.9. Where the model takes 128x128/pipe the two were within
-    // 2.7% (7 shapes).
+    // takes 192x128 instead: faster on every such shape measured (25 shapes of M = 1536..6144,
+    // 1.03-1.10x). Where the model takes 128x128/pipe the two are within 2.7%, so it stays.
     if (c192x128t * 1.01 < std::min({c128t, c192, c256}) || (n_fits_192x128 && c192 < c128t && c192 <= c256))
       best = {192, 128}, best.tail_split = s192x128;
     else if (c128t <= c192 && c128t <= c256) best = t128, best.tail_split = s128;
@@ -367,29 +339,24 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
   // f32 D (1d2d): the FP32-staged variant of the chosen tile where one is compiled (128x64 and the
   // large tiles with a staging tile; not 256x128/direct), whose TMA store (reduce-add for D +=)
   // leaves the math warpgroups once the tile is staged, where a bf16-staged kernel stores f32 D
-  // directly (read-add-write for D +=). Measured on the 128x64 (H200, 2026-12-01, `fp8moe bench
-  // gemm --shapes fprop32+:...`, two runs): D += 128x7168x2048 13.2-13.5 us against 19.2-19.4 (0.76x -> 1.09-1.11x
-  // cuBLASLt), 192x4096x2048 12.9-13.0 against 19.3-19.5, 512x2112x7168 22.3-22.5 against 28.1-28.2;
-  // f32 D without += within 1%.
+  // directly (read-add-write for D +=): on the 128x64, D += at M = 128..512 is 1.25-1.5x faster
+  // staged (1.05-1.27x cuBLASLt, against 0.71-1.03x); f32 D without += is the same either way.
   if (!b_1x128 && d_f32)
     for (const GemmTile& t : gemm_tiles(false))
       if (t.f32_staging && t.block_m == best.block_m && t.block_n == best.block_n && t.tma_epilogue == best.tma_epilogue &&
           t.multicast == best.multicast && t.pipelined == best.pipelined)
         best.f32_staging = true;
   // Rasterization (dense only): groups of 16 N blocks unless their B row-panels (raster_n x BN x
-  // K bytes) would pass 24 MiB, about half the L2; then 8. Measured (H200, 2026-11-30, `fp8moe
-  // bench gemm --set m4096` with /r8 and /r32 tiles beside the chosen one, D bit-identical): at
-  // 4096x7168x16384 (2 MiB panels) 8 was 2.6% and 7.4% faster than 16 in two runs and 32 3%
-  // slower; at K <= 7168 8 and 16 were within 0.5% (32: up to 4% slower); the grouped GEMMs and
-  // the Wgrad at K = 4096 within noise, so they keep 16.
+  // K bytes) would pass 24 MiB, about half the L2; then 8, so that the panels of the tiles in
+  // flight stay in L2 (at 4096x7168x16384, 2 MiB panels, 8 is 3-7% faster than 16; at K <= 7168
+  // the two tie and 32 is up to 4% slower). The grouped GEMMs and the Wgrad at K = 4096 see no
+  // difference and keep 16.
   if (!grouped && int64_t(best.raster_n) * best.block_n * K > (int64_t(24) << 20)) best.raster_n = 8;
   // K slices: one row block (M <= 64) whose 64x64 tiles fill at most a third of the SMs, and
-  // K >= 7168: S = SMs / tiles slices (at most 8, each at least 8 K blocks). Measured (H200,
-  // 2026-11-30, `fp8moe bench gemm`, the unsplit choice timed beside): 64x2112x7168 (33 tiles, S =
-  // 4) 16.7-16.9 us against 19.6 (64x16), 64x1536x7168 (S = 5) 14.9 against 18.9, 32x2112x16384
-  // 22.8 against 36.8, 1x1024x16384 (S = 8) 16.7 against 35.6; slower: 64x2112x4096 14.4 against
-  // 13.1, and earlier (a former split-K) at 64 and more tiles (64x4096x7168, S = 2: 22.8-24.3
-  // against 21.5 us) and at K <= 2048 (1.5-2.5x: the second kernel and the workspace's traffic).
+  // K >= 7168: S = SMs / tiles slices (at most 8, each at least 8 K blocks). There the slices run
+  // 1.17-2.1x faster than the unsplit tile (64x2112x7168: 16.8 us against 19.6). With more tiles
+  // or shorter K the second kernel and the workspace's traffic cost more than the idle SMs
+  // (64x2112x4096 and 64x4096x7168 0.91x, K <= 2048 1.5-2.5x slower).
   if (split && !grouped && !b_1x128 && M <= 64) {
     const int64_t tiles64 = (N + 63) / 64, kb = K / 128;
     if (tiles64 * 3 <= num_sms && kb >= 56) {

@@ -65,7 +65,7 @@ __global__ void adamw_kernel(float* __restrict__ w, const float* __restrict__ g,
 
 // Four elements per thread with vector loads and stores (w, g 16-byte aligned; m, v 8-byte for
 // BF16, 16-byte for FP32): n4 groups of four. The same arithmetic as adamw_kernel per element.
-// NOTES: one element per thread reached about half the copy bandwidth on the H200 (the FP64
+// NOTES: one element per thread reaches about half the copy bandwidth (the FP64
 // divisions and square root make each element's chain long); four independent chains per thread
 // keep more loads in flight.
 template <bool kBf16>

@@ -1,8 +1,8 @@
 // The model ops of the CUDA backend (contracts: include/fp8moe/backend.hpp, "Model ops"; the CPU
 // ops in src/cpu/ops_*.cpp are the specification) and the device AdamW update, as free functions
-// with the parameter lists of the Backend virtuals. CudaBackend forwards to them through
-// model_ops_overrides.inc. All tensors are device views; work is queued on `stream`, the last
-// parameter (before an attention call's path and cap).
+// with the parameter lists of the Backend virtuals. CudaBackend's overrides (cuda_backend.cu)
+// forward to them. All tensors are device views; work is queued on `stream`, the last parameter
+// (before an attention call's path and cap).
 // Dtypes: "float" ops take f32 (f64 raises "f64 unsupported on cuda"); convert, copy_cols,
 // transpose and gather_rows without weights also move bf16 (and f64), as the CPU ops do; gemm
 // also takes bf16 a and b (d f32 or bf16), which the CPU op does not.

@@ -44,9 +44,10 @@ __global__ void fill_scale_padding_kernel(float* scales, int64_t G, int64_t R, i
 // Tiles as tile_coords_1x128 (quantize_device.cuh): a warp takes one 128-column tile of 8 rows,
 // four lanes per row-tile, each lane 32 values from NV independent 16-byte loads.
 // x [R, C], q [R, C], s [G, ld] (G = ceil(C/128)).
-// NOTES: per element one unpack, one amax, one product and half a paired conversion (the former
-// per-element IEEE division and NaN test were most of the issue slots); 64 bytes of loads in flight
-// per lane; a warp's 8 scale writes fill one sector. H200, bf16 [8192, 7168]: 93% of copy (was 71%).
+// NOTES: per element one unpack, one amax, one product and half a paired conversion (an IEEE
+// division and a NaN test per element would take most of the issue slots and hold the kernel at
+// ~70% of copy); 64 bytes of loads in flight per lane; a warp's 8 scale writes fill one sector.
+// So the kernel is bound by memory: 93% of copy from bf16.
 template <class Tin, bool kE5M2, bool kVec>
 __global__ void __launch_bounds__(256, 5) quantize_1x128_kernel(const Tin* __restrict__ x, uint8_t* __restrict__ q,
                                                              float* __restrict__ s, int64_t R, int64_t C, int64_t ld,
@@ -76,7 +77,7 @@ __global__ void __launch_bounds__(256, 5) quantize_1x128_kernel(const Tin* __res
 // w [R, C], q [R, C], s [ceil(R/128), ceil(C/128)].
 // NOTES: the arithmetic is that of the 1x128 kernel (reciprocal once per block, one product and
 // half a paired conversion per element, NaN/Inf tested on the block's amax), which leaves this
-// kernel bound by its loads: 95% of copy on the H200 (was 70%).
+// kernel bound by its loads (95% of copy).
 template <class Tin, bool kE5M2, bool kVec>
 __global__ void __launch_bounds__(256, sizeof(Tin) == 2 ? 3 : 2) quantize_128x128_kernel(const Tin* __restrict__ w, uint8_t* __restrict__ q,
                                                                float* __restrict__ s, int64_t R, int64_t C,
@@ -161,18 +162,17 @@ __global__ void __launch_bounds__(256, sizeof(Tin) == 2 ? 3 : 2) quantize_128x12
 // thread encodes its VEC channels of each of its tokens and stores them, VEC bytes, straight to
 // q_rows [T, C] (a token block's CHUNKS lanes write 128 contiguous bytes). NaN/Inf needs no test
 // of the token amaxes: every element is in a channel amax, which is tested. Per element this adds
-// an amax, a product and half a paired conversion to the 128x1 work, and the reads stay one; the
-// aim was the 128x1 kernel's time plus the rows' bytes. Measured (H200, `fp8moe bench quant`, x
-// [8192, 7168]): 90.1-90.7% (bf16) and 97.8-98.3% (f32) of copy, 1.5x and 1.7x faster than the
-// two separate kernels; 71 registers (bf16: three CTAs per SM) and 97 (f32: two). rows_amax's
-// halving steps must all unroll: with its former loop nest nvcc left the 16-row step rolled, the
-// kernel held 93-96 (bf16) and 111 (f32) registers and reached 85.5% and 86.7%.
+// an amax, a product and half a paired conversion to the 128x1 work, and the reads stay one: the
+// kernel takes about the 128x1 kernel's time plus the rows' bytes (90-98% of copy, 1.5x and 1.7x
+// faster than the two separate kernels), with 71 registers (bf16: three CTAs per SM) and 97
+// (f32: two). rows_amax's halving steps must all unroll: as a loop nest nvcc leaves the 16-row
+// step rolled, and the kernel then holds 93-111 registers and loses 5-12 points of copy bandwidth.
 // NOTES: the byte tile is XOR-swizzled by units (unit u of channel row c at u ^ swz(c)) so that the
 // unit writes of phase 3 (8, 16 or 4 bytes per lane) and the 16-byte row reads of phase 4 are both
 // free of bank conflicts; bf16 swizzles at 8-byte granularity, so a 16-byte read may find its two
-// halves swapped (undone in registers). Full 128-byte rows out (the former 64-channel tile wrote
+// halves swapped (undone in registers). Full 128-byte rows out (a 64-channel tile would write
 // 32-byte pieces), twice the work per CTA, and the per-element arithmetic of the 1x128 kernel:
-// from bf16, 91% of copy on the H200 (was 47%).
+// 91% of copy from bf16.
 template <class Tin>
 struct T128x1 {
   static constexpr int VEC = 16 / sizeof(Tin);  // channels per vector: 8 (bf16), 4 (f32), 16 (fp8)
@@ -380,13 +380,15 @@ __global__ void __launch_bounds__(256) quantize_128x1_kernel(const Tin* __restri
 // amaxes and reciprocals are exchanged back to channel order in registers (8 selects), so their
 // shared-memory accesses stay vector-wide and conflict-free. Bit-exact with the 128x1 kernel: same
 // products, same scale arithmetic.
-// Measured on the H200 (x [8192, 7168], `fp8moe bench quant`): the former ring of 4 stages with
-// two separate output buffers 37.9-38.6 us; cp.async stages with stores from registers (~730
-// instructions per thread and tile, a third of them addresses and bounds checks) 40.5 us. Not
-// faster (docs/PERF.md, "Quantization"): a separate producer warp with empty barriers, 16 warps
-// (64 registers), the store gated by an mbarrier instead of a CTA barrier, column-major or chunked
-// walks, a 128-byte-swizzled input tile, 8% fewer instructions (no division per tile), and even
-// contiguous (wrong) stores: 37.4 us.
+// NOTES: the transposed tile traffic bounds this kernel, not its instructions: the same TMA loads
+// and stores with no arithmetic reach 86-87% of copy, the kernel 82% (docs/PERF-log.md, "The
+// requantizer's memory bound"). Hence the in-place output tile, which leaves room for 6 stages (4
+// with two separate output buffers, about 1% slower), and TMA for both directions (cp.async stages
+// with stores from registers, ~730 instructions per thread and tile, were 7% slower). Not faster
+// (docs/PERF-log.md, "Quantization"): a separate producer warp with empty barriers,
+// 16 warps (64 registers), the store gated by an mbarrier instead of a CTA barrier, column-major
+// or chunked walks, a 128-byte-swizzled input tile, 8% fewer instructions (no division per tile),
+// and even contiguous (wrong) stores gained only ~2%.
 constexpr int kRqStages = 6;
 constexpr int kRqIn = 128 * 128;         // input bytes of a stage, then the output tile in their place
 constexpr int kRqStage = kRqIn + 1024;   // + the tile's 128 token scales, padded to the swizzle's 1024-byte period

@@ -55,8 +55,8 @@ __device__ __forceinline__ float scale_from_amax(float amax, bool pow2) {
 // x [R, C] f32|bf16 -> q [R, C] e5m6 (uint16), scales [ceil(C/128), ld] f32 (M-major). One warp
 // per (row, 128-column group), four consecutive elements per lane; `vec`: C % 4 == 0 and x, q
 // aligned, so each lane moves its four elements with one load and one 8-byte store.
-// NOTES: the integer encoder bounds it, not memory (H200, f32 [8192, 7168]: 207 us, 45% of copy;
-// four items per warp with their loads issued first measured slower, 218 us).
+// NOTES: the integer encoder bounds it, not memory (45% of copy from f32); four items per warp
+// with their loads issued first are slower, not faster.
 template <class T>
 __global__ void quantize_e5m6_kernel(const T* __restrict__ x, uint16_t* __restrict__ q, float* __restrict__ scales,
                                      int64_t R, int64_t C, int64_t ld, bool pow2, bool vec, int* __restrict__ nonfinite) {

@@ -5,7 +5,7 @@
 //              write out of bounds on a bad index: they skip it); raise_deferred_checks(), called by
 //              CudaBackend::synchronize(), reads the records and raises the first failure.
 // NOTES: the mode and the records are per process, shared by every CUDA backend of it (the records
-// live on the device the kernels run on; one device per process today).
+// live on the device the kernels run on; one device per process).
 #pragma once
 #include <cuda_runtime.h>
 

@@ -22,7 +22,8 @@ namespace fp8moe::cuda {
 // (only those whose rows come from a device table do).
 // NOTES: as integer divisions the two per tile were ~45 dependent instructions (two MUFU.RCP)
 // between a tile's first barrier wait and its first WGMMAs; computing the magic numbers in every
-// kernel (~140 instructions run once) measured 0.1-0.7 us slower at M = 64/128 (H200).
+// kernel (~140 instructions run once) costs the short GEMMs at M = 64/128 0.1-0.7 us: a launch
+// pays for fetching its code.
 struct SchedDivs {
   FastDiv per_group, width, last_width;
 };

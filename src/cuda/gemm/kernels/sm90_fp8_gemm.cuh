@@ -1,4 +1,4 @@
-// The sm_90a FP8 block-scaled GEMM kernel with per-128-K promotion (SPEC.md §1, report §3.3.2):
+// The sm_90a FP8 block-scaled GEMM kernel with per-128-K promotion (contract: gemm_ref.hpp, report §3.3.2):
 //
 //   D [M, N] = A [M, K] * B [N, K]^T  (+ D),  A 1x128-scaled, B 128x128-scaled (Fprop, Dgrad:
 //   kind "1d2d") or 1x128-scaled (Wgrad: "1d1d"), D bf16 | f32.
@@ -77,9 +77,9 @@ struct GemmTraits {
   // Half a tile staged at a time, stored in two passes, where that buys a pipeline stage: three
   // math warpgroups staging FP32 keep 4 stages (three whole FP32 tiles, 96 KiB, would leave 3);
   // the pipelined 128x128 gets 6 stages for bf16 D (5 with whole tiles) and 5 for f32 D (4).
-  // NOTES: measured on H200 (2026-12-01, the pipelined 128x128 with bf16 D, 6 stages against 5,
-  // two runs): 2.5-5% faster at 512x4096x7168, 256x7168x16384 and 1024x4096x7168, 3.4% at
-  // 4096x7168x2048, 0.7% slower at 4096x4096x7168 (docs/PERF.md, "A sixth stage").
+  // NOTES: the sixth stage of the pipelined 128x128 with bf16 D pays most on the single-wave
+  // mid-M shapes (2.5-5%), whose loads its five stages did not cover (docs/PERF-log.md, "A sixth
+  // stage").
   static constexpr int kStagingPasses =
       (kNumMathWG == 3 && kStageF32) || (kNumMathWG == 2 && kPipe && BLOCK_N == 128) ? 2 : 1;
   using Staging = StagingTile<BLOCK_N, kStageF32, kStagingPasses>;
@@ -94,11 +94,11 @@ struct GemmTraits {
   // 64-row store boxes of all or none of the tile's rows, except for D += on the contiguous GEMM,
   // where a box may hold padding rows to leave alone: those boxes are copied row by row from the
   // staging tile (copy_box_rows).
-  // NOTES: the direct stores (f32 and bf16 D, D +=, bounds) were ~70% of these kernels' code
-  // (128x128/pipe: 6008 SASS instructions, 1384 without), never run with the TMA store, and yet a
-  // launch after another kernel ran up to 2 us longer with them (H200, 128x32768x512: 14.9-15.9
-  // against 13.4-14.1 us; docs/PERF.md, "The launch after another kernel"). Without them the
-  // 1d1d 128x128 (Wgrad) measured 2-3% slower, so the 1d1d tiles keep them.
+  // NOTES: the direct stores (f32 and bf16 D, D +=, bounds) would be ~70% of these kernels' code
+  // (128x128/pipe: 6008 SASS instructions, 1384 without), never run with the TMA store, and a
+  // launch after another kernel pays for fetching that code: up to 2 us on a 13 us GEMM
+  // (docs/PERF-log.md, "The launch after another kernel"). The 1d1d tiles (Wgrad) keep them:
+  // without them the 1d1d 128x128 was 2-3% slower.
   static constexpr bool kStagedOnly = kTmaStoreOk && !kB1x128 && BLOCK_M * BLOCK_N >= 128 * 128;
   static constexpr int kSmemStaging = kTmaStoreOk ? kNumMathWG * Staging::kBytes : 0;
   static constexpr int kStages = [] {
@@ -118,7 +118,7 @@ struct GemmTraits {
   // the per-thread count ptxas gives a 1-CTA kernel of kNumThreads threads (65536 / kNumThreads,
   // rounded down to a multiple of 8: 168 for 384 threads, 128 for 512) times kNumThreads.
   // NOTES: a producer of 48 registers with two math warpgroups of 232 asks for 1024 more than
-  // 168 x 384, and the math warpgroups' setmaxnreg.inc then waits forever (a hang, seen on H200).
+  // 168 x 384, and the math warpgroups' setmaxnreg.inc then waits forever (the kernel hangs).
   static_assert(kProducerRegs * 128 + kMathRegs * kNumMathThreads <= 65536 / kNumThreads / 8 * 8 * kNumThreads,
                 "register file: more than the CTA's pool");
   static_assert(kWaves == 1 || (!kB1x128 && !kTmaEpilogue && kMC == 1),
@@ -180,7 +180,7 @@ __device__ __forceinline__ bool join_slices(float (&fa)[kNumAccum], uint32_t j, 
   ptx::named_barrier_sync(1 + wg, 128);  // the warpgroup's stores, published by the leader's release
   // NOTES: the leader's atomic is a predicated instruction, not a branch: behind a branch ptxas
   // kept fewer values in registers across the whole kernel and recomputed addresses in the K loop
-  // (125 instructions per K block of the 192x128 tile against 118; 1.5-4.6% slower on the H200).
+  // (125 instructions per K block of the 192x128 tile against 118; 1.5-4.6% slower).
   const int32_t old =
       ptx::atom_add_acq_rel_gpu_if(threadIdx.x % 128 == 0, ga.arrivals + tile * (kThreads / 128) + wg, 1);
   bool last = old < 0 || old == int32_t(S) - 1;
@@ -381,8 +381,9 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
     // pass in its own 64 rows of the A tile of the tile's last K block, which only its WGMMAs read:
     // that stage stays held (`held`) until the pass's TMA store has read it, and each warpgroup's
     // leader releases its four warps' share once the next tile's first WGMMAs are queued.
-    // NOTES: the second pass then need not wait for the first pass's store to read the staging tile
-    // (H200, 4096x7168x2048: ~470 of the ~1500 cycles of the epilogue, docs/PERF.md).
+    // NOTES: the second pass then need not wait for the first pass's store to read the staging tile,
+    // a wait of ~470 of the ~1500 cycles of the epilogue (docs/PERF-log.md, "The Tensor Cores'
+    // ceiling under the power cap").
     constexpr bool kStageInRing = kG != Grouping::tail_split && kMC == 1 && T::kTmaStoreOk &&
                                   T::kStagingPasses == 2 && !T::kStageF32;
     int32_t held = -1;
@@ -589,9 +590,9 @@ __global__ void __launch_bounds__(GemmTraits<BLOCK_M, BLOCK_N, kB1x128, kTmaEpil
               // NOTES: the 64 scale products s_a * s_b do not depend on the WGMMAs, and the
               // compiler placed them before the WGMMA issue, holding it back by 64 FMULs per K
               // block; the fence pins them behind the issue, where they overlap the Tensor Cores.
-              // Reading the scales after the issue as well was measured slower (H200, 2026-11-30:
-              // Wgrad 0.89x cuBLASLt against 0.99x): ptxas then put the fourth WGMMA behind the
-              // reads and 40 of the products, delaying this warpgroup's last WGMMA of the block.
+              // The scale reads stay before the issue: after it, ptxas put the fourth WGMMA
+              // behind the reads and 40 of the products, delaying this warpgroup's last WGMMA of
+              // the block (the Wgrad 10% slower).
 #pragma unroll
               for (int k = 0; k < BLOCK_N / 4; ++k) ptx::fence_operand(sbc[k]);
               ptx::fence_operand(sa0[w]);
