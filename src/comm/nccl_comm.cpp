@@ -168,6 +168,10 @@ class NcclComm final : public Comm {
     const std::string what = is_send ? "nccl send" : "nccl recv";
     check_device(t, "t", what);
     FP8MOE_CHECK(peer >= 0 && peer < size(), what << ": peer = " << peer << ", expected 0.." << size() - 1);
+    // Each call is its own NCCL group, and NCCL pairs a send to oneself with its receive only
+    // inside one group.
+    FP8MOE_CHECK(peer != rank(), what << ": peer = " << peer << " is this rank; the nccl engine does not send to "
+                                      << "itself (copy the tensor instead)");
     FP8MOE_CHECK(t.is_contiguous(), what << ": " << t.str() << " must be contiguous");
     if (t.nbytes() == 0) return;
     if (is_send) NCCL_OK(ncclSend(t.data, t.nbytes(), ncclUint8, peer, nc_, stream_of(s)), nc_, what);

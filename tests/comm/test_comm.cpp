@@ -528,9 +528,9 @@ struct DeviceTensor {
   }
 };
 
-// The collectives on device tensors through `c`, each against the MPI engine on host tensors;
-// `exact_sums` where the sums are in rank order (MPI; NCCL at one rank).
-void check_device_collectives(Comm& c, bool exact_sums) {
+// The collectives on device tensors through `c`, each against `host` (the MPI engine over the
+// same ranks) on host tensors; `exact_sums` where the sums are in rank order (MPI; NCCL at one rank).
+void check_device_collectives(Comm& c, Comm& host, bool exact_sums) {
   const int P = c.size(), me = c.rank();
   Stream s(std::make_shared<TestCudaStream>());
   // all_to_all_v, [rows, 3] f32: the host result is the reference.
@@ -544,7 +544,7 @@ void check_device_collectives(Comm& c, bool exact_sums) {
   fill(send, me, 900);
   DeviceTensor dsend(send), drecv(recv);
   c.all_to_all_v(dsend.view, sc, drecv.view, rc, s);
-  world().all_to_all_v(send, sc, recv, rc, Stream{});
+  host.all_to_all_v(send, sc, recv, rc, Stream{});
   s.synchronize();
   EXPECT_SAME_BITS(drecv.to_host().view(), recv.view(), c.name() << " all_to_all_v on the GPU");
 
@@ -553,7 +553,7 @@ void check_device_collectives(Comm& c, bool exact_sums) {
     fill(t, me, 901);
     DeviceTensor dt_(t);
     c.all_reduce(dt_.view, s);
-    world().all_reduce(t, Stream{});
+    host.all_reduce(t, Stream{});
     s.synchronize();
     if (exact_sums) {
       EXPECT_SAME_BITS(dt_.to_host().view(), t.view(), c.name() << " all_reduce " << dtype_name(dt) << " on the GPU");
@@ -564,7 +564,7 @@ void check_device_collectives(Comm& c, bool exact_sums) {
     fill(rs_in, me, 902);
     DeviceTensor din(rs_in), dout(rs_out);
     c.reduce_scatter(din.view, dout.view, s);
-    world().reduce_scatter(rs_in, rs_out, Stream{});
+    host.reduce_scatter(rs_in, rs_out, Stream{});
     s.synchronize();
     if (exact_sums) EXPECT_SAME_BITS(dout.to_host().view(), rs_out.view(), c.name() << " reduce_scatter on the GPU");
     else EXPECT_LT(testing::calc_diff(testing::to_doubles(dout.to_host()), testing::to_doubles(rs_out)), 1e-6);
@@ -573,7 +573,7 @@ void check_device_collectives(Comm& c, bool exact_sums) {
   fill(g_in, me, 903);
   DeviceTensor dg_in(g_in), dg_out(g_out);
   c.all_gather(dg_in.view, dg_out.view, s);
-  world().all_gather(g_in, g_out, Stream{});
+  host.all_gather(g_in, g_out, Stream{});
   s.synchronize();
   EXPECT_SAME_BITS(dg_out.to_host().view(), g_out.view(), c.name() << " all_gather on the GPU");
 
@@ -586,6 +586,12 @@ void check_device_collectives(Comm& c, bool exact_sums) {
   s.synchronize();
   EXPECT_SAME_BITS(db.to_host().view(), b.view(), c.name() << " broadcast on the GPU");
 
+  if (c.name() == "nccl" && P == 1) {
+    Tensor one = Tensor::host(DType::f32, {1});
+    DeviceTensor d(one);
+    expect_error([&] { c.send(d.view, 0, s); }, "nccl send: peer = 0 is this rank");
+    return;
+  }
   // A ring on device tensors: receive from the previous rank, send to the next.
   Tensor out = Tensor::host(DType::bf16, {4099}), in = Tensor::host(DType::bf16, {4099}), want = Tensor::host(DType::bf16, {4099});
   fill(out, me, 905);
@@ -603,9 +609,9 @@ void check_device_collectives(Comm& c, bool exact_sums) {
 TEST(Device, MpiStagesDeviceTensorsThroughPinnedMemory) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU on this host (device tensors need one)";
   select_local_gpu(launch_info());
-  check_device_collectives(world(), true);
+  check_device_collectives(world(), world(), true);
   // Twice: the pinned buffers are reused.
-  check_device_collectives(world(), true);
+  check_device_collectives(world(), world(), true);
 }
 
 TEST(Nccl, MatchesTheMpiEngine) {
@@ -620,9 +626,10 @@ TEST(Nccl, MatchesTheMpiEngine) {
     throw;
   }
   EXPECT_EQ(nccl->name(), "nccl");
-  check_device_collectives(*nccl, nccl->size() == 1);
+  check_device_collectives(*nccl, world(), nccl->size() == 1);
   auto sub = nccl->split(nccl->rank() % 2, nccl->rank());
-  check_device_collectives(*sub, sub->size() == 1);
+  auto host_sub = world().split(world().rank() % 2, world().rank());
+  check_device_collectives(*sub, *host_sub, sub->size() == 1);
 }
 #else
 TEST(Device, MpiStagesDeviceTensorsThroughPinnedMemory) { GTEST_SKIP() << "built without CUDA"; }
