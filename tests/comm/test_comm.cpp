@@ -475,6 +475,10 @@ TEST(OutOfRange, EveryRankHearsOfIt) {
                "rank 0: recv_counts has " + std::to_string(P + 1) + " entries, expected " + std::to_string(P));
   Tensor t = Tensor::host(DType::f32, {3});
   expect_error([&] { world().broadcast(t, P, Stream{}); }, "rank 0: root = " + std::to_string(P));
+  Tensor part = Tensor::host(DType::f32, {2}), stacked = Tensor::host(DType::f32, {2 * P + (me == last)});
+  expect_error([&] { world().all_gather(part, stacked, Stream{}); },
+               "rank " + std::to_string(last) + ": recv [" + std::to_string(2 * P + 1) + "] f32 cpu needs " +
+                   std::to_string(2 * P) + " rows (" + std::to_string(P) + " ranks x send's 2)");
   Tensor q = Tensor::host(DType::e4m3, {3});
   expect_error([&] { world().all_reduce(q, Stream{}); }, "sums are f32 | f64 | bf16 | i32 | i64");
   expect_error([&] { world().split(-1 - (me == 0), 0); }, "split: rank 0: color = -2, expected >= 0");
