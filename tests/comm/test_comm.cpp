@@ -215,7 +215,18 @@ TEST(Launch, NcclWithoutGpuIsAClearError) {
 #else
   expect_error([] { make_comm("nccl"); }, "\"nccl\" needs fp8moe built with CUDA and NCCL");
 #endif
-  EXPECT_EQ(make_comm("auto")->name(), "mpi");
+}
+
+TEST(Launch, AutoTakesNcclOnlyWithAGpuPerRank) {
+  const LaunchInfo li = launch_info();
+  int gpus = 0;
+#if FP8MOE_COMM_CUDA
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
+  cudaGetLastError();
+#endif
+  select_local_gpu(li);
+  EXPECT_EQ(make_comm("auto")->name(), gpus > 0 && li.local_size <= gpus ? "nccl" : "mpi")
+      << li.local_size << " ranks on this host, " << gpus << " GPUs";
 }
 
 TEST(Exchange, DifferentLengthsInRankOrder) {
