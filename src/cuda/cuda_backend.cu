@@ -193,6 +193,7 @@ class CudaBackend final : public Backend {
     // communication or copy stream beside it overlaps with them.
     compute_ = cuda::make_stream();
     set_stream(compute_);
+    hopper_ = cuda::sm90_available();
   }
 
   Stream stream() const override { return current_; }
@@ -207,7 +208,16 @@ class CudaBackend final : public Backend {
 
   std::string name() const override { return cublaslt_ ? "cublaslt" : "cuda"; }
   Device device() const override { return Device::cuda; }
-  bool supports(Op) const override { return true; }
+  // Every op has a kernel here; the grouped FP8 GEMMs have only the sm_90a ones (the dense FP8
+  // GEMM falls back to cuBLASLt elsewhere), so on another GPU they are unsupported.
+  bool supports(Op op) const override {
+    switch (op) {
+      case Op::grouped_gemm_fp8_contiguous:
+      case Op::grouped_gemm_fp8_masked:
+      case Op::grouped_wgrad_fp8: return hopper_;
+      default: return true;
+    }
+  }
 
   Tensor zeros(DType dtype, std::initializer_list<int64_t> shape) override {
     FP8MOE_TIMED_OP("zeros");
@@ -563,6 +573,7 @@ class CudaBackend final : public Backend {
 
   bool cublaslt_;
   int device_ = 0;
+  bool hopper_ = false;
   Stream compute_, current_;  // the backend's own stream, and the one ops go to now
   cudaStream_t s_ = nullptr;  // current_'s
 
