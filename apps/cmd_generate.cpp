@@ -2,8 +2,10 @@
 //   fp8moe generate --checkpoint runs/tiny/checkpoint.safetensors "Once upon a time"
 //   fp8moe generate --hf out/hf --prompt-file prompt.txt --temperature 0.8 --top-p 0.95 --seed 7
 //   echo "Hello" | fp8moe generate --hf out/hf --max-tokens 64
+//   fp8moe generate --checkpoint ckpt.safetensors --temperature 0 --speculative "Hi"   (MTP drafts)
 // The prompt is the argument, else --prompt-file (- = stdin), else stdin. Runs on the GPU when
 // there is one (--backend auto), else on the CPU. Timings go to stderr.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -21,7 +23,7 @@ namespace {
 struct Args {
   std::string prompt, prompt_file, checkpoint, hf, backend = "auto", linear = "auto", cache = "bf16";
   int64_t cache_blocks = 0;
-  bool shared_as_routed = false, expanded_decode = false;
+  bool shared_as_routed = false, expanded_decode = false, speculative = false;
   serve::GenerateOptions gen;
 };
 
@@ -49,16 +51,25 @@ void run(const Args& a) {
                                                                              int64_t(prompt.size()) + a.gen.max_tokens));
   eo.absorbed_decode = !a.expanded_decode;
   eo.shared_as_routed = a.shared_as_routed;
+  eo.mtp = a.speculative;
+  if (a.speculative) eo.cache_blocks = std::max(eo.cache_blocks, serve::blocks_for(int64_t(prompt.size()) + a.gen.max_tokens + 1));
   serve::Engine engine(w, *be, eo);
-  const serve::GenerateResult r = serve::generate(engine, prompt, a.gen, [](std::string_view s) {
+  const auto stream = [](std::string_view s) {
     std::fwrite(s.data(), 1, s.size(), stdout);
     std::fflush(stdout);
-  });
+  };
+  const serve::GenerateResult r = a.speculative ? serve::generate_speculative(engine, prompt, a.gen, stream)
+                                                : serve::generate(engine, prompt, a.gen, stream);
   std::printf("\n");
   const double n = double(r.tokens.size());
   std::fprintf(stderr, "fp8moe generate: %s on %s, %zu prompt tokens in %.3f s, %.0f tokens in %.3f s (%.1f tokens/s), finish %s\n",
                w.cfg.name.c_str(), be->name().c_str(), prompt.size(), r.prefill_s, n, r.decode_s,
                r.decode_s > 0 ? n / r.decode_s : 0.0, r.finish_reason.c_str());
+  if (a.speculative)
+    std::fprintf(stderr, "fp8moe generate: MTP drafts accepted %lld of %lld (%.1f%%), %lld main steps\n",
+                 static_cast<long long>(r.accepted), static_cast<long long>(r.drafted),
+                 r.drafted > 0 ? 100.0 * double(r.accepted) / double(r.drafted) : 0.0,
+                 static_cast<long long>(r.main_steps));
 }
 
 void add_generate(CLI::App& app) {
@@ -83,6 +94,7 @@ void add_generate(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   c->add_flag("--shared-as-routed", a->shared_as_routed, "Run the shared expert as a routed expert every token picks");
   c->add_flag("--expanded-decode", a->expanded_decode, "Decode with the expanded MLA form instead of the absorbed one");
+  c->add_flag("--speculative", a->speculative, "MTP speculative decoding (greedy: --temperature 0)");
   c->callback([a] { run(*a); });
 }
 

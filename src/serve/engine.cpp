@@ -9,24 +9,11 @@
 #include <cmath>
 
 #include "fp8moe/error.hpp"
+#include "serve/views.hpp"
 
 namespace fp8moe::serve {
 
 namespace {
-
-TensorView rows(const TensorView& t, int64_t r0, int64_t n) {
-  FP8MOE_CHECK(r0 >= 0 && r0 + n <= t.size(0), "rows [" << r0 << ", " << r0 + n << ") outside " << t.str());
-  TensorView v = t;
-  v.data = static_cast<char*>(t.data) + r0 * t.strides[0] * int64_t(dtype_size(t.dtype));
-  v.shape[0] = n;
-  return v;
-}
-
-TensorView reshape(const TensorView& t, std::initializer_list<int64_t> shape) {
-  TensorView v(t.data, t.dtype, shape, t.device);
-  FP8MOE_CHECK(v.numel() == t.numel() && t.is_contiguous(), "reshape: " << t.str() << " to " << v.str());
-  return v;
-}
 
 // One Linear y [T, N] = x [T, K] w^T in the engine's precision.
 struct Linear {
@@ -67,6 +54,8 @@ struct Engine::Impl {
   Tensor embed;  // [V, D] f32
   Tensor norm;   // [D] f32
   Linear head;
+  Tensor enorm, hnorm, mtp_norm;  // [D] f32: the MTP module's norms (layers[L] is its block)
+  Linear eh;                      // [D, 2D] eh_proj
 
   Impl(const WeightSet& ws, Backend& b, const EngineOptions& o) : cfg(ws.cfg), opt(o), be(b) {
     validate_config(cfg);
@@ -92,7 +81,10 @@ struct Engine::Impl {
                  "got "
                      << cfg.n_shared_experts);
     load(ws);
-    cache = std::make_unique<LatentCache>(be, cfg.num_hidden_layers, opt.cache_blocks, rkv, dr, opt.cache);
+    FP8MOE_CHECK(!opt.mtp || cfg.num_nextn_predict_layers > 0,
+                 "EngineOptions::mtp: the model has no MTP module (num_nextn_predict_layers = 0)");
+    cache = std::make_unique<LatentCache>(be, cfg.num_hidden_layers + (opt.mtp ? 1 : 0), opt.cache_blocks, rkv, dr,
+                                          opt.cache);
   }
 
   // ---- Loading.
@@ -177,7 +169,7 @@ struct Engine::Impl {
     embed = vec(ws, "model.embed_tokens.weight");
     norm = vec(ws, "model.norm.weight");
     head = linear(ws, "lm_head.weight", head_bf16 ? LinearPrecision::bf16 : LinearPrecision::full);
-    for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    for (int64_t l = 0; l < cfg.num_hidden_layers + (opt.mtp ? 1 : 0); ++l) {
       const std::string p = "model.layers." + std::to_string(l) + ".";
       Layer L;
       L.in_norm = vec(ws, p + "input_layernorm.weight");
@@ -235,6 +227,13 @@ struct Engine::Impl {
         }
       }
       layers.push_back(std::move(L));
+    }
+    if (opt.mtp) {
+      const std::string p = "model.layers." + std::to_string(cfg.num_hidden_layers) + ".";
+      enorm = vec(ws, p + "enorm.weight");
+      hnorm = vec(ws, p + "hnorm.weight");
+      mtp_norm = vec(ws, p + "shared_head.norm.weight");
+      eh = linear(ws, p + "eh_proj.weight", prec);
     }
   }
 
@@ -488,13 +487,15 @@ struct Engine::Impl {
     be.moe_combine(ye.view(), sr.view(), wk.view(), x.view(), true);
   }
 
-  Tensor step(const std::vector<SeqChunk>& chunks) {
-    FP8MOE_CHECK(!chunks.empty(), "Engine::step: no chunks");
+  // The step's rows: tokens, positions, cache slots, and the rows whose logits are asked for.
+  StepRows rows_of(const std::vector<SeqChunk>& chunks, std::vector<int32_t>& tokens, std::vector<int32_t>& out_rows) {
     StepRows sr;
-    std::vector<int32_t> tokens, pos, last;
+    std::vector<int32_t> pos;
     for (const SeqChunk& c : chunks) {
       const int64_t n = int64_t(c.tokens.size());
       FP8MOE_CHECK(n > 0, "Engine::step: a chunk without tokens");
+      FP8MOE_CHECK(c.logits_rows >= 1 && c.logits_rows <= n,
+                   "Engine::step: logits_rows must be in [1, " << n << "], got " << c.logits_rows);
       FP8MOE_CHECK(c.table && int64_t(c.table->size()) * kBlockTokens >= c.start + n,
                    "Engine::step: the block table covers " << (c.table ? c.table->size() : 0) * kBlockTokens
                                                            << " tokens, the chunk ends at " << c.start + n);
@@ -511,20 +512,52 @@ struct Engine::Impl {
         pos.push_back(int32_t(p));
         sr.slots.push_back(int64_t((*c.table)[size_t(p / kBlockTokens)]) * kBlockTokens + p % kBlockTokens);
       }
-      last.push_back(int32_t(tokens.size() - 1));
+      for (int64_t r = n - c.logits_rows; r < n; ++r) out_rows.push_back(int32_t(sr.row0.back() + r));
     }
-    const int64_t T = int64_t(tokens.size()), C = int64_t(chunks.size());
     sr.positions = i32(pos);
+    return sr;
+  }
+
+  // logits [R, V] (host) of rows `out` of x [T, D] through `final_norm` and the head.
+  Tensor head_logits(const Tensor& x, const std::vector<int32_t>& out, const Tensor& final_norm) {
+    Tensor xl = f32({int64_t(out.size()), D});
+    be.gather_rows(x.view(), i32(out).view(), TensorView(), xl.view());
+    return be.to_host(run(head, rmsnorm(xl.view(), final_norm).view()));
+  }
+
+  Tensor step(const std::vector<SeqChunk>& chunks, Tensor* hidden) {
+    FP8MOE_CHECK(!chunks.empty(), "Engine::step: no chunks");
+    std::vector<int32_t> tokens, out;
+    const StepRows sr = rows_of(chunks, tokens, out);
+    const int64_t T = int64_t(tokens.size());
     Tensor x = f32({T, D});  // [T, D] the residual stream
     be.embedding_forward(i32(tokens).view(), embed.view(), x.view());
     for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
       attention(l, chunks, sr, x);
       ffn(l, x);
     }
-    Tensor xl = f32({C, D});
-    be.gather_rows(x.view(), i32(last).view(), TensorView(), xl.view());
-    const Tensor logits = run(head, rmsnorm(xl.view(), norm).view());  // [C, V]
-    return be.to_host(logits);
+    if (hidden) *hidden = x;
+    return head_logits(x, out, norm);
+  }
+
+  Tensor mtp_step(const std::vector<SeqChunk>& chunks, const TensorView& hidden) {
+    FP8MOE_CHECK(opt.mtp, "Engine::mtp_step: the engine was made without EngineOptions::mtp");
+    std::vector<int32_t> tokens, out;
+    std::vector<SeqChunk> last_only = chunks;
+    for (SeqChunk& c : last_only) c.logits_rows = 1;
+    const StepRows sr = rows_of(last_only, tokens, out);
+    const int64_t T = int64_t(tokens.size()), L = cfg.num_hidden_layers;
+    FP8MOE_CHECK(hidden.size(0) == T && hidden.size(1) == D,
+                 "Engine::mtp_step: hidden must be [" << T << ", " << D << "], got " << hidden.str());
+    Tensor e = f32({T, D});
+    be.embedding_forward(i32(tokens).view(), embed.view(), e.view());
+    Tensor cat = f32({T, 2 * D});  // [enorm(embed(t + 1)); hnorm(h_t)]
+    be.copy_cols(rmsnorm(e.view(), enorm).view(), 0, cat.view(), 0, D, false);
+    be.copy_cols(rmsnorm(hidden, hnorm).view(), 0, cat.view(), D, D, false);
+    Tensor x = run(eh, cat.view());  // [T, D]
+    attention(L, last_only, sr, x);
+    ffn(L, x);
+    return head_logits(x, out, mtp_norm);
   }
 };
 
@@ -535,6 +568,9 @@ const EngineOptions& Engine::options() const { return impl_->opt; }
 LinearPrecision Engine::linear_precision() const { return impl_->prec; }
 Backend& Engine::backend() const { return impl_->be; }
 LatentCache& Engine::cache() { return *impl_->cache; }
-Tensor Engine::step(const std::vector<SeqChunk>& chunks) { return impl_->step(chunks); }
+Tensor Engine::step(const std::vector<SeqChunk>& chunks, Tensor* hidden) { return impl_->step(chunks, hidden); }
+Tensor Engine::mtp_step(const std::vector<SeqChunk>& chunks, const TensorView& hidden) {
+  return impl_->mtp_step(chunks, hidden);
+}
 
 }  // namespace fp8moe::serve

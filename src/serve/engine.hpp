@@ -35,6 +35,7 @@ struct EngineOptions {
   int64_t cache_blocks = 256;      // blocks of 64 tokens in the pool
   bool absorbed_decode = true;     // false: decode tokens through the prefill (expanded) form
   bool shared_as_routed = false;   // the shared expert as routed expert E that every token picks
+  bool mtp = false;                // load the MTP module (mtp_step: speculative decoding's drafts)
 };
 
 // Tokens of one sequence to run in a step: positions [start, start + tokens.size()), whose
@@ -43,6 +44,7 @@ struct SeqChunk {
   const std::vector<int32_t>* table = nullptr;
   int64_t start = 0;
   std::vector<int32_t> tokens;
+  int64_t logits_rows = 1;  // logits of the last logits_rows tokens (verification of drafts: > 1)
 };
 
 class Engine {
@@ -58,8 +60,15 @@ class Engine {
   Backend& backend() const;
   LatentCache& cache();
   // Runs the chunks (any mix of prefill chunks and single decode tokens, distinct sequences) and
-  // returns the logits of every chunk's last token: [chunks, V] f32 on the host.
-  Tensor step(const std::vector<SeqChunk>& chunks);
+  // returns the logits of every chunk's last logits_rows tokens: [sum of logits_rows, V] f32 on
+  // the host, chunk by chunk. With `hidden`, also the trunk output of every token (the MTP
+  // module's input): [tokens, D] f32 on the backend.
+  Tensor step(const std::vector<SeqChunk>& chunks, Tensor* hidden = nullptr);
+  // The MTP module (DeepSeek-V3 §2.2; EngineOptions::mtp) at the positions of `chunks`: position
+  // t combines the trunk output h_t (rows of `hidden`, from step) with the embedding of token t+1
+  // (the chunk's tokens) and returns, from the last row of each chunk, the logits of token t+2:
+  // [chunks, V] f32 on the host. Its latents go to the cache's extra layer.
+  Tensor mtp_step(const std::vector<SeqChunk>& chunks, const TensorView& hidden);
 
  private:
   struct Impl;

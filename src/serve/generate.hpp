@@ -31,12 +31,21 @@ struct GenerateResult {
   std::vector<int32_t> tokens;
   std::string finish_reason;  // "length" | "stop"
   double prefill_s = 0, decode_s = 0;
+  int64_t drafted = 0, accepted = 0, main_steps = 0;  // speculative decoding
 };
 
 // Streams text (stop strings withheld until they can no longer match) to on_text. Throws
 // fp8moe::Error when the prompt is empty or prompt + max_tokens exceeds the context or the cache.
 GenerateResult generate(Engine& engine, std::string_view prompt, const GenerateOptions& opt,
                         const std::function<void(std::string_view)>& on_text = {});
+
+// Greedy decoding with MTP speculative decoding (EngineOptions::mtp, temperature 0): each main
+// step feeds the last token and the MTP module's draft of the one after; the main model's own
+// choice at the draft's position accepts or replaces it, so the tokens are plain greedy decoding's
+// (up to the rounding of a two-token step against a one-token one) in fewer main steps. Returns
+// the drafts made and accepted (the acceptance rate) besides the text.
+GenerateResult generate_speculative(Engine& engine, std::string_view prompt, const GenerateOptions& opt,
+                                    const std::function<void(std::string_view)>& on_text = {});
 
 // The longest prefix of `text` that can be emitted without giving away a stop string: text
 // itself cut before a complete stop string (*stopped = true), or before the longest suffix that

@@ -5,17 +5,11 @@
 #include <algorithm>
 
 #include "fp8moe/error.hpp"
+#include "serve/views.hpp"
 
 namespace fp8moe::serve {
 
 namespace {
-
-TensorView rows(const TensorView& t, int64_t r0, int64_t n) {
-  TensorView v = t;
-  v.data = static_cast<char*>(t.data) + r0 * t.strides[0] * int64_t(dtype_size(t.dtype));
-  v.shape[0] = n;
-  return v;
-}
 
 // Runs of consecutive slots: (first source row, first slot, length).
 struct Run {
