@@ -54,11 +54,16 @@ void run(Args& a) {
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
   std::atomic<bool> done{false};
+  // Stop requests repeat until run() returns: a signal before the server listens is not lost.
   std::thread watcher([&] {
-    while (!g_stop && !done) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    if (g_stop) {
-      std::fprintf(stderr, "fp8moe serve: stopping\n");
-      server.stop();
+    bool said = false;
+    while (!done) {
+      if (g_stop) {
+        if (!said) std::fprintf(stderr, "fp8moe serve: stopping\n");
+        said = true;
+        server.stop();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
   });
   try {

@@ -7,13 +7,14 @@
 #include "fp8moe/model.hpp"
 #include "serve/generate.hpp"
 #include "serve/scheduler.hpp"
+#include "serve_testing.hpp"
 #include "testing.hpp"
 
 namespace fp8moe::serve {
 namespace {
 
 struct ServeSetup {
-  std::unique_ptr<Backend> be = make_backend("cpu");
+  std::unique_ptr<Backend> be = make_backend(testing_env::backend_name());
   std::unique_ptr<Model> model;
   std::unique_ptr<Engine> engine;
   explicit ServeSetup(int64_t blocks) {

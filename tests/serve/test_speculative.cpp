@@ -6,6 +6,7 @@
 
 #include "fp8moe/model.hpp"
 #include "serve/generate.hpp"
+#include "serve_testing.hpp"
 #include "testing.hpp"
 
 namespace fp8moe::serve {
@@ -34,7 +35,7 @@ EngineOptions mtp_options() {
 }
 
 TEST(ServeSpeculative, GreedyOutputOfARandomModel) {
-  auto be = make_backend("cpu");
+  auto be = make_backend(testing_env::backend_name());
   auto m = test_model(*be);
   Engine e(weights_of(*m), *be, mtp_options());
   const GenerateResult plain = run(e, false, 60), spec = run(e, true, 60);
@@ -50,7 +51,7 @@ TEST(ServeSpeculative, GreedyOutputOfARandomModel) {
 // enorm(embed(t + 1)) and its output, under the shared head, g(token t + 1): the main model's
 // next choice, so every draft is right.
 TEST(ServeSpeculative, EveryDraftAcceptedWhenTheMtpModuleIsExact) {
-  auto be = make_backend("cpu");
+  auto be = make_backend(testing_env::backend_name());
   auto m = test_model(*be);
   const int64_t D = m->config().hidden_size;
   for (Parameter& p : m->parameters()) {
