@@ -3,6 +3,7 @@
 //   fp8moe generate --hf out/hf --prompt-file prompt.txt --temperature 0.8 --top-p 0.95 --seed 7
 //   echo "Hello" | fp8moe generate --hf out/hf --max-tokens 64
 //   fp8moe generate --checkpoint ckpt.safetensors --temperature 0 --speculative "Hi"   (MTP drafts)
+//   fp8moe generate --hf out/hf --linear f32 --cache f32 --logits-out l.json "Hi"   (no generation)
 // The prompt is the argument, else --prompt-file (- = stdin), else stdin. Runs on the GPU when
 // there is one (--backend auto), else on the CPU. Timings go to stderr.
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "commands.hpp"
@@ -21,7 +23,7 @@ namespace fp8moe {
 namespace {
 
 struct Args {
-  std::string prompt, prompt_file, checkpoint, hf, backend = "auto", linear = "auto", cache = "bf16";
+  std::string prompt, prompt_file, checkpoint, hf, backend = "auto", linear = "auto", cache = "bf16", logits_out;
   int64_t cache_blocks = 0;
   bool shared_as_routed = false, expanded_decode = false, speculative = false;
   serve::GenerateOptions gen;
@@ -54,6 +56,16 @@ void run(const Args& a) {
   eo.mtp = a.speculative;
   if (a.speculative) eo.cache_blocks = std::max(eo.cache_blocks, serve::blocks_for(int64_t(prompt.size()) + a.gen.max_tokens + 1));
   serve::Engine engine(w, *be, eo);
+  if (!a.logits_out.empty()) {
+    const Tensor l = serve::prompt_logits(engine, prompt);  // [P, V]
+    nlohmann::json j;
+    j["tokens"] = serve::encode_text(prompt);
+    j["logits"] = nlohmann::json::array();
+    for (int64_t t = 0; t < l.size(0); ++t)
+      j["logits"].push_back(std::vector<float>(l.ptr<float>() + t * l.size(1), l.ptr<float>() + (t + 1) * l.size(1)));
+    std::ofstream(a.logits_out) << j.dump() << "\n";
+    return;
+  }
   const auto stream = [](std::string_view s) {
     std::fwrite(s.data(), 1, s.size(), stdout);
     std::fflush(stdout);
@@ -94,6 +106,7 @@ void add_generate(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   c->add_flag("--shared-as-routed", a->shared_as_routed, "Run the shared expert as a routed expert every token picks");
   c->add_flag("--expanded-decode", a->expanded_decode, "Decode with the expanded MLA form instead of the absorbed one");
+  c->add_option("--logits-out", a->logits_out, "Write the prompt's logits at every position (JSON) and stop");
   c->add_flag("--speculative", a->speculative, "MTP speculative decoding (greedy: --temperature 0)");
   c->callback([a] { run(*a); });
 }

@@ -279,7 +279,7 @@ struct Engine::Impl {
     be.swiglu_forward(g.view(), u.view(), a.view());
     return run(m.down, a.view());
   }
-  // Row softmax of scale * s [R, C] (in place into a new tensor). NOTES: the backend has no
+  // Row softmax of scale * s [R, C] (s is scaled in place), a new [R, C] f32. NOTES: the backend has no
   // softmax op; cross_entropy's gradient is softmax - onehot(target), so with the target on an
   // extra column of -1e30 (probability exactly 0) the other columns are the softmax itself.
   Tensor softmax(const Tensor& s) {

@@ -131,6 +131,16 @@ GenerateResult generate(Engine& engine, std::string_view prompt, const GenerateO
   return r;
 }
 
+Tensor prompt_logits(Engine& engine, std::string_view prompt) {
+  BlockAllocator alloc(engine.cache().blocks());
+  std::vector<int32_t> table;
+  GenerateOptions o;
+  o.max_tokens = 1;
+  std::vector<int32_t> p = prepare(engine, prompt, o, int64_t(encode_text(prompt).size()), alloc, table);
+  const int64_t P = int64_t(p.size());
+  return engine.step({{&table, 0, std::move(p), P}});
+}
+
 GenerateResult generate_speculative(Engine& engine, std::string_view prompt, const GenerateOptions& opt,
                                     const std::function<void(std::string_view)>& on_text) {
   FP8MOE_CHECK(engine.options().mtp, "speculative decoding needs the MTP module (EngineOptions::mtp)");

@@ -39,6 +39,10 @@ struct GenerateResult {
 GenerateResult generate(Engine& engine, std::string_view prompt, const GenerateOptions& opt,
                         const std::function<void(std::string_view)>& on_text = {});
 
+// The next-token logits at every position of the prompt, [P, V] f32 on the host (one prefill
+// step; the comparison with other implementations, tests/serve/hf_compare.py).
+Tensor prompt_logits(Engine& engine, std::string_view prompt);
+
 // Greedy decoding with MTP speculative decoding (EngineOptions::mtp, temperature 0): each main
 // step feeds the last token and the MTP module's draft of the one after; the main model's own
 // choice at the draft's position accepts or replaces it, so the tokens are plain greedy decoding's

@@ -341,13 +341,15 @@ struct Server::Impl {
     line("# TYPE fp8moe_requests_finished_total counter");
     line("fp8moe_requests_finished_total{reason=\"completed\"} " + std::to_string(st.finished));
     line("fp8moe_requests_finished_total{reason=\"cancelled\"} " + std::to_string(st.cancelled));
-    line("# TYPE fp8moe_prompt_tokens_total counter");
-    line("fp8moe_prompt_tokens_total " + std::to_string(st.prompt_tokens));
-    line("# TYPE fp8moe_generation_tokens_total counter");
-    line("fp8moe_generation_tokens_total " + std::to_string(st.generated_tokens));
-    line("# HELP fp8moe_generation_tokens_per_second Generated tokens per second over the last 10 s.");
-    line("# TYPE fp8moe_generation_tokens_per_second gauge");
-    line("fp8moe_generation_tokens_per_second " + fmt(rate));
+    // One sample per metric: its help, type and value.
+    const auto single = [&](const char* name, const char* type, const std::string& value, const char* help) {
+      line(std::string("# HELP ") + name + " " + help);
+      line(std::string("# TYPE ") + name + " " + type);
+      line(std::string(name) + " " + value);
+    };
+    single("fp8moe_prompt_tokens_total", "counter", std::to_string(st.prompt_tokens), "Prompt tokens accepted.");
+    single("fp8moe_generation_tokens_total", "counter", std::to_string(st.generated_tokens), "Tokens generated.");
+    single("fp8moe_generation_tokens_per_second", "gauge", fmt(rate), "Generated tokens per second over the last 10 s.");
     for (const auto& [name, v] : {std::pair{"fp8moe_time_to_first_token_seconds", &st.ttft},
                                   std::pair{"fp8moe_inter_token_latency_seconds", &st.itl}}) {
       line(std::string("# HELP ") + name + " Over the latest 10000 samples.");
@@ -358,17 +360,12 @@ struct Server::Impl {
       line(std::string(name) + "_sum " + fmt(sum));
       line(std::string(name) + "_count " + std::to_string(v->size()));
     }
-    line("# HELP fp8moe_queue_length Requests waiting for admission (preempted ones included).");
-    line("# TYPE fp8moe_queue_length gauge");
-    line("fp8moe_queue_length " + std::to_string(st.waiting));
-    line("# TYPE fp8moe_running_requests gauge");
-    line("fp8moe_running_requests " + std::to_string(st.running));
-    line("# TYPE fp8moe_cache_blocks_in_use gauge");
-    line("fp8moe_cache_blocks_in_use " + std::to_string(st.blocks_used));
-    line("# TYPE fp8moe_cache_blocks_total gauge");
-    line("fp8moe_cache_blocks_total " + std::to_string(st.blocks_total));
-    line("# TYPE fp8moe_preemptions_total counter");
-    line("fp8moe_preemptions_total " + std::to_string(st.preemptions));
+    single("fp8moe_queue_length", "gauge", std::to_string(st.waiting),
+           "Requests waiting for admission (preempted ones included).");
+    single("fp8moe_running_requests", "gauge", std::to_string(st.running), "Requests in the running batch.");
+    single("fp8moe_cache_blocks_in_use", "gauge", std::to_string(st.blocks_used), "Latent cache blocks held by requests.");
+    single("fp8moe_cache_blocks_total", "gauge", std::to_string(st.blocks_total), "Latent cache blocks of 64 tokens.");
+    single("fp8moe_preemptions_total", "counter", std::to_string(st.preemptions), "Requests preempted for cache blocks.");
     return o;
   }
 
