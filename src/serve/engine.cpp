@@ -561,6 +561,47 @@ struct Engine::Impl {
   }
 };
 
+namespace {
+double linear_bytes(const Linear& L) {
+  if (L.q.values.defined()) return double(L.q.values.view().nbytes() + L.q.scales.view().nbytes());
+  return L.w.defined() ? double(L.w.view().nbytes()) : 0.0;
+}
+double qbytes(const QuantizedTensor& q) {
+  return q.values.defined() ? double(q.values.view().nbytes() + q.scales.view().nbytes()) : 0.0;
+}
+}  // namespace
+
+double Engine::decode_step_bytes(int64_t batch, int64_t context) const {
+  const Impl& m = *impl_;
+  double b = linear_bytes(m.head) + double(batch * m.D * 4);  // head, embedding rows
+  for (int64_t l = 0; l < m.cfg.num_hidden_layers; ++l) {
+    const Impl::Layer& L = m.layers[size_t(l)];
+    for (const Linear* x : {&L.q_a, &L.q_b, &L.kv_a, &L.o}) b += linear_bytes(*x);
+    b += double(L.kv_b_f32.view().nbytes());  // decode reads kv_b_proj through the absorption only
+    if (!L.moe) {
+      for (const Linear* x : {&L.mlp.gate, &L.mlp.up, &L.mlp.down}) b += linear_bytes(*x);
+      continue;
+    }
+    if (L.has_shared)
+      for (const Linear* x : {&L.mlp.gate, &L.mlp.up, &L.mlp.down}) b += linear_bytes(*x);
+    b += double(L.gate_w.view().nbytes());
+    const double E = double(m.cfg.n_routed_experts), k = double(m.cfg.num_experts_per_tok);
+    // Experts touched by batch * k uniform picks among E: E (1 - (1 - k/E)^batch); every token
+    // picks the shared one when it runs as a routed expert.
+    const double touched = E * (1 - std::pow(1 - k / E, double(batch)));
+    double per_expert = 0;
+    if (L.eg.values.defined()) {
+      const double groups = E + (m.opt.shared_as_routed && m.cfg.n_shared_experts > 0 ? 1 : 0);
+      per_expert = (qbytes(L.eg) + qbytes(L.eu) + qbytes(L.ed)) / groups;
+      b += per_expert * (touched + (groups > E ? 1 : 0));
+    } else {
+      for (const Impl::Mlp& e : L.experts) per_expert = linear_bytes(e.gate) + linear_bytes(e.up) + linear_bytes(e.down);
+      b += per_expert * (touched + (double(L.experts.size()) > E ? 1 : 0));
+    }
+  }
+  return b + double(batch) * double(context) * double(m.cache->bytes_per_token());
+}
+
 Engine::Engine(const WeightSet& w, Backend& be, const EngineOptions& opt) : impl_(std::make_unique<Impl>(w, be, opt)) {}
 Engine::~Engine() = default;
 const ModelConfig& Engine::config() const { return impl_->cfg; }

@@ -69,6 +69,10 @@ class Engine {
   // (the chunk's tokens) and returns, from the last row of each chunk, the logits of token t+2:
   // [chunks, V] f32 on the host. Its latents go to the cache's extra layer.
   Tensor mtp_step(const std::vector<SeqChunk>& chunks, const TensorView& hidden);
+  // Bytes a decode step of `batch` sequences `context` tokens deep must read at the least: the
+  // Linear weights in their format (of the routed experts, those the batch is expected to touch
+  // with uniform routing), the head, the router, the absorption's FP32 kv_b_proj, the cache.
+  double decode_step_bytes(int64_t batch, int64_t context) const;
 
  private:
   struct Impl;
