@@ -10,6 +10,10 @@
 #include "cuda/cuda_backend.hpp"
 #endif
 
+namespace fp8moe::cli {
+void add_bench_decode(CLI::App& bench);  // cmd_bench_decode.cpp
+}  // namespace fp8moe::cli
+
 namespace {
 
 #ifdef FP8MOE_HAVE_CUDA
@@ -21,6 +25,7 @@ void require_gpu() {
 void add_bench(CLI::App& app) {
   auto* bench = app.add_subcommand("bench", "Benchmark the CUDA kernels against cuBLASLt");
   bench->require_subcommand(1);
+  fp8moe::cli::add_bench_decode(*bench);
 #ifdef FP8MOE_HAVE_CUDA
   auto g = std::make_shared<fp8moe::cuda::GemmBenchOptions>();
   auto* gemm = bench->add_subcommand("gemm", "FP8 block-scaled GEMM: ours vs cuBLASLt FP8 and BF16");

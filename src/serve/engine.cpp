@@ -1,0 +1,617 @@
+// The inference engine (engine.hpp): weights uploaded once in the GEMMs' format, then per step the
+// embedding, the layers (MLA over the paged latent cache; dense MLP or MoE) and the head of the
+// last token of every chunk. Everything runs through the Backend; the host only builds index
+// tables (positions, cache slots, the expert layout after one read-back of the routing per MoE
+// layer) and receives the logits.
+#include "serve/engine.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "fp8moe/error.hpp"
+#include "serve/views.hpp"
+
+namespace fp8moe::serve {
+
+namespace {
+
+// One Linear y [T, N] = x [T, K] w^T in the engine's precision.
+struct Linear {
+  std::string name;
+  int64_t N = 0, K = 0;
+  Tensor w;           // [N, K] f32 (full) | bf16 (bf16)
+  QuantizedTensor q;  // [N, K] e4m3, 128x128 blocks (fp8)
+};
+
+}  // namespace
+
+struct Engine::Impl {
+  const ModelConfig cfg;
+  EngineOptions opt;
+  Backend& be;
+  LinearPrecision prec = LinearPrecision::full;
+  bool head_bf16 = false;
+  std::unique_ptr<LatentCache> cache;
+  int64_t H, dn, dr, dv, dqk, rkv, D;
+  double scale;
+
+  struct Mlp {
+    Linear gate, up, down;
+  };
+  struct Layer {
+    Tensor in_norm, post_norm;          // [D] f32
+    Linear q_a, q_b, kv_a, kv_b, o;     // q_a empty without q_lora (q_b is then q_proj)
+    Tensor q_a_norm, kv_a_norm;         // [rq], [rkv] f32
+    Tensor kv_b_f32;                    // [H * (dn + dv), rkv] f32: W_UK_h, W_UV_h for absorption
+    bool moe = false;
+    Mlp mlp;                            // dense MLP, or the shared expert of a MoE layer
+    bool has_shared = false;
+    Tensor gate_w, gate_bias;           // [E, D], [E] f32
+    std::vector<Mlp> experts;           // G = E (+1 with shared_as_routed); full/bf16
+    QuantizedTensor eg, eu, ed;         // fp8: [G * F, D], [G * F, D], [G * D, F] stacked
+  };
+  std::vector<Layer> layers;
+  Tensor embed;  // [V, D] f32
+  Tensor norm;   // [D] f32
+  Linear head;
+  Tensor enorm, hnorm, mtp_norm;  // [D] f32: the MTP module's norms (layers[L] is its block)
+  Linear eh;                      // [D, 2D] eh_proj
+
+  Impl(const WeightSet& ws, Backend& b, const EngineOptions& o) : cfg(ws.cfg), opt(o), be(b) {
+    validate_config(cfg);
+    const std::string lin = opt.linear == "auto" ? (ws.recipe.rfind("fp8", 0) == 0 ? "fp8"
+                                                    : ws.recipe == "bf16"          ? "bf16"
+                                                                                   : "f32")
+                                                 : opt.linear;
+    FP8MOE_CHECK(lin == "f32" || lin == "bf16" || lin == "fp8",
+                 "EngineOptions::linear: unknown '" << opt.linear << "' (expected auto, f32, bf16 or fp8)");
+    prec = lin == "fp8" ? LinearPrecision::fp8 : lin == "bf16" ? LinearPrecision::bf16 : LinearPrecision::full;
+    // The recipes that run Linears in BF16 or FP8 run the head in BF16 (Recipe::head_bf16).
+    head_bf16 = prec != LinearPrecision::full;
+    H = cfg.num_attention_heads;
+    dn = cfg.qk_nope_head_dim;
+    dr = cfg.qk_rope_head_dim;
+    dv = cfg.v_head_dim;
+    dqk = dn + dr;
+    rkv = cfg.kv_lora_rank;
+    D = cfg.hidden_size;
+    scale = 1.0 / std::sqrt(double(dqk));
+    FP8MOE_CHECK(!opt.shared_as_routed || cfg.n_shared_experts <= 1,
+                 "EngineOptions::shared_as_routed needs n_shared_experts <= 1 (one expert of moe_intermediate_size), "
+                 "got "
+                     << cfg.n_shared_experts);
+    load(ws);
+    FP8MOE_CHECK(!opt.mtp || cfg.num_nextn_predict_layers > 0,
+                 "EngineOptions::mtp: the model has no MTP module (num_nextn_predict_layers = 0)");
+    cache = std::make_unique<LatentCache>(be, cfg.num_hidden_layers + (opt.mtp ? 1 : 0), opt.cache_blocks, rkv, dr,
+                                          opt.cache);
+  }
+
+  // ---- Loading.
+  const Tensor& find(const WeightSet& ws, const std::string& name) const {
+    const auto it = ws.tensors.find(name);
+    FP8MOE_CHECK(it != ws.tensors.end(), "weights: missing tensor '" << name << "'");
+    return it->second;
+  }
+  // A host f32 copy of a weight (FP8 ones dequantized with their block scales).
+  Tensor host_f32(const WeightSet& ws, const std::string& name) const {
+    const Tensor& t = find(ws, name);
+    Tensor h = Tensor::host_like(t.view());
+    be.copy(h.view(), t.view());  // any device to host
+    be.synchronize();
+    Tensor f = t.view().ndim == 1 ? Tensor::host(DType::f32, {t.size(0)}) : Tensor::host(DType::f32, {t.size(0), t.size(1)});
+    if (h.dtype() == DType::e4m3) {
+      const Tensor& s = find(ws, name + "_scale_inv");
+      Tensor sh = Tensor::host_like(s.view());
+      be.copy(sh.view(), s.view());
+      fp8moe::dequantize(QuantizedView{h.view(), sh.view(), ScaleKind::block_128x128}, f.view());
+    } else {
+      for (int64_t i = 0; i < h.numel(); ++i) store_float(f.view(), i, load_float(h.view(), i));
+    }
+    return f;
+  }
+  Tensor upload(const Tensor& host) {
+    Tensor d = host.view().ndim == 1 ? be.empty(host.dtype(), {host.size(0)})
+                                     : be.empty(host.dtype(), {host.size(0), host.size(1)});
+    be.copy(d.view(), host.view());
+    return d;
+  }
+  Tensor vec(const WeightSet& ws, const std::string& name) { return upload(host_f32(ws, name)); }
+  // The weight in the GEMMs' format; an exported E4M3 weight is used as it is (no requantization).
+  Linear linear(const WeightSet& ws, const std::string& name, LinearPrecision p) {
+    Linear L;
+    L.name = name;
+    const Tensor& t = find(ws, name);
+    FP8MOE_CHECK(t.view().ndim == 2, "weights: '" << name << "' is " << t.view().str() << ", expected a matrix");
+    L.N = t.size(0);
+    L.K = t.size(1);
+    if (p == LinearPrecision::fp8) {
+      FP8MOE_CHECK(L.K % kQuantGroup == 0, name << ": FP8 needs in features (" << L.K << ") % 128 == 0");
+      L.q = be.empty_quantized(L.N, L.K, DType::e4m3, ScaleKind::block_128x128);
+      if (t.dtype() == DType::e4m3) {
+        be.copy(L.q.values.view(), t.view());
+        be.copy(L.q.scales.view(), find(ws, name + "_scale_inv").view());
+      } else {
+        const Tensor w = upload(host_f32(ws, name));
+        be.quantize_128x128(w.view(), L.q, ScaleMode::fp32);
+      }
+      return L;
+    }
+    const Tensor w = upload(host_f32(ws, name));
+    if (p == LinearPrecision::full) {
+      L.w = w;
+    } else {
+      L.w = be.empty(DType::bf16, {L.N, L.K});
+      be.convert(w.view(), L.w.view());
+    }
+    return L;
+  }
+  Mlp mlp(const WeightSet& ws, const std::string& pre) {
+    return {linear(ws, pre + "gate_proj.weight", prec), linear(ws, pre + "up_proj.weight", prec),
+            linear(ws, pre + "down_proj.weight", prec)};
+  }
+  // The G matrices stacked [G * N, K] with their block scales (N % 128 == 0: whole blocks).
+  QuantizedTensor stack(const std::vector<const Linear*>& ls) {
+    const int64_t N = ls[0]->N, K = ls[0]->K, G = int64_t(ls.size());
+    FP8MOE_CHECK(N % kQuantGroup == 0, ls[0]->name << ": grouped FP8 GEMMs need out features (" << N << ") % 128 == 0");
+    QuantizedTensor s = be.empty_quantized(G * N, K, DType::e4m3, ScaleKind::block_128x128);
+    for (int64_t g = 0; g < G; ++g) {
+      FP8MOE_CHECK(ls[size_t(g)]->N == N && ls[size_t(g)]->K == K,
+                   ls[size_t(g)]->name << ": [" << ls[size_t(g)]->N << ", " << ls[size_t(g)]->K
+                                       << "] differs from the other experts' [" << N << ", " << K << "]");
+      be.copy(rows(s.values.view(), g * N, N), ls[size_t(g)]->q.values.view());
+      be.copy(rows(s.scales.view(), g * N / kQuantGroup, N / kQuantGroup), ls[size_t(g)]->q.scales.view());
+    }
+    return s;
+  }
+
+  void load(const WeightSet& ws) {
+    embed = vec(ws, "model.embed_tokens.weight");
+    norm = vec(ws, "model.norm.weight");
+    head = linear(ws, "lm_head.weight", head_bf16 ? LinearPrecision::bf16 : LinearPrecision::full);
+    for (int64_t l = 0; l < cfg.num_hidden_layers + (opt.mtp ? 1 : 0); ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      Layer L;
+      L.in_norm = vec(ws, p + "input_layernorm.weight");
+      L.post_norm = vec(ws, p + "post_attention_layernorm.weight");
+      if (cfg.q_lora_rank > 0) {
+        L.q_a = linear(ws, p + "self_attn.q_a_proj.weight", prec);
+        L.q_a_norm = vec(ws, p + "self_attn.q_a_layernorm.weight");
+        L.q_b = linear(ws, p + "self_attn.q_b_proj.weight", prec);
+      } else {
+        L.q_b = linear(ws, p + "self_attn.q_proj.weight", prec);
+      }
+      L.kv_a = linear(ws, p + "self_attn.kv_a_proj_with_mqa.weight", prec);
+      L.kv_a_norm = vec(ws, p + "self_attn.kv_a_layernorm.weight");
+      L.kv_b = linear(ws, p + "self_attn.kv_b_proj.weight", prec);
+      // The absorption reads kv_b_proj as the expanded form's GEMM sees it (dequantized FP8 blocks).
+      if (prec == LinearPrecision::fp8) {
+        L.kv_b_f32 = f32({L.kv_b.N, L.kv_b.K});
+        be.dequantize(L.kv_b.q, L.kv_b_f32.view());
+      } else {
+        L.kv_b_f32 = upload(host_f32(ws, p + "self_attn.kv_b_proj.weight"));
+        if (prec == LinearPrecision::bf16) {  // the BF16 weight's values
+          Tensor b = be.empty(DType::bf16, {L.kv_b.N, L.kv_b.K});
+          be.convert(L.kv_b_f32.view(), b.view());
+          be.convert(b.view(), L.kv_b_f32.view());
+        }
+      }
+      L.o = linear(ws, p + "self_attn.o_proj.weight", prec);
+      L.moe = cfg.is_moe_layer(l);
+      if (!L.moe) {
+        L.mlp = mlp(ws, p + "mlp.");
+      } else {
+        L.gate_w = vec(ws, p + "mlp.gate.weight");
+        L.gate_bias = vec(ws, p + "mlp.gate.e_score_correction_bias");
+        for (int64_t e = 0; e < cfg.n_routed_experts; ++e)
+          L.experts.push_back(mlp(ws, p + "mlp.experts." + std::to_string(e) + "."));
+        if (cfg.n_shared_experts > 0) {
+          Mlp s = mlp(ws, p + "mlp.shared_experts.");
+          if (opt.shared_as_routed) L.experts.push_back(std::move(s));
+          else {
+            L.mlp = std::move(s);
+            L.has_shared = true;
+          }
+        }
+        if (prec == LinearPrecision::fp8) {
+          std::vector<const Linear*> g, u, d;
+          for (const Mlp& m : L.experts) {
+            g.push_back(&m.gate);
+            u.push_back(&m.up);
+            d.push_back(&m.down);
+          }
+          L.eg = stack(g);
+          L.eu = stack(u);
+          L.ed = stack(d);
+          L.experts.clear();  // the stacks hold the weights
+        }
+      }
+      layers.push_back(std::move(L));
+    }
+    if (opt.mtp) {
+      const std::string p = "model.layers." + std::to_string(cfg.num_hidden_layers) + ".";
+      enorm = vec(ws, p + "enorm.weight");
+      hnorm = vec(ws, p + "hnorm.weight");
+      mtp_norm = vec(ws, p + "shared_head.norm.weight");
+      eh = linear(ws, p + "eh_proj.weight", prec);
+    }
+  }
+
+  // ---- Ops.
+  Tensor f32(std::initializer_list<int64_t> shape) { return be.empty(DType::f32, shape); }
+  Tensor i32(const std::vector<int32_t>& v) {
+    Tensor h = Tensor::host(DType::i32, {int64_t(v.size())});
+    std::copy(v.begin(), v.end(), h.ptr<int32_t>());
+    return upload(h);
+  }
+  // y [T, N] f32 = x [T, K] f32 w^T; `mode`: the scales of x's FP8 tiles.
+  Tensor run(const Linear& L, const TensorView& x, ScaleMode mode = ScaleMode::fp32) {
+    const int64_t T = x.size(0);
+    Tensor y = f32({T, L.N});
+    if (T == 0) return y;
+    if (L.q.values.defined()) {
+      QuantizedTensor xq = be.empty_quantized(T, L.K, DType::e4m3, ScaleKind::tile_1x128);  // [T, K] 1x128
+      be.quantize_1x128(x, xq, mode);
+      be.gemm_fp8(xq, L.q, y.view(), GemmOptions{});
+    } else if (L.w.dtype() == DType::bf16) {
+      Tensor xb = be.empty(DType::bf16, {T, L.K});
+      be.convert(x, xb.view());
+      be.gemm(xb.view(), L.w.view(), y.view(), false, true, false);
+    } else {
+      be.gemm(x, L.w.view(), y.view(), false, true, false);
+    }
+    return y;
+  }
+  Tensor rmsnorm(const TensorView& x, const Tensor& w) {
+    Tensor y = f32({x.size(0), x.size(1)}), rstd = f32({x.size(0)});
+    be.rmsnorm_forward(x, w.view(), y.view(), rstd.view(), cfg.rms_norm_eps);
+    return y;
+  }
+  Tensor cols(const TensorView& x, int64_t c0, int64_t n) {
+    Tensor y = f32({x.size(0), n});
+    be.copy_cols(x, c0, y.view(), 0, n, false);
+    return y;
+  }
+  // out [T, D] = down(silu(gate(x)) * up(x)) for the first rows of x.
+  Tensor mlp_forward(const Mlp& m, const TensorView& x, ScaleMode in_mode) {
+    const Tensor g = run(m.gate, x, in_mode), u = run(m.up, x, in_mode);
+    Tensor a = f32({x.size(0), m.gate.N});
+    be.swiglu_forward(g.view(), u.view(), a.view());
+    return run(m.down, a.view());
+  }
+  // Row softmax of scale * s [R, C] (s is scaled in place), a new [R, C] f32. NOTES: the backend has no
+  // softmax op; cross_entropy's gradient is softmax - onehot(target), so with the target on an
+  // extra column of -1e30 (probability exactly 0) the other columns are the softmax itself.
+  Tensor softmax(const Tensor& s) {
+    const int64_t R = s.size(0), C = s.size(1);
+    Tensor x = f32({R, C + 1}), g = f32({R, C + 1}), loss = f32({R});
+    be.axpy(0.0, s.view(), scale, s.view());
+    be.copy_cols(s.view(), 0, x.view(), 0, C, false);
+    Tensor neg = Tensor::host(DType::f32, {R, 1});
+    std::fill(neg.ptr<float>(), neg.ptr<float>() + R, -1e30f);
+    be.copy_cols(upload(neg).view(), 0, x.view(), C, 1, false);
+    be.cross_entropy(x.view(), i32(std::vector<int32_t>(size_t(R), int32_t(C))).view(), loss.view(), g.view(), 1.0);
+    return cols(g.view(), 0, C);
+  }
+
+  // The attention-out Linear's input as the FP8 recipe's forward feeds it: rounded to E5M6 tiles
+  // with power-of-two scales (the training cache this Linear reads its E4M3 tiles from), so the
+  // served model is the trained one; the other precisions take O itself.
+  Tensor attn_out_input(const Tensor& O) {
+    if (prec != LinearPrecision::fp8) return O;
+    QuantizedTensor q = be.empty_quantized(O.size(0), O.size(1), DType::e5m6, ScaleKind::tile_1x128);
+    be.quantize_1x128(O.view(), q, ScaleMode::pow2);
+    Tensor r = f32({O.size(0), O.size(1)});
+    be.dequantize(q, r.view());
+    return r;
+  }
+
+  // ---- Attention of one layer: x [T, D] += o_proj(MLA(x)).
+  struct StepRows {
+    std::vector<int64_t> row0;  // first row of each chunk in the step's rows
+    Tensor positions;           // [T] i32
+    std::vector<int64_t> slots; // [T] cache slot of each row
+  };
+  void attention(int64_t l, const std::vector<SeqChunk>& chunks, const StepRows& sr, const Tensor& x) {
+    Layer& L = layers[size_t(l)];
+    const int64_t T = x.size(0), W = rkv + dr;
+    const Tensor h = rmsnorm(x.view(), L.in_norm);  // [T, D]
+    Tensor q;                                       // [T, H * dqk]
+    if (L.q_a.N > 0) {
+      const Tensor cq = run(L.q_a, h.view());
+      q = run(L.q_b, rmsnorm(cq.view(), L.q_a_norm).view());
+    } else {
+      q = run(L.q_b, h.view());
+    }
+    be.rope(reshape(q.view(), {T, H, dqk}), dn, dr, sr.positions.view(), cfg.rope_theta, false);
+    const Tensor ckv = run(L.kv_a, h.view());  // [T, rkv + dr]
+    Tensor lat = rmsnorm(cols(ckv.view(), 0, rkv).view(), L.kv_a_norm);  // [T, rkv] kv_b_proj's input
+    Tensor kpe = cols(ckv.view(), rkv, dr);                            // [T, dr], one head
+    be.rope(reshape(kpe.view(), {T, 1, dr}), 0, dr, sr.positions.view(), cfg.rope_theta, false);
+    Tensor entry = f32({T, W});  // [T, rkv + dr] what the cache keeps
+    be.copy_cols(lat.view(), 0, entry.view(), 0, rkv, false);
+    be.copy_cols(kpe.view(), 0, entry.view(), rkv, dr, false);
+    cache->write(l, entry.view(), sr.slots);
+
+    Tensor O = be.zeros(DType::f32, {T, H * dv});  // [T, H * dv] attention output
+    std::vector<size_t> decode;
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      if (opt.absorbed_decode && chunks[c].tokens.size() == 1) decode.push_back(c);
+      else expanded(L, l, chunks[c], sr.row0[c], q, O);
+    }
+    if (!decode.empty()) absorbed(L, l, chunks, decode, sr, q, O);
+    be.axpy(1.0, run(L.o, attn_out_input(O).view(), ScaleMode::pow2).view(), 1.0, x.view());
+  }
+
+  // The compute-friendly form for one chunk: K, V of all L = start + n positions expanded from
+  // the cached latents, the chunk's queries at the last n of L causal rows.
+  void expanded(Layer& Ly, int64_t l, const SeqChunk& c, int64_t r0, const Tensor& q, const Tensor& O) {
+    const int64_t n = int64_t(c.tokens.size()), Lt = c.start + n;
+    const Tensor all = cache->read(l, *c.table, Lt);
+    const TensorView lat = rows(all.view(), 0, Lt);  // [L, rkv + dr]
+    const Tensor kv = run(Ly.kv_b, cols(lat, 0, rkv).view());  // [L, H * (dn + dv)]
+    const TensorView kvh = reshape(kv.view(), {Lt * H, dn + dv});
+    Tensor K = f32({Lt, H, dqk}), V = f32({Lt, H, dv});
+    const TensorView Kh = reshape(K.view(), {Lt * H, dqk});
+    be.copy_cols(kvh, 0, Kh, 0, dn, false);
+    be.copy_cols(kvh, dn, reshape(V.view(), {Lt * H, dv}), 0, dv, false);
+    std::vector<int32_t> head_rows(size_t(Lt * H));
+    for (int64_t i = 0; i < Lt * H; ++i) head_rows[size_t(i)] = int32_t(i / H);
+    Tensor kpe = f32({Lt * H, dr});  // the shared RoPE key in every head
+    be.gather_rows(cols(lat, rkv, dr).view(), i32(head_rows).view(), TensorView(), kpe.view());
+    be.copy_cols(kpe.view(), 0, Kh, dn, dr, false);
+    // Queries: zero rows for the prefix (their outputs are not used), the chunk's at the end.
+    Tensor Q = be.zeros(DType::f32, {Lt, H, dqk});
+    be.copy(rows(reshape(Q.view(), {Lt, H * dqk}), c.start, n), rows(q.view(), r0, n));
+    Tensor Op = f32({Lt, H, dv}), lse = f32({H, Lt});
+    be.attention_forward(Q.view(), K.view(), V.view(), Op.view(), lse.view(), Lt, scale, DType::f32);
+    be.copy(rows(O.view(), r0, n), rows(reshape(Op.view(), {Lt, H * dv}), c.start, n));
+  }
+
+  // The absorbed form for the B single-token chunks `dec`: queries in head-major rows h * B + b.
+  void absorbed(Layer& Ly, int64_t l, const std::vector<SeqChunk>& chunks, const std::vector<size_t>& dec,
+                const StepRows& sr, const Tensor& q, const Tensor& O) {
+    const int64_t B = int64_t(dec.size()), W = rkv + dr;
+    std::vector<int32_t> rows_b, hm(size_t(H * B));
+    for (size_t c : dec) rows_b.push_back(int32_t(sr.row0[c]));
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t b = 0; b < B; ++b) hm[size_t(h * B + b)] = int32_t(b * H + h);
+    const Tensor rows_t = i32(rows_b);
+    Tensor qd = f32({B, H * dqk}), qhm = f32({H * B, dqk});
+    be.gather_rows(q.view(), rows_t.view(), TensorView(), qd.view());
+    be.gather_rows(reshape(qd.view(), {B * H, dqk}), i32(hm).view(), TensorView(), qhm.view());
+    const Tensor qn = cols(qhm.view(), 0, dn);  // [H * B, dn]
+    Tensor ql = f32({H * B, rkv});              // q_lat_h = q_nope_h W_UK_h
+    for (int64_t h = 0; h < H; ++h)
+      be.gemm(rows(qn.view(), h * B, B), rows(Ly.kv_b_f32.view(), h * (dn + dv), dn), rows(ql.view(), h * B, B), false,
+              false, false);
+    Tensor qa = f32({H * B, W});  // [q_lat | q_pe] against [c_kv | k_pe]
+    be.copy_cols(ql.view(), 0, qa.view(), 0, rkv, false);
+    be.copy_cols(qhm.view(), dn, qa.view(), rkv, dr, false);
+    Tensor olat = be.zeros(DType::f32, {H * B, W});  // attention-weighted latents (the last dr unused)
+    for (int64_t b = 0; b < B; ++b) {
+      const SeqChunk& c = chunks[dec[size_t(b)]];
+      const int64_t Lt = c.start + 1;
+      const Tensor all = cache->read(l, *c.table, Lt);
+      const TensorView lat = rows(all.view(), 0, Lt);  // [L, rkv + dr]
+      std::vector<int32_t> ib(static_cast<size_t>(H));
+      for (int64_t h = 0; h < H; ++h) ib[size_t(h)] = int32_t(h * B + b);
+      const Tensor ibt = i32(ib);
+      Tensor qb = f32({H, W}), s = f32({H, Lt}), ob = f32({H, W});
+      be.gather_rows(qa.view(), ibt.view(), TensorView(), qb.view());
+      be.gemm(qb.view(), lat, s.view(), false, true, false);
+      const Tensor p = softmax(s);
+      be.gemm(p.view(), lat, ob.view(), false, false, false);
+      be.scatter_add_rows(ob.view(), ibt.view(), TensorView(), olat.view());
+    }
+    const Tensor olc = cols(olat.view(), 0, rkv);  // [H * B, rkv]
+    Tensor od = f32({B, H * dv}), oh = f32({B, dv});
+    for (int64_t h = 0; h < H; ++h) {  // o_h = o_lat_h W_UV_h^T
+      be.gemm(rows(olc.view(), h * B, B), rows(Ly.kv_b_f32.view(), h * (dn + dv) + dn, dv), oh.view(), false, true,
+              false);
+      be.copy_cols(oh.view(), 0, od.view(), h * dv, dv, false);
+    }
+    be.scatter_add_rows(od.view(), rows_t.view(), TensorView(), O.view());
+  }
+
+  // ---- The MLP half: x [T, D] += mlp(norm(x)) or moe(norm(x)).
+  void ffn(int64_t l, const Tensor& x) {
+    Layer& L = layers[size_t(l)];
+    const Tensor h = rmsnorm(x.view(), L.post_norm);
+    if (!L.moe) {
+      be.axpy(1.0, mlp_forward(L.mlp, h.view(), ScaleMode::fp32).view(), 1.0, x.view());
+      return;
+    }
+    const int64_t T = x.size(0), E = cfg.n_routed_experts, k = cfg.num_experts_per_tok;
+    // The report quantizes the activations before dispatch with power-of-two scales.
+    if (L.has_shared) be.axpy(1.0, mlp_forward(L.mlp, h.view(), ScaleMode::pow2).view(), 1.0, x.view());
+    Tensor logits = f32({T, E}), scores = f32({T, E}), w = f32({T, k});
+    Tensor idx = be.empty(DType::i32, {T, k});
+    be.gemm(h.view(), L.gate_w.view(), logits.view(), false, true, false);
+    be.moe_route(logits.view(), L.gate_bias.view(), scores.view(), idx.view(), w.view(), cfg.n_group, cfg.topk_group,
+                 cfg.norm_topk_prob, cfg.routed_scaling_factor);
+    const Tensor idx_h = be.to_host(idx);
+    const bool extra = opt.shared_as_routed && cfg.n_shared_experts > 0;
+    const int64_t G = E + (extra ? 1 : 0), K = k + (extra ? 1 : 0);
+    Tensor wk = w;
+    if (extra) {  // slot k: expert E with weight 1
+      wk = f32({T, K});
+      Tensor ones = Tensor::host(DType::f32, {T, 1});
+      std::fill(ones.ptr<float>(), ones.ptr<float>() + T, 1.0f);
+      be.copy_cols(w.view(), 0, wk.view(), 0, k, false);
+      be.copy_cols(upload(ones).view(), 0, wk.view(), k, 1, false);
+    }
+    // The masked layout: expert g's rows at g * M_max + [0, count[g]), M_max a multiple of 64.
+    std::vector<int32_t> count(size_t(G), 0), expert(size_t(T * K));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < K; ++j) {
+        const int32_t g = j < k ? idx_h.ptr<int32_t>()[t * k + j] : int32_t(E);
+        expert[size_t(t * K + j)] = g;
+        ++count[size_t(g)];
+      }
+    const int64_t M = round_up(std::max<int64_t>(1, *std::max_element(count.begin(), count.end())), 64), R = G * M;
+    std::vector<int32_t> row_slot(size_t(R), -1), slot_row(size_t(T * K)), fill(size_t(G), 0);
+    for (int64_t s = 0; s < T * K; ++s) {
+      const int32_t g = expert[size_t(s)];
+      const int64_t r = g * M + fill[size_t(g)]++;
+      row_slot[size_t(r)] = int32_t(s);
+      slot_row[size_t(s)] = int32_t(r);
+    }
+    const Tensor rs = i32(row_slot);
+    Tensor sr = be.empty(DType::i32, {T, K});  // [T, K] row of each slot
+    be.copy(sr.view(), reshape(i32(slot_row).view(), {T, K}));
+    Tensor ye;  // [R, D] expert outputs
+    if (prec == LinearPrecision::fp8) {
+      const int64_t F = L.eg.values.size(0) / G;
+      QuantizedTensor xq = be.empty_quantized(R, D, DType::e4m3, ScaleKind::tile_1x128);
+      be.moe_permute_quantize(h.view(), rs.view(), K, TensorView(), xq, ScaleMode::pow2);
+      const Tensor counts = i32(count);
+      Tensor g = f32({R, F}), u = f32({R, F}), a = f32({R, F});
+      be.grouped_gemm_fp8_masked(xq, L.eg, counts.view(), G, g.view(), GemmOptions{});
+      be.grouped_gemm_fp8_masked(xq, L.eu, counts.view(), G, u.view(), GemmOptions{});
+      be.swiglu_forward(g.view(), u.view(), a.view());
+      QuantizedTensor aq = be.empty_quantized(R, F, DType::e4m3, ScaleKind::tile_1x128);
+      be.quantize_1x128(a.view(), aq, ScaleMode::fp32);
+      ye = f32({R, D});
+      be.grouped_gemm_fp8_masked(aq, L.ed, counts.view(), G, ye.view(), GemmOptions{});
+    } else {
+      Tensor xe = f32({R, D});
+      be.moe_permute(h.view(), rs.view(), K, TensorView(), xe.view());
+      ye = be.zeros(DType::f32, {R, D});
+      for (int64_t g = 0; g < G; ++g) {
+        if (count[size_t(g)] == 0) continue;
+        const Tensor y = mlp_forward(L.experts[size_t(g)], rows(xe.view(), g * M, count[size_t(g)]), ScaleMode::pow2);
+        be.copy(rows(ye.view(), g * M, count[size_t(g)]), y.view());
+      }
+    }
+    be.moe_combine(ye.view(), sr.view(), wk.view(), x.view(), true);
+  }
+
+  // The step's rows: tokens, positions, cache slots, and the rows whose logits are asked for.
+  StepRows rows_of(const std::vector<SeqChunk>& chunks, std::vector<int32_t>& tokens, std::vector<int32_t>& out_rows) {
+    StepRows sr;
+    std::vector<int32_t> pos;
+    for (const SeqChunk& c : chunks) {
+      const int64_t n = int64_t(c.tokens.size());
+      FP8MOE_CHECK(n > 0, "Engine::step: a chunk without tokens");
+      FP8MOE_CHECK(c.logits_rows >= 1 && c.logits_rows <= n,
+                   "Engine::step: logits_rows must be in [1, " << n << "], got " << c.logits_rows);
+      FP8MOE_CHECK(c.table && int64_t(c.table->size()) * kBlockTokens >= c.start + n,
+                   "Engine::step: the block table covers " << (c.table ? c.table->size() : 0) * kBlockTokens
+                                                           << " tokens, the chunk ends at " << c.start + n);
+      FP8MOE_CHECK(c.start + n <= cfg.max_position_embeddings,
+                   "Engine::step: position " << c.start + n - 1 << " >= max_position_embeddings "
+                                             << cfg.max_position_embeddings);
+      sr.row0.push_back(int64_t(tokens.size()));
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t t = c.tokens[size_t(i)];
+        FP8MOE_CHECK(t >= 0 && t < cfg.vocab_size, "Engine::step: token " << t << " outside the vocabulary [0, "
+                                                                          << cfg.vocab_size << ")");
+        const int64_t p = c.start + i;
+        tokens.push_back(t);
+        pos.push_back(int32_t(p));
+        sr.slots.push_back(int64_t((*c.table)[size_t(p / kBlockTokens)]) * kBlockTokens + p % kBlockTokens);
+      }
+      for (int64_t r = n - c.logits_rows; r < n; ++r) out_rows.push_back(int32_t(sr.row0.back() + r));
+    }
+    sr.positions = i32(pos);
+    return sr;
+  }
+
+  // logits [R, V] (host) of rows `out` of x [T, D] through `final_norm` and the head.
+  Tensor head_logits(const Tensor& x, const std::vector<int32_t>& out, const Tensor& final_norm) {
+    Tensor xl = f32({int64_t(out.size()), D});
+    be.gather_rows(x.view(), i32(out).view(), TensorView(), xl.view());
+    return be.to_host(run(head, rmsnorm(xl.view(), final_norm).view()));
+  }
+
+  Tensor step(const std::vector<SeqChunk>& chunks, Tensor* hidden) {
+    FP8MOE_CHECK(!chunks.empty(), "Engine::step: no chunks");
+    std::vector<int32_t> tokens, out;
+    const StepRows sr = rows_of(chunks, tokens, out);
+    const int64_t T = int64_t(tokens.size());
+    Tensor x = f32({T, D});  // [T, D] the residual stream
+    be.embedding_forward(i32(tokens).view(), embed.view(), x.view());
+    for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+      attention(l, chunks, sr, x);
+      ffn(l, x);
+    }
+    if (hidden) *hidden = x;
+    return head_logits(x, out, norm);
+  }
+
+  Tensor mtp_step(const std::vector<SeqChunk>& chunks, const TensorView& hidden) {
+    FP8MOE_CHECK(opt.mtp, "Engine::mtp_step: the engine was made without EngineOptions::mtp");
+    std::vector<int32_t> tokens, out;
+    std::vector<SeqChunk> last_only = chunks;
+    for (SeqChunk& c : last_only) c.logits_rows = 1;
+    const StepRows sr = rows_of(last_only, tokens, out);
+    const int64_t T = int64_t(tokens.size()), L = cfg.num_hidden_layers;
+    FP8MOE_CHECK(hidden.size(0) == T && hidden.size(1) == D,
+                 "Engine::mtp_step: hidden must be [" << T << ", " << D << "], got " << hidden.str());
+    Tensor e = f32({T, D});
+    be.embedding_forward(i32(tokens).view(), embed.view(), e.view());
+    Tensor cat = f32({T, 2 * D});  // [enorm(embed(t + 1)); hnorm(h_t)]
+    be.copy_cols(rmsnorm(e.view(), enorm).view(), 0, cat.view(), 0, D, false);
+    be.copy_cols(rmsnorm(hidden, hnorm).view(), 0, cat.view(), D, D, false);
+    Tensor x = run(eh, cat.view());  // [T, D]
+    attention(L, last_only, sr, x);
+    ffn(L, x);
+    return head_logits(x, out, mtp_norm);
+  }
+};
+
+namespace {
+double linear_bytes(const Linear& L) {
+  if (L.q.values.defined()) return double(L.q.values.view().nbytes() + L.q.scales.view().nbytes());
+  return L.w.defined() ? double(L.w.view().nbytes()) : 0.0;
+}
+double qbytes(const QuantizedTensor& q) {
+  return q.values.defined() ? double(q.values.view().nbytes() + q.scales.view().nbytes()) : 0.0;
+}
+}  // namespace
+
+double Engine::decode_step_bytes(int64_t batch, int64_t context) const {
+  const Impl& m = *impl_;
+  double b = linear_bytes(m.head) + double(batch * m.D * 4);  // head, embedding rows
+  for (int64_t l = 0; l < m.cfg.num_hidden_layers; ++l) {
+    const Impl::Layer& L = m.layers[size_t(l)];
+    for (const Linear* x : {&L.q_a, &L.q_b, &L.kv_a, &L.o}) b += linear_bytes(*x);
+    b += double(L.kv_b_f32.view().nbytes());  // decode reads kv_b_proj through the absorption only
+    if (!L.moe) {
+      for (const Linear* x : {&L.mlp.gate, &L.mlp.up, &L.mlp.down}) b += linear_bytes(*x);
+      continue;
+    }
+    if (L.has_shared)
+      for (const Linear* x : {&L.mlp.gate, &L.mlp.up, &L.mlp.down}) b += linear_bytes(*x);
+    b += double(L.gate_w.view().nbytes());
+    const double E = double(m.cfg.n_routed_experts), k = double(m.cfg.num_experts_per_tok);
+    // Experts touched by batch * k uniform picks among E: E (1 - (1 - k/E)^batch); every token
+    // picks the shared one when it runs as a routed expert.
+    const double touched = E * (1 - std::pow(1 - k / E, double(batch)));
+    double per_expert = 0;
+    if (L.eg.values.defined()) {
+      const double groups = E + (m.opt.shared_as_routed && m.cfg.n_shared_experts > 0 ? 1 : 0);
+      per_expert = (qbytes(L.eg) + qbytes(L.eu) + qbytes(L.ed)) / groups;
+      b += per_expert * (touched + (groups > E ? 1 : 0));
+    } else {
+      for (const Impl::Mlp& e : L.experts) per_expert = linear_bytes(e.gate) + linear_bytes(e.up) + linear_bytes(e.down);
+      b += per_expert * (touched + (double(L.experts.size()) > E ? 1 : 0));
+    }
+  }
+  return b + double(batch) * double(context) * double(m.cache->bytes_per_token());
+}
+
+Engine::Engine(const WeightSet& w, Backend& be, const EngineOptions& opt) : impl_(std::make_unique<Impl>(w, be, opt)) {}
+Engine::~Engine() = default;
+const ModelConfig& Engine::config() const { return impl_->cfg; }
+const EngineOptions& Engine::options() const { return impl_->opt; }
+LinearPrecision Engine::linear_precision() const { return impl_->prec; }
+Backend& Engine::backend() const { return impl_->be; }
+LatentCache& Engine::cache() { return *impl_->cache; }
+Tensor Engine::step(const std::vector<SeqChunk>& chunks, Tensor* hidden) { return impl_->step(chunks, hidden); }
+Tensor Engine::mtp_step(const std::vector<SeqChunk>& chunks, const TensorView& hidden) {
+  return impl_->mtp_step(chunks, hidden);
+}
+
+}  // namespace fp8moe::serve

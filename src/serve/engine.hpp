@@ -1,0 +1,82 @@
+// The inference path of DeepSeek-V3-mini on the Backend interface: no training state, a paged
+// latent cache (latent_cache.hpp), and per step any mix of prefill chunks and decode tokens.
+//   prefill  the compute-friendly MLA form: the latents of the sequence so far (cache prefix and
+//            this chunk) are expanded by kv_b_proj into per-head keys and values, then causal
+//            attention of the chunk's queries (Backend::attention_forward).
+//   decode   the absorbed form (DeepSeek-V2 §2.1.2 appendix, vLLM/SGLang/FlashMLA): the key
+//            up-projection W_UK is folded into the query (q_lat_h = q_nope_h W_UK_h, [rkv] per
+//            head) and the scores are taken against the cached latents directly; the value
+//            up-projection W_UV is applied to the attention-weighted latent afterwards. One
+//            decode token reads rkv + dr values per cached token and layer, not H (dn + dv + dr).
+// Linears run in the weights' precision: FP32, BF16 (BF16 operands, FP32 accumulation) or the
+// FP8 recipe (1x128 E4M3 activation tiles x 128x128 weight blocks through Backend::gemm_fp8, M as
+// small as 1; the routed experts through Backend::grouped_gemm_fp8_masked with power-of-two
+// scales before dispatch); the embedding, router, norms and attention in FP32, the head in BF16
+// where the recipe has it. The shared expert may run as one more routed expert that every token
+// picks (report §3.4.2: in decode 9 experts per token).
+//   serve::Engine eng(serve::load_checkpoint_weights(path), *be, {});
+//   std::vector<int32_t> table; alloc.allocate(blocks_for(n), table);
+//   Tensor logits = eng.step({{&table, 0, prompt}});   // [1, V] f32, host
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fp8moe/backend.hpp"
+#include "fp8moe/model_recipe.hpp"
+#include "serve/latent_cache.hpp"
+#include "serve/weights.hpp"
+
+namespace fp8moe::serve {
+
+struct EngineOptions {
+  std::string linear = "auto";     // "f32" | "bf16" | "fp8" | "auto": the weights' recipe or format
+  CacheDType cache = CacheDType::bf16;
+  int64_t cache_blocks = 256;      // blocks of 64 tokens in the pool
+  bool absorbed_decode = true;     // false: decode tokens through the prefill (expanded) form
+  bool shared_as_routed = false;   // the shared expert as routed expert E that every token picks
+  bool mtp = false;                // load the MTP module (mtp_step: speculative decoding's drafts)
+};
+
+// Tokens of one sequence to run in a step: positions [start, start + tokens.size()), whose
+// latents the step writes into the blocks of `table` (which must cover start + tokens.size()).
+struct SeqChunk {
+  const std::vector<int32_t>* table = nullptr;
+  int64_t start = 0;
+  std::vector<int32_t> tokens;
+  int64_t logits_rows = 1;  // logits of the last logits_rows tokens (verification of drafts: > 1)
+};
+
+class Engine {
+ public:
+  Engine(const WeightSet& weights, Backend& be, const EngineOptions& opt = {});
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const ModelConfig& config() const;
+  const EngineOptions& options() const;
+  LinearPrecision linear_precision() const;
+  Backend& backend() const;
+  LatentCache& cache();
+  // Runs the chunks (any mix of prefill chunks and single decode tokens, distinct sequences) and
+  // returns the logits of every chunk's last logits_rows tokens: [sum of logits_rows, V] f32 on
+  // the host, chunk by chunk. With `hidden`, also the trunk output of every token (the MTP
+  // module's input): [tokens, D] f32 on the backend.
+  Tensor step(const std::vector<SeqChunk>& chunks, Tensor* hidden = nullptr);
+  // The MTP module (DeepSeek-V3 §2.2; EngineOptions::mtp) at the positions of `chunks`: position
+  // t combines the trunk output h_t (rows of `hidden`, from step) with the embedding of token t+1
+  // (the chunk's tokens) and returns, from the last row of each chunk, the logits of token t+2:
+  // [chunks, V] f32 on the host. Its latents go to the cache's extra layer.
+  Tensor mtp_step(const std::vector<SeqChunk>& chunks, const TensorView& hidden);
+  // Bytes a decode step of `batch` sequences `context` tokens deep must read at the least: the
+  // Linear weights in their format (of the routed experts, those the batch is expected to touch
+  // with uniform routing), the head, the router, the absorption's FP32 kv_b_proj, the cache.
+  double decode_step_bytes(int64_t batch, int64_t context) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fp8moe::serve

@@ -1,0 +1,165 @@
+// The paged latent cache (latent_cache.hpp): copies between a sequence's rows and its blocks on the
+// backend, one copy per run of consecutive slots.
+#include "serve/latent_cache.hpp"
+
+#include <algorithm>
+
+#include "fp8moe/error.hpp"
+#include "serve/views.hpp"
+
+namespace fp8moe::serve {
+
+namespace {
+
+// Runs of consecutive slots: (first source row, first slot, length).
+struct Run {
+  int64_t row, slot, n;
+};
+std::vector<Run> runs_of(const std::vector<int64_t>& slots) {
+  std::vector<Run> r;
+  for (int64_t i = 0; i < int64_t(slots.size()); ++i) {
+    if (!r.empty() && r.back().slot + r.back().n == slots[size_t(i)] &&
+        slots[size_t(i)] % kBlockTokens != 0)
+      ++r.back().n;
+    else
+      r.push_back({i, slots[size_t(i)], 1});
+  }
+  return r;
+}
+
+}  // namespace
+
+CacheDType cache_dtype_from_name(const std::string& name) {
+  if (name == "f32") return CacheDType::f32;
+  if (name == "bf16") return CacheDType::bf16;
+  if (name == "fp8") return CacheDType::fp8;
+  FP8MOE_CHECK(false, "cache dtype: unknown '" << name << "' (expected f32, bf16 or fp8)");
+}
+
+std::string cache_dtype_name(CacheDType d) {
+  return d == CacheDType::f32 ? "f32" : d == CacheDType::bf16 ? "bf16" : "fp8";
+}
+
+BlockAllocator::BlockAllocator(int64_t blocks) : total_(blocks) {
+  FP8MOE_CHECK(blocks > 0, "BlockAllocator: blocks must be > 0, got " << blocks);
+  for (int64_t b = blocks; b-- > 0;) free_.push_back(int32_t(b));
+}
+
+bool BlockAllocator::allocate(int64_t n, std::vector<int32_t>& table) {
+  if (n > free_blocks()) return false;
+  for (int64_t i = 0; i < n; ++i) {
+    table.push_back(free_.back());
+    free_.pop_back();
+  }
+  return true;
+}
+
+void BlockAllocator::release(std::vector<int32_t>& table) {
+  for (int32_t b : table) free_.push_back(b);
+  // Lowest index on top again, so placement does not depend on the order of releases.
+  std::sort(free_.begin(), free_.end(), std::greater<>());
+  table.clear();
+}
+
+LatentCache::LatentCache(Backend& be, int64_t layers, int64_t blocks, int64_t kv_lora_rank, int64_t rope_dim,
+                         CacheDType dtype)
+    : be_(be), layers_(layers), blocks_(blocks), rkv_(kv_lora_rank), dr_(rope_dim), dtype_(dtype) {
+  FP8MOE_CHECK(blocks > 0, "LatentCache: blocks must be > 0, got " << blocks);
+  FP8MOE_CHECK(dtype != CacheDType::fp8 || kv_lora_rank % kQuantGroup == 0,
+               "LatentCache: the fp8 cache needs kv_lora_rank % 128 == 0, got " << kv_lora_rank);
+  const int64_t slots = blocks * kBlockTokens;
+  // Zero-filled: the rows past a sequence's end in its last block are read (never used), and must
+  // be finite for the dequantization.
+  for (int64_t l = 0; l < layers; ++l) {
+    Layer L;
+    if (dtype == CacheDType::fp8) {
+      L.latent = be.zeros(DType::e4m3, {slots, rkv_});
+      L.scale = be.zeros(DType::f32, {slots, rkv_ / kQuantGroup});
+      L.rope = be.zeros(DType::bf16, {slots, dr_});
+    } else {
+      L.rows = be.zeros(dtype == CacheDType::f32 ? DType::f32 : DType::bf16, {slots, rkv_ + dr_});
+    }
+    layer_.push_back(std::move(L));
+  }
+}
+
+int64_t LatentCache::bytes_per_token() const {
+  const int64_t per_layer = dtype_ == CacheDType::fp8 ? rkv_ + 4 * (rkv_ / kQuantGroup) + 2 * dr_
+                                                      : (rkv_ + dr_) * (dtype_ == CacheDType::f32 ? 4 : 2);
+  return per_layer * layers_;
+}
+
+void LatentCache::write(int64_t layer, const TensorView& src, const std::vector<int64_t>& slots) {
+  const int64_t T = src.size(0);
+  FP8MOE_CHECK(src.ndim == 2 && src.dtype == DType::f32 && src.size(1) == rkv_ + dr_,
+               "LatentCache::write: rows must be [T, " << rkv_ + dr_ << "] f32, got " << src.str());
+  FP8MOE_CHECK(int64_t(slots.size()) == T, "LatentCache::write: " << slots.size() << " slots for " << T << " rows");
+  for (int64_t s : slots)
+    FP8MOE_CHECK(s >= 0 && s < blocks_ * kBlockTokens, "LatentCache::write: slot " << s << " outside the cache");
+  if (T == 0) return;
+  Layer& L = layer_[size_t(layer)];
+  const std::vector<Run> runs = runs_of(slots);
+  if (dtype_ == CacheDType::f32) {
+    for (const Run& r : runs) be_.copy(rows(L.rows.view(), r.slot, r.n), rows(src, r.row, r.n));
+    return;
+  }
+  if (dtype_ == CacheDType::bf16) {
+    Tensor b = be_.empty(DType::bf16, {T, rkv_ + dr_});  // [T, rkv + dr] bf16
+    be_.convert(src, b.view());
+    for (const Run& r : runs) be_.copy(rows(L.rows.view(), r.slot, r.n), rows(b.view(), r.row, r.n));
+    return;
+  }
+  const int64_t G = rkv_ / kQuantGroup;
+  Tensor lat = be_.empty(DType::f32, {T, rkv_});  // [T, rkv] f32
+  be_.copy_cols(src, 0, lat.view(), 0, rkv_, false);
+  QuantizedTensor q = be_.empty_quantized(T, rkv_, DType::e4m3, ScaleKind::tile_1x128);  // scales [G, ld(T)]
+  be_.quantize_1x128(lat.view(), q, ScaleMode::fp32);
+  Tensor st = be_.empty(DType::f32, {scale_ld(T), G});  // [ld(T), G]: token-major as the cache keeps them
+  be_.transpose(q.scales.view(), st.view());
+  Tensor rope = be_.empty(DType::f32, {T, dr_}), rope_b = be_.empty(DType::bf16, {T, dr_});
+  be_.copy_cols(src, rkv_, rope.view(), 0, dr_, false);
+  be_.convert(rope.view(), rope_b.view());
+  for (const Run& r : runs) {
+    be_.copy(rows(L.latent.view(), r.slot, r.n), rows(q.values.view(), r.row, r.n));
+    be_.copy(rows(L.scale.view(), r.slot, r.n), rows(st.view(), r.row, r.n));
+    be_.copy(rows(L.rope.view(), r.slot, r.n), rows(rope_b.view(), r.row, r.n));
+  }
+}
+
+Tensor LatentCache::read(int64_t layer, const std::vector<int32_t>& table, int64_t tokens) {
+  const int64_t nb = blocks_for(tokens), R = nb * kBlockTokens, W = rkv_ + dr_;
+  FP8MOE_CHECK(nb <= int64_t(table.size()), "LatentCache::read: " << tokens << " tokens need " << nb
+                                                                  << " blocks, the table has " << table.size());
+  Layer& L = layer_[size_t(layer)];
+  const auto gather = [&](const Tensor& from, const Tensor& to) {
+    for (int64_t j = 0; j < nb; ++j)
+      be_.copy(rows(to.view(), j * kBlockTokens, kBlockTokens),
+               rows(from.view(), int64_t(table[size_t(j)]) * kBlockTokens, kBlockTokens));
+  };
+  Tensor out = be_.empty(DType::f32, {R, W});  // [R, rkv + dr] f32
+  if (dtype_ == CacheDType::f32) {
+    gather(L.rows, out);
+    return out;
+  }
+  if (dtype_ == CacheDType::bf16) {
+    Tensor b = be_.empty(DType::bf16, {R, W});
+    gather(L.rows, b);
+    be_.convert(b.view(), out.view());
+    return out;
+  }
+  const int64_t G = rkv_ / kQuantGroup;
+  QuantizedTensor q = be_.empty_quantized(R, rkv_, DType::e4m3, ScaleKind::tile_1x128);  // scales [G, R]
+  Tensor st = be_.empty(DType::f32, {R, G}), rope_b = be_.empty(DType::bf16, {R, dr_});
+  gather(L.latent, q.values);
+  gather(L.scale, st);
+  gather(L.rope, rope_b);
+  be_.transpose(st.view(), q.scales.view());  // R is a multiple of 64: scale_ld(R) == R
+  Tensor lat = be_.empty(DType::f32, {R, rkv_}), rope = be_.empty(DType::f32, {R, dr_});
+  be_.dequantize(q, lat.view());
+  be_.convert(rope_b.view(), rope.view());
+  be_.copy_cols(lat.view(), 0, out.view(), 0, rkv_, false);
+  be_.copy_cols(rope.view(), 0, out.view(), rkv_, dr_, false);
+  return out;
+}
+
+}  // namespace fp8moe::serve

@@ -1,0 +1,33 @@
+// Next-token sampling from a row of logits: greedy (temperature 0), or temperature, then top-k,
+// then top-p (nucleus) over the softmax, drawn from the request's own generator, so that one seed
+// repeats the text whatever else runs in the batch.
+//   serve::Sampler s({.temperature = 0.8, .top_k = 40, .top_p = 0.95, .seed = 7});
+//   int32_t next = s.sample(logits_row, vocab);
+#pragma once
+#include <cstdint>
+#include <random>
+
+namespace fp8moe::serve {
+
+struct SamplingParams {
+  double temperature = 0;  // 0: greedy (argmax, the lowest id on ties)
+  int64_t top_k = 0;       // 0: all tokens
+  double top_p = 1;        // (0, 1]
+  uint64_t seed = 0;
+};
+// Throws fp8moe::Error naming the parameter: temperature < 0 or not finite, top_k < 0, top_p
+// outside (0, 1].
+void validate(const SamplingParams& p);
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingParams& p);
+  int32_t sample(const float* logits, int64_t vocab);
+  const SamplingParams& params() const { return p_; }
+
+ private:
+  SamplingParams p_;
+  std::mt19937_64 rng_;
+};
+
+}  // namespace fp8moe::serve
