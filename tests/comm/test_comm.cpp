@@ -533,6 +533,9 @@ struct DeviceTensor {
     view.data = p;
     view.device = Device::cuda;
     cudaMemcpy(p, host.view().data, host.view().nbytes(), cudaMemcpyHostToDevice);
+    // NOTES: from pageable memory cudaMemcpy returns once the source is staged, before the DMA
+    // lands; the collectives read on a non-blocking stream, which the legacy stream does not order.
+    cudaDeviceSynchronize();
   }
   Tensor to_host() const {
     TensorView hv = view;
