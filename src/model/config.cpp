@@ -226,7 +226,7 @@ double Recipe::cache_bytes_per_element(bool attn_out) const {
     case LinearPrecision::full: return double(dtype_size(act_dtype));
     case LinearPrecision::bf16: return 2.0;
     case LinearPrecision::fp8:
-      return double(dtype_size(attn_out ? attn_out_cache : DType::e4m3)) + 4.0 / 128.0 +
+      return double(dtype_bytes(attn_out ? attn_out_cache : DType::e4m3, 128)) / 128.0 + 4.0 / 128.0 +
              (f32_cache ? double(dtype_size(act_dtype)) : 0.0);
   }
   return 0;

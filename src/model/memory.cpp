@@ -14,7 +14,7 @@ struct Acc {
   std::vector<MemoryItem>& items;
   std::string layer;
 
-  void plain(const std::string& name, DType dt, int64_t n) { items.push_back({layer, name, dt, n, n * int64_t(dtype_size(dt))}); }
+  void plain(const std::string& name, DType dt, int64_t n) { items.push_back({layer, name, dt, n, int64_t(dtype_bytes(dt, n))}); }
   void act(const std::string& name, int64_t n) { plain(name, r.act_dtype, n); }
   // A cached activation [T, K] (model::cache_activation).
   void cached(const std::string& name, int64_t T, int64_t K, bool pad, DType qdtype = DType::e4m3) {
