@@ -34,8 +34,12 @@ RecipeRun run_recipe(const std::string& recipe, uint64_t seed, const Tensor& tok
   return r;
 }
 
+// calc_diff bounds: logits, the worst gradient tensor outside the routing-sensitive ones (all of
+// them without top-k routing), all gradients as one vector, the main loss's relative error, and
+// the worst routing-sensitive gradient tensor (the routed experts, the router and the norm before
+// it: a token whose top-k choice flips between the two runs moves them by O(1)).
 struct Bounds {
-  double logits, grads, all_grads, loss_rel;
+  double logits, grads, all_grads, loss_rel, routing;
 };
 
 void compare_recipes(const ModelConfig& cfg, const std::map<std::string, Bounds>& bounds) {
@@ -43,14 +47,16 @@ void compare_recipes(const ModelConfig& cfg, const std::map<std::string, Bounds>
   const uint64_t seed = rng();
   auto [tok, tgt] = random_batch(rng, cfg);
   const RecipeRun ref = run_recipe("fp32", seed, tok, tgt, cfg);
-  const bool moe = cfg.num_moe_layers() > 0;
+  // Top-k routing that can flip (experts > experts per token): the routing-sensitive tensors get
+  // their own bound.
+  const bool moe = cfg.num_moe_layers() > 0 && cfg.n_routed_experts > cfg.num_experts_per_tok;
   std::cout << "[ recipe   ] " << cfg.name << " fp32: loss " << ref.st.loss << " (main " << ref.st.main_loss << ", mtp "
             << ref.st.mtp_loss << ", balance " << ref.st.balance_loss << ") " << ref.seconds << " s\n";
   EXPECT_NEAR(ref.st.main_loss, std::log(double(cfg.vocab_size)), 0.1) << "an untrained model predicts uniformly";
   for (const auto& [name, b] : bounds) {
     const RecipeRun r = run_recipe(name, seed, tok, tgt, cfg);
-    double worst = 0;
-    std::string worst_name;
+    double worst = 0, worst_routing = 0;
+    std::string worst_name, worst_routing_name;
     std::vector<double> all_r, all_ref;
     for (const auto& [pname, g] : ref.grads) {
       const auto& gr = r.grads.at(pname);
@@ -58,7 +64,10 @@ void compare_recipes(const ModelConfig& cfg, const std::map<std::string, Bounds>
       all_ref.insert(all_ref.end(), g.begin(), g.end());
       const double d = calc_diff(gr, g);
       if (std::getenv("FP8MOE_VERBOSE")) std::cout << "    " << name << " " << pname << " " << d << "\n";
-      if (moe && routing_sensitive(pname)) continue;
+      if (moe && routing_sensitive(pname)) {
+        if (d > worst_routing) worst_routing = d, worst_routing_name = pname;
+        continue;
+      }
       if (d > worst) worst = d, worst_name = pname;
     }
     const double dall = calc_diff(all_r, all_ref);
@@ -66,13 +75,24 @@ void compare_recipes(const ModelConfig& cfg, const std::map<std::string, Bounds>
     const double loss_rel = std::fabs(r.st.main_loss - ref.st.main_loss) / ref.st.main_loss;
     std::cout << "[ recipe   ] " << cfg.name << " " << name << ": main-loss rel error " << loss_rel << ", logits calc_diff "
               << dl << ", gradients calc_diff: worst " << worst << " (" << worst_name << ")"
-              << (moe ? " outside routing" : "") << ", all " << dall << "; " << r.seconds << " s\n";
+              << (moe ? " outside routing" : "") << ", all " << dall;
+    if (moe) std::cout << ", routing-sensitive worst " << worst_routing << " (" << worst_routing_name << ")";
+    std::cout << "; " << r.seconds << " s\n";
     EXPECT_LT(dl, b.logits) << name;
     EXPECT_LT(worst, b.grads) << name << " " << worst_name;
     EXPECT_LT(dall, b.all_grads) << name;
     EXPECT_LT(loss_rel, b.loss_rel) << name;
+    if (moe) EXPECT_LT(worst_routing, b.routing) << name << " " << worst_routing_name;
   }
 }
+
+// Bounds: at most 3x the worst seen over 3-4 seeds (FP8MOE_SEED=1,2,3 and one random), never
+// looser than they were (the FP8 rows' 2e-2 per-tensor bound is 1.3-1.7x the worst, 1.2e-2 to
+// 1.5e-2; docs/ACCURACY.md lists the measured values). The FP8 ablations land where fp8 does on a
+// model this small (K <= 1024, no outliers): what tells them apart is test_recipe_guards.cpp, which
+// observes each choice itself. The routing-sensitive bound of the top-k config (1.0 FP8, 0.5 BF16;
+// worst seen 0.48 and 0.17) only catches a broken MoE; MoeAllExpertsAgainstFp32 bounds those
+// tensors tightly.
 
 // Without experts nothing is discontinuous: every gradient tensor is bounded.
 TEST(ModelRecipes, DenseAgainstFp32) {
@@ -80,23 +100,42 @@ TEST(ModelRecipes, DenseAgainstFp32) {
   c.name = "tiny-dense";
   c.n_routed_experts = 0;
   c.first_k_dense_replace = c.num_hidden_layers;
-  compare_recipes(c, {{"bf16", {2e-4, 2e-3, 1e-3, 2e-3}},
-                      {"bf16+bf16", {2e-4, 2e-3, 1e-3, 2e-3}},
-                      {"fp8", {5e-3, 2e-2, 1e-2, 3e-3}},
-                      {"fp8+bf16", {5e-3, 2e-2, 1e-2, 3e-3}},
-                      {"fp8-no-promotion", {5e-3, 2e-2, 1e-2, 3e-3}},
-                      {"fp8-per-tensor", {1e-2, 5e-2, 2e-2, 5e-3}},
-                      {"fp8-f32-cache", {5e-3, 2e-2, 1e-2, 3e-3}}});
+  compare_recipes(c, {{"bf16", {3.8e-5, 1.5e-4, 5.7e-5, 6.1e-5, 0}},
+                      {"bf16+bf16", {4e-5, 2.1e-4, 5.7e-5, 8.5e-5, 0}},
+                      {"fp8", {5e-3, 2e-2, 1e-2, 8.2e-4, 0}},
+                      {"fp8+bf16", {5e-3, 2e-2, 1e-2, 7.3e-4, 0}},
+                      {"fp8-no-promotion", {5e-3, 2e-2, 1e-2, 9.1e-4, 0}},
+                      {"fp8-per-tensor", {8.5e-3, 3.4e-2, 1.1e-2, 1.2e-3, 0}},
+                      {"fp8-f32-cache", {5e-3, 2e-2, 1e-2, 8.7e-4, 0}}});
+}
+
+// Every token to every routed expert (2 of 2): the MoE layer's FP8 paths (dispatch quantization,
+// grouped GEMMs, combine) without routing flips, so every gradient tensor, the routed experts', the
+// router's and the post-attention norm's included, is bounded as tightly as the rest.
+TEST(ModelRecipes, MoeAllExpertsAgainstFp32) {
+  ModelConfig c = tiny_config();
+  c.name = "tiny-all-experts";
+  c.n_routed_experts = 2;
+  c.num_experts_per_tok = 2;
+  c.n_group = 1;
+  c.topk_group = 1;
+  compare_recipes(c, {{"bf16", {3.6e-5, 2.3e-4, 5.1e-5, 8.7e-5, 0}},
+                      {"bf16+bf16", {3.9e-5, 1.9e-4, 5.6e-5, 8.6e-5, 0}},
+                      {"fp8", {9.1e-3, 7.1e-2, 1.1e-2, 6.6e-4, 0}},
+                      {"fp8+bf16", {8.8e-3, 4.4e-2, 1.1e-2, 9.2e-4, 0}},
+                      {"fp8-no-promotion", {9.1e-3, 4.9e-2, 1.1e-2, 8.5e-4, 0}},
+                      {"fp8-per-tensor", {7.9e-3, 7e-2, 1e-2, 6.8e-4, 0}},
+                      {"fp8-f32-cache", {8.8e-3, 6.4e-2, 1e-2, 5.4e-4, 0}}});
 }
 
 TEST(ModelRecipes, MoeAgainstFp32) {
-  compare_recipes(tiny_config(), {{"bf16", {1e-3, 2e-3, 2e-2, 2e-3}},
-                                  {"bf16+bf16", {1e-3, 2e-3, 2e-2, 2e-3}},
-                                  {"fp8", {5e-3, 2e-2, 5e-2, 3e-3}},
-                                  {"fp8+bf16", {5e-3, 2e-2, 5e-2, 3e-3}},
-                                  {"fp8-no-promotion", {5e-3, 2e-2, 5e-2, 3e-3}},
-                                  {"fp8-per-tensor", {1e-2, 5e-2, 1e-1, 5e-3}},
-                                  {"fp8-f32-cache", {5e-3, 2e-2, 5e-2, 3e-3}}});
+  compare_recipes(tiny_config(), {{"bf16", {3.3e-4, 2e-3, 6.5e-4, 1.5e-4, 0.5}},
+                                  {"bf16+bf16", {4.9e-4, 2e-3, 9.1e-4, 1.1e-4, 0.5}},
+                                  {"fp8", {5e-3, 2e-2, 1.8e-2, 1.6e-3, 1.0}},
+                                  {"fp8+bf16", {5e-3, 2e-2, 1.9e-2, 1.1e-3, 1.0}},
+                                  {"fp8-no-promotion", {5e-3, 2e-2, 1.8e-2, 1.4e-3, 1.0}},
+                                  {"fp8-per-tensor", {9.7e-3, 3.8e-2, 1.8e-2, 1.6e-3, 1.0}},
+                                  {"fp8-f32-cache", {5e-3, 2e-2, 1.6e-2, 1.5e-3, 1.0}}});
 }
 
 TEST(ModelMemory, MeasuredEqualsPredictedAndFp8KeepsLess) {
