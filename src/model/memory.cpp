@@ -1,5 +1,6 @@
 // The analytic account of the bytes each layer keeps from forward to backward (report §3.2.3 and
-// §3.3.3), from the config and the recipe alone. It lists the same tensors, in the same formats,
+// §3.3.3), from the config and the recipe alone. RMSNorm outputs are not kept (the backward
+// recomputes them from the norms' inputs, which are). It lists the same tensors, in the same formats,
 // as the layers' forward records (Saved::kept), so tests can check one against the other; with FP8
 // the cached Linear inputs are padded to 128 tokens (the Wgrad's K) and carry 4-byte scales per 128,
 // and the routed experts cache their segments of the expert-sorted layout, each padded to 128 rows.
@@ -54,15 +55,12 @@ MemoryAccount predict_memory(const ModelConfig& c, const Recipe& r, int64_t T,
       Acc a{r, m.items, L + ".attn"};
       a.act("x", T * D);
       a.act("rstd", T);
-      a.cached("norm_out", T, D, true);
       if (c.q_lora_rank > 0) {
         a.act("q_a_out", T * c.q_lora_rank);
         a.act("rstd_q", T);
-        a.cached("q_a_norm_out", T, c.q_lora_rank, true);
       }
       a.act("kv_a_out", T * (c.kv_lora_rank + c.qk_rope_head_dim));
       a.act("rstd_kv", T);
-      a.cached("kv_a_norm_out", T, c.kv_lora_rank, true);
       a.cached("attn_out", T, H * c.v_head_dim, true, r.attn_out_cache);
       a.act("lse", H * T);
     }
@@ -70,7 +68,6 @@ MemoryAccount predict_memory(const ModelConfig& c, const Recipe& r, int64_t T,
       Acc a{r, m.items, L + ".mlp"};
       a.act("x", T * D);
       a.act("rstd", T);
-      a.cached("norm_out", T, D, true);
       a.cached("gate_out", T, c.intermediate_size, false);
       a.cached("up_out", T, c.intermediate_size, false);
       continue;
@@ -80,7 +77,6 @@ MemoryAccount predict_memory(const ModelConfig& c, const Recipe& r, int64_t T,
     a.act("rstd", T);
     if (c.n_shared_experts > 0) {
       const int64_t F = c.n_shared_experts * c.moe_intermediate_size;
-      a.cached("norm_out", T, D, true);
       a.cached("shared.gate_out", T, F, false);
       a.cached("shared.up_out", T, F, false);
     }

@@ -109,8 +109,8 @@ class MlpLayer final : public Layer {
   std::string name() const override { return name_; }
 
   struct State : Saved {
-    Tensor x, rstd;  // [T, D] layer input (the norm is recomputed from it), [T]
-    MlpState mlp;
+    Tensor x, rstd;  // [T, D] layer input (the norm is recomputed from it for W), [T]
+    MlpState mlp;    // mlp.in: the norm output, not kept from forward to backward
     Tensor dh;  // [T, D] gradient of the norm output, kept from B for W
   };
 
@@ -124,9 +124,10 @@ class MlpLayer final : public Layer {
     mlp_forward(c_, p_, s->mlp, out, c_.recipe.scale_mode);
     c_.be.axpy(1.0, x.view(), 1.0, out.view());  // the residual, into the sublayer output
     y = out;
+    s->mlp.in.reset();
+    s->mlp.in.rows = T;
     s->kept.push_back(account_item(name_, "x", x.view()));
     s->kept.push_back(account_item(name_, "rstd", s->rstd.view()));
-    s->mlp.in.account(s->kept, name_, "norm_out");
     s->mlp.account(s->kept, name_, "");
     return s;
   }
@@ -143,6 +144,9 @@ class MlpLayer final : public Layer {
 
   void backward_weight(const Batch&, Saved& saved) override {
     auto& s = static_cast<State&>(saved);
+    // The gate and up Wgrads' input: the norm recomputed as forward ran it (rstd again, the same).
+    Tensor rstd = c_.empty({s.x.size(0)});
+    s.mlp.in = rmsnorm_linear_input(c_, s.x, *norm_, rstd, c_.recipe.scale_mode);
     mlp_backward_weight(c_, p_, s.mlp);
     c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
                            norm_->grad.view(), false);
