@@ -83,11 +83,12 @@ MemoryAccount predict_memory(const ModelConfig& c, const Recipe& r, int64_t T,
     a.act("scores", T * E);
     a.plain("topk_idx", DType::i32, T * K);
     a.act("topk_w", T * K);
-    // The expert-sorted layout: row_slot [R], slot_row [T, K], row_group [R].
+    // The expert-sorted layout: row_slot [R], slot_row [T, K], row_group [R], offsets [E + 1].
     const int64_t R = moe_layout_rows(T * K, E, 128);
     a.plain("layout", DType::i32, R);
     a.plain("layout", DType::i32, T * K);
     a.plain("layout", DType::i32, R);
+    a.plain("layout", DType::i32, E + 1);
     // Balanced routing unless the observed loads are given; each expert's segment padded to 128.
     const auto load = [&](int64_t e) {
       return loads ? (*loads)[size_t(moe_index)][size_t(e)] : (T * K) / E + (e < (T * K) % E ? 1 : 0);

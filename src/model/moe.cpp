@@ -252,7 +252,8 @@ class MoeLayer final : public Layer {
     s.row_slot = prefix_rows(row_slot, used);
     s.groups.row_group = prefix_rows(row_group, used);
     s.layout_kept = {account_item(name_, "layout", row_slot.view()), account_item(name_, "layout", s.slot_row.view()),
-                     account_item(name_, "layout", row_group.view())};
+                     account_item(name_, "layout", row_group.view()),
+                     account_item(name_, "layout", s.groups.offsets.view())};
   }
 
   MlpParams grouped_params(const State& s) const {

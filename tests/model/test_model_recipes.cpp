@@ -186,5 +186,44 @@ TEST(ModelMemory, MeasuredEqualsPredictedAndFp8KeepsLess) {
   EXPECT_GT(large, 0);
 }
 
+// What the allocator holds, not the account: the backend's live bytes grow, over each trunk
+// layer's forward, by exactly what the account lists for it, less its input x (allocated before,
+// kept by reference) plus its output y. FP8MOE_MEMORY_CONFIG=<json> measures another config (one
+// sequence of its seq_len tokens), e.g. configs/medium.json for docs/MODEL.md.
+TEST(ModelMemory, AllocatorHoldsWhatTheAccountLists) {
+  ModelConfig c = tiny_config();
+  if (const char* path = std::getenv("FP8MOE_MEMORY_CONFIG")) {
+    c = load_config(path);
+    c.batch_size = 1;
+  }
+  auto rng = make_rng();
+  auto [tok, tgt] = random_batch(rng, c);
+  const int64_t T = c.batch_size * c.seq_len;
+  for (const std::string name : {"bf16", "fp8"}) {
+    auto be = make_backend("cpu");
+    Model model(c, Recipe::from_name(name), *be, rng());
+    const Batch b = model.make_batch(tok.view(), tgt.view());
+    const MemoryAccount pred = predict_memory(c, Recipe::from_name(name), T);
+    const auto per_layer = pred.bytes_per_layer();
+    Tensor x = model.embed_forward(b);
+    std::vector<std::unique_ptr<Saved>> saved;
+    int64_t measured_total = 0, account_total = 0;
+    for (Layer* layer : model.trunk()) {
+      const int64_t before = be->device_memory_in_use();
+      Tensor y;
+      saved.push_back(layer->forward(b, x, y));
+      const int64_t grew = be->device_memory_in_use() - before;
+      const int64_t kept = grew + int64_t(x.view().nbytes()) - int64_t(y.view().nbytes());
+      EXPECT_EQ(kept, per_layer.at(layer->name())) << name << " " << layer->name();
+      measured_total += kept;
+      account_total += per_layer.at(layer->name());
+      x = y;
+    }
+    std::cout << "[ memory   ] " << c.name << " " << name << ": trunk keeps " << measured_total << " bytes for " << T
+              << " tokens (allocator), " << double(measured_total) / double(T) / double(saved.size())
+              << " bytes per token and sublayer; account " << account_total << "\n";
+  }
+}
+
 }  // namespace
 }  // namespace fp8moe::testing
