@@ -225,5 +225,40 @@ TEST(ModelMemory, AllocatorHoldsWhatTheAccountLists) {
   }
 }
 
+// The account itemized per token for DeepSeek-V3 (configs/deepseek-v3.json, 4096 tokens, balanced
+// routing): one attention and one MoE layer, the report's recipe against BF16, as docs/MODEL.md
+// lists it. The attention-out cache takes 0.75 of BF16's bytes (plus its scales); no RMSNorm
+// output is kept.
+TEST(ModelMemory, ItemizedPerTokenDeepSeekV3) {
+  const ModelConfig c = load_config(source_dir() + "/configs/deepseek-v3.json");
+  const int64_t T = 4096;
+  const MemoryAccount bf = predict_memory(c, Recipe::from_name("bf16"), T),
+                      f8 = predict_memory(c, Recipe::from_name("fp8"), T);
+  for (const std::string layer : {"layers.3.attn", "layers.3.moe"}) {
+    std::map<std::string, std::pair<double, double>> per_token;  // tensor -> bf16, fp8 bytes per token
+    std::vector<std::string> order;
+    for (const auto* acc : {&bf, &f8})
+      for (const auto& it : acc->items) {
+        if (it.layer != layer) continue;
+        const std::string& name = it.tensor;
+        if (!per_token.count(name)) order.push_back(name);
+        (acc == &bf ? per_token[name].first : per_token[name].second) += double(it.bytes) / double(T);
+      }
+    double sb = 0, s8 = 0;
+    std::cout << "[ memory   ] " << layer << " bytes per token: tensor | bf16 | fp8\n";
+    for (const auto& n : order) {
+      std::cout << "    " << n << " | " << per_token[n].first << " | " << per_token[n].second << "\n";
+      sb += per_token[n].first, s8 += per_token[n].second;
+      EXPECT_EQ(n.find("norm_out"), std::string::npos) << "RMSNorm outputs are recomputed";
+    }
+    std::cout << "    total | " << sb << " | " << s8 << " (" << s8 / sb << " of BF16)\n";
+  }
+  for (const auto& it : f8.items)
+    if (it.tensor == "attn_out") {
+      EXPECT_EQ(it.dtype, DType::e5m6);
+      EXPECT_EQ(it.bytes * 4, T * c.num_attention_heads * c.v_head_dim * 2 * 3) << it.layer;
+    }
+}
+
 }  // namespace
 }  // namespace fp8moe::testing
