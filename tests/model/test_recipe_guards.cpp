@@ -213,8 +213,8 @@ TEST(RecipeGuards, AttentionOutCachedInPackedE5M6) {
 
 // Promotion every N_c = 128: the FP8 GEMMs' partial sums go to FP32 every 128 elements of K, so
 // every FP8 GEMM of a training step is within FP32 rounding of the FP64 product of its quantized
-// operands. Measured (tiny config, 4 seeds): worst 1.40e-7 to 1.42e-7 with promotion, 1.46e-3 to
-// 1.50e-3 with the Tensor Cores' 14-bit accumulation never promoted (fp8-no-promotion); bound
+// operands. Measured (tiny config, 2 seeds): worst 1.40e-7 and 1.42e-7 with promotion, 1.46e-3
+// and 1.50e-3 with the Tensor Cores' 14-bit accumulation never promoted (fp8-no-promotion); bound
 // 3.3e-7 (2.3x the worst).
 // Catches: the fp8 recipe's AccumConfig without promotion (promote_every = 0), or with fewer kept
 // bits inside a group than FP32 (AccumMode::tensor_core with 14 bits per 128).
