@@ -48,7 +48,7 @@ class AttentionLayer final : public Layer {
   // The norms' outputs (h, cqn, ckvn) are not kept from forward to backward: the backward
   // recomputes them from the norms' inputs and rstd (report §3.2.3), bit for bit.
   struct State : Saved {
-    Tensor x, rstd;          // [T, D] layer input, [T] input_layernorm
+    Tensor x, rstd;          // [T, D] layer input (Recipe::residual_cache), [T] input_layernorm
     Cached h;                // [T, D] input of q_a_proj / kv_a_proj (q_proj): recomputed for W
     Tensor cq, rstd_q;       // [T, rq] q_a_proj output (q_a_layernorm input), [T]
     Cached cqn;              // [T, rq] input of q_b_proj: recomputed in B, kept for W
@@ -93,7 +93,7 @@ class AttentionLayer final : public Layer {
     const int64_t T = s.x.size(0);
     const ScaleMode sm = c_.recipe.scale_mode;
     Tensor rstd = c_.empty({T});
-    if (h) s.h = rmsnorm_linear_input(c_, s.x, *norm_, rstd, sm);
+    if (h) s.h = rmsnorm_linear_input(c_, norm_input(c_, s.x), *norm_, rstd, sm);
     if (!latents) return;
     if (q_a_) s.cqn = rmsnorm_linear_input(c_, s.cq, *q_a_norm_, rstd, sm);
     Tensor ckv_c = c_.empty({T, rkv_});
@@ -115,9 +115,9 @@ class AttentionLayer final : public Layer {
     auto s = std::make_unique<State>();
     const int64_t T = x.size(0), D = x.size(1);
     const ScaleMode sm = c_.recipe.scale_mode;
-    s->x = x;
+    s->x = keep_residual(c_, x);
     s->rstd = c_.empty({T});
-    s->h = rmsnorm_linear_input(c_, x, *norm_, s->rstd, sm);
+    s->h = rmsnorm_linear_input(c_, norm_input(c_, s->x), *norm_, s->rstd, sm);
     if (q_a_) {
       const int64_t rq = q_a_->weight.size(0);
       s->cq = c_.empty({T, rq});
@@ -149,7 +149,7 @@ class AttentionLayer final : public Layer {
     s->ckvn.reset();
 
     auto& k = s->kept;
-    k.push_back(account_item(name_, "x", x.view()));
+    k.push_back(account_item(name_, "x", s->x.view()));
     k.push_back(account_item(name_, "rstd", s->rstd.view()));
     if (q_a_) {
       k.push_back(account_item(name_, "q_a_out", s->cq.view()));
@@ -214,7 +214,8 @@ class AttentionLayer final : public Layer {
     c_.be.copy_cols(dkpe2, 0, dckv.view(), rkv_, dr_, false);
     s.dckv = linear_backward_input(c_, dckv, *kv_a_, s.dh, true, prec);
     dx = clone(c_, dy.view());
-    c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(), TensorView(), true);
+    c_.be.rmsnorm_backward(norm_input(c_, s.x).view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(),
+                           TensorView(), true);
   }
 
   void backward_weight(const Batch&, Saved& saved) override {
@@ -237,7 +238,7 @@ class AttentionLayer final : public Layer {
     c_.be.rmsnorm_backward(ckv_c.view(), kv_a_norm_->weight.view(), s.rstd_kv.view(), s.dckvn.view(), TensorView(),
                            kv_a_norm_->grad.view(), false);
     linear_backward_weight(c_, s.h, s.dckv, *kv_a_, prec);
-    c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
+    c_.be.rmsnorm_backward(norm_input(c_, s.x).view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
                            norm_->grad.view(), false);
     s = State{};
   }

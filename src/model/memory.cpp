@@ -53,7 +53,7 @@ MemoryAccount predict_memory(const ModelConfig& c, const Recipe& r, int64_t T,
     }
     {
       Acc a{r, m.items, L + ".attn"};
-      a.act("x", T * D);
+      a.plain("x", r.residual_cache, T * D);
       a.act("rstd", T);
       if (c.q_lora_rank > 0) {
         a.act("q_a_out", T * c.q_lora_rank);
@@ -66,14 +66,14 @@ MemoryAccount predict_memory(const ModelConfig& c, const Recipe& r, int64_t T,
     }
     if (!c.is_moe_layer(l)) {
       Acc a{r, m.items, L + ".mlp"};
-      a.act("x", T * D);
+      a.plain("x", r.residual_cache, T * D);
       a.act("rstd", T);
       a.cached("gate_out", T, c.intermediate_size, false);
       a.cached("up_out", T, c.intermediate_size, false);
       continue;
     }
     Acc a{r, m.items, L + ".moe"};
-    a.act("x", T * D);
+    a.plain("x", r.residual_cache, T * D);
     a.act("rstd", T);
     if (c.n_shared_experts > 0) {
       const int64_t F = c.n_shared_experts * c.moe_intermediate_size;

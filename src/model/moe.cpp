@@ -77,10 +77,10 @@ class MoeLayer final : public Layer {
     const auto& cfg = c_.cfg;
     const int64_t T = x.size(0), D = x.size(1), E = cfg.n_routed_experts, K = cfg.num_experts_per_tok;
     const ScaleMode pow2 = c_.recipe.pow2_mode;
-    s->x = x;
+    s->x = keep_residual(c_, x);
     s->rstd = c_.empty({T});
     Tensor h = c_.empty({T, D});
-    rmsnorm(c_, x, *norm_, h, s->rstd);
+    rmsnorm(c_, norm_input(c_, s->x), *norm_, h, s->rstd);
     if (shared_.gate) {
       s->shared.in = linear_input(c_, h.view(), pow2);
       y = c_.empty({T, D});
@@ -130,7 +130,7 @@ class MoeLayer final : public Layer {
     s->aux = balance_loss(b, *s, nullptr);
 
     auto& k = s->kept;
-    k.push_back(account_item(name_, "x", x.view()));
+    k.push_back(account_item(name_, "x", s->x.view()));
     k.push_back(account_item(name_, "rstd", s->rstd.view()));
     s->shared.account(k, name_, "shared.");
     k.push_back(account_item(name_, "scores", s->scores.view()));
@@ -188,7 +188,8 @@ class MoeLayer final : public Layer {
                              s.dlogits.view(), cfg.norm_topk_prob, cfg.routed_scaling_factor);
     c_.be.gemm(s.dlogits.view(), gate_->weight.view(), s.dh.view(), false, false, true);
     dx = clone(c_, dy.view());
-    c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(), TensorView(), true);
+    c_.be.rmsnorm_backward(norm_input(c_, s.x).view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(),
+                           TensorView(), true);
   }
 
   void backward_weight(const Batch&, Saved& saved) override {
@@ -197,7 +198,8 @@ class MoeLayer final : public Layer {
     // Wgrad (in full precision) and the shared expert's (its Linear input).
     const int64_t T = s.x.size(0), D = s.x.size(1);
     Tensor h = c_.empty({T, D}), rstd = c_.empty({T});
-    rmsnorm(c_, s.x, *norm_, h, rstd);
+    const Tensor xn = norm_input(c_, s.x);
+    rmsnorm(c_, xn, *norm_, h, rstd);
     if (shared_.gate) {
       s.shared.in = linear_input(c_, h.view(), c_.recipe.pow2_mode);
       mlp_backward_weight(c_, shared_, s.shared);
@@ -206,7 +208,7 @@ class MoeLayer final : public Layer {
     for (size_t e = 0; e < s.expert.size(); ++e)
       if (s.expert[e].in.defined()) mlp_backward_weight(c_, experts_[e], s.expert[e]);
     c_.be.gemm(s.dlogits.view(), h.view(), gate_->grad.view(), true, false, true);
-    c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
+    c_.be.rmsnorm_backward(xn.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
                            norm_->grad.view(), false);
     const double aux = s.aux;
     auto loads = std::move(s.loads);
