@@ -207,22 +207,28 @@ TEST(ModelMemory, AllocatorHoldsWhatTheAccountLists) {
     auto be = make_backend("cpu");
     Model model(c, Recipe::from_name(name), *be, rng());
     const Batch b = model.make_batch(tok.view(), tgt.view());
-    const MemoryAccount pred = predict_memory(c, Recipe::from_name(name), T);
-    const auto per_layer = pred.bytes_per_layer();
     Tensor x = model.embed_forward(b);
     std::vector<std::unique_ptr<Saved>> saved;
-    int64_t measured_total = 0, account_total = 0;
+    std::vector<std::pair<std::string, int64_t>> measured;  // per trunk layer
+    std::vector<std::vector<int64_t>> loads;                // per MoE layer, for the account
     for (Layer* layer : model.trunk()) {
       const int64_t before = be->device_memory_in_use();
       Tensor y;
       saved.push_back(layer->forward(b, x, y));
       const int64_t grew = be->device_memory_in_use() - before;
       const bool x_itself = Recipe::from_name(name).residual_cache == x.dtype();
-      const int64_t kept = grew + (x_itself ? int64_t(x.view().nbytes()) : 0) - int64_t(y.view().nbytes());
-      EXPECT_EQ(kept, per_layer.at(layer->name())) << name << " " << layer->name();
-      measured_total += kept;
-      account_total += per_layer.at(layer->name());
+      measured.emplace_back(layer->name(), grew + (x_itself ? int64_t(x.view().nbytes()) : 0) - int64_t(y.view().nbytes()));
+      const auto l = layer->expert_loads(*saved.back());
+      if (!l.empty()) loads.push_back(l);
       x = y;
+    }
+    loads.resize(size_t(c.num_moe_layers()), std::vector<int64_t>(size_t(c.n_routed_experts), 0));  // the MTP's
+    const auto per_layer = predict_memory(c, Recipe::from_name(name), T, &loads).bytes_per_layer();
+    int64_t measured_total = 0, account_total = 0;
+    for (const auto& [layer, kept] : measured) {
+      EXPECT_EQ(kept, per_layer.at(layer)) << name << " " << layer;
+      measured_total += kept;
+      account_total += per_layer.at(layer);
     }
     std::cout << "[ memory   ] " << c.name << " " << name << ": trunk keeps " << measured_total << " bytes for " << T
               << " tokens (allocator), " << double(measured_total) / double(T) / double(saved.size())
