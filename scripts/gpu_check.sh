@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of the CUDA backend, for a machine with an NVIDIA Hopper GPU: builds the CUDA targets
 # (or takes prebuilt binaries), runs the GPU tests, compute-sanitizer memcheck, a SASS sanity check
-# (FP8 WGMMA = QGMMA present), `fp8moe bench quant` and `fp8moe bench gemm`, writes the logs to
+# (FP8 WGMMA = QGMMA present), the PyTorch reference comparison, `fp8moe bench quant` and
+# `fp8moe bench gemm`, writes the logs to
 # $OUT (default ./gpu_check_out) and prints a short table last.
 #
 #   scripts/gpu_check.sh                      # configure + build in build-gpu/, then check
@@ -33,6 +34,10 @@ step "memcheck emulated" 120 "$OUT/memcheck.log" compute-sanitizer --tool memche
 step "memcheck quantize" 90 "$OUT/memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
   "$BIN_T/test_cuda_quantize" --gtest_filter='*Rows1x128*:*Transposed*:*Requantize*:*Blocks*'
 { cuobjdump --dump-sass "$BIN_T/test_cuda_gemm" 2>/dev/null | grep -c QGMMA; } >"$OUT/sass.txt" 2>&1
+# The independent oracle: the PyTorch reference model (torch is installed here) against the C++
+# model's forward and every gradient, end to end and per sublayer (tests/reference/run_reference.sh;
+# exit 77 = torch missing).
+step "torch reference" 300 "$OUT/reference.log" tests/reference/ctest_reference.sh "$BIN_CLI" "$OUT/reference"
 step "bench quant" 60 "$OUT/bench_quant.md" "$BIN_CLI" bench quant --iters "$ITERS"
 [ "$GEMM_HUNG" = 0 ] && step "bench gemm" 200 "$OUT/bench_gemm.md" "$BIN_CLI" bench gemm --iters "$ITERS" --set "$SET"
 

@@ -6,7 +6,9 @@
 //   E4M3  1-4-3, bias 7.  No infinity. NaN = S.1111.111 (0x7F/0xFF). Max finite 448 (0x7E).
 //         Subnormals: exponent field 0, value = m/8 * 2^-6 (min 2^-9).
 //   E5M2  1-5-2, bias 15. IEEE-like: exponent 31 is Inf (m=0) or NaN (m!=0). Max finite 57344.
-//   E5M6  1-5-6, bias 15, stored in the low 12 bits of a uint16 (bit 11 = sign, bits 15..12 = 0).
+//   E5M6  1-5-6, bias 15. A code is the low 12 bits of a uint16 (bit 11 = sign, bits 15..12 = 0);
+//         tensors store it packed, two codes in three bytes (e5m6_store/e5m6_load,
+//         minifloat_encode.hpp), 1.5 bytes per value.
 //         IEEE-like: exponent 31 is Inf (m=0) or NaN (m!=0; encoders write 0x7FF).
 //         Max finite 65024 = 2^15 * (1 + 63/64). Subnormals: m/64 * 2^-14 (min 2^-20).
 //         Same range as E5M2, three more mantissa bits: the report's format for the input of the
@@ -51,6 +53,9 @@ uint8_t e5m2_encode(float x, Saturate sat = Saturate::finite);
 float e5m2_decode(uint8_t code);
 uint16_t e5m6_encode(float x, Saturate sat = Saturate::finite);
 float e5m6_decode(uint16_t code);
+// Packed E5M6 arrays (dtype_bytes(e5m6, n) bytes): n codes <-> packed bytes, and element access.
+void e5m6_pack(const uint16_t* codes, int64_t n, uint8_t* packed);
+void e5m6_unpack(const uint8_t* packed, int64_t n, uint16_t* codes);
 
 uint16_t bf16_encode(float x, Saturate sat = Saturate::none);
 float bf16_decode(uint16_t bits);
@@ -63,7 +68,7 @@ inline float bf16_round(float x) { return bf16_decode(bf16_encode(x)); }
 uint8_t ue8m0_encode(float x, bool round_up = true, Saturate sat = Saturate::finite);
 float ue8m0_decode(uint8_t code);
 
-// Encoding by DType for the quantizers: e4m3, e5m2 (one byte) or e5m6 (two bytes).
+// Encoding by DType for the quantizers: e4m3, e5m2 (one byte) or e5m6 (12 bits, packed).
 const MiniFloatFormat& format_of(DType t);
 double max_finite(DType t);
 

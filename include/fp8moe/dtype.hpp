@@ -1,6 +1,6 @@
 // Element types of fp8moe tensors and where a tensor lives.
-// Storage: e4m3/e5m2/ue8m0 one byte; bf16 two bytes (raw bits); e5m6 two bytes (low 12 bits used,
-// see codecs.hpp); f32, f64, i32 native.
+// Storage: e4m3/e5m2/ue8m0 one byte; bf16 two bytes (raw bits); e5m6 packed, 12 bits per value,
+// two values in three bytes (codecs.hpp: e5m6_store/e5m6_load); f32, f64, i32 native.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -11,6 +11,9 @@ namespace fp8moe {
 enum class DType : uint8_t { f32, f64, bf16, e4m3, e5m2, e5m6, ue8m0, i32, i64, u8 };
 enum class Device : uint8_t { cpu, cuda };
 
+// Bytes of one element as ops address it. E5M6 has no byte address of its own (packed two in three
+// bytes): 2 here is its unpacked code (a uint16, low 12 bits), the size of a register copy; its
+// tensors' storage is dtype_bytes and its elements are read and written through the codecs.
 constexpr size_t dtype_size(DType t) {
   switch (t) {
     case DType::f64: case DType::i64: return 8;
@@ -19,6 +22,12 @@ constexpr size_t dtype_size(DType t) {
     case DType::e4m3: case DType::e5m2: case DType::ue8m0: case DType::u8: return 1;
   }
   return 0;
+}
+
+// Storage of n contiguous elements: n * dtype_size, but (3n + 1) / 2 for packed E5M6 (the last
+// value of an odd count takes two bytes, the upper four bits zero).
+constexpr size_t dtype_bytes(DType t, int64_t n) {
+  return t == DType::e5m6 ? size_t(3 * n + 1) / 2 : size_t(n) * dtype_size(t);
 }
 
 constexpr std::string_view dtype_name(DType t) {

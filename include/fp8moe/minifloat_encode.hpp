@@ -55,3 +55,37 @@ FP8MOE_HOST_DEVICE uint32_t minifloat_encode_bits(uint32_t u, int exp_bits, int 
 }
 
 }  // namespace fp8moe
+
+namespace fp8moe {
+
+// Packed E5M6 (dtype.hpp): the 12-bit codes of elements 2j and 2j+1 in bytes 3j..3j+2, little-endian
+// as one 24-bit word: byte 3j = a[7:0], byte 3j+1 = a[11:8] | b[3:0] << 4, byte 3j+2 = b[11:4]. A
+// pair is one 24-bit load or store; four values are six bytes (three uint16), eight are twelve (three
+// uint32), which is what lets the kernels move them with aligned vector accesses.
+FP8MOE_HOST_DEVICE void e5m6_pack2(uint16_t a, uint16_t b, uint8_t* p) {
+  p[0] = uint8_t(a);
+  p[1] = uint8_t(((a >> 8) & 0xF) | ((b & 0xF) << 4));
+  p[2] = uint8_t(b >> 4);
+}
+// The 24 bits of a pair -> its two codes.
+FP8MOE_HOST_DEVICE uint16_t e5m6_lo(uint32_t w24) { return uint16_t(w24 & 0xFFF); }
+FP8MOE_HOST_DEVICE uint16_t e5m6_hi(uint32_t w24) { return uint16_t((w24 >> 12) & 0xFFF); }
+// Code of element i of a packed array.
+FP8MOE_HOST_DEVICE uint16_t e5m6_load(const uint8_t* data, int64_t i) {
+  const uint8_t* p = data + (i >> 1) * 3;
+  return (i & 1) ? uint16_t((p[1] >> 4) | (uint32_t(p[2]) << 4)) : uint16_t(p[0] | ((uint32_t(p[1]) & 0xF) << 8));
+}
+// Writes element i's code, leaving its pair's other code as it is (not thread-safe between the two
+// elements of one pair).
+FP8MOE_HOST_DEVICE void e5m6_store(uint8_t* data, int64_t i, uint16_t code) {
+  uint8_t* p = data + (i >> 1) * 3;
+  if (i & 1) {
+    p[1] = uint8_t((p[1] & 0x0F) | ((code & 0xF) << 4));
+    p[2] = uint8_t(code >> 4);
+  } else {
+    p[0] = uint8_t(code);
+    p[1] = uint8_t((p[1] & 0xF0) | ((code >> 8) & 0xF));
+  }
+}
+
+}  // namespace fp8moe

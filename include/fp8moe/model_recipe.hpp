@@ -8,7 +8,8 @@
 //                     1x128 activation tiles and 128x128 weight blocks, FP32 promotion every 128 K;
 //                     embedding, output head (BF16 GEMM), MoE gate (FP32), norms and attention
 //                     (FP32) in higher precision; Linear inputs cached in FP8, the attention-out Linear input in E5M6 with
-//                     power-of-two scales, SwiGLU input cached in FP8.
+//                     power-of-two scales, SwiGLU input cached in FP8, each sublayer's input
+//                     kept in BF16 for its RMSNorm (whose output the backward recomputes).
 //   fp8-no-promotion  fp8 with the Tensor Core accumulation emulated at 14 bits and never promoted.
 //   fp8-per-tensor    fp8 with one scale per tensor instead of tiles/blocks.
 //   fp8-f32-cache     fp8 GEMMs with every activation the backward reads cached exactly (FP32,
@@ -45,6 +46,10 @@ struct Recipe {
   // activations before MoE dispatch and the activation gradients before the MoE down projection.
   ScaleMode pow2_mode = ScaleMode::pow2;
   DType attn_out_cache = DType::f32;     // dtype of the cached attention-out Linear input
+  // Each sublayer's input x as kept for its RMSNorm (the norm's backward and the recomputation of
+  // its output): the activation dtype, or bf16 (the FP8 recipes: the norm then reads bf16(x) in
+  // forward too, so that forward and backward see one input; the residual stream stays FP32).
+  DType residual_cache = DType::f32;
   // Attention's GEMM operands (Backend::attention_forward's compute): the activation dtype
   // ("exact", every recipe's default) or bf16 (BF16 operands, FP32 accumulation).
   DType attn_compute = DType::f32;

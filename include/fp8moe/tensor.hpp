@@ -30,7 +30,7 @@ struct TensorView {
 
   int64_t size(int d) const { return shape[d < 0 ? d + ndim : d]; }
   int64_t numel() const;
-  size_t nbytes() const { return size_t(numel()) * dtype_size(dtype); }
+  size_t nbytes() const { return dtype_bytes(dtype, numel()); }  // contiguous storage
   bool is_contiguous() const;
   bool defined() const { return data != nullptr; }
   template <class T> T* ptr() const { return static_cast<T*>(data); }

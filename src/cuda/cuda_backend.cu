@@ -259,7 +259,7 @@ class CudaBackend final : public Backend {
     FP8MOE_TIMED_OP("empty_host");
     int64_t n = 1;
     for (int64_t s : shape) n *= s;
-    const size_t bytes = size_t(n) * dtype_size(dtype);
+    const size_t bytes = dtype_bytes(dtype, n);
     void* p = nullptr;
     if (bytes > 0) {
       FP8MOE_CUDA_CHECK(cudaMallocHost(&p, bytes));
@@ -557,7 +557,7 @@ class CudaBackend final : public Backend {
       FP8MOE_CHECK(s >= 0, "empty: negative dimension " << s);
       n *= s;
     }
-    const size_t bytes = size_t(n) * dtype_size(dtype);
+    const size_t bytes = dtype_bytes(dtype, n);
     void* p = cuda::cached_malloc(bytes, s_);
     if (p && zero) {
       const cudaError_t e = cudaMemsetAsync(p, 0, bytes, s_);

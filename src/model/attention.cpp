@@ -6,10 +6,10 @@
 //   Q = [q_nope, rope(q_pe)], K = [k_nope, rope(k_pe) for every head], V    (scale 1/sqrt(dn+dr))
 //   y   = x + o_proj(causal_attention(Q, K, V))
 // Memory (report §3.2.3, §3.3.3): the norm outputs and the up-projection outputs q and kv are not
-// kept; backward recomputes q and kv from the cached inputs of q_b_proj and kv_b_proj. Kept: x,
-// the norms' rstd, the norm inputs q_a output and ckv (small latents), the Linear inputs in the
-// recipe's format, and the attention output as o_proj's input (E5M6, power-of-two scales in the
-// FP8 recipes), which also serves as O in the attention backward.
+// kept; backward recomputes the norms (the Linear inputs they feed, in the recipe's format) from
+// their inputs and rstd, and q and kv from those. Kept: x, the norms' rstd, the norm inputs q_a
+// output and ckv (small latents), and the attention output as o_proj's input (E5M6, power-of-two
+// scales in the FP8 recipes), which also serves as O in the attention backward.
 #include <cmath>
 
 #include "model_internal.hpp"
@@ -45,13 +45,15 @@ class AttentionLayer final : public Layer {
   }
   std::string name() const override { return name_; }
 
+  // The norms' outputs (h, cqn, ckvn) are not kept from forward to backward: the backward
+  // recomputes them from the norms' inputs and rstd (report §3.2.3), bit for bit.
   struct State : Saved {
-    Tensor x, rstd;          // [T, D] layer input, [T] input_layernorm
-    Cached h;                // [T, D] input of q_a_proj / kv_a_proj (q_proj)
+    Tensor x, rstd;          // [T, D] layer input (Recipe::residual_cache), [T] input_layernorm
+    Cached h;                // [T, D] input of q_a_proj / kv_a_proj (q_proj): recomputed for W
     Tensor cq, rstd_q;       // [T, rq] q_a_proj output (q_a_layernorm input), [T]
-    Cached cqn;              // [T, rq] input of q_b_proj
+    Cached cqn;              // [T, rq] input of q_b_proj: recomputed in B, kept for W
     Tensor ckv, rstd_kv;     // [T, rkv + dr] kv_a_proj_with_mqa output, [T] kv_a_layernorm
-    Cached ckvn;             // [T, rkv] input of kv_b_proj
+    Cached ckvn;             // [T, rkv] input of kv_b_proj: recomputed in B, kept for W
     Cached o;                // [T, H*dv] attention output = o_proj input
     Tensor lse;              // [H, T]
     // Output gradients kept from B for W: the Linears' (as their Wgrads read them), the norms'.
@@ -84,6 +86,21 @@ class AttentionLayer final : public Layer {
     c_.be.copy_cols(kpe_heads.view(), 0, reshape(K.view(), {T * H_, dqk_}), dn_, dr_, false);
   }
 
+  // The RMSNorm outputs as the Linears read them, recomputed from the kept norm inputs: h (the
+  // layer's norm) and/or the latents' cqn and ckvn, as forward computed them (their rstd is
+  // written again, to a scratch tensor: the same values).
+  void recompute_norms(State& s, bool h, bool latents) {
+    const int64_t T = s.x.size(0);
+    const ScaleMode sm = c_.recipe.scale_mode;
+    Tensor rstd = c_.empty({T});
+    if (h) s.h = rmsnorm_linear_input(c_, norm_input(c_, s.x), *norm_, rstd, sm);
+    if (!latents) return;
+    if (q_a_) s.cqn = rmsnorm_linear_input(c_, s.cq, *q_a_norm_, rstd, sm);
+    Tensor ckv_c = c_.empty({T, rkv_});
+    c_.be.copy_cols(s.ckv.view(), 0, ckv_c.view(), 0, rkv_, false);
+    s.ckvn = rmsnorm_linear_input(c_, ckv_c, *kv_a_norm_, rstd, sm);
+  }
+
   // [T * H] i32: t for row t*H + h of a [T*H, *] per-head view (made once per token count).
   const Tensor& head_rows(int64_t T) {
     if (!head_rows_.defined() || head_rows_.size(0) != T * H_) {
@@ -98,9 +115,9 @@ class AttentionLayer final : public Layer {
     auto s = std::make_unique<State>();
     const int64_t T = x.size(0), D = x.size(1);
     const ScaleMode sm = c_.recipe.scale_mode;
-    s->x = x;
+    s->x = keep_residual(c_, x);
     s->rstd = c_.empty({T});
-    s->h = rmsnorm_linear_input(c_, x, *norm_, s->rstd, sm);
+    s->h = rmsnorm_linear_input(c_, norm_input(c_, s->x), *norm_, s->rstd, sm);
     if (q_a_) {
       const int64_t rq = q_a_->weight.size(0);
       s->cq = c_.empty({T, rq});
@@ -127,19 +144,19 @@ class AttentionLayer final : public Layer {
     linear_forward(c_, s->o, *o_, out, c_.recipe.linear);
     c_.be.axpy(1.0, x.view(), 1.0, out.view());  // the residual, into the sublayer output
     y = out;
+    s->h.reset();
+    s->cqn.reset();
+    s->ckvn.reset();
 
     auto& k = s->kept;
-    k.push_back(account_item(name_, "x", x.view()));
+    k.push_back(account_item(name_, "x", s->x.view()));
     k.push_back(account_item(name_, "rstd", s->rstd.view()));
-    s->h.account(k, name_, "norm_out");
     if (q_a_) {
       k.push_back(account_item(name_, "q_a_out", s->cq.view()));
       k.push_back(account_item(name_, "rstd_q", s->rstd_q.view()));
-      s->cqn.account(k, name_, "q_a_norm_out");
     }
     k.push_back(account_item(name_, "kv_a_out", s->ckv.view()));
     k.push_back(account_item(name_, "rstd_kv", s->rstd_kv.view()));
-    s->ckvn.account(k, name_, "kv_a_norm_out");
     s->o.account(k, name_, "attn_out");
     k.push_back(account_item(name_, "lse", s->lse.view()));
     return s;
@@ -151,6 +168,7 @@ class AttentionLayer final : public Layer {
     const LinearPrecision prec = c_.recipe.linear;
     Tensor dO = c_.empty({T, H_, dv_});
     s.dy = linear_backward_input(c_, dy, *o_, reshaped(dO, {T, H_ * dv_}), false, prec);
+    recompute_norms(s, /*h=*/!q_a_, /*latents=*/true);
     Tensor Q, K, V;
     build_qkv(b, s, Q, K, V);  // recomputation of the up-projections
     Tensor O = s.o.restore(c_);  // [T, H*dv]
@@ -196,12 +214,14 @@ class AttentionLayer final : public Layer {
     c_.be.copy_cols(dkpe2, 0, dckv.view(), rkv_, dr_, false);
     s.dckv = linear_backward_input(c_, dckv, *kv_a_, s.dh, true, prec);
     dx = clone(c_, dy.view());
-    c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(), TensorView(), true);
+    c_.be.rmsnorm_backward(norm_input(c_, s.x).view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(),
+                           TensorView(), true);
   }
 
   void backward_weight(const Batch&, Saved& saved) override {
     auto& s = static_cast<State&>(saved);
     const LinearPrecision prec = c_.recipe.linear;
+    if (!s.h.defined()) recompute_norms(s, /*h=*/true, /*latents=*/false);
     linear_backward_weight(c_, s.o, s.dy, *o_, prec);
     if (q_a_) {
       linear_backward_weight(c_, s.cqn, s.dq, *q_b_, prec);
@@ -218,7 +238,7 @@ class AttentionLayer final : public Layer {
     c_.be.rmsnorm_backward(ckv_c.view(), kv_a_norm_->weight.view(), s.rstd_kv.view(), s.dckvn.view(), TensorView(),
                            kv_a_norm_->grad.view(), false);
     linear_backward_weight(c_, s.h, s.dckv, *kv_a_, prec);
-    c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
+    c_.be.rmsnorm_backward(norm_input(c_, s.x).view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
                            norm_->grad.view(), false);
     s = State{};
   }

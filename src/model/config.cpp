@@ -226,7 +226,7 @@ double Recipe::cache_bytes_per_element(bool attn_out) const {
     case LinearPrecision::full: return double(dtype_size(act_dtype));
     case LinearPrecision::bf16: return 2.0;
     case LinearPrecision::fp8:
-      return double(dtype_size(attn_out ? attn_out_cache : DType::e4m3)) + 4.0 / 128.0 +
+      return double(dtype_bytes(attn_out ? attn_out_cache : DType::e4m3, 128)) / 128.0 + 4.0 / 128.0 +
              (f32_cache ? double(dtype_size(act_dtype)) : 0.0);
   }
   return 0;
@@ -239,6 +239,7 @@ Recipe Recipe::from_name(std::string_view name) {
     r.act_dtype = DType::f64;
     r.attn_out_cache = DType::f64;
     r.attn_compute = DType::f64;
+    r.residual_cache = DType::f64;
   } else if (name == "fp32") {
   } else if (name == "bf16") {
     r.linear = LinearPrecision::bf16;
@@ -248,6 +249,7 @@ Recipe Recipe::from_name(std::string_view name) {
     r.linear = LinearPrecision::fp8;
     r.head_bf16 = true;
     r.attn_out_cache = DType::e5m6;
+    r.residual_cache = DType::bf16;
     // NOTES: AccumMode::fp32 sums each 128-wide K group exactly in FP32 and promotes with the
     // scales: the report's promotion every N_c = 128, without the 14-bit truncation inside a group.
     if (name == "fp8-no-promotion") r.accum = AccumConfig{AccumMode::tensor_core, 14, 0};
@@ -255,6 +257,7 @@ Recipe Recipe::from_name(std::string_view name) {
     if (name == "fp8-f32-cache") {
       r.f32_cache = true;
       r.attn_out_cache = DType::e4m3;  // the exact copy serves the backward; the Fprop reads E4M3
+      r.residual_cache = DType::f32;
     }
   } else {
     std::string all;

@@ -365,6 +365,17 @@ std::vector<double> to_doubles(Ctx& c, const Tensor& t) {
   return out;
 }
 
+Tensor keep_residual(Ctx& c, const Tensor& x) {
+  return c.recipe.residual_cache == x.dtype() ? x : to_bf16(c, x.view());
+}
+
+Tensor norm_input(Ctx& c, const Tensor& kept) {
+  if (kept.dtype() == c.act()) return kept;
+  Tensor o = c.be.empty(c.act(), {kept.size(0), kept.size(1)});
+  c.be.convert(kept.view(), o.view());
+  return o;
+}
+
 void rmsnorm(Ctx& c, const Tensor& x, Parameter& w, const Tensor& y, const Tensor& rstd) {
   c.be.rmsnorm_forward(x.view(), w.weight.view(), y.view(), rstd.view(), c.cfg.rms_norm_eps);
 }

@@ -1,5 +1,6 @@
 // The analytic account of the bytes each layer keeps from forward to backward (report §3.2.3 and
-// §3.3.3), from the config and the recipe alone. It lists the same tensors, in the same formats,
+// §3.3.3), from the config and the recipe alone. RMSNorm outputs are not kept (the backward
+// recomputes them from the norms' inputs, which are). It lists the same tensors, in the same formats,
 // as the layers' forward records (Saved::kept), so tests can check one against the other; with FP8
 // the cached Linear inputs are padded to 128 tokens (the Wgrad's K) and carry 4-byte scales per 128,
 // and the routed experts cache their segments of the expert-sorted layout, each padded to 128 rows.
@@ -14,7 +15,7 @@ struct Acc {
   std::vector<MemoryItem>& items;
   std::string layer;
 
-  void plain(const std::string& name, DType dt, int64_t n) { items.push_back({layer, name, dt, n, n * int64_t(dtype_size(dt))}); }
+  void plain(const std::string& name, DType dt, int64_t n) { items.push_back({layer, name, dt, n, int64_t(dtype_bytes(dt, n))}); }
   void act(const std::string& name, int64_t n) { plain(name, r.act_dtype, n); }
   // A cached activation [T, K] (model::cache_activation).
   void cached(const std::string& name, int64_t T, int64_t K, bool pad, DType qdtype = DType::e4m3) {
@@ -52,46 +53,42 @@ MemoryAccount predict_memory(const ModelConfig& c, const Recipe& r, int64_t T,
     }
     {
       Acc a{r, m.items, L + ".attn"};
-      a.act("x", T * D);
+      a.plain("x", r.residual_cache, T * D);
       a.act("rstd", T);
-      a.cached("norm_out", T, D, true);
       if (c.q_lora_rank > 0) {
         a.act("q_a_out", T * c.q_lora_rank);
         a.act("rstd_q", T);
-        a.cached("q_a_norm_out", T, c.q_lora_rank, true);
       }
       a.act("kv_a_out", T * (c.kv_lora_rank + c.qk_rope_head_dim));
       a.act("rstd_kv", T);
-      a.cached("kv_a_norm_out", T, c.kv_lora_rank, true);
       a.cached("attn_out", T, H * c.v_head_dim, true, r.attn_out_cache);
       a.act("lse", H * T);
     }
     if (!c.is_moe_layer(l)) {
       Acc a{r, m.items, L + ".mlp"};
-      a.act("x", T * D);
+      a.plain("x", r.residual_cache, T * D);
       a.act("rstd", T);
-      a.cached("norm_out", T, D, true);
       a.cached("gate_out", T, c.intermediate_size, false);
       a.cached("up_out", T, c.intermediate_size, false);
       continue;
     }
     Acc a{r, m.items, L + ".moe"};
-    a.act("x", T * D);
+    a.plain("x", r.residual_cache, T * D);
     a.act("rstd", T);
     if (c.n_shared_experts > 0) {
       const int64_t F = c.n_shared_experts * c.moe_intermediate_size;
-      a.cached("norm_out", T, D, true);
       a.cached("shared.gate_out", T, F, false);
       a.cached("shared.up_out", T, F, false);
     }
     a.act("scores", T * E);
     a.plain("topk_idx", DType::i32, T * K);
     a.act("topk_w", T * K);
-    // The expert-sorted layout: row_slot [R], slot_row [T, K], row_group [R].
+    // The expert-sorted layout: row_slot [R], slot_row [T, K], row_group [R], offsets [E + 1].
     const int64_t R = moe_layout_rows(T * K, E, 128);
     a.plain("layout", DType::i32, R);
     a.plain("layout", DType::i32, T * K);
     a.plain("layout", DType::i32, R);
+    a.plain("layout", DType::i32, E + 1);
     // Balanced routing unless the observed loads are given; each expert's segment padded to 128.
     const auto load = [&](int64_t e) {
       return loads ? (*loads)[size_t(moe_index)][size_t(e)] : (T * K) / E + (e < (T * K) % E ? 1 : 0);

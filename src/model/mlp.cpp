@@ -109,24 +109,25 @@ class MlpLayer final : public Layer {
   std::string name() const override { return name_; }
 
   struct State : Saved {
-    Tensor x, rstd;  // [T, D] layer input (the norm is recomputed from it), [T]
-    MlpState mlp;
+    Tensor x, rstd;  // [T, D] layer input (Recipe::residual_cache; the norm is recomputed from it for W), [T]
+    MlpState mlp;    // mlp.in: the norm output, not kept from forward to backward
     Tensor dh;  // [T, D] gradient of the norm output, kept from B for W
   };
 
   std::unique_ptr<Saved> forward(const Batch&, const Tensor& x, Tensor& y) override {
     auto s = std::make_unique<State>();
     const int64_t T = x.size(0), D = x.size(1);
-    s->x = x;
+    s->x = keep_residual(c_, x);
     s->rstd = c_.empty({T});
-    s->mlp.in = rmsnorm_linear_input(c_, x, *norm_, s->rstd, c_.recipe.scale_mode);
+    s->mlp.in = rmsnorm_linear_input(c_, norm_input(c_, s->x), *norm_, s->rstd, c_.recipe.scale_mode);
     Tensor out = c_.empty({T, D});
     mlp_forward(c_, p_, s->mlp, out, c_.recipe.scale_mode);
     c_.be.axpy(1.0, x.view(), 1.0, out.view());  // the residual, into the sublayer output
     y = out;
-    s->kept.push_back(account_item(name_, "x", x.view()));
+    s->mlp.in.reset();
+    s->mlp.in.rows = T;
+    s->kept.push_back(account_item(name_, "x", s->x.view()));
     s->kept.push_back(account_item(name_, "rstd", s->rstd.view()));
-    s->mlp.in.account(s->kept, name_, "norm_out");
     s->mlp.account(s->kept, name_, "");
     return s;
   }
@@ -137,14 +138,19 @@ class MlpLayer final : public Layer {
     s.dh = c_.empty({T, D});  // written by the gate's Dgrad (accumulate = false), then the up's adds
     mlp_backward_input(c_, p_, s.mlp, dy, s.dh, false, c_.recipe.scale_mode);
     dx = clone(c_, dy.view());
-    c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(), TensorView(),
+    c_.be.rmsnorm_backward(norm_input(c_, s.x).view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(),
+                           TensorView(),
                            true);
   }
 
   void backward_weight(const Batch&, Saved& saved) override {
     auto& s = static_cast<State&>(saved);
+    // The gate and up Wgrads' input: the norm recomputed as forward ran it (rstd again, the same).
+    Tensor rstd = c_.empty({s.x.size(0)});
+    const Tensor xn = norm_input(c_, s.x);
+    s.mlp.in = rmsnorm_linear_input(c_, xn, *norm_, rstd, c_.recipe.scale_mode);
     mlp_backward_weight(c_, p_, s.mlp);
-    c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
+    c_.be.rmsnorm_backward(xn.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
                            norm_->grad.view(), false);
     s = State{};
   }

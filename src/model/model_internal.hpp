@@ -143,6 +143,11 @@ Tensor to_backend(Ctx& c, const Tensor& host);
 Tensor act_vector(Ctx& c, const std::vector<double>& v);  // [n] act dtype on the backend
 std::vector<double> to_doubles(Ctx& c, const Tensor& t);   // any float tensor, via the host
 
+// A sublayer's input x [T, D] as it keeps it for its RMSNorm (Recipe::residual_cache): x itself, or
+// x in BF16; and the norm's input from it, in the activation dtype (x itself, or bf16(x) widened).
+Tensor keep_residual(Ctx& c, const Tensor& x);
+Tensor norm_input(Ctx& c, const Tensor& kept);
+
 // RMSNorm helpers: y = norm(x), rstd out.
 void rmsnorm(Ctx& c, const Tensor& x, Parameter& w, const Tensor& y, const Tensor& rstd);
 // linear_input(rmsnorm(x)) for a norm whose output only feeds Linears: one pass in the FP8

@@ -59,7 +59,6 @@ class MoeLayer final : public Layer {
 
   struct State : Saved {
     Tensor x, rstd;              // [T, D], [T]
-    Cached h;                    // [T, D] shared expert input (the norm output)
     Tensor scores, idx, w;       // [T, E] act, [T, k] i32, [T, k] act
     Tensor scores_h, idx_h;      // host copies (balance loss)
     MlpState shared;
@@ -78,15 +77,16 @@ class MoeLayer final : public Layer {
     const auto& cfg = c_.cfg;
     const int64_t T = x.size(0), D = x.size(1), E = cfg.n_routed_experts, K = cfg.num_experts_per_tok;
     const ScaleMode pow2 = c_.recipe.pow2_mode;
-    s->x = x;
+    s->x = keep_residual(c_, x);
     s->rstd = c_.empty({T});
     Tensor h = c_.empty({T, D});
-    rmsnorm(c_, x, *norm_, h, s->rstd);
+    rmsnorm(c_, norm_input(c_, s->x), *norm_, h, s->rstd);
     if (shared_.gate) {
       s->shared.in = linear_input(c_, h.view(), pow2);
-      s->h = s->shared.in;
       y = c_.empty({T, D});
       mlp_forward(c_, shared_, s->shared, y, pow2);
+      s->shared.in.reset();  // the norm output: recomputed for W
+      s->shared.in.rows = T;
       c_.be.axpy(1.0, x.view(), 1.0, y.view());  // the residual, into the shared expert's output
     } else {
       y = clone(c_, x.view());
@@ -130,9 +130,8 @@ class MoeLayer final : public Layer {
     s->aux = balance_loss(b, *s, nullptr);
 
     auto& k = s->kept;
-    k.push_back(account_item(name_, "x", x.view()));
+    k.push_back(account_item(name_, "x", s->x.view()));
     k.push_back(account_item(name_, "rstd", s->rstd.view()));
-    s->h.account(k, name_, "norm_out");
     s->shared.account(k, name_, "shared.");
     k.push_back(account_item(name_, "scores", s->scores.view()));
     k.push_back(account_item(name_, "topk_idx", s->idx.view()));
@@ -189,21 +188,27 @@ class MoeLayer final : public Layer {
                              s.dlogits.view(), cfg.norm_topk_prob, cfg.routed_scaling_factor);
     c_.be.gemm(s.dlogits.view(), gate_->weight.view(), s.dh.view(), false, false, true);
     dx = clone(c_, dy.view());
-    c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(), TensorView(), true);
+    c_.be.rmsnorm_backward(norm_input(c_, s.x).view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(),
+                           TensorView(), true);
   }
 
   void backward_weight(const Batch&, Saved& saved) override {
     auto& s = static_cast<State&>(saved);
-    if (shared_.gate) mlp_backward_weight(c_, shared_, s.shared);
+    // The norm output is not kept from forward: recomputed here, as forward ran it, for the gate's
+    // Wgrad (in full precision) and the shared expert's (its Linear input).
+    const int64_t T = s.x.size(0), D = s.x.size(1);
+    Tensor h = c_.empty({T, D}), rstd = c_.empty({T});
+    const Tensor xn = norm_input(c_, s.x);
+    rmsnorm(c_, xn, *norm_, h, rstd);
+    if (shared_.gate) {
+      s.shared.in = linear_input(c_, h.view(), c_.recipe.pow2_mode);
+      mlp_backward_weight(c_, shared_, s.shared);
+    }
     if (grouped_) mlp_backward_weight(c_, grouped_params(s), s.experts);
     for (size_t e = 0; e < s.expert.size(); ++e)
       if (s.expert[e].in.defined()) mlp_backward_weight(c_, experts_[e], s.expert[e]);
-    // The gate's Wgrad needs h in full precision: recompute the norm.
-    const int64_t T = s.x.size(0), D = s.x.size(1);
-    Tensor h = c_.empty({T, D}), rstd = c_.empty({T});
-    rmsnorm(c_, s.x, *norm_, h, rstd);
     c_.be.gemm(s.dlogits.view(), h.view(), gate_->grad.view(), true, false, true);
-    c_.be.rmsnorm_backward(s.x.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
+    c_.be.rmsnorm_backward(xn.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
                            norm_->grad.view(), false);
     const double aux = s.aux;
     auto loads = std::move(s.loads);
@@ -249,7 +254,8 @@ class MoeLayer final : public Layer {
     s.row_slot = prefix_rows(row_slot, used);
     s.groups.row_group = prefix_rows(row_group, used);
     s.layout_kept = {account_item(name_, "layout", row_slot.view()), account_item(name_, "layout", s.slot_row.view()),
-                     account_item(name_, "layout", row_group.view())};
+                     account_item(name_, "layout", row_group.view()),
+                     account_item(name_, "layout", s.groups.offsets.view())};
   }
 
   MlpParams grouped_params(const State& s) const {

@@ -62,6 +62,18 @@ float e5m2_decode(uint8_t code) { return kE5M2Table.v[code]; }
 uint16_t e5m6_encode(float x, Saturate sat) { return uint16_t(minifloat_encode(kE5M6, x, sat)); }
 float e5m6_decode(uint16_t code) { return kE5M6Table.v[code & 0xFFF]; }
 
+void e5m6_pack(const uint16_t* codes, int64_t n, uint8_t* packed) {
+  for (int64_t j = 0; j + 1 < n; j += 2) e5m6_pack2(codes[j] & 0xFFF, codes[j + 1] & 0xFFF, packed + j / 2 * 3);
+  if (n % 2) {  // the odd last value: two bytes, upper nibble zero
+    packed[(n - 1) / 2 * 3] = uint8_t(codes[n - 1]);
+    packed[(n - 1) / 2 * 3 + 1] = uint8_t((codes[n - 1] >> 8) & 0xF);
+  }
+}
+
+void e5m6_unpack(const uint8_t* packed, int64_t n, uint16_t* codes) {
+  for (int64_t i = 0; i < n; ++i) codes[i] = e5m6_load(packed, i);
+}
+
 uint16_t bf16_encode(float x, Saturate sat) {
   uint32_t u = std::bit_cast<uint32_t>(x);
   if (std::isnan(x)) return uint16_t((u >> 16) & 0x8000) | 0x7FFF;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "fp8moe/codecs.hpp"
+#include "fp8moe/minifloat_encode.hpp"
 
 namespace fp8moe {
 
@@ -34,7 +35,7 @@ float decode_value(DType dtype, const void* data, int64_t i) {
   switch (dtype) {
     case DType::e4m3: return e4m3_decode(static_cast<const uint8_t*>(data)[i]);
     case DType::e5m2: return e5m2_decode(static_cast<const uint8_t*>(data)[i]);
-    case DType::e5m6: return e5m6_decode(static_cast<const uint16_t*>(data)[i]);
+    case DType::e5m6: return e5m6_decode(e5m6_load(static_cast<const uint8_t*>(data), i));
     default: break;
   }
   FP8MOE_CHECK(false, "decode_value: " << dtype_name(dtype) << " is not a quantized dtype");
@@ -44,7 +45,7 @@ static void encode_value(DType dtype, void* data, int64_t i, float v) {
   switch (dtype) {
     case DType::e4m3: static_cast<uint8_t*>(data)[i] = e4m3_encode(v); return;
     case DType::e5m2: static_cast<uint8_t*>(data)[i] = e5m2_encode(v); return;
-    case DType::e5m6: static_cast<uint16_t*>(data)[i] = e5m6_encode(v); return;
+    case DType::e5m6: e5m6_store(static_cast<uint8_t*>(data), i, e5m6_encode(v)); return;
     default: break;
   }
 }
@@ -123,6 +124,10 @@ static std::vector<float> materialize(Get get, const char* arg, int64_t R, int64
   return buf;
 }
 
+// Packed E5M6 keeps two values per three bytes: with an odd row length a pair spans two rows (or
+// two tiles), and two threads writing its halves would race on the shared byte.
+static bool pairs_straddle(DType dtype, int64_t cols) { return dtype == DType::e5m6 && cols % 2 != 0; }
+
 // Quantizes the tile rows [r0, r1) x cols [c0, c1) of `get(r, c)` with one scale; returns it.
 template <class Get>
 static float quantize_tile(Get get, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
@@ -145,7 +150,7 @@ static void quantize_rows_1x128(Get get, const char* arg, const QuantizedView& o
   const std::vector<float> src = materialize(get, arg, R, C);
   auto at = [&](int64_t r, int64_t c) { return src[size_t(r * C + c)]; };
   float* scales = out.scales.ptr<float>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (!pairs_straddle(out.values.dtype, C))
   for (int64_t r = 0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g)
       scales[g * ld + r] = quantize_tile(at, r, r + 1, g * kQuantGroup,
@@ -170,7 +175,7 @@ void quantize_128x128(const TensorView& w, const QuantizedView& out, ScaleMode m
   const std::vector<float> src = materialize([&](int64_t r, int64_t c) { return load_float(w, r * C + c); }, "w", R, C);
   auto at = [&](int64_t r, int64_t c) { return src[size_t(r * C + c)]; };
   float* scales = out.scales.ptr<float>();
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static) if (!pairs_straddle(out.values.dtype, C))
   for (int64_t br = 0; br < BR; ++br)
     for (int64_t bc = 0; bc < BC; ++bc)
       scales[br * BC + bc] =

@@ -1,7 +1,11 @@
-// Every op x every available backend against the CPU backend (the specification), on shapes that
-// are not multiples of the tiles, with outputs poisoned before the run. Quantizers must match
-// bit for bit; GEMMs within FP32 accumulation-order rounding. A backend that does not support an op
-// reports it and is skipped for that op. Filter with --gtest_filter=*cuda*, *gemm_fp8*, ...
+// Every op x every available backend against references written apart from the CPU backend (so
+// that the CPU backend's own cases test something): the quantizers against an oracle that spells
+// out the scale rule of quantize.hpp and picks each code as the nearest decoded value of the format
+// (not the codecs' integer encoder), dequantization against the decoded codes times the scales,
+// the GEMMs against the FP64 product of their operands; fused ops against the unfused path and the
+// CPU's. Shapes are not multiples of the tiles, outputs poisoned before the run. Quantizers must
+// match bit for bit; GEMMs within FP32 accumulation-order rounding. A backend that does not support
+// an op reports it and is skipped for that op. Filter with --gtest_filter=*cuda*, *gemm_fp8*, ...
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,6 +14,8 @@
 #include <random>
 
 #include "fp8moe/backend.hpp"
+#include "fp8moe/codecs.hpp"
+#include "fp8moe/minifloat_encode.hpp"
 #include "testing.hpp"
 
 using namespace fp8moe;
@@ -72,6 +78,117 @@ QuantizedTensor poisoned_quantized(Backend& be, int64_t rows, int64_t cols, DTyp
   return q;
 }
 
+// ---- The independent quantizer (the oracle). A tile's scale: amax / max in float, rounded up to
+// a power of two with frexp in pow2 mode, at least FLT_MIN, 1 for an all-zero tile; the reciprocal
+// 1 / s once per tile and v = x * (1 / s) in float, as quantize.hpp specifies; the code: the
+// nearest finite value of the format by binary search over its decoded values, ties to the even
+// code, saturating at the largest, the sign copied.
+class NearestCode {
+ public:
+  explicit NearestCode(DType dt) : dt_(dt), f_(format_of(dt)) {
+    const uint32_t sign = 1u << (f_.exp_bits + f_.man_bits);
+    for (uint32_t c = 0; c < sign; ++c) {
+      const double v = minifloat_decode(f_, c);
+      if (std::isfinite(v)) vals_.push_back({v, c});
+    }
+    std::sort(vals_.begin(), vals_.end());
+    sign_ = sign;
+  }
+  uint32_t operator()(float v) const {
+    const double a = std::fabs(double(v));
+    auto hi = std::lower_bound(vals_.begin(), vals_.end(), std::pair{a, 0u});
+    uint32_t code;
+    if (hi == vals_.end()) {
+      code = vals_.back().second;  // beyond the largest: saturate
+    } else if (hi == vals_.begin() || hi->first == a) {
+      code = hi->second;
+    } else {
+      const auto lo = hi - 1;
+      const double dl = a - lo->first, dh = hi->first - a;
+      code = dl < dh ? lo->second : dh < dl ? hi->second : (lo->second % 2 == 0 ? lo->second : hi->second);
+    }
+    return std::signbit(v) ? code | sign_ : code;
+  }
+  DType dtype() const { return dt_; }
+
+ private:
+  DType dt_;
+  MiniFloatFormat f_;
+  uint32_t sign_ = 0;
+  std::vector<std::pair<double, uint32_t>> vals_;
+};
+
+float oracle_scale(float amax, DType dt, ScaleMode mode) {
+  if (amax == 0) return 1.0f;
+  float s = amax / float(max_finite(dt));
+  if (mode == ScaleMode::pow2) {
+    int e;
+    const float m = std::frexp(s, &e);
+    if (m != 0.5f) s = std::ldexp(1.0f, e);
+  }
+  return std::max(s, std::numeric_limits<float>::min());
+}
+
+void put_code(const QuantizedView& q, int64_t i, uint32_t code) {
+  if (q.values.dtype == DType::e5m6) e5m6_store(q.values.ptr<uint8_t>(), i, uint16_t(code));
+  else q.values.ptr<uint8_t>()[i] = uint8_t(code);
+}
+
+// out [R, C] host (1x128 or 128x128, out.kind) from get(r, c).
+template <class Get>
+void oracle_quantize(Get get, const QuantizedView& out, ScaleMode mode) {
+  const NearestCode nearest(out.values.dtype);
+  const int64_t R = out.rows(), C = out.cols(), br = out.kind == ScaleKind::tile_1x128 ? 1 : kQuantGroup;
+  float* sc = out.scales.ptr<float>();
+  for (int64_t r0 = 0; r0 < R; r0 += br)
+    for (int64_t c0 = 0; c0 < C; c0 += kQuantGroup) {
+      const int64_t r1 = std::min(R, r0 + br), c1 = std::min(C, c0 + kQuantGroup);
+      float amax = 0;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(get(r, c)));
+      const float s = oracle_scale(amax, out.values.dtype, mode), inv = 1.0f / s;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) put_code(out, r * C + c, nearest(get(r, c) * inv));
+      if (out.kind == ScaleKind::tile_1x128) sc[(c0 / kQuantGroup) * out.scales.size(1) + r0] = s;
+      else sc[(r0 / kQuantGroup) * out.scales.size(1) + c0 / kQuantGroup] = s;
+    }
+  if (out.kind == ScaleKind::tile_1x128)  // scale padding rows
+    for (int64_t g = 0; g < out.scales.size(0); ++g)
+      for (int64_t r = R; r < out.scales.size(1); ++r) sc[g * out.scales.size(1) + r] = 1.0f;
+}
+void oracle_1x128(const Tensor& x, const QuantizedView& out, ScaleMode mode) {
+  const int64_t C = x.size(1);
+  oracle_quantize([&](int64_t r, int64_t c) { return load_float(x.view(), r * C + c); }, out, mode);
+}
+void oracle_128x1(const Tensor& x, const QuantizedView& out, ScaleMode mode) {  // out [C, T] = x^T tiles
+  const int64_t C = x.size(1);
+  oracle_quantize([&](int64_t c, int64_t t) { return load_float(x.view(), t * C + c); }, out, mode);
+}
+void oracle_128x128(const Tensor& w, const QuantizedView& out, ScaleMode mode) { oracle_1x128(w, out, mode); }
+// The decoded code times its scale (an FP32 product), from the format's definition.
+float oracle_value(const QuantizedView& q, int64_t r, int64_t c) {
+  const int64_t i = r * q.cols() + c;
+  const uint32_t code = q.values.dtype == DType::e5m6 ? e5m6_load(q.values.ptr<const uint8_t>(), i)
+                                                      : q.values.ptr<const uint8_t>()[i];
+  return float(minifloat_decode(format_of(q.values.dtype), code)) * q.scale_at(r, c);
+}
+void oracle_dequantize(const QuantizedView& q, const Tensor& out) {
+  for (int64_t r = 0; r < q.rows(); ++r)
+    for (int64_t c = 0; c < q.cols(); ++c) store_float(out.view(), r * q.cols() + c, oracle_value(q, r, c));
+}
+// D [M, N] = A B^T in FP64 from element accessors.
+template <class A, class B>
+std::vector<double> fp64_product(A a, B b, int64_t M, int64_t N, int64_t K) {
+  std::vector<double> d(size_t(M * N));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += double(a(m, k)) * double(b(n, k));
+      d[size_t(m * N + n)] = s;
+    }
+  return d;
+}
+
 // got's values and scales (on `be`) equal want's byte for byte (want on the host or on `be`).
 void expect_same_quantized(Backend& be, const QuantizedTensor& got, const QuantizedTensor& want, const std::string& what) {
   const bool host = want.values.view().device == Device::cpu;
@@ -80,13 +197,13 @@ void expect_same_quantized(Backend& be, const QuantizedTensor& got, const Quanti
   expect_same_bytes(be, got.scales, host ? want.scales : be.to_host(want.scales), (pre + "scales").c_str());
 }
 
-// dequantize of q (a host tensor) into `out` values on `be`, against the CPU's byte for byte.
-void check_dequantize(Backend& cpu, Backend& be, const QuantizedTensor& q, DType out, const char* what) {
+// dequantize of q (a host tensor) into `out` values on `be`, against the oracle byte for byte.
+void check_dequantize(Backend& be, const QuantizedTensor& q, DType out, const char* what) {
   const int64_t R = q.values.size(0), C = q.values.size(1);
   Tensor want = Tensor::host(out, {R, C});
   Tensor got = be.zeros(out, {R, C});
   poison(be, got);
-  cpu.dequantize(q, want);
+  oracle_dequantize(q, want);
   be.dequantize(upload(be, q), got);
   expect_same_bytes(be, got, want, what);
 }
@@ -184,11 +301,11 @@ void check_swiglu_forward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, i
   for (int64_t c = last; c < F; ++c) u.view().ptr<float>()[2 * F + c] = 0;         // row 2, last tile of up
   auto q = [](int64_t rows, int64_t cols) { return make_quantized_host(rows, cols, DType::e4m3, ScaleKind::tile_1x128); };
   QuantizedTensor gq_want = q(T, F), uq_want = q(T, F), out_want = q(R, F);
-  cpu.quantize_1x128(g, gq_want, mode);
-  cpu.quantize_1x128(u, uq_want, mode);
+  oracle_1x128(g, gq_want, mode);
+  oracle_1x128(u, uq_want, mode);
   Tensor a = cpu.zeros(DType::f32, {R, F});
   cpu.swiglu_forward(g, u, TensorView(a.view().data, DType::f32, {T, F}));
-  cpu.quantize_1x128(a, out_want, mode);
+  oracle_1x128(a, out_want, mode);
 
   const Tensor gb = upload(be, g), ub = upload(be, u);
   auto fresh = [&](int64_t rows) { return poisoned_quantized(be, rows, F, DType::e4m3, ScaleKind::tile_1x128); };
@@ -206,7 +323,7 @@ void check_swiglu_forward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, i
   } else {
     Tensor got_d = be.zeros(DType::f32, {R, F}), want_d = Tensor::host(DType::f32, {R, F});
     be.dequantize(out, got_d);
-    cpu.dequantize(out_want, want_d);
+    oracle_dequantize(out_want, want_d);
     expect_close(be, got_d, want_d, 0.13, 1e-5, "out (dequantized)");
   }
 }
@@ -229,8 +346,8 @@ void check_rmsnorm_forward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, 
     std::memset(y.view().data, 0, y.view().nbytes());
     cpu.rmsnorm_forward(x, w, TensorView(y.view().data, DType::f32, {T, D}), r2, kEps);
     QuantizedTensor q2 = make_quantized_host(R, D, DType::e4m3, ScaleKind::tile_1x128);
-    cpu.quantize_1x128(y, q2, mode);
-    expect_same_quantized(cpu, want, q2, "cpu vs unfused");
+    oracle_1x128(y, q2, mode);
+    expect_same_quantized(cpu, want, q2, "cpu vs the oracle on its norm");
   }
   const Tensor xb = upload(be, x), wb = upload(be, w);
   auto fresh = [&] {
@@ -247,21 +364,21 @@ void check_rmsnorm_forward_fp8(Backend& cpu, Backend& be, std::mt19937_64& rng, 
   expect_close(be, rstd, rstd_want, 1e-6, 0, "rstd");
   Tensor got_d = be.zeros(DType::f32, {R, D}), want_d = Tensor::host(DType::f32, {R, D});
   be.dequantize(got, got_d);
-  cpu.dequantize(want, want_d);
+  oracle_dequantize(want, want_d);
   expect_close(be, got_d, want_d, 0.13, 1e-5, "out (dequantized)");
 }
 
-// quantize_1x128_and_128x1 of x [T, C] against the CPU's quantize_1x128 and quantize_128x1, bit for
+// quantize_1x128_and_128x1 of x [T, C] against the oracle's 1x128 and 128x1 quantizations, bit for
 // bit (values, scales, scale padding), outputs poisoned; through the op and through the Backend
 // default (the two ops) on the same backend.
-void check_1x128_and_128x1(Backend& cpu, Backend& be, const Tensor& x, DType rows_dt, DType cols_dt, ScaleMode mode) {
+void check_1x128_and_128x1(Backend& be, const Tensor& x, DType rows_dt, DType cols_dt, ScaleMode mode) {
   const int64_t T = x.size(0), C = x.size(1);
   SCOPED_TRACE(::testing::Message() << "x " << x.view().str() << " rows " << dtype_name(rows_dt) << " cols "
                                     << dtype_name(cols_dt) << (mode == ScaleMode::pow2 ? " pow2" : " fp32"));
   auto want_rows = make_quantized_host(T, C, rows_dt, ScaleKind::tile_1x128);
   auto want_cols = make_quantized_host(C, T, cols_dt, ScaleKind::tile_1x128);
-  cpu.quantize_1x128(x, want_rows, mode);
-  cpu.quantize_128x1(x, want_cols, mode);
+  oracle_1x128(x, want_rows, mode);
+  oracle_128x1(x, want_cols, mode);
   const Tensor dx = upload(be, x);
   for (bool fallback : {false, true}) {
     SCOPED_TRACE(fallback ? "Backend default" : "op");
@@ -299,10 +416,10 @@ TEST_P(BackendOps, MatchesCpu) {
         auto got = poisoned_quantized(*be, t ? K : M, t ? M : K, qt, ScaleKind::tile_1x128);
         Tensor dx = upload(*be, x);
         if (t) {
-          cpu->quantize_128x1(x, want, mode);
+          oracle_128x1(x, want, mode);
           be->quantize_128x1(dx, got, mode);
         } else {
-          cpu->quantize_1x128(x, want, mode);
+          oracle_1x128(x, want, mode);
           be->quantize_1x128(dx, got, mode);
         }
         expect_same_quantized(*be, got, want, "");
@@ -324,16 +441,16 @@ TEST_P(BackendOps, MatchesCpu) {
         // x [200, 384] bf16 and [200, 136] f32: T off 128 (and 16), C off 128 in the second; one
         // output dtype, two, and E5M6 rows (which only the 1x128 quantizer writes).
         const Tensor xf = random_normal(rng, DType::f32, {M, N}, 2.0f);
-        check_1x128_and_128x1(*cpu, *be, x, DType::e4m3, DType::e4m3, mode);
-        check_1x128_and_128x1(*cpu, *be, xf, DType::e5m2, DType::e5m2, mode);
-        check_1x128_and_128x1(*cpu, *be, xf, DType::e5m2, DType::e4m3, mode);
-        check_1x128_and_128x1(*cpu, *be, x, DType::e5m6, DType::e4m3, mode);
+        check_1x128_and_128x1(*be, x, DType::e4m3, DType::e4m3, mode);
+        check_1x128_and_128x1(*be, xf, DType::e5m2, DType::e5m2, mode);
+        check_1x128_and_128x1(*be, xf, DType::e5m2, DType::e4m3, mode);
+        check_1x128_and_128x1(*be, x, DType::e5m6, DType::e4m3, mode);
         break;
       }
       case Op::quantize_128x128: {
         auto want = make_quantized_host(N, K, DType::e4m3, ScaleKind::block_128x128);
         auto got = poisoned_quantized(*be, N, K, DType::e4m3, ScaleKind::block_128x128);
-        cpu->quantize_128x128(w, want, mode);
+        oracle_128x128(w, want, mode);
         be->quantize_128x128(upload(*be, w), got, mode);
         expect_same_quantized(*be, got, want, "");
         break;
@@ -343,7 +460,7 @@ TEST_P(BackendOps, MatchesCpu) {
         cpu->quantize_1x128(x, cached, mode);
         auto want = make_quantized_host(K, M, DType::e4m3, ScaleKind::tile_1x128);
         auto got = poisoned_quantized(*be, K, M, DType::e4m3, ScaleKind::tile_1x128);
-        cpu->requantize_128x1(cached, want, mode);
+        oracle_quantize([&](int64_t k, int64_t t) { return oracle_value(cached, t, k); }, want, mode);
         be->requantize_128x1(upload(*be, cached), got, mode);
         expect_same_quantized(*be, got, want, "");
         break;
@@ -355,7 +472,11 @@ TEST_P(BackendOps, MatchesCpu) {
         cpu->quantize_128x128(ws, q, mode);
         auto want = make_quantized_host(G * C, R, DType::e4m3, ScaleKind::block_128x128);
         auto got = poisoned_quantized(*be, G * C, R, DType::e4m3, ScaleKind::block_128x128);
-        cpu->transpose_128x128(q, want, G);
+        // Bit-identical to quantizing each group's transpose (the op's contract).
+        oracle_quantize([&](int64_t r, int64_t c) {
+          const int64_t g = r / C;
+          return load_float(ws.view(), (g * R + c) * C + r % C);
+        }, want, mode);
         be->transpose_128x128(upload(*be, q), got, G);
         expect_same_quantized(*be, got, want, "");
         break;
@@ -363,7 +484,7 @@ TEST_P(BackendOps, MatchesCpu) {
       case Op::dequantize: {
         auto q = make_quantized_host(M, K, mode == ScaleMode::pow2 ? DType::e5m6 : DType::e4m3, ScaleKind::tile_1x128);
         cpu->quantize_1x128(x, q, mode);
-        check_dequantize(*cpu, *be, q, DType::f32, "dequantized");
+        check_dequantize(*be, q, DType::f32, "dequantized");
         if (mode == ScaleMode::pow2) {
           // E5M6 off the kernels' vector paths: f32 in, 130 columns (C % 8 != 0, a partial group), bf16 out.
           const int64_t C = 130;
@@ -373,7 +494,7 @@ TEST_P(BackendOps, MatchesCpu) {
           cpu->quantize_1x128(xo, q2, mode);
           be->quantize_1x128(upload(*be, xo), g2, mode);
           expect_same_quantized(*be, g2, q2, "e5m6, 130 columns,");
-          check_dequantize(*cpu, *be, q2, DType::bf16, "e5m6 dequantized to bf16, 130 columns");
+          check_dequantize(*be, q2, DType::bf16, "e5m6 dequantized to bf16, 130 columns");
         }
         break;
       }
@@ -383,15 +504,19 @@ TEST_P(BackendOps, MatchesCpu) {
         cpu->quantize_1x128(x, qa, mode);
         cpu->quantize_128x128(w, qb, mode);
         for (DType out : {DType::f32, DType::bf16}) {
-          Tensor want = Tensor::host(out, {M, N});
           Tensor got = be->zeros(out, {M, N});
           poison(*be, got);
-          cpu->gemm_fp8(qa, qb, want, {});
           be->gemm_fp8(upload(*be, qa), upload(*be, qb), got, {});
-          std::vector<double> g = to_doubles(be->to_host(got)), wv = to_doubles(want);
+          Tensor ad = Tensor::host(DType::f32, {M, K}), bd = Tensor::host(DType::f32, {N, K});
+          oracle_dequantize(qa, ad);
+          oracle_dequantize(qb, bd);
+          const std::vector<double> wv = fp64_product([&](int64_t m, int64_t k) { return ad.ptr<float>()[m * K + k]; },
+                                                      [&](int64_t n, int64_t k) { return bd.ptr<float>()[n * K + k]; }, M, N, K);
+          std::vector<double> g = to_doubles(be->to_host(got));
           for (double v : g) ASSERT_TRUE(std::isfinite(v)) << "unwritten or non-finite output";
-          // The CPU sums each 128-wide K block in FP32; Tensor Cores keep fewer bits inside a block
-          // (about 1e-4 relative on random data), so a GPU is held to that.
+          // The CPU sums each 128-wide K block in FP32 (FP32 rounding of the FP64 product); Tensor
+          // Cores keep fewer bits inside a block (about 1e-4 relative on random data), so a GPU is
+          // held to that.
           const double tol = be->device() == Device::cpu ? 1e-5 : 5e-4;
           EXPECT_LT(rel_error(g, wv), out == DType::f32 ? tol : 8e-3) << dtype_name(out);
         }
@@ -406,12 +531,12 @@ TEST_P(BackendOps, MatchesCpu) {
         break;
       }
       case Op::gemm_bf16: {
-        Tensor want = Tensor::host(DType::f32, {M, N});
         Tensor got = be->zeros(DType::f32, {M, N});
         poison(*be, got);
-        cpu->gemm_bf16(x, w, want, false);
         be->gemm_bf16(upload(*be, x), upload(*be, w), got, false);
-        std::vector<double> g = to_doubles(be->to_host(got)), wv = to_doubles(want);
+        const std::vector<double> wv = fp64_product([&](int64_t m, int64_t k) { return load_float(x.view(), m * K + k); },
+                                                    [&](int64_t n, int64_t k) { return load_float(w.view(), n * K + k); }, M, N, K);
+        std::vector<double> g = to_doubles(be->to_host(got));
         for (double v : g) ASSERT_TRUE(std::isfinite(v));
         EXPECT_LT(rel_error(g, wv), 1e-5);
         return;  // no scale mode

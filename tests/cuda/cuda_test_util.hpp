@@ -12,6 +12,7 @@
 #include "cuda/kernel_api.hpp"
 #include "fp8moe/backend.hpp"
 #include "fp8moe/codecs.hpp"
+#include "fp8moe/minifloat_encode.hpp"
 #include "testing.hpp"
 
 #define FP8MOE_REQUIRE_GPU()                                                         \
@@ -82,6 +83,11 @@ inline int64_t first_mismatch(const Tensor& x, const Tensor& y) {
   const size_t es = dtype_size(x.dtype());
   const auto* a = static_cast<const uint8_t*>(x.view().data);
   const auto* b = static_cast<const uint8_t*>(y.view().data);
+  if (x.dtype() == DType::e5m6) {  // packed: compare the 12-bit codes
+    for (int64_t i = 0; i < x.numel(); ++i)
+      if (e5m6_load(a, i) != e5m6_load(b, i)) return i;
+    return -1;
+  }
   for (int64_t i = 0; i < x.numel(); ++i)
     if (std::memcmp(a + i * es, b + i * es, es) != 0) return i;
   return -1;

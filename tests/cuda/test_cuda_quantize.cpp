@@ -63,6 +63,40 @@ TEST_F(CudaQuantize, Rows1x128MatchesCpuBitExact) {
         }
 }
 
+// Packed E5M6 (two codes in three bytes): the GPU quantizer's bytes equal the CPU's, on the vector
+// paths (C % 8 == 0), the quantizer's only (C % 4 == 0, C % 8 != 0: the dequantizer goes scalar)
+// and neither (C = 130, 2: partial pairs of groups), both scale modes; the dequantization of those
+// bytes equals the CPU's in f32 and bf16; an odd column count is refused (a pair would span rows).
+TEST_F(CudaQuantize, E5M6PackedMatchesCpuBitExact) {
+  auto rng = make_rng();
+  for (DType in : {DType::bf16, DType::f32})
+    for (ScaleMode mode : {ScaleMode::fp32, ScaleMode::pow2})
+      for (const Shape& s : {Shape{1, 2}, Shape{3, 130}, Shape{128, 384}, Shape{257, 1000}, Shape{130, 7168},
+                             Shape{65, 132}, Shape{513, 264}}) {
+        const std::string what = "e5m6 " + std::string(dtype_name(in)) + " [" + std::to_string(s.r) + ", " +
+                                 std::to_string(s.c) + "] " + (mode == ScaleMode::pow2 ? "pow2" : "fp32");
+        Tensor x = make_input(rng, in, s.r, s.c);
+        QuantizedTensor ref = make_quantized_host(s.r, s.c, DType::e5m6, ScaleKind::tile_1x128);
+        quantize_1x128(x.view(), ref.view(), mode);
+        ASSERT_EQ(ref.values.view().nbytes(), size_t(s.r * s.c * 3 / 2)) << what;
+        QuantizedTensor q = be_->empty_quantized(s.r, s.c, DType::e5m6, ScaleKind::tile_1x128);
+        be_->quantize_1x128(to_device(*be_, x).view(), q.view(), mode);
+        const QuantizedTensor got = to_host(*be_, q);
+        EXPECT_TRUE(bytes_equal(got.values, ref.values)) << what << ": packed bytes differ";
+        expect_same(got, ref, what);
+        for (DType out : {DType::f32, DType::bf16}) {
+          Tensor want = Tensor::host(out, {s.r, s.c});
+          dequantize(ref.view(), want.view());
+          Tensor d = be_->empty(out, {s.r, s.c});
+          be_->dequantize(to_device(*be_, ref).view(), d.view());
+          EXPECT_TRUE(bytes_equal(be_->to_host(d), want)) << what << " dequantized to " << dtype_name(out);
+        }
+      }
+  Tensor odd = to_device(*be_, make_input(rng, DType::f32, 4, 129));
+  QuantizedTensor q = be_->empty_quantized(4, 129, DType::e5m6, ScaleKind::tile_1x128);
+  expect_error([&] { be_->quantize_1x128(odd.view(), q.view(), ScaleMode::pow2); }, "even number of columns");
+}
+
 TEST_F(CudaQuantize, Blocks128x128MatchesCpuBitExact) {
   auto rng = make_rng();
   for (DType in : {DType::bf16, DType::f32})

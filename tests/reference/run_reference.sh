@@ -11,12 +11,13 @@
 #   tests/reference/run_reference.sh dump  [BUILD_DIR] [OUT_DIR]   # needs the fp8moe binary
 #   tests/reference/run_reference.sh compare [OUT_DIR]             # needs python3 + torch
 #   tests/reference/run_reference.sh all [BUILD_DIR] [OUT_DIR]
+#   FP8MOE_CLI=<fp8moe binary> overrides BUILD_DIR/bin/fp8moe (ctest: ctest_reference.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mode=${1:-all}
 config=configs/tiny.json
 if [[ $mode == dump || $mode == all ]]; then
-  bin=${2:-build}/bin/fp8moe
+  bin=${FP8MOE_CLI:-${2:-build}/bin/fp8moe}
   out=${3:-out/reference}
   for r in fp32 bf16 fp8; do
     sub=--dump-sublayers
