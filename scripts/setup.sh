@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(cmake g++ make libgtest-dev libcli11-dev nlohmann-json3-dev fortunes)
+packages=(cmake g++ make libgtest-dev libcli11-dev nlohmann-json3-dev openmpi-bin libopenmpi-dev fortunes)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

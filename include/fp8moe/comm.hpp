@@ -14,6 +14,12 @@
 // at once; with MPI the host waits for `s`, exchanges, and queues the copies back on `s`.
 // Tensors are contiguous; counts and offsets are in rows (the first dimension; elements of a 1-D
 // tensor), so that a [T, D] activation is exchanged by token.
+//
+// Sums: the MPI engine adds in rank order 0, 1, ..., P-1, bitwise equal to a serial loop (bf16
+// in f32, rounded once). NCCL sums in its own order (ring or tree), the same bits on every rank
+// and from run to run for the same ranks, GPUs, NCCL version and NCCL_ALGO/NCCL_PROTO, but not
+// the rank-order bits, and bf16 is rounded at each step; compare NCCL with MPI by tolerance.
+// A Comm is used by one thread at a time; different Comms (split) may run on different threads.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -59,7 +65,9 @@ class Comm {
   // Collective over this communicator.
   virtual std::unique_ptr<Comm> split(int color, int key) = 0;
 
-  // Whole tensors, the same dtype and byte count on both sides.
+  // Whole tensors, the same dtype and byte count on both sides (the receiver checks). With NCCL
+  // the transfers run in stream order: a ring in which every rank sends before it receives
+  // needs the send and the receive on different streams.
   virtual void send(const TensorView& t, int peer, const Stream& s) = 0;
   virtual void recv(const TensorView& t, int peer, const Stream& s) = 0;
   virtual CommRequest isend(const TensorView& t, int peer, const Stream& s) = 0;
@@ -73,7 +81,7 @@ class Comm {
   // recv [size * n, ...] = every rank's send [n, ...], in rank order.
   virtual void all_gather(const TensorView& send, const TensorView& recv, const Stream& s) = 0;
   // recv [n, ...] = the sum over ranks r = 0, 1, ... (in that order) of rows [rank * n, (rank + 1) * n)
-  // of send [size * n, ...]. f32 | f64 | bf16 (bf16 summed in f32, rounded once).
+  // of send [size * n, ...]. f32 | f64 | bf16 | i32 | i64 (bf16 summed in f32, rounded once).
   virtual void reduce_scatter(const TensorView& send, const TensorView& recv, const Stream& s) = 0;
   // t = the sum over ranks of t, in place, the same bits on every rank and in every run.
   virtual void all_reduce(const TensorView& t, const Stream& s) = 0;
@@ -94,5 +102,15 @@ LaunchInfo launch_info();
 // The world communicator: "mpi", "nccl" or "auto" (nccl when every rank has a GPU of its own and
 // NCCL is built, else mpi). A single process without mpirun gets a one-rank communicator.
 std::unique_ptr<Comm> make_comm(std::string_view kind);
+
+// A mode that runs on exactly `expected` ranks (1 for a serial command, PP x EP x DP for a
+// parallel one) stops with an error naming the launch otherwise, on every rank.
+void require_world(const LaunchInfo& launch, int expected, std::string_view mode);
+void require_world(const Comm& comm, int expected, std::string_view mode);
+
+// CUDA build: makes GPU local_rank % device_count current for this process and returns it, so
+// that ranks on one host spread over its GPUs; call it before the backend is made. -1 when the
+// build has no CUDA or the host has no GPU.
+int select_local_gpu(const LaunchInfo& launch);
 
 }  // namespace fp8moe
