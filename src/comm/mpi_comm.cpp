@@ -447,6 +447,19 @@ CommRequest MpiComm::irecv(const TensorView& t, int peer, const Stream& s) {
   return CommRequest(std::move(req));
 }
 
+void MpiComm::swap_blocks(const BlockFn& to, const BlockFn& from, const std::string& what) {
+  Pending p;
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_) continue;
+    const Block in = from(j), out = to(j);
+    p.recv(in.data, in.bytes, j, kTagData, coll_, what);
+    p.send(out.data, out.bytes, j, kTagData, coll_, what);
+  }
+  const Block in = from(rank_), out = to(rank_);
+  if (out.bytes && in.data != out.data) std::memcpy(in.data, out.data, out.bytes);
+  p.wait(*this, what);
+}
+
 void MpiComm::all_to_all_v(const TensorView& send, std::span<const int64_t> send_counts, const TensorView& recv,
                            std::span<const int64_t> recv_counts, const Stream& s) {
   agree(describe_all_to_all_v(send, send_counts, recv, recv_counts, size_));
@@ -454,22 +467,13 @@ void MpiComm::all_to_all_v(const TensorView& send, std::span<const int64_t> send
   const auto rb = size_t(row_bytes(send));
   HostBytes in = pinned_.read(send, s, what);
   HostBytes out = pinned_.output(recv, what);
-  Pending p;
-  size_t soff = 0, roff = 0, self_soff = 0, self_roff = 0;
+  std::vector<size_t> soff(size_t(size_) + 1, 0), roff(size_t(size_) + 1, 0);  // bytes, per peer
   for (int j = 0; j < size_; ++j) {
-    const size_t sb = size_t(send_counts[j]) * rb, rbytes = size_t(recv_counts[j]) * rb;
-    if (j == rank_) {
-      self_soff = soff;
-      self_roff = roff;
-    } else {
-      p.recv(out.data() + roff, rbytes, j, kTagData, coll_, what);
-      p.send(in.data() + soff, sb, j, kTagData, coll_, what);
-    }
-    soff += sb;
-    roff += rbytes;
+    soff[j + 1] = soff[j] + size_t(send_counts[j]) * rb;
+    roff[j + 1] = roff[j] + size_t(recv_counts[j]) * rb;
   }
-  if (send_counts[rank_]) std::memcpy(out.data() + self_roff, in.data() + self_soff, size_t(send_counts[rank_]) * rb);
-  p.wait(*this, what);
+  swap_blocks([&](int j) { return Block{in.data() + soff[j], soff[j + 1] - soff[j]}; },
+              [&](int j) { return Block{out.data() + roff[j], roff[j + 1] - roff[j]}; }, what);
   out.write_back(recv, s);
 }
 
@@ -479,14 +483,7 @@ void MpiComm::all_gather(const TensorView& send, const TensorView& recv, const S
   const size_t nb = send.nbytes();
   HostBytes in = pinned_.read(send, s, what);
   HostBytes out = pinned_.output(recv, what);
-  Pending p;
-  for (int j = 0; j < size_; ++j) {
-    if (j == rank_) continue;
-    p.recv(out.data() + j * nb, nb, j, kTagData, coll_, what);
-    p.send(in.data(), nb, j, kTagData, coll_, what);
-  }
-  if (nb) std::memcpy(out.data() + rank_ * nb, in.data(), nb);
-  p.wait(*this, what);
+  swap_blocks([&](int) { return Block{in.data(), nb}; }, [&](int j) { return Block{out.data() + j * nb, nb}; }, what);
   out.write_back(recv, s);
 }
 
@@ -496,14 +493,8 @@ void MpiComm::reduce_scatter(const TensorView& send, const TensorView& recv, con
   const size_t nb = recv.nbytes();
   HostBytes in = pinned_.read(send, s, what);
   parts_.resize(size_ * nb);  // [size, n, ...]: rank j's rows for this rank
-  Pending p;
-  for (int j = 0; j < size_; ++j) {
-    if (j == rank_) continue;
-    p.recv(parts_.data() + j * nb, nb, j, kTagData, coll_, what);
-    p.send(in.data() + j * nb, nb, j, kTagData, coll_, what);
-  }
-  if (nb) std::memcpy(parts_.data() + rank_ * nb, in.data() + rank_ * nb, nb);
-  p.wait(*this, what);
+  swap_blocks([&](int j) { return Block{in.data() + j * nb, nb}; }, [&](int j) { return Block{parts_.data() + j * nb, nb}; },
+              what);
   HostBytes out = pinned_.output(recv, what);
   sum_parts(recv.dtype, parts_.data(), size_, recv.numel(), out.data());
   out.write_back(recv, s);
@@ -516,27 +507,13 @@ void MpiComm::all_reduce(const TensorView& t, const Stream& s) {
   // sum to all: every rank ends with the same bits, those of a serial loop over ranks.
   const auto off = chunk_offsets(t.numel(), size_);
   const size_t es = dtype_size(t.dtype);
+  auto chunk = [&](uint8_t* base, int j) { return Block{base + off[j] * es, size_t(off[j + 1] - off[j]) * es}; };
   const size_t mine = size_t(off[rank_ + 1] - off[rank_]) * es;
   HostBytes io = pinned_.read(t, s, what);  // the input, then the result (in place)
   parts_.resize(size_ * mine);              // [size, chunk]: every rank's elements of this rank's chunk
-  {
-    Pending p;
-    for (int j = 0; j < size_; ++j) {
-      if (j == rank_) continue;
-      p.recv(parts_.data() + j * mine, mine, j, kTagData, coll_, what);
-      p.send(io.data() + off[j] * es, size_t(off[j + 1] - off[j]) * es, j, kTagData, coll_, what);
-    }
-    if (mine) std::memcpy(parts_.data() + rank_ * mine, io.data() + off[rank_] * es, mine);
-    p.wait(*this, what);
-  }
-  sum_parts(t.dtype, parts_.data(), size_, off[rank_ + 1] - off[rank_], io.data() + off[rank_] * es);
-  Pending p;
-  for (int j = 0; j < size_; ++j) {
-    if (j == rank_) continue;
-    p.recv(io.data() + off[j] * es, size_t(off[j + 1] - off[j]) * es, j, kTagData, coll_, what);
-    p.send(io.data() + off[rank_] * es, mine, j, kTagData, coll_, what);
-  }
-  p.wait(*this, what);
+  swap_blocks([&](int j) { return chunk(io.data(), j); }, [&](int j) { return Block{parts_.data() + j * mine, mine}; }, what);
+  sum_parts(t.dtype, parts_.data(), size_, off[rank_ + 1] - off[rank_], chunk(io.data(), rank_).data);
+  swap_blocks([&](int) { return chunk(io.data(), rank_); }, [&](int j) { return chunk(io.data(), j); }, what);
   io.write_back(t, s);
 }
 

@@ -47,6 +47,15 @@ class MpiComm final : public Comm {
   std::string rank_name(int r) const;
 
  private:
+  // One round in which this rank sends to(j) to every rank j and receives from(j) from it; its
+  // own block is copied (unless to and from are the same bytes).
+  struct Block {
+    uint8_t* data;
+    size_t bytes;
+  };
+  using BlockFn = std::function<Block(int)>;
+  void swap_blocks(const BlockFn& to, const BlockFn& from, const std::string& what);
+
   MPI_Comm user_ = MPI_COMM_NULL;  // send/recv of the caller
   MPI_Comm coll_ = MPI_COMM_NULL;  // the collectives' own traffic, never matched with a caller's message
   int rank_ = 0, size_ = 1;

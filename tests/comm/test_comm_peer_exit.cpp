@@ -1,0 +1,39 @@
+// A rank that exits in the middle of a job: rank 1 leaves with _exit(3) after a barrier, and every
+// other rank must stop with an fp8moe::Error naming rank 1 within FP8MOE_COMM_TIMEOUT_S (plus a
+// margin) instead of hanging. Each survivor prints "PEER_EXIT_OK rank R" when it saw that error;
+// run_peer_exit.cmake counts them. By hand:
+//   FP8MOE_COMM_TIMEOUT_S=2 OMPI_MCA_orte_abort_on_non_zero_status=0 mpirun -np 3 build/bin/test_comm_peer_exit all_reduce
+// Modes: all_reduce (the survivors in a collective), recv (rank 0 in a receive from rank 1).
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#include "fp8moe/comm.hpp"
+#include "fp8moe/error.hpp"
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "all_reduce";
+  auto world = fp8moe::make_comm("mpi");
+  const int me = world->rank();
+  world->barrier();
+  if (me == 1) _exit(3);
+
+  float x[4] = {1, 2, 3, 4};
+  fp8moe::TensorView t(x, fp8moe::DType::f32, {4});
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    if (mode == "recv") world->recv(t, 1, fp8moe::Stream{});
+    else world->all_reduce(t, fp8moe::Stream{});
+  } catch (const fp8moe::Error& e) {
+    message = e.what();
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("rank %d after %.1f s: %s\n", me, s, message.empty() ? "no error" : message.c_str());
+  const bool named = message.find("without hearing from rank 1 ") != std::string::npos;
+  if (named && s < 2.0 + 10.0) std::printf("PEER_EXIT_OK rank %d\n", me);
+  std::fflush(stdout);
+  return named ? 0 : 1;
+}
