@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "dispatch_layout.hpp"
+#include "ep_exchange.hpp"
 #include "fp8moe/model.hpp"
 #include "fp8moe/parallel.hpp"
 #include "model/model_internal.hpp"
@@ -32,10 +33,8 @@ using model::rows_of;
 
 constexpr int64_t kAlign = 128;  // rows per expert segment: the grouped GEMMs' M tile
 
-// n rows of `cols` (allocated with at least one row: an empty exchange still has a buffer).
-Tensor rows_tensor(Backend& be, DType dt, int64_t n, int64_t cols) {
-  return prefix_rows(be.empty(dt, {std::max<int64_t>(n, 1), cols}), n);
-}
+using ep::rows_tensor;
+using ep::total;
 
 Tensor i32_tensor(Ctx& c, const std::vector<int32_t>& v, int64_t rows, int64_t cols) {
   FP8MOE_CHECK(int64_t(v.size()) == rows * cols, "i32_tensor: " << v.size() << " values for [" << rows << ", " << cols << "]");
@@ -45,64 +44,6 @@ Tensor i32_tensor(Ctx& c, const std::vector<int32_t>& v, int64_t rows, int64_t c
 }
 
 Tensor flat(const Tensor& t) { return model::reshaped(t, {t.numel()}); }
-
-// recv_counts[q] = the send_counts[me] of rank q.
-std::vector<int64_t> transposed_counts(Comm& comm, const std::vector<int64_t>& send) {
-  const std::string mine(reinterpret_cast<const char*>(send.data()), send.size() * sizeof(int64_t));
-  const std::vector<std::string> all = comm.exchange(mine);
-  std::vector<int64_t> recv(all.size());
-  for (size_t q = 0; q < all.size(); ++q) {
-    FP8MOE_CHECK(all[q].size() == send.size() * sizeof(int64_t), "expert parallel: rank " << q << " sent "
-                                                                     << all[q].size() << " bytes of counts");
-    std::memcpy(&recv[q], all[q].data() + size_t(comm.rank()) * sizeof(int64_t), sizeof(int64_t));
-  }
-  return recv;
-}
-
-int64_t sum(const std::vector<int64_t>& v) {
-  int64_t s = 0;
-  for (int64_t x : v) s += x;
-  return s;
-}
-
-// x [T, D] quantized to 1x128 E4M3 tiles with power-of-two scales, the rows of `send_token` [n]:
-// values [n, D] e4m3 and scales [n, D / 128] f32, one row per token (token-major, to travel by row).
-struct FP8Rows {
-  Tensor values, scales;
-};
-FP8Rows quantize_rows(Ctx& c, const Tensor& x, const Tensor& send_token) {
-  const int64_t T = x.size(0), D = x.size(1), G = D / 128, n = send_token.size(0);
-  QuantizedTensor q = c.be.empty_quantized(T, D, DType::e4m3, ScaleKind::tile_1x128);  // scales [G, ld(T)]
-  c.be.quantize_1x128(x.view(), q, c.recipe.pow2_mode);
-  Tensor by_token = c.be.empty(DType::f32, {scale_ld(T), G});  // [ld(T), G]
-  c.be.transpose(q.scales.view(), by_token.view());
-  FP8Rows r{rows_tensor(c.be, DType::e4m3, n, D), rows_tensor(c.be, DType::f32, n, G)};
-  if (n == 0) return r;
-  c.be.gather_rows(q.values.view(), send_token.view(), TensorView(), r.values.view());
-  c.be.gather_rows(by_token.view(), send_token.view(), TensorView(), r.scales.view());
-  return r;
-}
-
-// Exchanged FP8 rows: values [n, D] e4m3, scales [ld(n), D / 128] f32 token-major (rows past n
-// are the layout's padding, set to 1 by dequantize_rows).
-FP8Rows recv_rows(Backend& be, int64_t n, int64_t D) {
-  return {rows_tensor(be, DType::e4m3, n, D), be.empty(DType::f32, {scale_ld(std::max<int64_t>(n, 1)), D / 128})};
-}
-// The received rows in FP32 [n, D] (exact: codes times power-of-two scales).
-Tensor dequantize_rows(Ctx& c, const FP8Rows& r, int64_t n) {
-  const int64_t D = r.values.size(1), G = D / 128, ld = r.scales.size(0);
-  Tensor out = rows_tensor(c.be, c.act(), n, D);
-  if (n == 0) return out;
-  if (ld > n) {
-    Tensor ones = Tensor::host(DType::f32, {ld - n, G});
-    for (int64_t i = 0; i < ones.numel(); ++i) ones.ptr<float>()[i] = 1.0f;
-    c.be.copy(rows_of(r.scales, n, ld - n).view(), ones.view());
-  }
-  Tensor scales = c.be.empty(DType::f32, {G, ld});  // [G, ld(n)] group-major, as the quantizers write
-  c.be.transpose(r.scales.view(), scales.view());
-  c.be.dequantize(QuantizedView{r.values.view(), scales.view(), ScaleKind::tile_1x128}, out.view());
-  return out;
-}
 
 class ExpertParallel final : public RoutedExperts {
  public:
@@ -146,24 +87,20 @@ class ExpertParallel final : public RoutedExperts {
     s->plan = ep::dispatch_layout(idx_h.ptr<int32_t>(), T, K, P, El);
     const int64_t ns = s->plan.sent_rows();
     s->send_counts = s->plan.tokens_per_rank;
-    s->recv_counts = transposed_counts(ep_, s->send_counts);
-    const int64_t nr = sum(s->recv_counts);
+    s->recv_counts = ep::transposed_counts(ep_, s->send_counts);
+    const int64_t nr = total(s->recv_counts);
     s->send_token = i32_tensor(c, s->plan.send_token, ns, 1);
     s->send_token = model::reshaped(s->send_token, {ns});
     // Dispatch: FP8 rows, their local expert ids and weights.
-    const FP8Rows q = quantize_rows(c, h, s->send_token);
+    const Tensor xr = ep::dispatch_fp8(c.be, ep_, h, s->send_token, s->send_counts, s->recv_counts,
+                                       c.recipe.pow2_mode);  // [nr, D]
     const Tensor ids = i32_tensor(c, s->plan.send_expert, ns, K);
     const Tensor ws = rows_tensor(c.be, w.dtype(), ns, K);
     if (ns > 0) c.be.gather_rows(w.view(), s->send_token.view(), TensorView(), ws.view());
-    FP8Rows r = recv_rows(c.be, nr, D);
     const Tensor rids = rows_tensor(c.be, DType::i32, nr, K);
     s->w_recv = rows_tensor(c.be, w.dtype(), nr, K);
-    const Stream st = c.be.stream();
-    ep_.all_to_all_v(q.values.view(), s->send_counts, r.values.view(), s->recv_counts, st);
-    ep_.all_to_all_v(q.scales.view(), s->send_counts, rows_of(r.scales, 0, nr).view(), s->recv_counts, st);
-    ep_.all_to_all_v(ids.view(), s->send_counts, rids.view(), s->recv_counts, st);
-    ep_.all_to_all_v(ws.view(), s->send_counts, s->w_recv.view(), s->recv_counts, st);
-    const Tensor xr = dequantize_rows(c, r, nr);  // [nr, D]
+    ep_.all_to_all_v(ids.view(), s->send_counts, rids.view(), s->recv_counts, c.be.stream());
+    ep_.all_to_all_v(ws.view(), s->send_counts, s->w_recv.view(), s->recv_counts, c.be.stream());
     const Tensor rids_h = c.be.to_host(rids);
     // The local experts, source by source.
     s->src.resize(size_t(P));
@@ -198,13 +135,8 @@ class ExpertParallel final : public RoutedExperts {
                       const Tensor& dw) override {
     auto& s = static_cast<State&>(saved);
     const int64_t T = dy.size(0), D = dy.size(1), K = w.size(1), P = l_.ep;
-    const int64_t nr = sum(s.recv_counts);
-    const Stream st = c.be.stream();
-    const FP8Rows q = quantize_rows(c, dy, s.send_token);
-    FP8Rows r = recv_rows(c.be, nr, D);
-    ep_.all_to_all_v(q.values.view(), s.send_counts, r.values.view(), s.recv_counts, st);
-    ep_.all_to_all_v(q.scales.view(), s.send_counts, rows_of(r.scales, 0, nr).view(), s.recv_counts, st);
-    const Tensor dyr = dequantize_rows(c, r, nr);  // [nr, D]
+    const Tensor dyr = ep::dispatch_fp8(c.be, ep_, dy, s.send_token, s.send_counts, s.recv_counts,
+                                        c.recipe.pow2_mode);  // [nr, D]
     const ScaleMode pow2 = c.recipe.pow2_mode;
     std::vector<Tensor> dxe(static_cast<size_t>(P)), cg(static_cast<size_t>(P));
     for (int64_t p = 0; p < P; ++p) {
@@ -287,7 +219,7 @@ class ExpertParallel final : public RoutedExperts {
   // sources (dtype: bf16, the combine, or f32); returns what came back [T * k, cols], rank-major.
   Tensor return_rows(Ctx& c, const State& s, const std::vector<Tensor>& per_source, int64_t cols,
                      DType dtype = DType::bf16) {
-    const int64_t P = l_.ep, n = sum(s.ret_send);
+    const int64_t P = l_.ep, n = total(s.ret_send);
     Tensor rows = rows_tensor(c.be, c.act(), n, cols);  // gathered in the activation dtype
     int64_t off = 0;
     for (int64_t p = 0; p < P; ++p) {
@@ -296,14 +228,7 @@ class ExpertParallel final : public RoutedExperts {
       c.be.gather_rows(per_source[size_t(p)].view(), so.ret_rows.view(), TensorView(), rows_of(rows, off, so.ret).view());
       off += so.ret;
     }
-    Tensor send = rows;
-    if (dtype != rows.dtype()) {
-      send = rows_tensor(c.be, dtype, n, cols);
-      if (n > 0) c.be.convert(rows.view(), send.view());
-    }
-    Tensor back = rows_tensor(c.be, dtype, sum(s.ret_recv), cols);
-    ep_.all_to_all_v(send.view(), s.ret_send, back.view(), s.ret_recv, c.be.stream());
-    return back;
+    return ep::exchange_rows(c.be, ep_, rows, s.ret_send, s.ret_recv, dtype);
   }
 
   Model& model_;
