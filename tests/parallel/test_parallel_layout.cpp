@@ -9,6 +9,7 @@
 #include "fp8moe/backend.hpp"
 #include "fp8moe/error.hpp"
 #include "fp8moe/parallel.hpp"
+#include "moe_routing.hpp"
 #include "parallel/runtime/dispatch_layout.hpp"
 
 namespace fp8moe {
@@ -75,15 +76,12 @@ TEST(ParallelLayout, ImpossibleLayoutsNameTheOption) {
 // idx [T, k] distinct experts per token from a seeded generator.
 std::vector<int32_t> random_routing(int64_t T, int64_t K, int64_t E, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  std::vector<int32_t> idx;
-  for (int64_t t = 0; t < T; ++t) {
-    std::set<int32_t> chosen;
-    while (int64_t(chosen.size()) < K) chosen.insert(int32_t(rng() % uint64_t(E)));
-    std::vector<int32_t> v(chosen.begin(), chosen.end());
-    std::shuffle(v.begin(), v.end(), rng);
-    idx.insert(idx.end(), v.begin(), v.end());
-  }
-  return idx;
+  testing::RoutingSpec spec;
+  spec.tokens = T;
+  spec.topk = K;
+  spec.groups = E;
+  const Tensor ids = testing::random_routing(rng, spec);
+  return std::vector<int32_t>(ids.ptr<int32_t>(), ids.ptr<int32_t>() + T * K);
 }
 
 TEST(DispatchLayout, OneRowPerDestinationRankAndOneReturnedRowPerSlot) {

@@ -9,13 +9,13 @@
 #include <cstring>
 #include <iostream>
 #include <random>
-#include <set>
 
 #include "fp8moe/backend.hpp"
 #include "fp8moe/codecs.hpp"
 #include "fp8moe/comm.hpp"
 #include "fp8moe/optimizer.hpp"
 #include "fp8moe/zero1.hpp"
+#include "moe_routing.hpp"
 #include "parallel/runtime/dispatch_layout.hpp"
 #include "parallel/runtime/ep_exchange.hpp"
 
@@ -28,15 +28,12 @@ uint64_t g_seed = 0;
 // Rank r's routing of T tokens to top-k distinct experts of E (every rank can make every rank's).
 std::vector<int32_t> routing(int r, int64_t T, int64_t K, int64_t E) {
   std::mt19937_64 rng(g_seed + uint64_t(r) * 7919);
-  std::vector<int32_t> idx;
-  for (int64_t t = 0; t < T; ++t) {
-    std::set<int32_t> chosen;
-    while (int64_t(chosen.size()) < K) chosen.insert(int32_t(rng() % uint64_t(E)));
-    std::vector<int32_t> v(chosen.begin(), chosen.end());
-    std::shuffle(v.begin(), v.end(), rng);
-    idx.insert(idx.end(), v.begin(), v.end());
-  }
-  return idx;
+  testing::RoutingSpec spec;
+  spec.tokens = T;
+  spec.topk = K;
+  spec.groups = E;
+  const Tensor ids = testing::random_routing(rng, spec);
+  return std::vector<int32_t>(ids.ptr<int32_t>(), ids.ptr<int32_t>() + T * K);
 }
 int64_t tokens_of(int r) { return 20 + 7 * r; }  // ragged: every rank its own count
 
