@@ -9,6 +9,7 @@
 #include <cstring>
 #include <iostream>
 #include <random>
+#include <set>
 
 #include "fp8moe/backend.hpp"
 #include "fp8moe/codecs.hpp"
@@ -44,7 +45,10 @@ Tensor prefix(const Tensor& t, int64_t n) {
   return Tensor(std::shared_ptr<void>(std::make_shared<Tensor>(t), v.data), v);
 }
 
-TEST(ExpertParallelDispatch, EveryReceivedRowNamesItsSourceAndToken) {
+// Every received row names its source and token, in one hop and, with nodes of `rpn` ranks, in
+// two; the combine's rows back name the rank and the slot that made them; the rows that crossed
+// nodes and stayed inside match a count made from the routing alone.
+void check_dispatch(int64_t rpn) {
   Comm& comm = *g_world;
   auto be = make_backend("cpu");
   const int P = comm.size(), me = comm.rank();
@@ -56,18 +60,34 @@ TEST(ExpertParallelDispatch, EveryReceivedRowNamesItsSourceAndToken) {
     for (int64_t c = 0; c < D; ++c) x.ptr<float>()[t * D + c] = c < 128 ? float(me + 1) : float((t >> (c - 128)) & 1);
   const std::vector<int32_t> idx = routing(me, T, K, P * epr);
   const ep::DispatchLayout plan = ep::dispatch_layout(idx.data(), T, K, P, epr);
-  Tensor send_token = Tensor::host(DType::i32, {std::max<int64_t>(plan.sent_rows(), 1)});
-  std::memcpy(send_token.view().data, plan.send_token.data(), plan.send_token.size() * sizeof(int32_t));
-  send_token = prefix(send_token, plan.sent_rows());
-  const std::vector<int64_t> recv = ep::transposed_counts(comm, plan.tokens_per_rank);
-  const Tensor got = ep::dispatch_fp8(*be, comm, x, send_token, plan.tokens_per_rank, recv, ScaleMode::pow2);
+  std::unique_ptr<Comm> rail, node;
+  if (rpn < P) {
+    rail = comm.split(int(me % rpn), int(me / rpn));
+    node = comm.split(int(me / rpn), int(me % rpn));
+  }
+  const ep::DispatchRoute route(*be, comm, rail.get(), node.get(), idx.data(), T, K, epr);
+  const Tensor got = ep::dispatch_fp8(*be, route, x, ScaleMode::pow2);
+  const std::vector<int64_t>& recv = route.recv_counts();
   // What each source sent here, from its routing; the combine's rows back: (rank + 1, token, slot).
-  int64_t row = 0;
+  int64_t row = 0, cross = 0, inside = 0;
   std::vector<int64_t> ret_send(size_t(P), 0);
   std::vector<float> ret;
   for (int s = 0; s < P; ++s) {
     const std::vector<int32_t> sidx = routing(s, tokens_of(s), K, P * epr);
     const ep::DispatchLayout sp = ep::dispatch_layout(sidx.data(), tokens_of(s), K, P, epr);
+    for (int64_t t = 0; t < tokens_of(s); ++t) {  // the links this token uses, counted from its routing
+      std::set<int64_t> nodes, ranks;
+      for (int64_t j = 0; j < K; ++j) {
+        ranks.insert(sidx[size_t(t * K + j)] / epr);
+        nodes.insert(sidx[size_t(t * K + j)] / epr / rpn);
+      }
+      if (rpn < P) {
+        cross += int64_t(nodes.size()) - int64_t(nodes.count(s / rpn));
+        for (int64_t d : ranks) inside += d % rpn != s % rpn;  // the relay (same in-node index) forwards
+      } else {
+        inside += int64_t(ranks.size()) - int64_t(ranks.count(s));
+      }
+    }
     ASSERT_EQ(recv[size_t(s)], sp.tokens_per_rank[size_t(me)]) << "rows from rank " << s;
     int64_t first = 0;
     for (int d = 0; d < me; ++d) first += sp.tokens_per_rank[size_t(d)];
@@ -85,6 +105,15 @@ TEST(ExpertParallelDispatch, EveryReceivedRowNamesItsSourceAndToken) {
     }
   }
   EXPECT_EQ(row, got.size(0));
+  Tensor sent = Tensor::host(DType::f64, {2});
+  sent.ptr<double>()[0] = double(route.cross_node_rows());
+  sent.ptr<double>()[1] = double(route.in_node_rows());
+  comm.all_reduce(sent.view(), be->stream());
+  EXPECT_EQ(sent.ptr<double>()[0], double(cross)) << "rows across nodes";
+  EXPECT_EQ(sent.ptr<double>()[1], double(inside)) << "rows inside nodes";
+  if (me == 0)
+    std::cout << "[ links    ] " << P << " ranks, " << rpn << " per node: " << double(cross) / double(P * 20 + 7 * P * (P - 1) / 2)
+              << " cross-node and " << double(inside) / double(P * 20 + 7 * P * (P - 1) / 2) << " in-node rows per token\n";
   Tensor r = Tensor::host(DType::f32, {std::max<int64_t>(ep::total(ret_send), 1), 3});
   std::memcpy(r.view().data, ret.data(), ret.size() * sizeof(float));
   r = prefix(r, ep::total(ret_send));
@@ -97,6 +126,13 @@ TEST(ExpertParallelDispatch, EveryReceivedRowNamesItsSourceAndToken) {
       EXPECT_EQ(bf16_decode(b[1]), float(t));
       EXPECT_EQ(bf16_decode(b[2]), float(j));
     }
+}
+
+TEST(ExpertParallelDispatch, OneHopRowsNameTheirSourceAndToken) { check_dispatch(g_world->size()); }
+
+TEST(ExpertParallelDispatch, TwoHopsAcrossNodesOfTwoRanks) {
+  if (g_world->size() % 2 || g_world->size() < 4) GTEST_SKIP() << "needs 2 nodes of 2 ranks or more";
+  check_dispatch(2);
 }
 
 // n parameters of ragged sizes, decay mixed; values identical on every rank.

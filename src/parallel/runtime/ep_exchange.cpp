@@ -1,6 +1,7 @@
 // The expert-parallel exchanges (ep_exchange.hpp).
 #include "ep_exchange.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -18,6 +19,13 @@ Tensor rows(const Tensor& t, int64_t r0, int64_t n) {
   v.shape[0] = n;
   auto keep = std::make_shared<Tensor>(t);
   return Tensor(std::shared_ptr<void>(keep, v.data), v);
+}
+
+// t [n, 1] seen as [n].
+Tensor model_flat(const Tensor& t) {
+  TensorView v = t.view();
+  TensorView f(v.data, v.dtype, {v.numel()}, v.device);
+  return Tensor(std::shared_ptr<void>(std::make_shared<Tensor>(t), f.data), f);
 }
 
 }  // namespace
@@ -46,37 +54,146 @@ std::vector<int64_t> transposed_counts(Comm& comm, const std::vector<int64_t>& s
   return recv;
 }
 
-Tensor dispatch_fp8(Backend& be, Comm& comm, const Tensor& x, const Tensor& send_token,
-                    const std::vector<int64_t>& send_counts, const std::vector<int64_t>& recv_counts, ScaleMode mode) {
-  const int64_t T = x.size(0), D = x.size(1), G = D / 128, ns = send_token.size(0), nr = total(recv_counts);
+namespace {
+
+Tensor i32_rows(Backend& be, const std::vector<int32_t>& v, int64_t n, int64_t cols) {
+  Tensor h = Tensor::host(DType::i32, {std::max<int64_t>(n, 1), cols});
+  if (!v.empty()) std::memcpy(h.view().data, v.data(), v.size() * sizeof(int32_t));
+  Tensor d = be.empty(DType::i32, {std::max<int64_t>(n, 1), cols});
+  be.copy(d.view(), h.view());
+  return rows(d, 0, n);
+}
+
+// rows[gather] exchanged over one hop.
+Tensor hop_carry(Backend& be, Comm& comm, const Tensor& stage, const Tensor& gather, const std::vector<int64_t>& send,
+                 const std::vector<int64_t>& recv) {
+  const int64_t n = gather.size(0), C = stage.size(1);
+  Tensor out = rows_tensor(be, stage.dtype(), n, C);
+  if (n > 0) be.gather_rows(stage.view(), model_flat(gather).view(), TensorView(), out.view());
+  Tensor got = rows_tensor(be, stage.dtype(), total(recv), C);
+  comm.all_to_all_v(out.view(), send, got.view(), recv, be.stream());
+  return got;
+}
+
+}  // namespace
+
+DispatchRoute::DispatchRoute(Backend& be, Comm& ep, Comm* rail, Comm* node, const int32_t* idx, int64_t T, int64_t K,
+                             int64_t epr) {
+  FP8MOE_CHECK((rail == nullptr) == (node == nullptr), "DispatchRoute: rail and node communicators go together");
+  const int64_t P = ep.size(), me = ep.rank();
+  const auto rank_of = [&](int32_t e) { return int64_t(e) / epr; };
+  if (!rail) {  // one hop
+    Hop h;
+    h.comm = &ep;
+    h.send.assign(size_t(P), 0);
+    for (int64_t d = 0; d < P; ++d)
+      for (int64_t t = 0; t < T; ++t) {
+        bool here = false;
+        for (int64_t j = 0; j < K; ++j) here |= rank_of(idx[t * K + j]) == d;
+        if (!here) continue;
+        h.gather.push_back(int32_t(t));
+        ++h.send[size_t(d)];
+        if (d != me) ++in_rows_;
+      }
+    h.recv = transposed_counts(ep, h.send);
+    h.gather_dev = i32_rows(be, h.gather, int64_t(h.gather.size()), 1);
+    recv_counts_ = h.recv;
+    received_ = total(h.recv);
+    hops_.push_back(std::move(h));
+    return;
+  }
+  const int64_t G = node->size(), N = rail->size(), my_node = me / G, my_local = me % G;
+  FP8MOE_CHECK(G * N == P && node->rank() == my_local && rail->rank() == my_node,
+               "DispatchRoute: rank " << me << " of " << P << " is not " << my_local << " of a node of " << node->size()
+                                      << " and node " << my_node << " of " << rail->size());
+  // Hop 1: each token once to every node holding one of its experts, at this in-node index.
+  Hop h1;
+  h1.comm = rail;
+  h1.send.assign(size_t(N), 0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t t = 0; t < T; ++t) {
+      bool here = false;
+      for (int64_t j = 0; j < K; ++j) here |= rank_of(idx[t * K + j]) / G == n;
+      if (!here) continue;
+      h1.gather.push_back(int32_t(t));
+      ++h1.send[size_t(n)];
+      if (n != my_node) ++cross_rows_;
+    }
+  h1.recv = transposed_counts(*rail, h1.send);
+  h1.gather_dev = i32_rows(be, h1.gather, int64_t(h1.gather.size()), 1);
+  // The rows carry (source rank, token, expert ids) for the relay and the receiver.
+  std::vector<int32_t> meta;
+  for (int64_t t = 0; t < T; ++t) {
+    meta.insert(meta.end(), {int32_t(me), int32_t(t)});
+    meta.insert(meta.end(), idx + t * K, idx + (t + 1) * K);
+  }
+  const Tensor d1 = hop_carry(be, *rail, i32_rows(be, meta, T, 2 + K), h1.gather_dev, h1.send, h1.recv);
+  const Tensor m1 = be.to_host(d1);
+  const int64_t R1 = m1.size(0);
+  const int32_t* r1 = m1.ptr<int32_t>();
+  // Hop 2: the relayed rows to each rank of this node holding one of their experts.
+  Hop h2;
+  h2.comm = node;
+  h2.send.assign(size_t(G), 0);
+  for (int64_t l = 0; l < G; ++l)
+    for (int64_t i = 0; i < R1; ++i) {
+      bool here = false;
+      for (int64_t j = 0; j < K; ++j) here |= rank_of(r1[i * (2 + K) + 2 + j]) == my_node * G + l;
+      if (!here) continue;
+      h2.gather.push_back(int32_t(i));
+      ++h2.send[size_t(l)];
+      if (l != my_local) ++in_rows_;
+    }
+  h2.recv = transposed_counts(*node, h2.send);
+  h2.gather_dev = i32_rows(be, h2.gather, int64_t(h2.gather.size()), 1);
+  const Tensor m2 = be.to_host(hop_carry(be, *node, d1, h2.gather_dev, h2.send, h2.recv));
+  received_ = m2.size(0);
+  const int32_t* r2 = m2.ptr<int32_t>();
+  // Into (source, token) order: the one-hop order.
+  order_.resize(size_t(received_));
+  for (int64_t i = 0; i < received_; ++i) order_[size_t(i)] = int32_t(i);
+  std::sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) {
+    return std::pair(r2[a * (2 + K)], r2[a * (2 + K) + 1]) < std::pair(r2[b * (2 + K)], r2[b * (2 + K) + 1]);
+  });
+  recv_counts_.assign(size_t(P), 0);
+  for (int64_t i = 0; i < received_; ++i) ++recv_counts_[size_t(r2[i * (2 + K)])];
+  order_dev_ = i32_rows(be, order_, received_, 1);
+  hops_.push_back(std::move(h1));
+  hops_.push_back(std::move(h2));
+}
+
+Tensor DispatchRoute::carry(Backend& be, const Tensor& x) const {
+  Tensor stage = x;
+  for (const Hop& h : hops_) stage = hop_carry(be, *h.comm, stage, h.gather_dev, h.send, h.recv);
+  if (order_.empty()) return stage;
+  Tensor out = rows_tensor(be, stage.dtype(), received_, stage.size(1));
+  be.gather_rows(stage.view(), model_flat(order_dev_).view(), TensorView(), out.view());
+  return out;
+}
+
+Tensor dispatch_fp8(Backend& be, const DispatchRoute& route, const Tensor& x, ScaleMode mode) {
+  const int64_t T = x.size(0), D = x.size(1), G = D / 128, nr = route.received();
   FP8MOE_CHECK(D % 128 == 0, "dispatch_fp8: x " << x.view().str() << " needs D % 128 == 0 (1x128 tiles)");
-  FP8MOE_CHECK(total(send_counts) == ns, "dispatch_fp8: send_counts sum to " << total(send_counts) << ", send_token has "
-                                                                             << ns << " rows");
-  // Sender: one quantization per token; the scales token-major [ld(T), G] to travel by row.
+  // One quantization per token; the scales token-major [ld(T), G] to travel by row.
   QuantizedTensor q = be.empty_quantized(T, D, DType::e4m3, ScaleKind::tile_1x128);  // scales [G, ld(T)]
   be.quantize_1x128(x.view(), q, mode);
   Tensor by_token = be.empty(DType::f32, {scale_ld(T), G});
   be.transpose(q.scales.view(), by_token.view());
-  Tensor sv = rows_tensor(be, DType::e4m3, ns, D), ss = rows_tensor(be, DType::f32, ns, G);  // [ns, D], [ns, G]
-  if (ns > 0) {
-    be.gather_rows(q.values.view(), send_token.view(), TensorView(), sv.view());
-    be.gather_rows(by_token.view(), send_token.view(), TensorView(), ss.view());
-  }
-  // Receiver: values [nr, D], scales [ld(nr), G] token-major (the rows past nr: the quantized
-  // layout's padding, 1).
-  const int64_t ld = scale_ld(std::max<int64_t>(nr, 1));
-  Tensor rv = rows_tensor(be, DType::e4m3, nr, D), rs = be.empty(DType::f32, {ld, G});
-  comm.all_to_all_v(sv.view(), send_counts, rv.view(), recv_counts, be.stream());
-  comm.all_to_all_v(ss.view(), send_counts, rows(rs, 0, nr).view(), recv_counts, be.stream());
+  const Tensor rv = route.carry(be, q.values);                     // [nr, D] e4m3
+  const Tensor rs = route.carry(be, rows(by_token, 0, T));         // [nr, G] f32
   Tensor out = rows_tensor(be, x.dtype(), nr, D);
   if (nr == 0) return out;
+  // The quantized layout wants [G, ld(nr)] group-major; the rows past nr are its padding, 1.
+  const int64_t ld = scale_ld(nr);
+  Tensor padded = be.empty(DType::f32, {ld, G});
+  be.copy(rows(padded, 0, nr).view(), rs.view());
   if (ld > nr) {
     Tensor ones = Tensor::host(DType::f32, {ld - nr, G});
     for (int64_t i = 0; i < ones.numel(); ++i) ones.ptr<float>()[i] = 1.0f;
-    be.copy(rows(rs, nr, ld - nr).view(), ones.view());
+    be.copy(rows(padded, nr, ld - nr).view(), ones.view());
   }
-  Tensor scales = be.empty(DType::f32, {G, ld});  // [G, ld(nr)] group-major, as the quantizers write
-  be.transpose(rs.view(), scales.view());
+  Tensor scales = be.empty(DType::f32, {G, ld});
+  be.transpose(padded.view(), scales.view());
   be.dequantize(QuantizedView{rv.view(), scales.view(), ScaleKind::tile_1x128}, out.view());
   return out;
 }

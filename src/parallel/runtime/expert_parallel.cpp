@@ -58,6 +58,11 @@ class ExpertParallel final : public RoutedExperts {
     FP8MOE_CHECK(m.config().n_routed_experts == l.experts, "expert parallel: the model has "
                                                                << m.config().n_routed_experts
                                                                << " routed experts, the layout " << l.experts);
+    if (l.nodes > 1) {  // the two-hop dispatch: across nodes at this in-node index, then inside the node
+      const int node = int(l.ep_rank() / l.ranks_per_node), local = int(l.ep_rank() % l.ranks_per_node);
+      rail_ = ep.split(local, node);
+      node_ = ep.split(node, local);
+    }
   }
 
   struct Source {  // the rows one source rank sent here
@@ -71,9 +76,9 @@ class ExpertParallel final : public RoutedExperts {
   struct State : RoutedExperts::State {
     int64_t layer = 0;
     ep::DispatchLayout plan;
-    Tensor send_token;   // [sent] i32
+    std::unique_ptr<ep::DispatchRoute> route;  // how this micro-batch's tokens reach the experts
     Tensor slot_row;     // [T, k] i32: row of each slot among the returned rows
-    std::vector<int64_t> send_counts, recv_counts, ret_send, ret_recv;  // rows per rank
+    std::vector<int64_t> recv_counts, ret_send, ret_recv;  // rows per rank
     Tensor w_recv;       // [received, k] act: the sources' combine weights
     std::vector<Source> src;
   };
@@ -85,22 +90,19 @@ class ExpertParallel final : public RoutedExperts {
     s->layer = layer;
     const Tensor idx_h = c.be.to_host(idx);
     s->plan = ep::dispatch_layout(idx_h.ptr<int32_t>(), T, K, P, El);
-    const int64_t ns = s->plan.sent_rows();
-    s->send_counts = s->plan.tokens_per_rank;
-    s->recv_counts = ep::transposed_counts(ep_, s->send_counts);
-    const int64_t nr = total(s->recv_counts);
-    s->send_token = i32_tensor(c, s->plan.send_token, ns, 1);
-    s->send_token = model::reshaped(s->send_token, {ns});
-    // Dispatch: FP8 rows, their local expert ids and weights.
-    const Tensor xr = ep::dispatch_fp8(c.be, ep_, h, s->send_token, s->send_counts, s->recv_counts,
-                                       c.recipe.pow2_mode);  // [nr, D]
-    const Tensor ids = i32_tensor(c, s->plan.send_expert, ns, K);
-    const Tensor ws = rows_tensor(c.be, w.dtype(), ns, K);
-    if (ns > 0) c.be.gather_rows(w.view(), s->send_token.view(), TensorView(), ws.view());
-    const Tensor rids = rows_tensor(c.be, DType::i32, nr, K);
-    s->w_recv = rows_tensor(c.be, w.dtype(), nr, K);
-    ep_.all_to_all_v(ids.view(), s->send_counts, rids.view(), s->recv_counts, c.be.stream());
-    ep_.all_to_all_v(ws.view(), s->send_counts, s->w_recv.view(), s->recv_counts, c.be.stream());
+    s->route = std::make_unique<ep::DispatchRoute>(c.be, ep_, rail_.get(), node_.get(), idx_h.ptr<int32_t>(), T, K, El);
+    s->recv_counts = s->route->recv_counts();
+    const int64_t nr = s->route->received();
+    // Dispatch: FP8 rows, their expert ids and weights.
+    const Tensor xr = ep::dispatch_fp8(c.be, *s->route, h, c.recipe.pow2_mode);  // [nr, D]
+    s->w_recv = s->route->carry(c.be, w);                                        // [nr, k]
+    const Tensor ids_h = c.be.to_host(s->route->carry(c.be, idx));              // [nr, k] global ids
+    std::vector<int32_t> local(size_t(nr * K));  // this rank's local expert of each slot, or -1
+    for (int64_t i = 0; i < nr * K; ++i) {
+      const int32_t e = ids_h.ptr<int32_t>()[i];
+      local[size_t(i)] = e / El == l_.ep_rank() ? int32_t(e - l_.first_expert()) : -1;
+    }
+    const Tensor rids = i32_tensor(c, local, nr, K);
     const Tensor rids_h = c.be.to_host(rids);
     // The local experts, source by source.
     s->src.resize(size_t(P));
@@ -135,8 +137,7 @@ class ExpertParallel final : public RoutedExperts {
                       const Tensor& dw) override {
     auto& s = static_cast<State&>(saved);
     const int64_t T = dy.size(0), D = dy.size(1), K = w.size(1), P = l_.ep;
-    const Tensor dyr = ep::dispatch_fp8(c.be, ep_, dy, s.send_token, s.send_counts, s.recv_counts,
-                                        c.recipe.pow2_mode);  // [nr, D]
+    const Tensor dyr = ep::dispatch_fp8(c.be, *s.route, dy, c.recipe.pow2_mode);  // [nr, D]
     const ScaleMode pow2 = c.recipe.pow2_mode;
     std::vector<Tensor> dxe(static_cast<size_t>(P)), cg(static_cast<size_t>(P));
     for (int64_t p = 0; p < P; ++p) {
@@ -233,6 +234,7 @@ class ExpertParallel final : public RoutedExperts {
 
   Model& model_;
   Comm& ep_;
+  std::unique_ptr<Comm> rail_, node_;  // nodes > 1: the ranks with this in-node index; this node's
   ParallelLayout l_;
 };
 
