@@ -269,6 +269,7 @@ struct Trainer::Impl {
                   peak = backend->device_memory_peak();
     j["memory"] = {{"master_weights", params}, {"gradients", params}, {"adam_moments", moments},
                    {"activations_kept", acts}, {"ema_host", params}, {"device_in_use", dev}, {"device_peak", peak}};
+    if (par) par->report_memory(j["memory"], !opt.quiet);
     if (opt.quiet) return;
     const double mib = 1048576.0;
     std::printf("memory (%s, %s): master weights %.1f MiB, gradients %.1f MiB, AdamW moments %.1f MiB (%s), "

@@ -1,6 +1,7 @@
 // The trainer's multi-rank part (trainer_parallel.hpp).
 #include "trainer_parallel.hpp"
 
+#include <cstdio>
 #include <cstring>
 
 namespace fp8moe {
@@ -44,6 +45,30 @@ void TrainerParallel::sum(Backend& be, std::vector<std::vector<int64_t>>& loads)
   size_t k = 0;
   for (auto& l : loads)
     for (auto& x : l) x = int64_t(flat[k++]);
+}
+
+}  // namespace fp8moe
+
+namespace fp8moe {
+
+void TrainerParallel::report_memory(nlohmann::json& memory, bool print) const {
+  const Zero1AdamW::Memory m = zero->memory();
+  const double n = double(zero->numel());
+  const double moment_bytes = zero->config().moments == MomentPrecision::bf16 ? 2.0 : 4.0;
+  const double formula = (4.0 + 2.0 * moment_bytes) / double(layout.dp);  // bytes per parameter
+  memory["zero1"] = {{"dp", layout.dp},
+                     {"parameters", zero->numel()},
+                     {"master_shard", m.master},
+                     {"moments_shard", m.moments},
+                     {"gradient_shard", m.gradient_shard},
+                     {"gradient_bucket", m.bucket},
+                     {"optimizer_bytes_per_parameter", double(m.master + m.moments) / n},
+                     {"formula_bytes_per_parameter", formula}};
+  if (print)
+    std::printf("ZeRO-1 over %lld ranks: master weights and moments %.3f bytes per parameter per rank (formula "
+                "(4 + 2 x %.0f) / %lld = %.3f); weights 4, gradients 4 and the gradient bucket %.3f, whole\n",
+                (long long)layout.dp, double(m.master + m.moments) / n, moment_bytes, (long long)layout.dp, formula,
+                double(m.bucket) / n);
 }
 
 }  // namespace fp8moe

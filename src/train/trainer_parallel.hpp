@@ -4,6 +4,7 @@
 // gathered from the shards. Absent (nullptr) for one process without --ep: training as before.
 #pragma once
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "fp8moe/model.hpp"
@@ -31,6 +32,9 @@ struct TrainerParallel {
   // Sums over the data-parallel ranks (rank order), in place.
   void sum(Backend& be, std::vector<double>& v);
   void sum(Backend& be, std::vector<std::vector<int64_t>>& loads);
+  // The optimizer's bytes per rank beside the ZeRO-1 formula (FP32 master + two moments over dp),
+  // into the first step's metrics line (and printed).
+  void report_memory(nlohmann::json& memory, bool print) const;
 };
 
 }  // namespace fp8moe
