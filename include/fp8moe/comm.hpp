@@ -3,7 +3,8 @@
 //   "mpi"   Open MPI: host tensors directly; device tensors staged through pinned host buffers,
 //           so several processes can share one GPU. What CI runs, as CPU ranks under mpirun.
 //   "nccl"  NCCL on GPUs, bootstrapped over MPI: grouped ncclSend/ncclRecv for the all-to-all,
-//           NCCL's collectives for the rest. Needs one GPU per rank (NCCL_NVLS_ENABLE=0).
+//           NCCL's collectives for the rest. Device tensors only; one GPU per rank, the current
+//           one (select_local_gpu below); NCCL_NVLS_ENABLE=0.
 // Every rank of a communicator calls a collective with the same arguments (counts may differ
 // where the op says so); a mismatch is an error on every rank that names it, and a peer that has
 // gone away makes the others fail with an error naming it after FP8MOE_COMM_TIMEOUT_S seconds
@@ -65,9 +66,9 @@ class Comm {
   // Collective over this communicator.
   virtual std::unique_ptr<Comm> split(int color, int key) = 0;
 
-  // Whole tensors, the same dtype and byte count on both sides (the receiver checks). With NCCL
-  // the transfers run in stream order: a ring in which every rank sends before it receives
-  // needs the send and the receive on different streams.
+  // Whole tensors, the same dtype and byte count on both sides (MPI: the receiver checks). With
+  // NCCL the transfers run in stream order, so a ring in which every rank sends before it
+  // receives needs the send and the receive on different streams; NCCL does not send to self.
   virtual void send(const TensorView& t, int peer, const Stream& s) = 0;
   virtual void recv(const TensorView& t, int peer, const Stream& s) = 0;
   virtual CommRequest isend(const TensorView& t, int peer, const Stream& s) = 0;

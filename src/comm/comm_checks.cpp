@@ -101,6 +101,14 @@ void check_pair(OpDesc& d, const TensorView& send, const TensorView& recv) {
   }
 }
 
+// `all` [size * n, ...] stacks one `part` [n, ...] per rank.
+void check_stacked(OpDesc& d, const TensorView& all, const char* all_arg, const TensorView& part, const char* part_arg,
+                   int size) {
+  if (rows_of(all) == size * rows_of(part)) return;
+  add_problem(d, std::string(all_arg) + " " + all.str() + " needs " + std::to_string(size * rows_of(part)) + " rows (" +
+                     std::to_string(size) + " ranks x " + part_arg + "'s " + std::to_string(rows_of(part)) + ")");
+}
+
 void check_counts(OpDesc& d, std::span<const int64_t> counts, const char* arg, int64_t rows, const char* tensor,
                   int size) {
   std::ostringstream os;
@@ -175,10 +183,7 @@ OpDesc describe_all_to_all_v(const TensorView& send, std::span<const int64_t> se
 OpDesc describe_all_gather(const TensorView& send, const TensorView& recv, int size) {
   OpDesc d = describe(Op::all_gather, send);
   check_pair(d, send, recv);
-  if (rows_of(recv) != size * rows_of(send)) {
-    add_problem(d, "recv " + recv.str() + " needs " + std::to_string(size * rows_of(send)) + " rows (" +
-                       std::to_string(size) + " ranks x send's " + std::to_string(rows_of(send)) + ")");
-  }
+  check_stacked(d, recv, "recv", send, "send", size);
   return d;
 }
 
@@ -186,10 +191,7 @@ OpDesc describe_reduce_scatter(const TensorView& send, const TensorView& recv, i
   OpDesc d = describe(Op::reduce_scatter, recv);
   check_pair(d, send, recv);
   if (!summable(send.dtype)) add_problem(d, "send " + send.str() + ": sums are f32 | f64 | bf16 | i32 | i64");
-  if (rows_of(send) != size * rows_of(recv)) {
-    add_problem(d, "send " + send.str() + " needs " + std::to_string(size * rows_of(recv)) + " rows (" +
-                       std::to_string(size) + " ranks x recv's " + std::to_string(rows_of(recv)) + ")");
-  }
+  check_stacked(d, send, "send", recv, "recv", size);
   return d;
 }
 

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -75,10 +76,11 @@ Runtime& runtime() {
   return *rt;
 }
 
+// At exit nothing can be thrown: a failure is reported on stderr.
 void finalize_at_exit() {
   int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (!finalized && !runtime().lost_peer) MPI_Finalize();
+  if (MPI_Finalized(&finalized) != MPI_SUCCESS || finalized || runtime().lost_peer) return;
+  if (MPI_Finalize() != MPI_SUCCESS) std::fprintf(stderr, "fp8moe: MPI_Finalize failed\n");
 }
 
 // The deadline of one blocking wait, and the pause between polls: spinning first (a reply is
@@ -127,7 +129,8 @@ class Pending {
   Pending() = default;
   Pending(const Pending&) = delete;
   Pending& operator=(const Pending&) = delete;
-  // On an error path: receives still posted are cancelled, sends left to finish on their own.
+  // On an error path: receives still posted are cancelled, sends left to finish on their own
+  // (a destructor does not throw, so the codes are not acted on).
   ~Pending() {
     for (size_t i = 0; i < reqs_.size(); ++i) {
       if (reqs_[i] == MPI_REQUEST_NULL) continue;
@@ -340,23 +343,22 @@ MpiComm::MpiComm(MPI_Comm comm) : user_(comm) {
   for (int r = 0; r < size_; ++r) mine[r] = r;
   world_ranks_.resize(size_t(size_));
   MPI_OK(MPI_Group_translate_ranks(group, size_, mine.data(), world, world_ranks_.data()), what);
-  MPI_Group_free(&group);
-  MPI_Group_free(&world);
+  MPI_OK(MPI_Group_free(&group), what);
+  MPI_OK(MPI_Group_free(&world), what);
+  MPI_OK(MPI_Comm_size(MPI_COMM_WORLD, &world_size_), what);
 }
 
+// A destructor does not throw: the codes are not acted on (a failed free leaks a handle).
 MpiComm::~MpiComm() {
   int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (finalized) return;
+  if (MPI_Finalized(&finalized) != MPI_SUCCESS || finalized) return;
   if (coll_ != MPI_COMM_NULL) MPI_Comm_free(&coll_);
   if (user_ != MPI_COMM_NULL) MPI_Comm_free(&user_);
 }
 
 std::string MpiComm::rank_name(int r) const {
   std::string s = "rank " + std::to_string(r);
-  int world = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  if (world != size_ || world_ranks_[r] != r) s += " (world rank " + std::to_string(world_ranks_[r]) + ")";
+  if (world_size_ != size_ || world_ranks_[r] != r) s += " (world rank " + std::to_string(world_ranks_[r]) + ")";
   return s;
 }
 

@@ -58,7 +58,7 @@ class MpiComm final : public Comm {
 
   MPI_Comm user_ = MPI_COMM_NULL;  // send/recv of the caller
   MPI_Comm coll_ = MPI_COMM_NULL;  // the collectives' own traffic, never matched with a caller's message
-  int rank_ = 0, size_ = 1;
+  int rank_ = 0, size_ = 1, world_size_ = 1;
   std::vector<int> world_ranks_;  // of this communicator's ranks, for messages
   PinnedPool pinned_;
   std::vector<uint8_t> parts_;  // reductions: [size, chunk] of every rank's contributions, reused

@@ -56,6 +56,11 @@ void check_device(const TensorView& t, const char* arg, const std::string& what)
                     << "(--comm mpi moves host tensors)");
 }
 
+void check_devices(const TensorView& send, const TensorView& recv, const std::string& what) {
+  check_device(send, "send", what);
+  check_device(recv, "recv", what);
+}
+
 // Done once the transfer enqueued before it on its stream has run.
 class NcclRequest final : public CommRequest::Impl {
  public:
@@ -107,8 +112,7 @@ class NcclComm final : public Comm {
   void all_to_all_v(const TensorView& send, std::span<const int64_t> send_counts, const TensorView& recv,
                     std::span<const int64_t> recv_counts, const Stream& s) override {
     const std::string what = "nccl all_to_all_v";
-    check_device(send, "send", what);
-    check_device(recv, "recv", what);
+    check_devices(send, recv, what);
     host_->agree(describe_all_to_all_v(send, send_counts, recv, recv_counts, size()), "nccl");
     const auto rb = size_t(row_bytes(send));
     auto* in = static_cast<const uint8_t*>(send.data);
@@ -127,16 +131,14 @@ class NcclComm final : public Comm {
 
   void all_gather(const TensorView& send, const TensorView& recv, const Stream& s) override {
     const std::string what = "nccl all_gather";
-    check_device(send, "send", what);
-    check_device(recv, "recv", what);
+    check_devices(send, recv, what);
     host_->agree(describe_all_gather(send, recv, size()), "nccl");
     if (send.nbytes()) NCCL_OK(ncclAllGather(send.data, recv.data, send.nbytes(), ncclUint8, nc_, stream_of(s)), nc_, what);
   }
 
   void reduce_scatter(const TensorView& send, const TensorView& recv, const Stream& s) override {
     const std::string what = "nccl reduce_scatter";
-    check_device(send, "send", what);
-    check_device(recv, "recv", what);
+    check_devices(send, recv, what);
     host_->agree(describe_reduce_scatter(send, recv, size()), "nccl");
     if (recv.numel()) {
       NCCL_OK(ncclReduceScatter(send.data, recv.data, size_t(recv.numel()), nccl_type(recv.dtype), ncclSum, nc_, stream_of(s)),
@@ -168,6 +170,10 @@ class NcclComm final : public Comm {
     const std::string what = is_send ? "nccl send" : "nccl recv";
     check_device(t, "t", what);
     FP8MOE_CHECK(peer >= 0 && peer < size(), what << ": peer = " << peer << ", expected 0.." << size() - 1);
+    // Each call is its own NCCL group, and NCCL pairs a send to oneself with its receive only
+    // inside one group.
+    FP8MOE_CHECK(peer != rank(), what << ": peer = " << peer << " is this rank; the nccl engine does not send to "
+                                      << "itself (copy the tensor instead)");
     FP8MOE_CHECK(t.is_contiguous(), what << ": " << t.str() << " must be contiguous");
     if (t.nbytes() == 0) return;
     if (is_send) NCCL_OK(ncclSend(t.data, t.nbytes(), ncclUint8, peer, nc_, stream_of(s)), nc_, what);

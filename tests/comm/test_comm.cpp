@@ -215,7 +215,18 @@ TEST(Launch, NcclWithoutGpuIsAClearError) {
 #else
   expect_error([] { make_comm("nccl"); }, "\"nccl\" needs fp8moe built with CUDA and NCCL");
 #endif
-  EXPECT_EQ(make_comm("auto")->name(), "mpi");
+}
+
+TEST(Launch, AutoTakesNcclOnlyWithAGpuPerRank) {
+  const LaunchInfo li = launch_info();
+  int gpus = 0;
+#if FP8MOE_COMM_CUDA
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
+  cudaGetLastError();
+#endif
+  select_local_gpu(li);
+  EXPECT_EQ(make_comm("auto")->name(), gpus > 0 && li.local_size <= gpus ? "nccl" : "mpi")
+      << li.local_size << " ranks on this host, " << gpus << " GPUs";
 }
 
 TEST(Exchange, DifferentLengthsInRankOrder) {
@@ -475,6 +486,10 @@ TEST(OutOfRange, EveryRankHearsOfIt) {
                "rank 0: recv_counts has " + std::to_string(P + 1) + " entries, expected " + std::to_string(P));
   Tensor t = Tensor::host(DType::f32, {3});
   expect_error([&] { world().broadcast(t, P, Stream{}); }, "rank 0: root = " + std::to_string(P));
+  Tensor part = Tensor::host(DType::f32, {2}), stacked = Tensor::host(DType::f32, {2 * P + (me == last)});
+  expect_error([&] { world().all_gather(part, stacked, Stream{}); },
+               "rank " + std::to_string(last) + ": recv [" + std::to_string(2 * P + 1) + "] f32 cpu needs " +
+                   std::to_string(2 * P) + " rows (" + std::to_string(P) + " ranks x send's 2)");
   Tensor q = Tensor::host(DType::e4m3, {3});
   expect_error([&] { world().all_reduce(q, Stream{}); }, "sums are f32 | f64 | bf16 | i32 | i64");
   expect_error([&] { world().split(-1 - (me == 0), 0); }, "split: rank 0: color = -2, expected >= 0");
@@ -528,9 +543,9 @@ struct DeviceTensor {
   }
 };
 
-// The collectives on device tensors through `c`, each against the MPI engine on host tensors;
-// `exact_sums` where the sums are in rank order (MPI; NCCL at one rank).
-void check_device_collectives(Comm& c, bool exact_sums) {
+// The collectives on device tensors through `c`, each against `host` (the MPI engine over the
+// same ranks) on host tensors; `exact_sums` where the sums are in rank order (MPI; NCCL at one rank).
+void check_device_collectives(Comm& c, Comm& host, bool exact_sums) {
   const int P = c.size(), me = c.rank();
   Stream s(std::make_shared<TestCudaStream>());
   // all_to_all_v, [rows, 3] f32: the host result is the reference.
@@ -544,7 +559,7 @@ void check_device_collectives(Comm& c, bool exact_sums) {
   fill(send, me, 900);
   DeviceTensor dsend(send), drecv(recv);
   c.all_to_all_v(dsend.view, sc, drecv.view, rc, s);
-  world().all_to_all_v(send, sc, recv, rc, Stream{});
+  host.all_to_all_v(send, sc, recv, rc, Stream{});
   s.synchronize();
   EXPECT_SAME_BITS(drecv.to_host().view(), recv.view(), c.name() << " all_to_all_v on the GPU");
 
@@ -553,7 +568,7 @@ void check_device_collectives(Comm& c, bool exact_sums) {
     fill(t, me, 901);
     DeviceTensor dt_(t);
     c.all_reduce(dt_.view, s);
-    world().all_reduce(t, Stream{});
+    host.all_reduce(t, Stream{});
     s.synchronize();
     if (exact_sums) {
       EXPECT_SAME_BITS(dt_.to_host().view(), t.view(), c.name() << " all_reduce " << dtype_name(dt) << " on the GPU");
@@ -564,7 +579,7 @@ void check_device_collectives(Comm& c, bool exact_sums) {
     fill(rs_in, me, 902);
     DeviceTensor din(rs_in), dout(rs_out);
     c.reduce_scatter(din.view, dout.view, s);
-    world().reduce_scatter(rs_in, rs_out, Stream{});
+    host.reduce_scatter(rs_in, rs_out, Stream{});
     s.synchronize();
     if (exact_sums) EXPECT_SAME_BITS(dout.to_host().view(), rs_out.view(), c.name() << " reduce_scatter on the GPU");
     else EXPECT_LT(testing::calc_diff(testing::to_doubles(dout.to_host()), testing::to_doubles(rs_out)), 1e-6);
@@ -573,7 +588,7 @@ void check_device_collectives(Comm& c, bool exact_sums) {
   fill(g_in, me, 903);
   DeviceTensor dg_in(g_in), dg_out(g_out);
   c.all_gather(dg_in.view, dg_out.view, s);
-  world().all_gather(g_in, g_out, Stream{});
+  host.all_gather(g_in, g_out, Stream{});
   s.synchronize();
   EXPECT_SAME_BITS(dg_out.to_host().view(), g_out.view(), c.name() << " all_gather on the GPU");
 
@@ -586,6 +601,12 @@ void check_device_collectives(Comm& c, bool exact_sums) {
   s.synchronize();
   EXPECT_SAME_BITS(db.to_host().view(), b.view(), c.name() << " broadcast on the GPU");
 
+  if (c.name() == "nccl" && P == 1) {
+    Tensor one = Tensor::host(DType::f32, {1});
+    DeviceTensor d(one);
+    expect_error([&] { c.send(d.view, 0, s); }, "nccl send: peer = 0 is this rank");
+    return;
+  }
   // A ring on device tensors: receive from the previous rank, send to the next.
   Tensor out = Tensor::host(DType::bf16, {4099}), in = Tensor::host(DType::bf16, {4099}), want = Tensor::host(DType::bf16, {4099});
   fill(out, me, 905);
@@ -603,9 +624,9 @@ void check_device_collectives(Comm& c, bool exact_sums) {
 TEST(Device, MpiStagesDeviceTensorsThroughPinnedMemory) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU on this host (device tensors need one)";
   select_local_gpu(launch_info());
-  check_device_collectives(world(), true);
+  check_device_collectives(world(), world(), true);
   // Twice: the pinned buffers are reused.
-  check_device_collectives(world(), true);
+  check_device_collectives(world(), world(), true);
 }
 
 TEST(Nccl, MatchesTheMpiEngine) {
@@ -620,9 +641,10 @@ TEST(Nccl, MatchesTheMpiEngine) {
     throw;
   }
   EXPECT_EQ(nccl->name(), "nccl");
-  check_device_collectives(*nccl, nccl->size() == 1);
+  check_device_collectives(*nccl, world(), nccl->size() == 1);
   auto sub = nccl->split(nccl->rank() % 2, nccl->rank());
-  check_device_collectives(*sub, sub->size() == 1);
+  auto host_sub = world().split(world().rank() % 2, world().rank());
+  check_device_collectives(*sub, *host_sub, sub->size() == 1);
 }
 #else
 TEST(Device, MpiStagesDeviceTensorsThroughPinnedMemory) { GTEST_SKIP() << "built without CUDA"; }
