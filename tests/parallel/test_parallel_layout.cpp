@@ -76,12 +76,7 @@ TEST(ParallelLayout, ImpossibleLayoutsNameTheOption) {
 // idx [T, k] distinct experts per token from a seeded generator.
 std::vector<int32_t> random_routing(int64_t T, int64_t K, int64_t E, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  testing::RoutingSpec spec;
-  spec.tokens = T;
-  spec.topk = K;
-  spec.groups = E;
-  const Tensor ids = testing::random_routing(rng, spec);
-  return std::vector<int32_t>(ids.ptr<int32_t>(), ids.ptr<int32_t>() + T * K);
+  return testing::random_expert_ids(rng, T, K, E);
 }
 
 TEST(DispatchLayout, OneRowPerDestinationRankAndOneReturnedRowPerSlot) {

@@ -29,12 +29,7 @@ uint64_t g_seed = 0;
 // Rank r's routing of T tokens to top-k distinct experts of E (every rank can make every rank's).
 std::vector<int32_t> routing(int r, int64_t T, int64_t K, int64_t E) {
   std::mt19937_64 rng(g_seed + uint64_t(r) * 7919);
-  testing::RoutingSpec spec;
-  spec.tokens = T;
-  spec.topk = K;
-  spec.groups = E;
-  const Tensor ids = testing::random_routing(rng, spec);
-  return std::vector<int32_t>(ids.ptr<int32_t>(), ids.ptr<int32_t>() + T * K);
+  return testing::random_expert_ids(rng, T, K, E);
 }
 int64_t tokens_of(int r) { return 20 + 7 * r; }  // ragged: every rank its own count
 

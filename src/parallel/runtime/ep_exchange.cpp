@@ -77,29 +77,35 @@ Tensor hop_carry(Backend& be, Comm& comm, const Tensor& stage, const Tensor& gat
 
 }  // namespace
 
+DispatchRoute::Hop DispatchRoute::make_hop(Backend& be, Comm& comm, int64_t rows, const int32_t* ids, int64_t stride,
+                                           int64_t K, const std::function<int64_t(int32_t)>& peer_of, int64_t& other) {
+  // Row i goes to every peer holding one of its experts ids[i * stride + j], peer-major, rows
+  // ascending; `other` counts the rows to peers other than this rank.
+  Hop h;
+  h.comm = &comm;
+  h.send.assign(size_t(comm.size()), 0);
+  for (int64_t d = 0; d < comm.size(); ++d)
+    for (int64_t i = 0; i < rows; ++i) {
+      bool here = false;
+      for (int64_t j = 0; j < K; ++j) here |= peer_of(ids[i * stride + j]) == d;
+      if (!here) continue;
+      h.gather.push_back(int32_t(i));
+      ++h.send[size_t(d)];
+      if (d != comm.rank()) ++other;
+    }
+  h.recv = transposed_counts(comm, h.send);
+  h.gather_dev = i32_rows(be, h.gather, int64_t(h.gather.size()), 1);
+  return h;
+}
+
 DispatchRoute::DispatchRoute(Backend& be, Comm& ep, Comm* rail, Comm* node, const int32_t* idx, int64_t T, int64_t K,
                              int64_t epr) {
   FP8MOE_CHECK((rail == nullptr) == (node == nullptr), "DispatchRoute: rail and node communicators go together");
   const int64_t P = ep.size(), me = ep.rank();
-  const auto rank_of = [&](int32_t e) { return int64_t(e) / epr; };
   if (!rail) {  // one hop
-    Hop h;
-    h.comm = &ep;
-    h.send.assign(size_t(P), 0);
-    for (int64_t d = 0; d < P; ++d)
-      for (int64_t t = 0; t < T; ++t) {
-        bool here = false;
-        for (int64_t j = 0; j < K; ++j) here |= rank_of(idx[t * K + j]) == d;
-        if (!here) continue;
-        h.gather.push_back(int32_t(t));
-        ++h.send[size_t(d)];
-        if (d != me) ++in_rows_;
-      }
-    h.recv = transposed_counts(ep, h.send);
-    h.gather_dev = i32_rows(be, h.gather, int64_t(h.gather.size()), 1);
-    recv_counts_ = h.recv;
-    received_ = total(h.recv);
-    hops_.push_back(std::move(h));
+    hops_.push_back(make_hop(be, ep, T, idx, K, K, [&](int32_t e) { return int64_t(e) / epr; }, in_rows_));
+    recv_counts_ = hops_[0].recv;
+    received_ = total(recv_counts_);
     return;
   }
   const int64_t G = node->size(), N = rail->size(), my_node = me / G, my_local = me % G;
@@ -107,20 +113,8 @@ DispatchRoute::DispatchRoute(Backend& be, Comm& ep, Comm* rail, Comm* node, cons
                "DispatchRoute: rank " << me << " of " << P << " is not " << my_local << " of a node of " << node->size()
                                       << " and node " << my_node << " of " << rail->size());
   // Hop 1: each token once to every node holding one of its experts, at this in-node index.
-  Hop h1;
-  h1.comm = rail;
-  h1.send.assign(size_t(N), 0);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t t = 0; t < T; ++t) {
-      bool here = false;
-      for (int64_t j = 0; j < K; ++j) here |= rank_of(idx[t * K + j]) / G == n;
-      if (!here) continue;
-      h1.gather.push_back(int32_t(t));
-      ++h1.send[size_t(n)];
-      if (n != my_node) ++cross_rows_;
-    }
-  h1.recv = transposed_counts(*rail, h1.send);
-  h1.gather_dev = i32_rows(be, h1.gather, int64_t(h1.gather.size()), 1);
+  hops_.push_back(make_hop(be, *rail, T, idx, K, K, [&](int32_t e) { return int64_t(e) / epr / G; }, cross_rows_));
+  const Hop& h1 = hops_[0];
   // The rows carry (source rank, token, expert ids) for the relay and the receiver.
   std::vector<int32_t> meta;
   for (int64_t t = 0; t < T; ++t) {
@@ -129,23 +123,10 @@ DispatchRoute::DispatchRoute(Backend& be, Comm& ep, Comm* rail, Comm* node, cons
   }
   const Tensor d1 = hop_carry(be, *rail, i32_rows(be, meta, T, 2 + K), h1.gather_dev, h1.send, h1.recv);
   const Tensor m1 = be.to_host(d1);
-  const int64_t R1 = m1.size(0);
-  const int32_t* r1 = m1.ptr<int32_t>();
   // Hop 2: the relayed rows to each rank of this node holding one of their experts.
-  Hop h2;
-  h2.comm = node;
-  h2.send.assign(size_t(G), 0);
-  for (int64_t l = 0; l < G; ++l)
-    for (int64_t i = 0; i < R1; ++i) {
-      bool here = false;
-      for (int64_t j = 0; j < K; ++j) here |= rank_of(r1[i * (2 + K) + 2 + j]) == my_node * G + l;
-      if (!here) continue;
-      h2.gather.push_back(int32_t(i));
-      ++h2.send[size_t(l)];
-      if (l != my_local) ++in_rows_;
-    }
-  h2.recv = transposed_counts(*node, h2.send);
-  h2.gather_dev = i32_rows(be, h2.gather, int64_t(h2.gather.size()), 1);
+  hops_.push_back(make_hop(be, *node, m1.size(0), m1.ptr<int32_t>() + 2, 2 + K, K,
+                           [&](int32_t e) { return int64_t(e) / epr - my_node * G; }, in_rows_));
+  const Hop& h2 = hops_[1];
   const Tensor m2 = be.to_host(hop_carry(be, *node, d1, h2.gather_dev, h2.send, h2.recv));
   received_ = m2.size(0);
   const int32_t* r2 = m2.ptr<int32_t>();
@@ -158,8 +139,6 @@ DispatchRoute::DispatchRoute(Backend& be, Comm& ep, Comm* rail, Comm* node, cons
   recv_counts_.assign(size_t(P), 0);
   for (int64_t i = 0; i < received_; ++i) ++recv_counts_[size_t(r2[i * (2 + K)])];
   order_dev_ = i32_rows(be, order_, received_, 1);
-  hops_.push_back(std::move(h1));
-  hops_.push_back(std::move(h2));
 }
 
 Tensor DispatchRoute::carry(Backend& be, const Tensor& x) const {

@@ -3,6 +3,7 @@
 // tested on their own with rows that name their source rank and token
 // (tests/parallel/test_parallel_mpi.cpp).
 #pragma once
+#include <functional>
 #include <vector>
 
 #include "fp8moe/backend.hpp"
@@ -40,6 +41,8 @@ class DispatchRoute {
     std::vector<int64_t> send, recv;    // rows per peer
     Tensor gather_dev;                  // [gather] i32 on the backend
   };
+  static Hop make_hop(Backend& be, Comm& comm, int64_t rows, const int32_t* ids, int64_t stride, int64_t topk,
+                      const std::function<int64_t(int32_t)>& peer_of, int64_t& other);
   std::vector<Hop> hops_;
   std::vector<int32_t> order_;  // two hops: the received rows into (source, token) order
   Tensor order_dev_;
