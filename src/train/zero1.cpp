@@ -1,5 +1,5 @@
 // ZeRO-1 AdamW over a data-parallel communicator (include/fp8moe/zero1.hpp). Tested by
-// tests/train/test_zero1.cpp under mpirun (bit-identical to AdamW on one rank).
+// tests/parallel/test_parallel_mpi.cpp under mpirun (bit-identical to AdamW on one rank).
 #include "fp8moe/zero1.hpp"
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // The parallel layout's validation, the dispatch layout and node-limited routing, on one process
-// (the multi-rank runs are in test_parallel_train.cmake, under mpirun).
+// (the multi-rank ones are test_parallel_mpi.cpp and parallel_train.sh, under mpirun).
 //   ctest --test-dir build -R ParallelLayout
 #include <gtest/gtest.h>
 

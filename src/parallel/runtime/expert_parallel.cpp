@@ -1,11 +1,12 @@
 // The expert-parallel routed experts of the MoE layers (DeepSeek-V3 §3.2.2, §3.3.3), through the
 // communicator's all_to_all_v (any transport; the NVLink kernels are another room):
 //   forward   the layer's routing (idx, w) -> dispatch layout -> h quantized to 1x128 E4M3 tiles with
-//             power-of-two scales, one row per (token, destination rank) with its local expert ids
-//             and weights -> on the expert rank, per source rank: the rows dequantized (exact) and
-//             requantized into the expert-sorted layout (the same codes' values), the grouped FP8
-//             MLP of the model (mlp_forward) -> one BF16 row per (token, expert) back to the source
-//             -> moe_combine there, weighted, in slot order.
+//             power-of-two scales, one row per (token, destination rank) with its expert ids and
+//             weights (ep_exchange.hpp: one hop, or two across nodes) -> on the expert rank, per
+//             source rank: the rows dequantized (exact) and requantized into the expert-sorted
+//             layout (the same values), the grouped FP8 MLP of the model (mlp_forward) -> one
+//             BF16 row per (token, expert) back to the source -> moe_combine there, weighted, in
+//             slot order.
 //   backward  dy the same way in FP8 (the activation gradient before the down projection is
 //             w * dequantized dy on the expert rank), the input gradients back in BF16 and the
 //             combine weights' gradients (rows_dot) in FP32.
@@ -14,7 +15,7 @@
 // the experts' weight gradients add up source after source: the expert numbers do not depend on
 // how many ranks hold the experts. The BF16 combines and the FP8 dy make this layer differ from
 // the in-process one (src/model/moe.cpp) by those roundings; with --ep 1 it runs on one rank.
-// Tested by tests/parallel/test_expert_parallel.cpp (under mpirun).
+// Tested through training against one rank: ctest -R ParallelTrain (tests/parallel/parallel_train.sh).
 #include <cstring>
 
 #include "dispatch_layout.hpp"
@@ -103,7 +104,6 @@ class ExpertParallel final : public RoutedExperts {
       local[size_t(i)] = e / El == l_.ep_rank() ? int32_t(e - l_.first_expert()) : -1;
     }
     const Tensor rids = i32_tensor(c, local, nr, K);
-    const Tensor rids_h = c.be.to_host(rids);
     // The local experts, source by source.
     s->src.resize(size_t(P));
     std::vector<Tensor> ye(static_cast<size_t>(P));
@@ -115,7 +115,7 @@ class ExpertParallel final : public RoutedExperts {
       r0 += so.n;
       if (so.n == 0) continue;
       ye[size_t(p)] = run_experts(c, layer, so, rows_of(xr, so.r0, so.n), rows_of(rids, so.r0, so.n),
-                                  rids_h.ptr<int32_t>() + so.r0 * K, K);
+                                  local.data() + so.r0 * K, K);
     }
     s->ret_send.assign(size_t(P), 0);
     for (int64_t p = 0; p < P; ++p) s->ret_send[size_t(p)] = s->src[size_t(p)].ret;
