@@ -25,6 +25,7 @@ void add_train(CLI::App& app) {
   cmd->callback([] {
     std::signal(SIGINT, on_interrupt);
     TrainSummary s = Trainer(opt).run();
+    if (!s.writer) return;
     std::printf("done: %lld steps, train loss %.4f, validation loss %.4f, %.0f tokens/s%s\n", (long long)s.steps,
                 s.final_loss, s.final_val_loss, s.tokens_per_s, s.interrupted ? " (interrupted)" : "");
   });

@@ -44,6 +44,15 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--seed", o.seed, "seed of the initialization and the data order")->capture_default_str();
   cmd->add_option("--stop-at", o.stop_at, "checkpoint and stop after this step (the schedule still spans --steps)");
   cmd->add_flag("-q,--quiet", o.quiet, "no progress lines");
+  // Several ranks: mpirun -np N fp8moe train --dp D --ep E (include/fp8moe/parallel.hpp).
+  cmd->add_option("--dp", o.parallel.dp, "data-parallel ranks (0: the world size under mpirun)");
+  cmd->add_option("--ep", o.parallel.ep,
+                  "expert-parallel ranks inside --dp: the routed experts sharded, tokens dispatched in FP8 and "
+                  "combined in BF16 (0: the experts in each process)");
+  cmd->add_option("--ranks-per-node", o.parallel.ranks_per_node,
+                  "consecutive ranks forming a node, for node-limited routing (0: one node)");
+  cmd->add_option("--max-nodes", o.parallel.max_nodes, "nodes a token may be routed to (0: min(4, nodes))");
+  cmd->add_option("--comm", o.parallel.comm, "communicator: mpi | nccl | auto")->capture_default_str();
 }
 
 }  // namespace fp8moe::cli

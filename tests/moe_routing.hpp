@@ -39,4 +39,14 @@ inline Tensor random_routing(std::mt19937_64& rng, const RoutingSpec& s) {
   return ids;
 }
 
+// T tokens' k distinct experts of E, uniform, as a flat [T * k] vector.
+inline std::vector<int32_t> random_expert_ids(std::mt19937_64& rng, int64_t tokens, int64_t topk, int64_t experts) {
+  RoutingSpec s;
+  s.tokens = tokens;
+  s.topk = topk;
+  s.groups = experts;
+  const Tensor ids = random_routing(rng, s);
+  return std::vector<int32_t>(ids.ptr<int32_t>(), ids.ptr<int32_t>() + tokens * topk);
+}
+
 }  // namespace fp8moe::testing

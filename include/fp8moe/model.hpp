@@ -102,6 +102,33 @@ class Layer {
   virtual std::vector<int64_t> expert_loads(const Saved&) const { return {}; }
 };
 
+namespace model {
+struct Ctx;
+}
+
+// Where the routed experts of the MoE layers run. Without one (the default) they run in this
+// process over the expert-sorted layout (src/model/moe.cpp); an implementation may move the tokens
+// to other ranks (src/parallel/runtime/expert_parallel.cpp). The gate, the routing, the shared
+// expert and the balance loss stay in the layer either way.
+class RoutedExperts {
+ public:
+  struct State {
+    virtual ~State() = default;
+    std::vector<MemoryItem> kept;  // what forward kept for backward (the memory account)
+  };
+  virtual ~RoutedExperts() = default;
+  // Adds sum_j w[t, j] expert_{idx[t, j]}(h[t]) into y [T, D]; h [T, D] act (the norm output),
+  // idx [T, k] i32, w [T, k] act, of MoE layer `layer` (the model's layer number).
+  virtual std::unique_ptr<State> forward(model::Ctx& c, int64_t layer, const Tensor& h, const Tensor& idx,
+                                         const Tensor& w, const Tensor& y) = 0;
+  // From dy [T, D], the output gradient: adds the gradient of h into dh [T, D] and writes the
+  // combine weights' gradient dw [T, k] (dy[t] . expert_{idx[t, j]}(h[t])).
+  virtual void backward_input(model::Ctx& c, State& s, const Tensor& dy, const Tensor& w, const Tensor& dh,
+                              const Tensor& dw) = 0;
+  // Accumulates the experts' weight gradients and releases what `s` kept.
+  virtual void backward_weight(model::Ctx& c, State& s) = 0;
+};
+
 class Model {
  public:
   // Allocates the parameters on `backend` and initializes them from `seed` (normal(0, std) for
@@ -139,6 +166,9 @@ class Model {
   // Auxiliary-loss-free balancing: b_i += gamma * sign(mean load - load_i) per MoE layer, with
   // loads as returned in StepStats::expert_loads (summed over micro-batches by the caller).
   void update_routing_bias(const std::vector<std::vector<int64_t>>& loads, double gamma);
+
+  // The routed experts of every MoE layer run through `r` from now on (nullptr: in this process).
+  void set_routed_experts(std::shared_ptr<RoutedExperts> r);
 
   // The trunk for pipeline schedules: layers in execution order (attention and MLP halves).
   std::vector<Layer*> trunk();

@@ -12,6 +12,7 @@
 
 #include "fp8moe/config.hpp"
 #include "fp8moe/optimizer.hpp"
+#include "fp8moe/parallel.hpp"
 
 namespace fp8moe {
 
@@ -42,6 +43,9 @@ struct TrainOptions {
   int64_t stop_at = 0;              // > 0: checkpoint and return after this many steps (the
                                     // schedule still spans `steps`): long runs in pieces
   bool quiet = false;
+  // Several ranks under mpirun (--dp, --ep, --ranks-per-node, --max-nodes, --comm): the global
+  // batch is dp x batch_size x grad_accum sequences; rank 0 writes the output.
+  ParallelOptions parallel;
 };
 
 struct TrainSummary {
@@ -50,6 +54,7 @@ struct TrainSummary {
   double final_val_loss = 0;   // validation loss at the end
   double tokens_per_s = 0;
   bool interrupted = false;
+  bool writer = true;          // this process writes the output (rank 0 of several)
 };
 
 class Trainer {

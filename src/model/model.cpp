@@ -43,6 +43,7 @@ struct Model::Impl {
   Parameter *enorm = nullptr, *hnorm = nullptr, *eh = nullptr, *mtp_norm = nullptr;
   Tensor last_logits;
   MemoryAccount memory;
+  std::shared_ptr<RoutedExperts> routed;  // set_routed_experts
   // The gradient storage, each block once: a parameter's own, or a stack of routed experts'.
   std::vector<Tensor> grad_blocks;
   bool recording = false;  // record_sublayers
@@ -273,6 +274,11 @@ void Model::record_sublayers(bool on) {
   impl_->records.clear();
 }
 const std::vector<std::pair<std::string, Tensor>>& Model::sublayer_records() const { return impl_->records; }
+
+void Model::set_routed_experts(std::shared_ptr<RoutedExperts> r) {
+  impl_->routed = std::move(r);
+  impl_->ctx.routed = impl_->routed.get();
+}
 
 std::vector<Layer*> Model::trunk() {
   std::vector<Layer*> v;

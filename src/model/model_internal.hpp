@@ -61,6 +61,7 @@ struct Ctx {
   const Recipe& recipe;
   const ModelConfig& cfg;
   WeightCache weights{};
+  RoutedExperts* routed = nullptr;  // Model::set_routed_experts; null: the experts run here
   DType act() const { return recipe.act_dtype; }
   // A zero-filled activation: for outputs that an op accumulates into (or that are read before
   // every element is written).

@@ -17,6 +17,8 @@
 // The output gradients before the routed experts' down projection use power-of-two scales too.
 // The combine weight's gradient dy . expert_out is obtained without keeping expert outputs:
 // rows_dot(d swiglu_out, swiglu_out) of the expert fed w * dy equals w * (dy . expert_out).
+// Ctx::routed (Model::set_routed_experts) runs the routed experts elsewhere, expert-parallel over
+// ranks: the layer then keeps the gate, the routing, the shared expert and the balance loss.
 // One host synchronization per forward: the top-k indices (and scores, for the balance loss)
 // come to the host for the expert loads, the balance loss and the per-expert row ranges.
 #include <algorithm>
@@ -31,7 +33,7 @@ constexpr int64_t kAlign = 128;  // rows per expert segment: the grouped GEMMs' 
 
 class MoeLayer final : public Layer {
  public:
-  MoeLayer(Ctx& c, int64_t layer, const ParamLookup& get) : c_(c) {
+  MoeLayer(Ctx& c, int64_t layer, const ParamLookup& get) : c_(c), layer_(layer) {
     const std::string pre = "model.layers." + std::to_string(layer) + ".";
     name_ = "layers." + std::to_string(layer) + ".moe";
     norm_ = get(pre + "post_attention_layernorm.weight");
@@ -70,6 +72,7 @@ class MoeLayer final : public Layer {
     Tensor dh, dlogits;          // kept from B for W: [T, D], [T, E]
     double aux = 0;
     std::vector<int64_t> loads;
+    std::unique_ptr<RoutedExperts::State> routed;  // Ctx::routed's state when it runs the experts
   };
 
   std::unique_ptr<Saved> forward(const Batch& b, const Tensor& x, Tensor& y) override {
@@ -99,6 +102,14 @@ class MoeLayer final : public Layer {
     s->w = c_.empty({T, K});
     c_.be.moe_route(logits.view(), bias_->weight.view(), s->scores.view(), s->idx.view(), s->w.view(), cfg.n_group,
                     cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor);
+    if (c_.routed) {  // elsewhere (Model::set_routed_experts): only the loads are needed here
+      expert_loads(*s, T);
+      s->routed = c_.routed->forward(c_, layer_, h, s->idx, s->w, y);
+      s->aux = balance_loss(b, *s, nullptr);
+      for (const MemoryItem& m : s->routed->kept) s->kept.push_back(m);
+      keep(*s);
+      return s;
+    }
     layout(*s, T);
     const int64_t R = s->row_slot.size(0);
     Tensor ye = c_.empty({R, D});  // expert outputs, expert-sorted rows
@@ -128,7 +139,13 @@ class MoeLayer final : public Layer {
     }
     c_.be.moe_combine(ye.view(), s->slot_row.view(), s->w.view(), y.view(), true);
     s->aux = balance_loss(b, *s, nullptr);
+    keep(*s);
+    return s;
+  }
 
+  // The memory account of what forward kept.
+  void keep(State& st) const {
+    State* s = &st;
     auto& k = s->kept;
     k.push_back(account_item(name_, "x", s->x.view()));
     k.push_back(account_item(name_, "rstd", s->rstd.view()));
@@ -146,17 +163,27 @@ class MoeLayer final : public Layer {
       st.in.account(k, name_, "experts.in");
       st.account(k, name_, "experts.");
     }
-    return s;
   }
 
   void backward_input(const Batch& b, Saved& saved, const Tensor& dy, Tensor& dx) override {
     auto& s = static_cast<State&>(saved);
     const auto& cfg = c_.cfg;
-    const int64_t T = dy.size(0), D = dy.size(1), E = cfg.n_routed_experts, K = cfg.num_experts_per_tok;
-    const int64_t R = s.row_slot.size(0);
+    const int64_t T = dy.size(0), D = dy.size(1), K = cfg.num_experts_per_tok;
     const ScaleMode pow2 = c_.recipe.pow2_mode;
     s.dh = c_.zeros({T, D});  // zero-filled: the shared expert, the combine and the router add into it
     if (shared_.gate) mlp_backward_input(c_, shared_, s.shared, dy, s.dh, true, pow2);
+    Tensor dw = c_.empty({T, K});
+    if (s.routed) c_.routed->backward_input(c_, *s.routed, dy, s.w, s.dh, dw);
+    else routed_backward_input(s, dy, dw);
+    route_backward(b, s, dy, dw, dx);
+  }
+
+  // The routed experts' part of backward_input, in this process: adds into s.dh, writes dw.
+  void routed_backward_input(State& s, const Tensor& dy, const Tensor& dw) {
+    const auto& cfg = c_.cfg;
+    const int64_t D = dy.size(1), E = cfg.n_routed_experts, K = cfg.num_experts_per_tok;
+    const int64_t R = s.row_slot.size(0);
+    const ScaleMode pow2 = c_.recipe.pow2_mode;
     Tensor dye = c_.empty({R, D});  // w * dy of the routed rows
     c_.be.moe_permute(dy.view(), s.row_slot.view(), K, s.w.view(), dye.view());
     Tensor dxe = c_.empty({R, D});
@@ -173,9 +200,14 @@ class MoeLayer final : public Layer {
       }
     }
     c_.be.moe_combine(dxe.view(), s.slot_row.view(), TensorView(), s.dh.view(), true);
-    Tensor dw = c_.empty({T, K});
     // NOTES: w > 0 always (sigmoid affinities, positive scaling factor, validated).
     c_.be.moe_combine_weight_grad(cg.view(), s.slot_row.view(), s.w.view(), dw.view());
+  }
+
+  // The router's and the norm's backward from dw [T, k]: into s.dh, then dx.
+  void route_backward(const Batch& b, State& s, const Tensor& dy, const Tensor& dw, Tensor& dx) {
+    const auto& cfg = c_.cfg;
+    const int64_t T = dy.size(0), E = cfg.n_routed_experts;
     Tensor dscores;
     if (cfg.aux_loss_alpha > 0) {
       std::vector<double> ds(size_t(T * E), 0.0);
@@ -204,7 +236,8 @@ class MoeLayer final : public Layer {
       s.shared.in = linear_input(c_, h.view(), c_.recipe.pow2_mode);
       mlp_backward_weight(c_, shared_, s.shared);
     }
-    if (grouped_) mlp_backward_weight(c_, grouped_params(s), s.experts);
+    if (s.routed) c_.routed->backward_weight(c_, *s.routed);
+    else if (grouped_) mlp_backward_weight(c_, grouped_params(s), s.experts);
     for (size_t e = 0; e < s.expert.size(); ++e)
       if (s.expert[e].in.defined()) mlp_backward_weight(c_, experts_[e], s.expert[e]);
     c_.be.gemm(s.dlogits.view(), h.view(), gate_->grad.view(), true, false, true);
@@ -225,12 +258,16 @@ class MoeLayer final : public Layer {
  private:
   // The expert-sorted layout on the device, and on the host (one synchronization) the expert loads
   // and each expert's rows.
-  void layout(State& s, int64_t T) {
+  void expert_loads(State& s, int64_t T) {
     const int64_t E = c_.cfg.n_routed_experts, K = c_.cfg.num_experts_per_tok;
     s.idx_h = c_.be.to_host(s.idx);
     if (c_.cfg.aux_loss_alpha > 0) s.scores_h = c_.be.to_host(s.scores);
     s.loads.assign(size_t(E), 0);
     for (int64_t i = 0; i < T * K; ++i) ++s.loads[size_t(s.idx_h.ptr<int32_t>()[i])];
+  }
+  void layout(State& s, int64_t T) {
+    const int64_t E = c_.cfg.n_routed_experts, K = c_.cfg.num_experts_per_tok;
+    expert_loads(s, T);
     // Each expert runs on its whole padded segment: the padding rows are zeros and add nothing,
     // and GEMM shapes repeat across steps (multiples of 128 rows).
     s.groups.start.assign(size_t(E), 0);
@@ -297,6 +334,7 @@ class MoeLayer final : public Layer {
   }
 
   Ctx& c_;
+  int64_t layer_ = 0;
   std::string name_;
   Parameter *norm_ = nullptr, *gate_ = nullptr, *bias_ = nullptr;
   MlpParams shared_;

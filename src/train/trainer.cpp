@@ -19,6 +19,7 @@
 #include "fp8moe/ema.hpp"
 #include "fp8moe/model.hpp"
 #include "fp8moe/safetensors.hpp"
+#include "trainer_parallel.hpp"
 
 namespace fp8moe {
 
@@ -72,7 +73,8 @@ struct Trainer::Impl {
   std::unique_ptr<WindowSampler> sampler;
   std::vector<ParamRef> refs;        // trainable parameters, host views
   std::vector<Parameter*> all;       // every parameter (EMA and checkpoints)
-  std::unique_ptr<AdamW> adamw;
+  std::unique_ptr<AdamW> adamw;       // one process; with `par`, par->zero instead
+  std::unique_ptr<TrainerParallel> par;  // several ranks (--dp/--ep): trainer_parallel.hpp
   std::unique_ptr<ParameterEma> ema;
   LrSchedule schedule;
   int64_t step = 0;
@@ -88,6 +90,9 @@ struct Trainer::Impl {
     FP8MOE_CHECK(opt.moments == "bf16" || opt.moments == "f32", "train: moments must be bf16 or f32, got '" << opt.moments << "'");
     FP8MOE_CHECK(opt.mtp_switch >= 0 && opt.mtp_switch <= 1, "train: mtp_switch must be in [0, 1], got " << opt.mtp_switch);
     FP8MOE_CHECK(opt.ckpt_every >= 0, "train: ckpt_every must be >= 0 (0: no checkpoints), got " << opt.ckpt_every);
+    par = TrainerParallel::make(opt.parallel, cfg);
+    if (par && !par->rank0()) opt.quiet = true;  // output, metrics and checkpoints: rank 0
+    if (par && !opt.quiet) std::printf("parallel layout: %s\n", par->layout.str().c_str());
     recipe = Recipe::from_name(opt.recipe);
     recipe.set_attention(opt.attention);
     validate_config(cfg, recipe);
@@ -106,7 +111,8 @@ struct Trainer::Impl {
     ac.beta2 = opt.beta2;
     ac.weight_decay = opt.weight_decay;
     ac.moments = opt.moments == "bf16" ? MomentPrecision::bf16 : MomentPrecision::f32;
-    adamw = std::make_unique<AdamW>(*backend, refs, ac);
+    if (par) par->attach(*model, *backend, refs, ac);
+    else adamw = std::make_unique<AdamW>(*backend, refs, ac);
     std::vector<ParamRef> ema_refs;
     for (Parameter* p : all) ema_refs.push_back({p->name, p->weight.view(), p->grad.view(), false});
     // The EMA lives in host memory whatever the device: one asynchronous device-to-host copy every
@@ -135,15 +141,18 @@ struct Trainer::Impl {
       add(all[i]->name, all[i]->weight);
       tensors["ema." + all[i]->name] = ema->averages()[i].view();
     }
+    std::vector<Tensor> m, v;  // the whole moments, gathered from the shards with ZeRO-1
+    if (par) par->zero->gather_moments(m, v);
     for (size_t i = 0; i < refs.size(); ++i) {
-      add("optimizer.exp_avg." + refs[i].name, adamw->first_moments()[i]);
-      add("optimizer.exp_avg_sq." + refs[i].name, adamw->second_moments()[i]);
+      add("optimizer.exp_avg." + refs[i].name, par ? m[i] : adamw->first_moments()[i]);
+      add("optimizer.exp_avg_sq." + refs[i].name, par ? v[i] : adamw->second_moments()[i]);
     }
+    if (par && !par->rank0()) return;
     const auto ss = sampler->state();
     save_safetensors(ckpt_path, tensors,
                      {{"format", "fp8moe-checkpoint-1"},
                       {"step", std::to_string(step)},
-                      {"optimizer_steps", std::to_string(adamw->steps())},
+                      {"optimizer_steps", std::to_string(optimizer_steps())},
                       {"ema_updates", std::to_string(ema->updates())},
                       {"sampler_epoch", std::to_string(ss.epoch)},
                       {"sampler_index", std::to_string(ss.index)},
@@ -173,12 +182,28 @@ struct Trainer::Impl {
       take(all[i]->name, all[i]->weight.view());
       take("ema." + all[i]->name, ema->averages()[i].view());
     }
-    for (size_t i = 0; i < refs.size(); ++i) {
-      take("optimizer.exp_avg." + refs[i].name, adamw->first_moments()[i].view());
-      take("optimizer.exp_avg_sq." + refs[i].name, adamw->second_moments()[i].view());
+    if (par) {  // whole moments in the file, this rank's shard in the optimizer
+      std::vector<TensorView> m, v;
+      auto find = [&](const std::string& name) {
+        auto it = f.tensors.find(name);
+        FP8MOE_CHECK(it != f.tensors.end(), ckpt_path << ": checkpoint lacks tensor '" << name << "'");
+        return it->second.view();
+      };
+      for (const ParamRef& r : refs) {
+        m.push_back(find("optimizer.exp_avg." + r.name));
+        v.push_back(find("optimizer.exp_avg_sq." + r.name));
+      }
+      par->zero->load_moments(m, v);
+      par->zero->reload_master();
+      par->zero->set_steps(std::stoll(meta("optimizer_steps")));
+    } else {
+      for (size_t i = 0; i < refs.size(); ++i) {
+        take("optimizer.exp_avg." + refs[i].name, adamw->first_moments()[i].view());
+        take("optimizer.exp_avg_sq." + refs[i].name, adamw->second_moments()[i].view());
+      }
+      adamw->set_steps(std::stoll(meta("optimizer_steps")));
     }
     step = std::stoll(meta("step"));
-    adamw->set_steps(std::stoll(meta("optimizer_steps")));
     ema->set_updates(std::stoll(meta("ema_updates")));
     sampler->set_state({std::stoull(meta("sampler_epoch")), std::stoull(meta("sampler_index"))});
     FP8MOE_CHECK(meta("recipe") == recipe.name, ckpt_path << ": checkpoint was trained with recipe '" << meta("recipe")
@@ -188,6 +213,8 @@ struct Trainer::Impl {
     FP8MOE_CHECK(attention == recipe.attention(), ckpt_path << ": checkpoint was trained with --attention " << attention
                                                             << ", this run asks for " << recipe.attention());
   }
+
+  int64_t optimizer_steps() const { return par ? par->zero->steps() : adamw->steps(); }
 
   // First parameter whose weight or gradient holds a NaN/Inf, for the error message.
   std::string first_non_finite() const {
@@ -235,12 +262,14 @@ struct Trainer::Impl {
   void report_memory(nlohmann::json& j) const {
     int64_t params = 0, moments = 0;
     for (Parameter* p : all) params += int64_t(p->weight.view().nbytes());
-    for (size_t i = 0; i < refs.size(); ++i)
+    if (par) moments = par->zero->memory().moments;
+    for (size_t i = 0; !par && i < refs.size(); ++i)
       moments += int64_t(adamw->first_moments()[i].view().nbytes() + adamw->second_moments()[i].view().nbytes());
     const int64_t acts = model->saved_memory().total_bytes(), dev = backend->device_memory_in_use(),
                   peak = backend->device_memory_peak();
     j["memory"] = {{"master_weights", params}, {"gradients", params}, {"adam_moments", moments},
                    {"activations_kept", acts}, {"ema_host", params}, {"device_in_use", dev}, {"device_peak", peak}};
+    if (par) par->report_memory(j["memory"], !opt.quiet);
     if (opt.quiet) return;
     const double mib = 1048576.0;
     std::printf("memory (%s, %s): master weights %.1f MiB, gradients %.1f MiB, AdamW moments %.1f MiB (%s), "
@@ -260,7 +289,9 @@ struct Trainer::Impl {
     // MFU: model FLOPs (fwd + bwd) per second over the dense BF16 peak, for every recipe (so the
     // recipes compare on one scale).
     const double peak_tflops = opt.peak_tflops > 0 ? opt.peak_tflops : backend->peak_bf16_tflops();
-    std::ofstream metrics(fs::path(opt.out_dir) / "metrics.jsonl", opt.resume ? std::ios::app : std::ios::trunc);
+    std::ofstream metrics;  // rank 0's
+    if (!par || par->rank0())
+      metrics.open(fs::path(opt.out_dir) / "metrics.jsonl", opt.resume ? std::ios::app : std::ios::trunc);
     if (!opt.quiet)
       std::printf("fp8moe train: %s (%.1fM params, %.1fM active), recipe %s%s, backend %s, data %s (%zu train / %zu val bytes)\n",
                   cfg.name.c_str(), double(count_parameters(cfg).total) / 1e6, double(count_parameters(cfg).activated) / 1e6,
@@ -274,7 +305,13 @@ struct Trainer::Impl {
     auto t_start = std::chrono::steady_clock::now();
     int64_t tokens_done = 0;
     for (; step < opt.steps; ++step) {
-      if (stop_flag().load()) {
+      bool stop = stop_flag().load();
+      if (par) {  // every rank stops at the same step
+        std::vector<double> any{stop ? 1.0 : 0.0};
+        par->sum(*backend, any);
+        stop = any[0] > 0;
+      }
+      if (stop) {
         sum.interrupted = true;
         break;
       }
@@ -287,41 +324,53 @@ struct Trainer::Impl {
       model->set_mtp_loss_weight(mtp_weight);
       StepStats agg;
       std::vector<std::vector<int64_t>> loads;
-      for (int64_t m = 0; m < opt.grad_accum; ++m) {
+      // The global batch is dp x grad_accum micro-batches, taken in the order one rank would take
+      // them; data-parallel rank r runs micro-batches r, r + dp, ...
+      const int64_t dp = par ? par->dp() : 1, micro = opt.grad_accum * dp;
+      for (int64_t m = 0; m < micro; ++m) {
         sampler->next(int(B), windows);
+        if (par && m % dp != par->dp_rank()) continue;
         fill_batch(windows.data(), tok, tgt);
         StepStats st;
         try {
-          st = model->forward_backward(tok, tgt, 1.0 / double(opt.grad_accum));
+          st = model->forward_backward(tok, tgt, 1.0 / double(micro));
           backend->synchronize();
         } catch (const Error& e) {
           // A NaN/Inf reaching a quantizer is reported as what it is: a diverged step.
           FP8MOE_CHECK(false, "step " << step << ": forward/backward failed: " << e.what() << "; first non-finite tensor: "
                                       << first_non_finite() << ". Nothing was saved over the last checkpoint.");
         }
-        agg.loss += st.loss / double(opt.grad_accum);
-        agg.main_loss += st.main_loss / double(opt.grad_accum);
-        agg.mtp_loss += st.mtp_loss / double(opt.grad_accum);
-        agg.balance_loss += st.balance_loss / double(opt.grad_accum);
+        agg.loss += st.loss / double(micro);
+        agg.main_loss += st.main_loss / double(micro);
+        agg.mtp_loss += st.mtp_loss / double(micro);
+        agg.balance_loss += st.balance_loss / double(micro);
         if (loads.empty()) loads.assign(st.expert_loads.size(), std::vector<int64_t>());
         for (size_t l = 0; l < st.expert_loads.size(); ++l) {
           loads[l].resize(st.expert_loads[l].size(), 0);
           for (size_t e = 0; e < st.expert_loads[l].size(); ++e) loads[l][e] += st.expert_loads[l][e];
         }
       }
-      const double norm = global_grad_norm(*backend, refs);
+      if (par) {  // every rank's losses and loads, summed in rank order
+        std::vector<double> l{agg.loss, agg.main_loss, agg.mtp_loss, agg.balance_loss};
+        par->sum(*backend, l);
+        agg.loss = l[0], agg.main_loss = l[1], agg.mtp_loss = l[2], agg.balance_loss = l[3];
+        par->sum(*backend, loads);
+        par->zero->reduce_gradients();
+      }
+      const double norm = par ? par->zero->grad_norm() : global_grad_norm(*backend, refs);
       FP8MOE_CHECK(std::isfinite(agg.loss) && std::isfinite(norm),
                    "step " << step << ": non-finite " << (std::isfinite(agg.loss) ? "gradient norm" : "loss") << " (loss "
                            << agg.loss << ", grad norm " << norm << "); first non-finite tensor: " << first_non_finite()
                            << ". Nothing was saved over the last checkpoint.");
       const float lr = schedule.at(step);
       ema->fence();  // the last snapshot's copies finish before the weights change
-      adamw->step(lr, clip_scale(norm, opt.clip));
+      if (par) par->zero->step(lr, clip_scale(norm, opt.clip));
+      else adamw->step(lr, clip_scale(norm, opt.clip));
       if (!loads.empty()) model->update_routing_bias(loads, cfg.bias_update_speed);
       if ((step + 1) % opt.ema_every == 0) ema->update_async();
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const double tok_s = double(B * S * opt.grad_accum) / dt;
-      tokens_done += B * S * opt.grad_accum;
+      const double tok_s = double(B * S * micro) / dt;  // the global batch's
+      tokens_done += B * S * micro;
       loss_acc += agg.main_loss;
       ++loss_n;
 
@@ -378,6 +427,7 @@ struct Trainer::Impl {
     ema->wait();
     if (loss_n > 0) sum.final_loss = loss_acc / double(loss_n);
     sum.steps = step;
+    sum.writer = !par || par->rank0();
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     sum.tokens_per_s = double(tokens_done) / std::max(wall, 1e-9);
     return sum;

@@ -1,0 +1,67 @@
+// The parallel layout of a training run (DeepSeek-V3 §3.2, without pipeline stages yet): world =
+// dp ranks; expert parallelism shards each MoE layer's routed experts over `ep` consecutive ranks
+// inside the data-parallel dimension (rank r holds experts [(r % ep) * E / ep, ...)); everything
+// else is replicated; each expert is replicated over dp / ep ranks (its expert-data-parallel
+// group). Nodes are `ranks_per_node` consecutive ranks; routing is node-limited to `max_nodes`
+// nodes per token (the report: 4) by the model's group routing with one group per node.
+//   auto layout = fp8moe::make_parallel_layout(opts, comm->size(), comm->rank(), cfg);  // throws
+//   fp8moe::apply_node_limited_routing(layout, cfg);
+//   auto groups = fp8moe::make_parallel_groups(*comm, layout);
+//   model.set_routed_experts(fp8moe::make_expert_parallel(model, *groups.ep, layout));
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "fp8moe/comm.hpp"
+#include "fp8moe/config.hpp"
+
+namespace fp8moe {
+
+class Model;
+class RoutedExperts;
+
+struct ParallelOptions {
+  int64_t dp = 0;              // data-parallel ranks; 0: the world size
+  int64_t ep = 0;              // expert-parallel ranks; 0: the routed experts run in each process
+                               // as without a layout; >= 1: the expert-parallel layer (FP8
+                               // dispatch, BF16 combine) over ep ranks, 1 included
+  int64_t ranks_per_node = 0;  // 0: every rank of an expert-parallel group on one node
+  int64_t max_nodes = 0;       // nodes a token may reach; 0: min(4, nodes), the report's 4
+  std::string comm = "auto";   // mpi | nccl | auto (comm.hpp)
+};
+
+struct ParallelLayout {
+  int64_t world = 1, rank = 0;
+  int64_t dp = 1, ep = 1;
+  bool expert_parallel = false;   // ParallelOptions::ep >= 1
+  int64_t ranks_per_node = 1;     // within an expert-parallel group: min(option, ep)
+  int64_t nodes = 1;              // nodes of one expert-parallel group (ep / ranks_per_node)
+  int64_t max_nodes = 1;
+  int64_t experts = 0, experts_per_rank = 0;
+  int64_t ep_rank() const { return rank % ep; }         // place inside the expert-parallel group
+  int64_t ep_group() const { return rank / ep; }        // which expert-parallel group
+  int64_t first_expert() const { return ep_rank() * experts_per_rank; }
+  std::string str() const;
+};
+
+// Validates the options against the world and the model; throws fp8moe::Error naming the option
+// and the value it needs. A pure function of its arguments: every rank raises the same error
+// before any work.
+ParallelLayout make_parallel_layout(const ParallelOptions& opt, int64_t world, int64_t rank, const ModelConfig& cfg);
+// Node-limited routing: with nodes > 1, the model's group routing with one group per node
+// (n_group = nodes, topk_group = max_nodes); unchanged otherwise.
+void apply_node_limited_routing(const ParallelLayout& layout, ModelConfig& cfg);
+
+// The sub-communicators of a layout (Comm::split; collective over `world`).
+struct ParallelGroups {
+  std::unique_ptr<Comm> dp;   // every data-parallel rank (the world while there are no stages)
+  std::unique_ptr<Comm> ep;   // this rank's expert-parallel group, ordered by ep_rank
+  std::unique_ptr<Comm> edp;  // the ranks holding the same experts (expert-data-parallel)
+};
+ParallelGroups make_parallel_groups(Comm& world, const ParallelLayout& layout);
+
+// The expert-parallel routed experts of every MoE layer of `model` over `ep` (layout.ep ranks).
+std::shared_ptr<RoutedExperts> make_expert_parallel(Model& model, Comm& ep, const ParallelLayout& layout);
+
+}  // namespace fp8moe
