@@ -265,14 +265,19 @@ struct Trainer::Impl {
     FP8MOE_CHECK(cfg.vocab_size >= kByteVocab, "model config '" << opt.model_config << "': vocab_size " << cfg.vocab_size
                                                                  << " is smaller than the byte vocabulary (256)");
     validate_config(cfg, recipe);
-    backend = make_backend(opt.backend == "auto" ? pick_backend(opt.quiet) : opt.backend);
-    // Device-side checks are raised once per micro-batch (the synchronize below), not per op.
-    backend->set_checks(Backend::Checks::deferred);
-    model = std::make_unique<Model>(cfg, recipe, *backend, opt.seed);
     corpus = std::make_unique<TextCorpus>(opt.data);
     if (!opt.quiet && !opt.data.empty() && !corpus->skipped().empty())
       std::printf("note: data: skipped %zu file(s) that are not UTF-8 text under '%s' (first: %s)\n", corpus->skipped().size(),
                   opt.data.c_str(), corpus->skipped()[0].c_str());
+    backend = make_backend(opt.backend == "auto" ? pick_backend(opt.quiet) : opt.backend);
+    // Device-side checks are raised once per micro-batch (the synchronize below), not per op.
+    backend->set_checks(Backend::Checks::deferred);
+    // The inputs are sound: the folder is made before the model is, so that a place that cannot
+    // hold it fails at once.
+    std::error_code ec;
+    fs::create_directories(opt.out_dir, ec);
+    if (ec) throw IoError("train: cannot create the output folder '" + opt.out_dir + "': " + ec.message());
+    model = std::make_unique<Model>(cfg, recipe, *backend, opt.seed);
     sampler = std::make_unique<WindowSampler>(corpus->train(), int(cfg.seq_len + 1), opt.seed);
     for (Parameter& p : model->parameters()) {
       all.push_back(&p);
@@ -298,9 +303,6 @@ struct Trainer::Impl {
       load_checkpoint(*resume_from);
       resume_from.reset();
     }
-    std::error_code ec;
-    fs::create_directories(opt.out_dir, ec);
-    if (ec) throw IoError("train: cannot create the output folder '" + opt.out_dir + "': " + ec.message());
   }
 
   // What a resumed run must agree on with the checkpoint, checked before any work: its format, a
