@@ -559,10 +559,12 @@ struct Trainer::Impl {
       if (step == start_step) report_memory(j);
       // A run that replaces another and writes no checkpoint of its own leaves none of the old.
       if (metrics.write(j.dump() + "\n") && opt.overwrite && opt.ckpt_every == 0) fs::remove(ckpt_path);
+      char val[16] = "  -   ";
+      if (j.contains("val_loss")) std::snprintf(val, sizeof val, "%.4f", j["val_loss"].get<double>());
       if (!opt.quiet && ((step + 1) % opt.log_every == 0 || last || step == 0))
         std::printf("step %6lld | loss %.4f | val %s | lr %.2e | norm %.3f | %.0f tok/s | %.3f TFLOPS%s | rss %.0f MiB\n",
                     (long long)step, agg.main_loss,
-                    j.contains("val_loss") ? std::to_string(j["val_loss"].get<double>()).substr(0, 6).c_str() : "  -   ",
+                    val,
                     double(lr), norm, tok_s, flops_tok * tok_s / 1e12, mfu, double(resident_bytes()) / 1048576.0);
       if (!opt.quiet) std::fflush(stdout);  // progress reaches logs and pipes as it happens
       if ((step + 1) % opt.log_every == 0 || last) {
