@@ -83,7 +83,7 @@ class MetricsFile {
   bool write(const std::string& line) {
     bool replaced = false;
     if (fd_ < 0) {
-      const fs::path tmp = path_.parent_path() / ("." + path_.filename().string() + ".new");
+      const fs::path tmp = path_.parent_path() / std::string(".").append(path_.filename().string()).append(".new");
       open(tmp);
       write_all(tmp, line);
       replaced = fs::exists(path_);
