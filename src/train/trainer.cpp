@@ -265,6 +265,7 @@ struct Trainer::Impl {
     FP8MOE_CHECK(cfg.vocab_size >= kByteVocab, "model config '" << opt.model_config << "': vocab_size " << cfg.vocab_size
                                                                  << " is smaller than the byte vocabulary (256)");
     validate_config(cfg, recipe);
+    if (resume_from) check_same_model(config_from_json(metadata(*resume_from, ckpt_path, "model_config")));
     corpus = std::make_unique<TextCorpus>(opt.data);
     if (!opt.quiet && !opt.data.empty() && !corpus->skipped().empty())
       std::printf("note: data: skipped %zu file(s) that are not UTF-8 text under '%s' (first: %s)\n", corpus->skipped().size(),
@@ -312,12 +313,6 @@ struct Trainer::Impl {
     resume_from = load_safetensors(ckpt_path);
     const SafetensorsFile& f = *resume_from;
     FP8MOE_CHECK(metadata(f, ckpt_path, "format") == "fp8moe-checkpoint-1", ckpt_path << ": not an fp8moe checkpoint");
-    step = metadata_int(f, ckpt_path, "step");
-    FP8MOE_CHECK(step < opt.steps, "train: --resume: the run in '" << opt.out_dir << "' already reached step " << step
-                                                                   << " of --steps " << opt.steps
-                                                                   << "; give a larger --steps to continue it");
-    FP8MOE_CHECK(opt.stop_at == 0 || opt.stop_at > step,
-                 "train: --stop-at " << opt.stop_at << " is not after the checkpoint's step " << step);
     const std::string saved_recipe = metadata(f, ckpt_path, "recipe");
     FP8MOE_CHECK(saved_recipe == recipe.name, ckpt_path << ": checkpoint was trained with recipe '" << saved_recipe
                                                         << "', this run asks for '" << recipe.name << "'");
@@ -325,6 +320,12 @@ struct Trainer::Impl {
     const std::string attention = att == f.metadata.end() ? "exact" : att->second;
     FP8MOE_CHECK(attention == recipe.attention(), ckpt_path << ": checkpoint was trained with --attention " << attention
                                                             << ", this run asks for " << recipe.attention());
+    step = metadata_int(f, ckpt_path, "step");
+    FP8MOE_CHECK(step < opt.steps, "train: --resume: the run in '" << opt.out_dir << "' already reached step " << step
+                                                                   << " of --steps " << opt.steps
+                                                                   << "; give a larger --steps to continue it");
+    FP8MOE_CHECK(opt.stop_at == 0 || opt.stop_at > step,
+                 "train: --stop-at " << opt.stop_at << " is not after the checkpoint's step " << step);
     const ModelConfig saved = config_from_json(metadata(f, ckpt_path, "model_config"));
     auto same = [&](const char* flag, int64_t& given, int64_t saved_value) {
       FP8MOE_CHECK(given == 0 || given == saved_value, "train: --resume: " << flag << " " << given << " differs from the "
@@ -373,6 +374,15 @@ struct Trainer::Impl {
                       {"model_config", config_to_json(cfg)},
                       {"seed", std::to_string(opt.seed)},
                       {"grad_accum", std::to_string(opt.grad_accum)}});
+  }
+
+  // A resumed run trains the model of its checkpoint: every config key but the name must agree.
+  void check_same_model(const ModelConfig& saved) const {
+    const nlohmann::json a = nlohmann::json::parse(config_to_json(saved)), b = nlohmann::json::parse(config_to_json(cfg));
+    for (const auto& [key, value] : a.items())
+      FP8MOE_CHECK(key == "name" || b[key] == value, "train: --resume: the config's " << key << " = " << b[key].dump()
+                                                                                     << " differs from the " << value.dump()
+                                                                                     << " the run was trained with");
   }
 
   void load_checkpoint(const SafetensorsFile& f) {

@@ -20,6 +20,8 @@ import sys
 import tempfile
 import unittest
 
+from cli_testing import write_corpus
+
 BIN = None
 SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The shortest real training run: one sequence of 32 tokens per step, one validation batch.
@@ -56,16 +58,6 @@ def hashes(root):
             with open(p, "rb") as fh:
                 out[os.path.relpath(p, root)] = hashlib.sha256(fh.read()).hexdigest()
     return out
-
-
-def write_corpus(path, words=40000):
-    vocab = "the quick brown fox jumps over a lazy dog and cat sleeps in warm sun".split()
-    x, out = 12345, []
-    for _ in range(words):
-        x = (x * 6364136223846793005 + 1442695040888963407) % (1 << 64)
-        out.append(vocab[(x >> 33) % len(vocab)] + (".\n" if (x >> 20) % 9 == 0 else " "))
-    with open(path, "w") as f:
-        f.write("".join(out))
 
 
 def safetensors_metadata(path):
@@ -149,6 +141,7 @@ class Cli(unittest.TestCase):
                      "train", "--no-such-option")
         self.refused(BAD_INPUT, "usage error:", "train", "--steps", "many")
         self.refused(BAD_INPUT, "usage error: A subcommand is required")
+        self.refused(BAD_INPUT, "usage error: --tokens: Value -5 not in range", "model", "-c", "tiny", "--tokens", "-5")
 
     def test_output_folders_that_cannot_be_made(self):
         a_file = os.path.join(self.data, "corpus.txt")
@@ -257,6 +250,9 @@ class Cli(unittest.TestCase):
                      "7", "--steps", "3", "--data", self.data, "--resume", "-o", self.run_dir)
         self.refused(BAD_INPUT, "checkpoint was trained with recipe 'fp8', this run asks for 'bf16'", "train", *FAST,
                      "-r", "bf16", "--steps", "3", "--data", self.data, "--resume", "-o", self.run_dir)
+        self.refused(BAD_INPUT, "--resume: the config's hidden_size = 256 differs from the 128 the run was trained with",
+                     "train", *FAST, "-c", self.write_config("wider.json", lambda c: c.update(hidden_size=256)),
+                     "--steps", "3", "--data", self.data, "--resume", "-o", self.run_dir)
 
     def test_interrupted_run_saves_exits_130_and_resumes_with_its_batch_shape(self):
         out_dir = os.path.join(self.root, "interrupted")

@@ -20,6 +20,8 @@ import sys
 import tempfile
 import unittest
 
+from cli_testing import write_corpus
+
 BIN = None
 SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SKIPPED = 77
@@ -98,16 +100,6 @@ def read_layout(path):
 
     with safe_open(path, framework="numpy") as f:
         return {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
-
-
-def write_corpus(path, words=40000):
-    vocab = "the quick brown fox jumps over a lazy dog and cat sleeps in warm sun".split()
-    x, out = 12345, []
-    for _ in range(words):
-        x = (x * 6364136223846793005 + 1442695040888963407) % (1 << 64)
-        out.append(vocab[(x >> 33) % len(vocab)] + (".\n" if (x >> 20) % 9 == 0 else " "))
-    with open(path, "w") as f:
-        f.write("".join(out))
 
 
 def run(*args):
