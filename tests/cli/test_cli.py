@@ -24,9 +24,10 @@ from cli_testing import write_corpus
 
 BIN = None
 SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# The shortest real training run: one sequence of 32 tokens per step, one validation batch.
-FAST = ["-c", "tiny", "--backend", "cpu", "--batch-size", "1", "--seq-len", "32", "--eval-batches", "1",
-        "--eval-every", "1000"]
+# The shortest real training run: one step of one sequence of 32 tokens, one validation batch (so
+# that a command a missing guard lets through ends soon, and fails its test).
+FAST = ["-c", "tiny", "--backend", "cpu", "--steps", "1", "--batch-size", "1", "--seq-len", "32", "--eval-batches",
+        "1", "--eval-every", "1000"]
 BAD_INPUT, IO_FAILURE, INTERRUPTED = 2, 3, 130
 
 
