@@ -257,8 +257,8 @@ class Cli(unittest.TestCase):
 
     def test_interrupted_run_saves_exits_130_and_resumes_with_its_batch_shape(self):
         out_dir = os.path.join(self.root, "interrupted")
-        p = subprocess.Popen([BIN, "train", *last_wins(FAST), "--steps", "1000", "--log-every", "1", "--data", self.data, "-o",
-                              out_dir], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen([BIN, *last_wins(["train", *FAST, "--steps", "1000", "--log-every", "1", "--data", self.data,
+                                                "-o", out_dir])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines = []
         for line in p.stdout:
             lines.append(line)
