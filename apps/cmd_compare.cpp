@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "fp8moe/error.hpp"
 #include "fp8moe/loss_compare.hpp"
 #include "fp8moe/model_recipe.hpp"
 #include "fp8moe/plot.hpp"
@@ -34,18 +35,28 @@ struct CompareArgs {
   bool analyze_only = false; // reuse existing runs
 };
 
-void on_interrupt(int) { Trainer::stop_flag().store(true); }
+void on_interrupt(int) {
+  Trainer::stop_flag().store(true);
+  std::signal(SIGINT, SIG_DFL);
+}
 
 // <out>/<recipe> for seed 0, <out>/<recipe>-seed<k> for seed k.
 std::string run_name(const std::string& recipe, int k) {
   return k == 0 ? recipe : recipe + "-seed" + std::to_string(k);
 }
 
-// Trains the runs (seed by seed, so that an interrupted comparison already holds whole pairs; then
-// the extra BF16 seeds of the noise floor) and reads their curves; empty when interrupted.
-std::vector<CompareRun> train_runs(const CompareArgs& args) {
+// The options of every run (seed by seed, so that an interrupted comparison already holds whole
+// pairs; then the extra BF16 seeds of the noise floor), each checked with its folder before any
+// is trained.
+struct PlannedRun {
+  std::string name;
+  int seed_index;
+  TrainOptions opt;
+};
+
+std::vector<PlannedRun> planned_runs(const CompareArgs& args) {
   const int bf16_seeds = std::max(args.seeds, args.bf16_seeds);
-  std::vector<CompareRun> runs;
+  std::vector<PlannedRun> plan;
   for (int k = 0; k < bf16_seeds; ++k)
     for (const std::string& r : args.recipes) {
       if (k >= (r == "bf16" ? bf16_seeds : args.seeds)) continue;
@@ -53,12 +64,24 @@ std::vector<CompareRun> train_runs(const CompareArgs& args) {
       o.recipe = r;
       o.seed = args.base.seed + uint64_t(k);
       o.out_dir = (fs::path(args.base.out_dir) / run_name(r, k)).string();
-      std::printf("== %s (recipe %s, seed %llu)\n", run_name(r, k).c_str(), r.c_str(), (unsigned long long)o.seed);
-      Trainer(o).run();
-      if (Trainer::stop_flag().load()) return {};
-      const LossCurve c = read_loss_curve((fs::path(o.out_dir) / "metrics.jsonl").string(), run_name(r, k));
-      runs.push_back({r, k, truncate_curve(c, args.horizon)});
+      validate_train_options(o);
+      check_run_folder(o.out_dir, o.resume, o.overwrite);
+      plan.push_back({run_name(r, k), k, o});
     }
+  return plan;
+}
+
+// Trains the runs and reads their curves.
+std::vector<CompareRun> train_runs(const CompareArgs& args) {
+  std::vector<CompareRun> runs;
+  for (const auto& [name, k, o] : planned_runs(args)) {
+    std::printf("== %s (recipe %s, seed %llu)\n", name.c_str(), o.recipe.c_str(), (unsigned long long)o.seed);
+    const TrainSummary s = Trainer(o).run();
+    if (s.interrupted)
+      throw Interrupted("compare: " + name + " " + interrupted_message(s) + "; the finished runs are in " + args.base.out_dir);
+    const LossCurve c = read_loss_curve((fs::path(o.out_dir) / "metrics.jsonl").string(), name);
+    runs.push_back({o.recipe, k, truncate_curve(c, args.horizon)});
+  }
   return runs;
 }
 
@@ -68,6 +91,7 @@ std::vector<CompareRun> found_runs(const std::string& out, double horizon) {
   const std::vector<std::string> known = Recipe::names();
   const std::regex name_re("(.+)-seed([0-9]+)");
   std::vector<CompareRun> runs;
+  FP8MOE_CHECK(fs::is_directory(out), "compare: --analyze-only: --out '" << out << "' is not a folder");
   for (const auto& e : fs::directory_iterator(out)) {
     const std::string name = e.path().filename().string();
     const fs::path metrics = e.path() / "metrics.jsonl";
@@ -91,8 +115,10 @@ void compare_command(CompareArgs& args) {
   FP8MOE_CHECK(!args.recipes.empty() && args.recipes[0] == "bf16",
                "compare: the first recipe must be bf16 (the baseline), got '" << (args.recipes.empty() ? "" : args.recipes[0]) << "'");
   FP8MOE_CHECK(args.seeds >= 1, "compare: --seeds must be >= 1, got " << args.seeds);
+  FP8MOE_CHECK(args.bf16_seeds >= 1, "compare: --bf16-seeds must be >= 1, got " << args.bf16_seeds);
+  FP8MOE_CHECK(std::isfinite(args.horizon) && args.horizon >= 0,
+               "compare: --horizon must be >= 0 (0: the end), got " << args.horizon);
   const std::vector<CompareRun> runs = args.analyze_only ? found_runs(out, args.horizon) : train_runs(args);
-  if (runs.empty()) return;  // interrupted
   double first_end = INFINITY, last_end = -INFINITY;
   for (const CompareRun& r : runs) {
     first_end = std::min(first_end, r.curve.steps.back());

@@ -131,8 +131,10 @@ void dump(const Args& a) {
 void add_model(CLI::App& app) {
   auto args = std::make_shared<Args>();
   auto* cmd = app.add_subcommand("model", "DeepSeek-V3-mini: parameter counts, activation memory per recipe, dumps");
-  cmd->add_option("-c,--config", args->config, "model config (JSON)")->required();
-  cmd->add_option("--tokens", args->tokens, "tokens per micro-batch (default batch_size * seq_len)");
+  cmd->add_option("-c,--config", args->config, "model config: a JSON file, or the name of a shipped one (tiny, ..., deepseek-v3)")
+      ->required();
+  cmd->add_option("--tokens", args->tokens, "tokens per micro-batch (default batch_size * seq_len)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--recipes", args->recipes, "comma-separated recipes for the memory table");
   cmd->add_option("--dump", args->dump, "run one forward_backward and write safetensors files to this folder");
   cmd->add_option("--recipe", args->recipe, "recipe of --dump (fp64, fp32, bf16, fp8, ...)");

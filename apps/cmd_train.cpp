@@ -6,13 +6,18 @@
 #include <string>
 
 #include "commands.hpp"
+#include "fp8moe/error.hpp"
 #include "fp8moe/model_recipe.hpp"
 #include "train_options.hpp"
 
 namespace fp8moe {
 namespace {
 
-void on_interrupt(int) { Trainer::stop_flag().store(true); }
+// A second Ctrl-C ends the process at once (the default action), for a step that takes too long.
+void on_interrupt(int) {
+  Trainer::stop_flag().store(true);
+  std::signal(SIGINT, SIG_DFL);
+}
 
 void add_train(CLI::App& app) {
   static TrainOptions opt;
@@ -24,10 +29,13 @@ void add_train(CLI::App& app) {
   cmd->add_flag("--resume", opt.resume, "continue from the checkpoint in --out");
   cmd->callback([] {
     std::signal(SIGINT, on_interrupt);
-    TrainSummary s = Trainer(opt).run();
-    if (!s.writer) return;
-    std::printf("done: %lld steps, train loss %.4f, validation loss %.4f, %.0f tokens/s%s\n", (long long)s.steps,
-                s.final_loss, s.final_val_loss, s.tokens_per_s, s.interrupted ? " (interrupted)" : "");
+    const TrainSummary s = Trainer(opt).run();
+    if (!s.writer) {  // another rank prints the summary; an interrupt still ends this one
+      if (s.interrupted) throw Interrupted(interrupted_message(s));
+      return;
+    }
+    std::printf("%s\n", format_summary(s).c_str());
+    if (s.interrupted) throw Interrupted(interrupted_message(s));
   });
 }
 

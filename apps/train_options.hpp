@@ -7,13 +7,19 @@
 namespace fp8moe::cli {
 
 inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
-  cmd->add_option("-c,--config", o.model_config, "model config (JSON)")->capture_default_str();
+  cmd->add_option("-c,--config", o.model_config,
+                  "model config: a JSON file, or the name of a shipped one (tiny, small, medium, wide, gemm, 1b)")
+      ->capture_default_str();
   cmd->add_option("--data", o.data, "text file or folder (default: the fortunes corpus)");
-  cmd->add_option("-o,--out", o.out_dir, "output folder (metrics.jsonl, checkpoint.safetensors)")->capture_default_str();
+  cmd->add_option("-o,--out", o.out_dir,
+                  "output folder (metrics.jsonl, checkpoint.safetensors); one that holds a run is refused without "
+                  "--resume or --overwrite")
+      ->capture_default_str();
+  cmd->add_flag("--overwrite", o.overwrite, "replace the run already in --out (its files are replaced as new ones are written)");
   cmd->add_option("--backend", o.backend, "auto | cpu | cuda")->capture_default_str();
   cmd->add_option("--steps", o.steps, "optimizer steps")->capture_default_str();
-  cmd->add_option("--batch-size", o.batch_size, "sequences per micro-batch (0: the config's)");
-  cmd->add_option("--seq-len", o.seq_len, "tokens per sequence (0: the config's)");
+  cmd->add_option("--batch-size", o.batch_size, "sequences per micro-batch (0: the config's, or the checkpoint's with --resume)");
+  cmd->add_option("--seq-len", o.seq_len, "tokens per sequence (0: the config's, or the checkpoint's with --resume)");
   cmd->add_option("--grad-accum", o.grad_accum, "micro-batches per step")->capture_default_str();
   cmd->add_option("--lr", o.lr, "peak learning rate")->capture_default_str();
   cmd->add_option("--min-lr-ratio", o.min_lr_ratio, "final learning rate / peak")->capture_default_str();

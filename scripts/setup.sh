@@ -31,5 +31,12 @@ if command -v nvcc >/dev/null 2>&1 && ! command -v nvdisasm >/dev/null 2>&1 &&
     echo "setup: could not install cuobjdump/nvdisasm; the SASS check of the GEMM kernels will be skipped"
 fi
 
+# Hugging Face's safetensors (with numpy) and tokenizers, in build/python, for the test that reads
+# an export back as loaders do (tests/cli/test_export_layout.py); without them it is skipped.
+if ! PYTHONPATH=build/python python3 -c "import safetensors, numpy, tokenizers" >/dev/null 2>&1; then
+  python3 -m pip install -q --disable-pip-version-check --target build/python safetensors numpy tokenizers ||
+    echo "setup: could not install safetensors, numpy and tokenizers; the export layout test will be skipped"
+fi
+
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release "$@"
 cmake --build build -j "$(nproc)"

@@ -51,13 +51,22 @@ struct ModelConfig {
   int64_t num_layers_total() const { return num_hidden_layers + num_nextn_predict_layers; }
 };
 
-// Parses a config file (JSON). Unknown keys are ignored (Hugging Face configs carry many);
-// missing keys keep the defaults above; a wrong type names the key.
-ModelConfig load_config(const std::string& path);
+// Parses a config (JSON) and refuses, naming the key: a key of the wrong type (a dimension of
+// 128.5, a count given as a string), an unknown key (with the closest known one suggested), a
+// missing key that fixes the model's shape (so `{}` is refused), and a DeepSeek-V3 Hugging Face
+// key asking for what the model does not implement (scoring_func other than sigmoid, ...); the
+// Hugging Face keys the model has no use for are accepted, so exported config.json files load.
+// Keys that are absent and not required keep the defaults above.
+// `name_or_path`: a file, or the name of a config shipped with the command ("tiny" or
+// "tiny.json": share_dir()/configs/, fp8moe/paths.hpp), so it runs from any folder.
+ModelConfig load_config(const std::string& name_or_path);
 ModelConfig config_from_json(const std::string& json_text);
+// The file load_config reads for `name_or_path`; raises fp8moe::Error listing the shipped names.
+std::string find_config(const std::string& name_or_path);
 std::string config_to_json(const ModelConfig& cfg);
 
-// Throws fp8moe::Error naming the key on: non-positive sizes, heads or groups not dividing,
+// Throws fp8moe::Error naming the key and its range on: sizes outside [1, 2^24], non-finite or
+// negative weights and rates, heads or groups not dividing,
 // top-k > experts, topk_group > n_group, top-k not reachable within topk_group groups, odd RoPE
 // dims, MTP depth other than 0/1; with an FP8 recipe, every GEMM K dim not a multiple of 128 (and
 // batch_size * seq_len a multiple of 128 is NOT required: token dims are padded).
@@ -74,5 +83,10 @@ struct ParameterCount {
   int64_t activated_main = 0;
 };
 ParameterCount count_parameters(const ModelConfig& cfg);
+
+// Levenshtein distance, and the candidate closest to `word` when it is plausibly a typo of it
+// (empty otherwise): the "did you mean" of config keys, config names and options.
+size_t edit_distance(const std::string& a, const std::string& b);
+std::string closest_match(const std::string& word, const std::vector<std::string>& candidates);
 
 }  // namespace fp8moe

@@ -2,8 +2,10 @@
 // validation split, and a deterministic, resumable sampler of training windows.
 //
 // A path may be a file or a folder (all regular files below it, sorted by path; symbolic links and
-// binary files, those holding NUL bytes, are skipped). With no path the default corpus is used:
-// the English fortunes of Debian's `fortunes` package (scripts/setup.sh installs it).
+// files that are not UTF-8 text, those holding NUL bytes or starting with a UTF-16 byte order
+// mark, are skipped and listed by skipped()); a single file that is not text is refused. With no
+// path the default corpus is used: the English fortunes of Debian's `fortunes` package
+// (scripts/setup.sh installs it; `cmake --install` copies it beside the command).
 // Split: the text is cut into 4 KiB chunks and every 20th chunk is held out for validation, so both
 // splits cover the whole corpus.
 #pragma once
@@ -20,17 +22,21 @@ class TextCorpus {
   // Loads `path` (file or folder); empty = default_corpus_path(). Raises fp8moe::Error naming
   // the path if nothing usable is found.
   explicit TextCorpus(const std::string& path = "");
+  // The copy installed beside the command (share_dir()/data/fortunes) if there is one, else
+  // Debian's /usr/share/games/fortunes.
   static std::string default_corpus_path();
 
   const std::vector<uint8_t>& train() const { return train_; }
   const std::vector<uint8_t>& validation() const { return val_; }
   const std::string& source() const { return source_; }
   size_t files() const { return files_; }
+  const std::vector<std::string>& skipped() const { return skipped_; }  // files of a folder that are not text
 
  private:
   std::vector<uint8_t> train_, val_;
   std::string source_;
   size_t files_ = 0;
+  std::vector<std::string> skipped_;
 };
 
 // Samples windows of `window` consecutive tokens (sequence length + the extra tokens that

@@ -2,7 +2,9 @@
 // master weights and BF16 moments, gradient accumulation over micro-batches, warm-up + cosine
 // schedule, clipping, auxiliary-loss-free bias updates, a CPU-memory EMA, validation, metrics as
 // JSON lines, atomic checkpoints that resume bit-identically, and a clean stop on Ctrl-C.
-//   fp8moe::TrainOptions opt;  opt.model_config = "configs/tiny.json";  opt.recipe = "fp8";
+// Every option is checked before any work and before anything is written; an output folder that
+// already holds a run is refused unless the run is resumed or explicitly overwritten.
+//   fp8moe::TrainOptions opt;  opt.model_config = "tiny";  opt.recipe = "fp8";
 //   fp8moe::Trainer(opt).run();
 #pragma once
 #include <atomic>
@@ -17,7 +19,7 @@
 namespace fp8moe {
 
 struct TrainOptions {
-  std::string model_config = "configs/tiny.json";
+  std::string model_config = "tiny";  // a file, or a shipped config's name (load_config)
   std::string recipe = "fp8";
   std::string attention = "exact";  // attention GEMM operands: exact (activation dtype) | bf16
   std::string backend = "auto";     // auto = cuda when a GPU is present, else cpu
@@ -40,6 +42,8 @@ struct TrainOptions {
   int64_t eval_every = 50, eval_batches = 8, log_every = 10, ckpt_every = 100;
   uint64_t seed = 1234;
   bool resume = false;              // continue from out_dir/checkpoint.safetensors
+  bool overwrite = false;           // replace the run already in out_dir (its files are replaced
+                                    // as the new run writes its own, not deleted up front)
   int64_t stop_at = 0;              // > 0: checkpoint and return after this many steps (the
                                     // schedule still spans `steps`): long runs in pieces
   bool quiet = false;
@@ -49,20 +53,43 @@ struct TrainOptions {
 };
 
 struct TrainSummary {
-  int64_t steps = 0;
-  double final_loss = 0;       // mean training loss of the last log_every steps
-  double final_val_loss = 0;   // validation loss at the end
+  int64_t steps = 0;           // the next step to run (= steps done, the resumed ones included)
+  int64_t total_steps = 0;     // --steps
+  int64_t steps_run = 0;       // by this run
+  double final_loss = 0;       // mean training loss of the last log_every steps (steps_run > 0)
+  double final_val_loss = 0;   // validation loss of this run's last validation
+  bool has_val_loss = false;   // whether this run validated at all
   double tokens_per_s = 0;
   bool interrupted = false;
   bool writer = true;          // this process writes the output (rank 0 of several)
+  std::string checkpoint;      // the checkpoint written last by this run; empty: none
 };
+
+// One line that states only what the run measured ("done: step 20 of 20, train loss 2.4123,
+// validation loss 2.5010, 812 tokens/s"), for the command's output.
+std::string format_summary(const TrainSummary& s);
+// What an interrupted run left: "interrupted at step 5: checkpoint written to <path>; --resume
+// continues the run".
+std::string interrupted_message(const TrainSummary& s);
+
+// Every option's range, naming the option (--flag and field) and what it allows: counts >= 1
+// (batch and sequence sizes >= 0, 0: the config's), finite rates and decays in their ranges, known
+// recipe, attention and moment names, --resume with --overwrite refused. Raises fp8moe::Error.
+// The Trainer calls it first; `fp8moe compare` calls it for all its runs before training any.
+void validate_train_options(const TrainOptions& opt);
+
+// The output folder against the options, creating nothing: refuses an --out that is a file, a
+// folder already holding a run (metrics.jsonl or checkpoint.safetensors) unless `resume` or
+// `overwrite`, and `resume` without a checkpoint there.
+void check_run_folder(const std::string& out_dir, bool resume, bool overwrite);
 
 class Trainer {
  public:
   explicit Trainer(TrainOptions opt);
   ~Trainer();
   TrainSummary run();
-  // Set from a signal handler: the loop finishes its step, writes a checkpoint and returns.
+  // Set from a signal handler: the loop finishes its step, writes a checkpoint and returns with
+  // TrainSummary::interrupted.
   static std::atomic<bool>& stop_flag();
 
  private:

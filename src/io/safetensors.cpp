@@ -29,7 +29,7 @@ DType dtype_from_name(const std::string& name, const std::string& path, const st
 }
 
 void check_errno(bool ok, const std::string& what, const std::string& path) {
-  FP8MOE_CHECK(ok, what << " '" << path << "' failed: " << std::strerror(errno));
+  if (!ok) throw IoError(what + " '" + path + "' failed: " + std::strerror(errno));
 }
 
 }  // namespace

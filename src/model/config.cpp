@@ -1,13 +1,19 @@
 // ModelConfig: JSON parsing (Hugging Face DeepSeek-V3 keys), validation with messages naming the
 // key, the parameter list by name (shared by the model, the counts and the memory account) and the
 // parameter counts.
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <string_view>
 
 #include "fp8moe/config.hpp"
 #include "fp8moe/error.hpp"
 #include "fp8moe/model_recipe.hpp"
+#include "fp8moe/paths.hpp"
 #include "model_internal.hpp"
 
 namespace fp8moe {
@@ -33,6 +39,100 @@ int64_t ModelConfig::num_moe_layers() const {
   X(max_position_embeddings) X(num_nextn_predict_layers) X(mtp_loss_weight) X(aux_loss_alpha)               \
   X(bias_update_speed) X(initializer_range) X(seq_len) X(batch_size)
 
+namespace {
+
+namespace fs = std::filesystem;
+
+// Typed readers: a key of the wrong JSON type (128.5 for a dimension, "8" for a count, 1 for a
+// flag) is refused rather than converted, so a config means exactly what it says.
+void read_value(const json& v, const char* key, int64_t& out) {
+  FP8MOE_CHECK(v.is_number_integer(), "model config: key '" << key << "' has the wrong type: expected an integer, got "
+                                                            << v.dump());
+  out = v.get<int64_t>();
+}
+void read_value(const json& v, const char* key, double& out) {
+  FP8MOE_CHECK(v.is_number(), "model config: key '" << key << "' has the wrong type: expected a number, got " << v.dump());
+  out = v.get<double>();
+  FP8MOE_CHECK(std::isfinite(out), "model config: key '" << key << "' = " << v.dump() << " must be finite");
+}
+void read_value(const json& v, const char* key, bool& out) {
+  FP8MOE_CHECK(v.is_boolean(), "model config: key '" << key << "' has the wrong type: expected true or false, got "
+                                                     << v.dump());
+  out = v.get<bool>();
+}
+void read_value(const json& v, const char* key, std::string& out) {
+  FP8MOE_CHECK(v.is_string(), "model config: key '" << key << "' has the wrong type: expected a string, got " << v.dump());
+  out = v.get<std::string>();
+}
+
+// The keys that fix the model's shape: a config without one of them does not describe a model
+// (DeepSeek-V3's own config.json has them all); the rest have the defaults of ModelConfig.
+const std::vector<std::string>& required_keys() {
+  static const std::vector<std::string> keys{
+      "vocab_size", "hidden_size", "num_hidden_layers", "first_k_dense_replace", "num_attention_heads",
+      "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
+      "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok"};
+  return keys;
+}
+
+// Keys of DeepSeek-V3's Hugging Face config.json that fp8moe does not read (its exports write
+// them), with the one value the mini model implements where the key changes the model; null:
+// any value. A config asking for another behaviour is refused instead of trained as something else.
+const std::vector<std::pair<std::string, json>>& hugging_face_keys() {
+  static const std::vector<std::pair<std::string, json>> keys{
+      {"architectures", nullptr},     {"model_type", nullptr},         {"auto_map", nullptr},
+      {"attention_bias", false},      {"attention_dropout", 0.0},      {"hidden_act", "silu"},
+      {"scoring_func", "sigmoid"},    {"topk_method", "noaux_tc"},     {"tie_word_embeddings", false},
+      {"moe_layer_freq", 1},          {"num_key_value_heads", nullptr}, {"bos_token_id", nullptr},
+      {"eos_token_id", nullptr},      {"pad_token_id", nullptr},       {"ep_size", nullptr},
+      {"pretraining_tp", nullptr},    {"quantization_config", nullptr}, {"rope_scaling", nullptr},
+      {"seq_aux", nullptr},           {"torch_dtype", nullptr},        {"transformers_version", nullptr},
+      {"use_cache", nullptr},         {"head_dim", nullptr},           {"rope_interleave", nullptr},
+      {"_name_or_path", nullptr}};
+  return keys;
+}
+
+#define FP8MOE_NAME(f) #f,
+const std::vector<std::string>& own_keys() {
+  static const std::vector<std::string> keys{FP8MOE_CONFIG_FIELDS(FP8MOE_NAME)};
+  return keys;
+}
+#undef FP8MOE_NAME
+
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const std::string& s : v) out += (out.empty() ? "" : ", ") + s;
+  return out;
+}
+
+}  // namespace
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string closest_match(const std::string& word, const std::vector<std::string>& candidates) {
+  std::string best;
+  size_t best_d = std::numeric_limits<size_t>::max();
+  for (const std::string& c : candidates) {
+    const size_t d = edit_distance(word, c);
+    if (d < best_d) best_d = d, best = c;
+  }
+  // A suggestion only where it is plausibly the same word mistyped.
+  return best_d <= std::max<size_t>(2, word.size() / 3) ? best : std::string();
+}
+
 ModelConfig config_from_json(const std::string& text) {
   json j;
   try {
@@ -40,25 +140,66 @@ ModelConfig config_from_json(const std::string& text) {
   } catch (const json::exception& e) {
     FP8MOE_CHECK(false, "model config: not valid JSON: " << e.what());
   }
-  FP8MOE_CHECK(j.is_object(), "model config: expected a JSON object at the top level");
+  FP8MOE_CHECK(j.is_object(), "model config: expected a JSON object at the top level, got " << j.type_name());
   ModelConfig c;
-#define FP8MOE_READ(f)                                                                               \
-  if (j.contains(#f) && !j[#f].is_null()) {                                                          \
-    try {                                                                                            \
-      j[#f].get_to(c.f);                                                                             \
-    } catch (const json::exception&) {                                                               \
-      FP8MOE_CHECK(false, "model config: key '" #f "' has the wrong type (got " << j[#f].dump() << ")"); \
-    }                                                                                                \
-  }
+#define FP8MOE_READ(f) \
+  if (j.contains(#f) && !(j[#f].is_null() && std::string_view(#f) == "q_lora_rank")) read_value(j[#f], #f, c.f);
   FP8MOE_CONFIG_FIELDS(FP8MOE_READ)
 #undef FP8MOE_READ
-  // Hugging Face configs name the expert hidden size per layer type only through these keys; a
-  // config without q compression has q_lora_rank null (read as 0 above: default kept otherwise).
+  // Hugging Face configs write a model without query compression as q_lora_rank null.
   if (j.contains("q_lora_rank") && j["q_lora_rank"].is_null()) c.q_lora_rank = 0;
+
+  std::vector<std::string> known = own_keys();
+  for (const auto& [key, value] : hugging_face_keys()) known.push_back(key);
+  for (const auto& [key, value] : j.items()) {
+    if (std::find(own_keys().begin(), own_keys().end(), key) != own_keys().end()) continue;
+    const auto hf = std::find_if(hugging_face_keys().begin(), hugging_face_keys().end(),
+                                 [&](const auto& k) { return k.first == key; });
+    if (hf == hugging_face_keys().end()) {
+      const std::string near = closest_match(key, known);
+      FP8MOE_CHECK(false, "model config: unknown key '" << key << "'"
+                                                       << (near.empty() ? " (known keys: " + join(own_keys()) + ")"
+                                                                        : " (did you mean '" + near + "'?)"));
+    }
+    FP8MOE_CHECK(hf->second.is_null() || value == hf->second,
+                 "model config: key '" << key << "' = " << value.dump() << " is not supported: the model implements "
+                                       << key << " = " << hf->second.dump() << " only");
+  }
+  std::vector<std::string> missing;
+  for (const std::string& key : required_keys())
+    if (!j.contains(key)) missing.push_back(key);
+  FP8MOE_CHECK(missing.empty(), "model config: missing required key" << (missing.size() > 1 ? "s " : " ") << join(missing)
+                                                                      << " (every key that fixes the model's shape is required)");
+  if (j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null())
+    FP8MOE_CHECK(j["num_key_value_heads"] == c.num_attention_heads,
+                 "model config: num_key_value_heads = " << j["num_key_value_heads"].dump() << " must equal num_attention_heads = "
+                                                        << c.num_attention_heads << " (MLA gives every head its own key and value)");
   return c;
 }
 
-ModelConfig load_config(const std::string& path) {
+std::string find_config(const std::string& name_or_path) {
+  std::error_code ec;
+  if (fs::is_regular_file(name_or_path, ec)) return name_or_path;
+  FP8MOE_CHECK(!fs::exists(name_or_path, ec), "model config: '" << name_or_path << "' is not a file");
+  const fs::path share = share_dir();
+  const fs::path dir = share.empty() ? fs::path() : share / "configs";
+  std::vector<std::string> names;
+  if (!dir.empty() && name_or_path.find('/') == std::string::npos) {
+    for (const std::string& file : {name_or_path, name_or_path + ".json"})
+      if (fs::is_regular_file(dir / file, ec)) return (dir / file).string();
+    for (const auto& e : fs::directory_iterator(dir, ec))
+      if (e.path().extension() == ".json") names.push_back(e.path().stem().string());
+    std::sort(names.begin(), names.end());
+  }
+  const std::string near = closest_match(name_or_path, names);
+  FP8MOE_CHECK(false, "model config: '" << name_or_path << "' is neither a file nor the name of a shipped config"
+                                        << (names.empty() ? std::string()
+                                                          : " (" + dir.string() + " holds: " + join(names) + ")")
+                                        << (near.empty() ? std::string() : "; did you mean '" + near + "'?"));
+}
+
+ModelConfig load_config(const std::string& name_or_path) {
+  const std::string path = find_config(name_or_path);
   std::ifstream f(path);
   FP8MOE_CHECK(f.good(), "model config: cannot open '" << path << "'");
   std::stringstream ss;
@@ -79,9 +220,16 @@ std::string config_to_json(const ModelConfig& c) {
 }
 
 void validate_config(const ModelConfig& c) {
+  // Sizes past 2^24 are no mini model (DeepSeek-V3's largest, max_position_embeddings, is 163840)
+  // and would overflow the products of sizes that the model allocates.
+  constexpr int64_t kMaxSize = int64_t(1) << 24;
   auto positive = [](int64_t v, const char* key) {
-    FP8MOE_CHECK(v > 0, "model config: " << key << " = " << v << " must be positive");
+    FP8MOE_CHECK(v > 0 && v <= kMaxSize, "model config: " << key << " = " << v << " must be in [1, " << kMaxSize << "]");
   };
+  auto non_negative = [](double v, const char* key) {
+    FP8MOE_CHECK(std::isfinite(v) && v >= 0, "model config: " << key << " = " << v << " must be finite and >= 0");
+  };
+  FP8MOE_CHECK(!c.name.empty(), "model config: name must not be empty");
   positive(c.vocab_size, "vocab_size");
   positive(c.hidden_size, "hidden_size");
   positive(c.num_hidden_layers, "num_hidden_layers");
@@ -91,6 +239,16 @@ void validate_config(const ModelConfig& c) {
   positive(c.v_head_dim, "v_head_dim");
   positive(c.seq_len, "seq_len");
   positive(c.batch_size, "batch_size");
+  positive(c.max_position_embeddings, "max_position_embeddings");
+  FP8MOE_CHECK(c.qk_nope_head_dim <= kMaxSize && c.q_lora_rank <= kMaxSize && c.intermediate_size <= kMaxSize &&
+                   c.moe_intermediate_size <= kMaxSize && c.n_routed_experts <= kMaxSize && c.n_shared_experts <= kMaxSize,
+               "model config: qk_nope_head_dim, q_lora_rank, intermediate_size, moe_intermediate_size, n_routed_experts and "
+               "n_shared_experts must be <= " << kMaxSize);
+  FP8MOE_CHECK(std::isfinite(c.rope_theta) && c.rope_theta > 0, "model config: rope_theta = " << c.rope_theta << " must be positive");
+  FP8MOE_CHECK(std::isfinite(c.initializer_range) && c.initializer_range > 0,
+               "model config: initializer_range = " << c.initializer_range << " must be positive");
+  non_negative(c.mtp_loss_weight, "mtp_loss_weight");
+  non_negative(c.bias_update_speed, "bias_update_speed");
   FP8MOE_CHECK(c.qk_nope_head_dim >= 0, "model config: qk_nope_head_dim = " << c.qk_nope_head_dim << " must be >= 0");
   FP8MOE_CHECK(c.q_lora_rank >= 0, "model config: q_lora_rank = " << c.q_lora_rank << " must be >= 0 (0: no query compression)");
   FP8MOE_CHECK(c.hidden_size % c.num_attention_heads == 0,
@@ -105,7 +263,7 @@ void validate_config(const ModelConfig& c) {
                "model config: num_nextn_predict_layers = " << c.num_nextn_predict_layers << " must be 0 or 1 (MTP depth)");
   FP8MOE_CHECK(c.seq_len <= c.max_position_embeddings,
                "model config: seq_len = " << c.seq_len << " exceeds max_position_embeddings = " << c.max_position_embeddings);
-  FP8MOE_CHECK(c.rms_norm_eps > 0, "model config: rms_norm_eps = " << c.rms_norm_eps << " must be positive");
+  FP8MOE_CHECK(std::isfinite(c.rms_norm_eps) && c.rms_norm_eps > 0, "model config: rms_norm_eps = " << c.rms_norm_eps << " must be positive");
   if (c.first_k_dense_replace > 0) positive(c.intermediate_size, "intermediate_size");
   if (c.num_moe_layers() > 0 || c.first_k_dense_replace < c.num_hidden_layers) {
     positive(c.n_routed_experts, "n_routed_experts");
@@ -124,9 +282,9 @@ void validate_config(const ModelConfig& c) {
     FP8MOE_CHECK(c.num_experts_per_tok <= reachable,
                  "model config: num_experts_per_tok = " << c.num_experts_per_tok << " exceeds the " << reachable
                                                         << " experts of topk_group = " << c.topk_group << " groups");
-    FP8MOE_CHECK(c.routed_scaling_factor > 0,
+    FP8MOE_CHECK(std::isfinite(c.routed_scaling_factor) && c.routed_scaling_factor > 0,
                  "model config: routed_scaling_factor = " << c.routed_scaling_factor << " must be positive");
-    FP8MOE_CHECK(c.aux_loss_alpha >= 0, "model config: aux_loss_alpha = " << c.aux_loss_alpha << " must be >= 0");
+    non_negative(c.aux_loss_alpha, "aux_loss_alpha");
   }
 }
 

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "fp8moe/error.hpp"
+#include "fp8moe/paths.hpp"
 
 namespace fp8moe {
 
@@ -17,18 +18,29 @@ namespace {
 constexpr size_t kChunk = 4096;
 constexpr size_t kValidationEvery = 20;
 
-bool read_text_file(const fs::path& p, std::string& out) {
+// Appends the file to `out` when it is text; otherwise returns why not. UTF-16 (with or without a
+// byte order mark) and binary files (e.g. fortune's .dat indexes) hold NUL bytes or start with a
+// UTF-16 byte order mark; as bytes they would train the model on noise.
+std::string read_text_file(const fs::path& p, std::string& out) {
   std::ifstream in(p, std::ios::binary);
-  if (!in) return false;
+  if (!in) return "cannot be read";
   std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (s.find('\0') != std::string::npos) return false;  // binary (e.g. fortune .dat indexes)
+  if (s.size() >= 2 && ((uint8_t(s[0]) == 0xFF && uint8_t(s[1]) == 0xFE) || (uint8_t(s[0]) == 0xFE && uint8_t(s[1]) == 0xFF)))
+    return "is UTF-16 text (byte order mark); convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8";
+  if (const size_t nul = s.find('\0'); nul != std::string::npos)
+    return "holds a NUL byte at offset " + std::to_string(nul) + ": binary, or UTF-16 without a byte order mark";
   out += s;
   if (!s.empty() && s.back() != '\n') out += '\n';
-  return true;
+  return "";
 }
 }  // namespace
 
-std::string TextCorpus::default_corpus_path() { return "/usr/share/games/fortunes"; }
+std::string TextCorpus::default_corpus_path() {
+  const fs::path share = share_dir();
+  std::error_code ec;
+  if (!share.empty() && fs::is_directory(share / "data" / "fortunes", ec)) return (share / "data" / "fortunes").string();
+  return "/usr/share/games/fortunes";
+}
 
 TextCorpus::TextCorpus(const std::string& path) : source_(path.empty() ? default_corpus_path() : path) {
   std::string text;
@@ -42,13 +54,22 @@ TextCorpus::TextCorpus(const std::string& path) : source_(path.empty() ? default
     for (auto& e : fs::recursive_directory_iterator(root))
       if (e.is_regular_file() && !e.is_symlink()) paths.push_back(e.path());
     std::sort(paths.begin(), paths.end());
-    for (auto& p : paths) files_ += read_text_file(p, text);
+    for (auto& p : paths) {
+      if (read_text_file(p, text).empty()) {
+        ++files_;
+      } else {
+        skipped_.push_back(p.string());
+      }
+    }
   } else {
-    files_ += read_text_file(root, text);
+    const std::string why = read_text_file(root, text);
+    FP8MOE_CHECK(why.empty(), "data: '" << source_ << "' " << why << "; fp8moe trains on UTF-8 text");
+    files_ = 1;
   }
   FP8MOE_CHECK(text.size() >= 2 * kChunk * kValidationEvery,
-               "data: '" << source_ << "' holds " << text.size() << " bytes of text in " << files_
-                         << " files; at least " << 2 * kChunk * kValidationEvery << " are needed");
+               "data: '" << source_ << "' holds " << text.size() << " bytes of text in " << files_ << " files"
+                         << (skipped_.empty() ? "" : " (" + std::to_string(skipped_.size()) + " more are not text)")
+                         << "; at least " << 2 * kChunk * kValidationEvery << " are needed");
   for (size_t c = 0; c * kChunk < text.size(); ++c) {
     auto& dst = (c % kValidationEvery == kValidationEvery - 1) ? val_ : train_;
     size_t end = std::min(text.size(), (c + 1) * kChunk);

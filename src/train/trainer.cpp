@@ -12,6 +12,10 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <fcntl.h>
+#include <cstring>
+#include <sstream>
+#include <optional>
 #include <thread>
 #include <unistd.h>
 
@@ -61,7 +65,174 @@ std::string pick_backend(bool quiet) {
   return "cpu";
 }
 
+// metrics.jsonl, one JSON line per step, each flushed to the file as it is written. A run that
+// starts afresh writes its first line to a temporary file and renames it over the old one, so an
+// earlier run's metrics (replaced by --overwrite) stay whole until the new ones exist; a resumed
+// run appends.
+class MetricsFile {
+ public:
+  MetricsFile(fs::path path, bool append) : path_(std::move(path)) {
+    if (append) open(path_);
+  }
+  MetricsFile(const MetricsFile&) = delete;
+  MetricsFile& operator=(const MetricsFile&) = delete;
+  ~MetricsFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  // Returns true when this line replaced an earlier file.
+  bool write(const std::string& line) {
+    bool replaced = false;
+    if (fd_ < 0) {
+      const fs::path tmp = path_.parent_path() / std::string(".").append(path_.filename().string()).append(".new");
+      open(tmp);
+      write_all(tmp, line);
+      replaced = fs::exists(path_);
+      if (::rename(tmp.c_str(), path_.c_str()) != 0)
+        throw IoError("renaming '" + tmp.string() + "' to '" + path_.string() + "' failed: " + std::strerror(errno));
+      return replaced;
+    }
+    write_all(path_, line);
+    return replaced;
+  }
+
+ private:
+  void open(const fs::path& p) {
+    fd_ = ::open(p.c_str(), O_WRONLY | O_CREAT | O_APPEND | (p == path_ ? 0 : O_TRUNC), 0644);
+    if (fd_ < 0) throw IoError("opening '" + p.string() + "' for writing failed: " + std::strerror(errno));
+  }
+  void write_all(const fs::path& p, const std::string& line) {
+    size_t done = 0;
+    while (done < line.size()) {
+      const ssize_t w = ::write(fd_, line.data() + done, line.size() - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) throw IoError("writing '" + p.string() + "' failed: " + std::strerror(errno));
+      done += size_t(w);
+    }
+  }
+  fs::path path_;
+  int fd_ = -1;
+};
+
+// The lines of a resumed run's metrics.jsonl for the steps before `step`: a run stopped between
+// checkpoints logged steps that the resumed run does again.
+std::string metrics_before(const fs::path& path, int64_t step, bool& dropped) {
+  std::ifstream in(path);
+  std::string kept, line;
+  dropped = false;
+  while (std::getline(in, line)) {
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_discarded() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() >= step) {
+      dropped = true;
+      continue;
+    }
+    kept += line + "\n";
+  }
+  return kept;
+}
+
+std::string metadata(const SafetensorsFile& f, const std::string& path, const char* key) {
+  const auto it = f.metadata.find(key);
+  FP8MOE_CHECK(it != f.metadata.end(), path << ": checkpoint metadata lacks '" << key << "'");
+  return it->second;
+}
+
+int64_t metadata_int(const SafetensorsFile& f, const std::string& path, const char* key) {
+  const std::string v = metadata(f, path, key);
+  try {
+    size_t used = 0;
+    const int64_t n = std::stoll(v, &used);
+    if (used == v.size() && n >= 0) return n;
+  } catch (const std::exception&) {
+  }
+  FP8MOE_CHECK(false, path << ": checkpoint metadata '" << key << "' = '" << v << "' is not a count");
+}
+
 }  // namespace
+
+std::string interrupted_message(const TrainSummary& s) {
+  return "interrupted at step " + std::to_string(s.steps) + ": " +
+         (s.checkpoint.empty() ? std::string("no checkpoint written (--ckpt-every 0)")
+                               : "checkpoint written to " + s.checkpoint + "; --resume continues the run");
+}
+
+void validate_train_options(const TrainOptions& o) {
+  auto check = [](bool ok, const char* flag, const char* field, auto value, const char* range) {
+    FP8MOE_CHECK(ok, "train: " << flag << " (" << field << ") = " << value << " is out of range: must be " << range);
+  };
+  auto finite = [](double v) { return std::isfinite(v); };
+  check(o.steps >= 1, "--steps", "steps", o.steps, ">= 1");
+  check(o.batch_size >= 0, "--batch-size", "batch_size", o.batch_size, ">= 1 (or 0: the config's)");
+  check(o.seq_len >= 0, "--seq-len", "seq_len", o.seq_len, ">= 1 (or 0: the config's)");
+  check(o.grad_accum >= 1, "--grad-accum", "grad_accum", o.grad_accum, ">= 1");
+  check(finite(o.lr) && o.lr > 0, "--lr", "lr", o.lr, "finite and > 0");
+  check(finite(o.min_lr_ratio) && o.min_lr_ratio >= 0 && o.min_lr_ratio <= 1, "--min-lr-ratio", "min_lr_ratio",
+        o.min_lr_ratio, "in [0, 1]");
+  check(finite(o.warmup_frac) && o.warmup_frac >= 0 && o.warmup_frac <= 1, "--warmup", "warmup_frac", o.warmup_frac,
+        "in [0, 1]");
+  check(finite(o.weight_decay) && o.weight_decay >= 0, "--weight-decay", "weight_decay", o.weight_decay, "finite and >= 0");
+  check(finite(o.clip) && o.clip >= 0, "--clip", "clip", o.clip, "finite and >= 0 (0: off)");
+  check(finite(o.beta1) && o.beta1 >= 0 && o.beta1 < 1, "beta1", "beta1", o.beta1, "in [0, 1)");
+  check(finite(o.beta2) && o.beta2 >= 0 && o.beta2 < 1, "beta2", "beta2", o.beta2, "in [0, 1)");
+  check(finite(o.ema_decay) && o.ema_decay >= 0 && o.ema_decay <= 1, "--ema-decay", "ema_decay", o.ema_decay, "in [0, 1]");
+  check(o.ema_every >= 1, "--ema-every", "ema_every", o.ema_every, ">= 1");
+  check(finite(o.mtp_weight_after), "--mtp-weight-after", "mtp_weight_after", o.mtp_weight_after,
+        "finite (< 0: the config's weight throughout)");
+  check(finite(o.mtp_switch) && o.mtp_switch >= 0 && o.mtp_switch <= 1, "--mtp-switch", "mtp_switch", o.mtp_switch,
+        "in [0, 1]");
+  check(finite(o.peak_tflops) && o.peak_tflops >= 0, "--peak-tflops", "peak_tflops", o.peak_tflops,
+        "finite and >= 0 (0: the GPU's)");
+  check(o.eval_every >= 1, "--eval-every", "eval_every", o.eval_every, ">= 1");
+  check(o.eval_batches >= 1, "--eval-batches", "eval_batches", o.eval_batches, ">= 1");
+  check(o.log_every >= 1, "--log-every", "log_every", o.log_every, ">= 1");
+  check(o.ckpt_every >= 0, "--ckpt-every", "ckpt_every", o.ckpt_every, ">= 0 (0: no checkpoints)");
+  check(o.stop_at >= 0 && o.stop_at <= o.steps, "--stop-at", "stop_at", o.stop_at, "in [0, --steps] (0: no stop)");
+  FP8MOE_CHECK(o.moments == "bf16" || o.moments == "f32",
+               "train: --moments (moments) = '" << o.moments << "' is not one of bf16, f32");
+  FP8MOE_CHECK(o.backend == "auto" || o.backend == "cpu" || o.backend == "cuda",
+               "train: --backend (backend) = '" << o.backend << "' is not one of auto, cpu, cuda");
+  FP8MOE_CHECK(!o.out_dir.empty(), "train: --out (out_dir) must not be empty");
+  FP8MOE_CHECK(!(o.resume && o.overwrite), "train: --resume continues the run in --out and --overwrite replaces it: give one");
+  Recipe::from_name(o.recipe).set_attention(o.attention);
+}
+
+void check_run_folder(const std::string& out_dir, bool resume, bool overwrite) {
+  std::error_code ec;
+  const fs::path out(out_dir), ckpt = out / "checkpoint.safetensors", metrics = out / "metrics.jsonl";
+  FP8MOE_CHECK(!fs::exists(out, ec) || fs::is_directory(out, ec),
+               "train: --out '" << out_dir << "' is a file, not a folder");
+  if (resume) {
+    FP8MOE_CHECK(fs::is_regular_file(ckpt, ec), "train: --resume: no checkpoint to continue from ('" << ckpt.string()
+                                                                                                  << "' does not exist)");
+    return;
+  }
+  std::vector<std::string> held;
+  for (const fs::path& p : {metrics, ckpt})
+    if (fs::exists(p, ec)) held.push_back(p.filename().string());
+  FP8MOE_CHECK(held.empty() || overwrite,
+               "train: --out '" << out_dir << "' already holds a run (" << held[0] << (held.size() > 1 ? ", " + held[1] : "")
+                                << "): --resume continues it, --overwrite replaces it, or choose another --out");
+}
+
+std::string format_summary(const TrainSummary& s) {
+  std::ostringstream o;
+  o << (s.interrupted ? "interrupted" : "done") << ": step " << s.steps << " of " << s.total_steps;
+  if (s.steps_run != s.steps) o << " (" << s.steps_run << " in this run)";
+  char buf[64];
+  if (s.steps_run > 0) {
+    std::snprintf(buf, sizeof buf, ", train loss %.4f", s.final_loss);
+    o << buf;
+  }
+  if (s.has_val_loss) {
+    std::snprintf(buf, sizeof buf, ", validation loss %.4f", s.final_val_loss);
+    o << buf;
+  }
+  if (s.steps_run > 0) {
+    std::snprintf(buf, sizeof buf, ", %.0f tokens/s", s.tokens_per_s);
+    o << buf;
+  }
+  return o.str();
+}
 
 struct Trainer::Impl {
   TrainOptions opt;
@@ -80,27 +251,41 @@ struct Trainer::Impl {
   int64_t step = 0;
   std::string ckpt_path;
 
+  std::optional<SafetensorsFile> resume_from;  // the checkpoint, held from the checks to the load
+
   explicit Impl(TrainOptions o) : opt(std::move(o)) {
+    // Everything the run depends on is checked before anything is created or written.
+    validate_train_options(opt);
+    recipe = Recipe::from_name(opt.recipe);
+    recipe.set_attention(opt.attention);
+    ckpt_path = (fs::path(opt.out_dir) / "checkpoint.safetensors").string();
     cfg = load_config(opt.model_config);
+    if (opt.resume) check_resume();
     if (opt.batch_size > 0) cfg.batch_size = opt.batch_size;
     if (opt.seq_len > 0) cfg.seq_len = opt.seq_len;
     FP8MOE_CHECK(cfg.vocab_size >= kByteVocab, "model config '" << opt.model_config << "': vocab_size " << cfg.vocab_size
                                                                  << " is smaller than the byte vocabulary (256)");
-    FP8MOE_CHECK(opt.steps > 0 && opt.grad_accum > 0, "train: steps and grad_accum must be positive");
-    FP8MOE_CHECK(opt.moments == "bf16" || opt.moments == "f32", "train: moments must be bf16 or f32, got '" << opt.moments << "'");
-    FP8MOE_CHECK(opt.mtp_switch >= 0 && opt.mtp_switch <= 1, "train: mtp_switch must be in [0, 1], got " << opt.mtp_switch);
-    FP8MOE_CHECK(opt.ckpt_every >= 0, "train: ckpt_every must be >= 0 (0: no checkpoints), got " << opt.ckpt_every);
     par = TrainerParallel::make(opt.parallel, cfg);
     if (par && !par->rank0()) opt.quiet = true;  // output, metrics and checkpoints: rank 0
     if (par && !opt.quiet) std::printf("parallel layout: %s\n", par->layout.str().c_str());
-    recipe = Recipe::from_name(opt.recipe);
-    recipe.set_attention(opt.attention);
+    // Rank 0 alone writes the folder, so it alone checks it (another rank's check could see the
+    // files rank 0 has begun to write).
+    if (!par || par->rank0()) check_run_folder(opt.out_dir, opt.resume, opt.overwrite);
     validate_config(cfg, recipe);
+    if (resume_from) check_same_model(config_from_json(metadata(*resume_from, ckpt_path, "model_config")));
+    corpus = std::make_unique<TextCorpus>(opt.data);
+    if (!opt.quiet && !opt.data.empty() && !corpus->skipped().empty())
+      std::printf("note: data: skipped %zu file(s) that are not UTF-8 text under '%s' (first: %s)\n", corpus->skipped().size(),
+                  opt.data.c_str(), corpus->skipped()[0].c_str());
     backend = make_backend(opt.backend == "auto" ? pick_backend(opt.quiet) : opt.backend);
     // Device-side checks are raised once per micro-batch (the synchronize below), not per op.
     backend->set_checks(Backend::Checks::deferred);
+    // The inputs are sound: the folder is made before the model is, so that a place that cannot
+    // hold it fails at once.
+    std::error_code ec;
+    fs::create_directories(opt.out_dir, ec);
+    if (ec) throw IoError("train: cannot create the output folder '" + opt.out_dir + "': " + ec.message());
     model = std::make_unique<Model>(cfg, recipe, *backend, opt.seed);
-    corpus = std::make_unique<TextCorpus>(opt.data);
     sampler = std::make_unique<WindowSampler>(corpus->train(), int(cfg.seq_len + 1), opt.seed);
     for (Parameter& p : model->parameters()) {
       all.push_back(&p);
@@ -118,15 +303,54 @@ struct Trainer::Impl {
     // The EMA lives in host memory whatever the device: one asynchronous device-to-host copy every
     // ema_every steps, folded in with decay^ema_every. With the model on the CPU its cores train,
     // so the fold takes one thread; beside a GPU it takes several, leaving two to the training loop.
-    FP8MOE_CHECK(opt.ema_every >= 1, "--ema-every must be >= 1, got " << opt.ema_every);
     const int ema_threads =
         backend->device() == Device::cpu ? 1 : std::clamp(int(std::thread::hardware_concurrency()) - 2, 1, 8);
     ema = std::make_unique<ParameterEma>(ema_refs, float(std::pow(double(opt.ema_decay), double(opt.ema_every))),
                                          *backend, ema_threads);
     schedule = {opt.lr, opt.lr * opt.min_lr_ratio, std::max<int64_t>(1, int64_t(opt.warmup_frac * float(opt.steps))), opt.steps};
-    fs::create_directories(opt.out_dir);
-    ckpt_path = (fs::path(opt.out_dir) / "checkpoint.safetensors").string();
-    if (opt.resume) load_checkpoint();
+    if (resume_from) {
+      load_checkpoint(*resume_from);
+      resume_from.reset();
+    }
+  }
+
+  // What a resumed run must agree on with the checkpoint, checked before any work: its format, a
+  // step still to run, and the batch shape, seed and accumulation that the data order and the
+  // losses depend on (the batch and sequence sizes default to the checkpoint's).
+  void check_resume() {
+    resume_from = load_safetensors(ckpt_path);
+    const SafetensorsFile& f = *resume_from;
+    FP8MOE_CHECK(metadata(f, ckpt_path, "format") == "fp8moe-checkpoint-1", ckpt_path << ": not an fp8moe checkpoint");
+    const std::string saved_recipe = metadata(f, ckpt_path, "recipe");
+    FP8MOE_CHECK(saved_recipe == recipe.name, ckpt_path << ": checkpoint was trained with recipe '" << saved_recipe
+                                                        << "', this run asks for '" << recipe.name << "'");
+    const auto att = f.metadata.find("attention");  // absent before the option: exact
+    const std::string attention = att == f.metadata.end() ? "exact" : att->second;
+    FP8MOE_CHECK(attention == recipe.attention(), ckpt_path << ": checkpoint was trained with --attention " << attention
+                                                            << ", this run asks for " << recipe.attention());
+    step = metadata_int(f, ckpt_path, "step");
+    FP8MOE_CHECK(step < opt.steps, "train: --resume: the run in '" << opt.out_dir << "' already reached step " << step
+                                                                   << " of --steps " << opt.steps
+                                                                   << "; give a larger --steps to continue it");
+    FP8MOE_CHECK(opt.stop_at == 0 || opt.stop_at > step,
+                 "train: --stop-at " << opt.stop_at << " is not after the checkpoint's step " << step);
+    const ModelConfig saved = config_from_json(metadata(f, ckpt_path, "model_config"));
+    auto same = [&](const char* flag, int64_t& given, int64_t saved_value) {
+      FP8MOE_CHECK(given == 0 || given == saved_value, "train: --resume: " << flag << " " << given << " differs from the "
+                                                                            << saved_value << " the run was trained with");
+      given = saved_value;
+    };
+    same("--batch-size", opt.batch_size, saved.batch_size);
+    same("--seq-len", opt.seq_len, saved.seq_len);
+    // Absent from checkpoints written before these were recorded.
+    if (f.metadata.count("seed"))
+      FP8MOE_CHECK(std::to_string(opt.seed) == f.metadata.at("seed"),
+                   "train: --resume: --seed " << opt.seed << " differs from the " << f.metadata.at("seed")
+                                              << " the run was trained with (it fixes the data order)");
+    if (f.metadata.count("grad_accum"))
+      FP8MOE_CHECK(std::to_string(opt.grad_accum) == f.metadata.at("grad_accum"),
+                   "train: --resume: --grad-accum " << opt.grad_accum << " differs from the " << f.metadata.at("grad_accum")
+                                                    << " the run was trained with");
   }
 
   void save_checkpoint() {
@@ -158,17 +382,21 @@ struct Trainer::Impl {
                       {"sampler_index", std::to_string(ss.index)},
                       {"recipe", recipe.name},
                       {"attention", recipe.attention()},
-                      {"model_config", config_to_json(cfg)}});
+                      {"model_config", config_to_json(cfg)},
+                      {"seed", std::to_string(opt.seed)},
+                      {"grad_accum", std::to_string(opt.grad_accum)}});
   }
 
-  void load_checkpoint() {
-    SafetensorsFile f = load_safetensors(ckpt_path);
-    auto meta = [&](const char* key) {
-      auto it = f.metadata.find(key);
-      FP8MOE_CHECK(it != f.metadata.end(), ckpt_path << ": checkpoint metadata lacks '" << key << "'");
-      return it->second;
-    };
-    FP8MOE_CHECK(meta("format") == "fp8moe-checkpoint-1", ckpt_path << ": not an fp8moe checkpoint");
+  // A resumed run trains the model of its checkpoint: every config key but the name must agree.
+  void check_same_model(const ModelConfig& saved) const {
+    const nlohmann::json a = nlohmann::json::parse(config_to_json(saved)), b = nlohmann::json::parse(config_to_json(cfg));
+    for (const auto& [key, value] : a.items())
+      FP8MOE_CHECK(key == "name" || b[key] == value, "train: --resume: the config's " << key << " = " << b[key].dump()
+                                                                                     << " differs from the " << value.dump()
+                                                                                     << " the run was trained with");
+  }
+
+  void load_checkpoint(const SafetensorsFile& f) {
     auto take = [&](const std::string& name, const TensorView& dst) {
       auto it = f.tensors.find(name);
       FP8MOE_CHECK(it != f.tensors.end(), ckpt_path << ": checkpoint lacks tensor '" << name << "'");
@@ -203,15 +431,8 @@ struct Trainer::Impl {
       }
       adamw->set_steps(std::stoll(meta("optimizer_steps")));
     }
-    step = std::stoll(meta("step"));
-    ema->set_updates(std::stoll(meta("ema_updates")));
-    sampler->set_state({std::stoull(meta("sampler_epoch")), std::stoull(meta("sampler_index"))});
-    FP8MOE_CHECK(meta("recipe") == recipe.name, ckpt_path << ": checkpoint was trained with recipe '" << meta("recipe")
-                                                          << "', this run asks for '" << recipe.name << "'");
-    const auto att = f.metadata.find("attention");  // absent before the option: exact
-    const std::string attention = att == f.metadata.end() ? "exact" : att->second;
-    FP8MOE_CHECK(attention == recipe.attention(), ckpt_path << ": checkpoint was trained with --attention " << attention
-                                                            << ", this run asks for " << recipe.attention());
+    ema->set_updates(metadata_int(f, ckpt_path, "ema_updates"));
+    sampler->set_state({uint64_t(metadata_int(f, ckpt_path, "sampler_epoch")), uint64_t(metadata_int(f, ckpt_path, "sampler_index"))});
   }
 
   int64_t optimizer_steps() const { return par ? par->zero->steps() : adamw->steps(); }
@@ -289,9 +510,15 @@ struct Trainer::Impl {
     // MFU: model FLOPs (fwd + bwd) per second over the dense BF16 peak, for every recipe (so the
     // recipes compare on one scale).
     const double peak_tflops = opt.peak_tflops > 0 ? opt.peak_tflops : backend->peak_bf16_tflops();
-    std::ofstream metrics;  // rank 0's
-    if (!par || par->rank0())
-      metrics.open(fs::path(opt.out_dir) / "metrics.jsonl", opt.resume ? std::ios::app : std::ios::trunc);
+    const fs::path metrics_path = fs::path(opt.out_dir) / "metrics.jsonl";
+    const bool writer = !par || par->rank0();
+    if (writer && opt.resume && fs::exists(metrics_path)) {
+      bool dropped = false;
+      const std::string kept = metrics_before(metrics_path, start_step, dropped);
+      if (dropped) write_file_atomic(metrics_path.string(), kept);
+    }
+    // Every rank holds one, only rank 0's is written.
+    MetricsFile metrics(metrics_path, opt.resume && writer);
     if (!opt.quiet)
       std::printf("fp8moe train: %s (%.1fM params, %.1fM active), recipe %s%s, backend %s, data %s (%zu train / %zu val bytes)\n",
                   cfg.name.c_str(), double(count_parameters(cfg).total) / 1e6, double(count_parameters(cfg).activated) / 1e6,
@@ -399,14 +626,17 @@ struct Trainer::Impl {
         double v = evaluate();
         j["val_loss"] = v;
         sum.final_val_loss = v;
+        sum.has_val_loss = true;
       }
       if (step == start_step) report_memory(j);
-      metrics << j.dump() << "\n";
-      metrics.flush();
+      // A run that replaces another and writes no checkpoint of its own leaves none of the old.
+      if (writer && metrics.write(j.dump() + "\n") && opt.overwrite && opt.ckpt_every == 0) fs::remove(ckpt_path);
+      char val[16] = "  -   ";
+      if (j.contains("val_loss")) std::snprintf(val, sizeof val, "%.4f", j["val_loss"].get<double>());
       if (!opt.quiet && ((step + 1) % opt.log_every == 0 || last || step == 0))
         std::printf("step %6lld | loss %.4f | val %s | lr %.2e | norm %.3f | %.0f tok/s | %.3f TFLOPS%s | rss %.0f MiB%s\n",
                     (long long)step, agg.main_loss,
-                    j.contains("val_loss") ? std::to_string(j["val_loss"].get<double>()).substr(0, 6).c_str() : "  -   ",
+                    val,
                     double(lr), norm, tok_s, flops_tok * tok_s / 1e12, mfu, double(resident_bytes()) / 1048576.0, mem);
       if (!opt.quiet) std::fflush(stdout);  // progress reaches logs and pipes as it happens
       if ((step + 1) % opt.log_every == 0 || last) {
@@ -418,16 +648,19 @@ struct Trainer::Impl {
         ++step;  // the checkpoint records the next step to run
         save_checkpoint();
         --step;
+        sum.checkpoint = ckpt_path;
       }
     }
     if (sum.interrupted && opt.ckpt_every > 0) {
       save_checkpoint();
-      if (!opt.quiet) std::printf("interrupted: checkpoint written at step %lld to %s\n", (long long)step, ckpt_path.c_str());
+      sum.checkpoint = ckpt_path;
     }
     ema->wait();
     if (loss_n > 0) sum.final_loss = loss_acc / double(loss_n);
     sum.steps = step;
     sum.writer = !par || par->rank0();
+    sum.total_steps = opt.steps;
+    sum.steps_run = step - start_step;
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     sum.tokens_per_s = double(tokens_done) / std::max(wall, 1e-9);
     return sum;
