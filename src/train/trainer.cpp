@@ -423,13 +423,13 @@ struct Trainer::Impl {
       }
       par->zero->load_moments(m, v);
       par->zero->reload_master();
-      par->zero->set_steps(std::stoll(meta("optimizer_steps")));
+      par->zero->set_steps(metadata_int(f, ckpt_path, "optimizer_steps"));
     } else {
       for (size_t i = 0; i < refs.size(); ++i) {
         take("optimizer.exp_avg." + refs[i].name, adamw->first_moments()[i].view());
         take("optimizer.exp_avg_sq." + refs[i].name, adamw->second_moments()[i].view());
       }
-      adamw->set_steps(std::stoll(meta("optimizer_steps")));
+      adamw->set_steps(metadata_int(f, ckpt_path, "optimizer_steps"));
     }
     ema->set_updates(metadata_int(f, ckpt_path, "ema_updates"));
     sampler->set_state({uint64_t(metadata_int(f, ckpt_path, "sampler_epoch")), uint64_t(metadata_int(f, ckpt_path, "sampler_index"))});
