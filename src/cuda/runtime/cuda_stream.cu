@@ -9,6 +9,16 @@ namespace fp8moe::cuda {
 
 namespace {
 
+// A stream or event query's answer: not ready is no error.
+bool reached(cudaError_t e) {
+  if (e == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  FP8MOE_CUDA_CHECK(e);
+  return true;
+}
+
 class CudaStream final : public Stream::Impl {
  public:
   CudaStream(cudaStream_t s, bool owned) : s_(s), owned_(owned) {}
@@ -23,15 +33,7 @@ class CudaStream final : public Stream::Impl {
   Device device() const override { return Device::cuda; }
   void* native() const override { return s_; }
   void synchronize() const override { FP8MOE_CUDA_CHECK(cudaStreamSynchronize(s_)); }
-  bool query() const override {
-    const cudaError_t e = cudaStreamQuery(s_);
-    if (e == cudaErrorNotReady) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    FP8MOE_CUDA_CHECK(e);
-    return true;
-  }
+  bool query() const override { return reached(cudaStreamQuery(s_)); }
 
  private:
   cudaStream_t s_;
@@ -45,15 +47,7 @@ class CudaEvent final : public Event::Impl {
   void record(const Stream& s) override { FP8MOE_CUDA_CHECK(cudaEventRecord(e_, native(s))); }
   void wait(const Stream& s) const override { FP8MOE_CUDA_CHECK(cudaStreamWaitEvent(native(s), e_, 0)); }
   void synchronize() const override { FP8MOE_CUDA_CHECK(cudaEventSynchronize(e_)); }
-  bool query() const override {
-    const cudaError_t e = cudaEventQuery(e_);
-    if (e == cudaErrorNotReady) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    FP8MOE_CUDA_CHECK(e);
-    return true;
-  }
+  bool query() const override { return reached(cudaEventQuery(e_)); }
 
  private:
   cudaEvent_t e_ = nullptr;
