@@ -82,6 +82,11 @@ OpDesc describe(Op op, const TensorView& t) {
   d.dtype = int32_t(t.dtype);
   d.row_shape = row_shape_of(t);
   d.rows = rows_of(t);
+  // Packed E5M6 (two values in three bytes) has a byte address only for an even number of values.
+  int64_t per_row = 1;
+  for (int i = 1; i < t.ndim; ++i) per_row *= t.shape[i];
+  if (t.dtype == DType::e5m6 && per_row % 2 != 0)
+    d.problem = t.str() + ": packed e5m6 rows need an even number of values to be exchanged by row";
   return d;
 }
 
@@ -160,9 +165,9 @@ OpDesc OpDesc::decode(std::string_view bytes) {
 int64_t rows_of(const TensorView& t) { return t.ndim == 0 ? 1 : t.shape[0]; }
 
 int64_t row_bytes(const TensorView& t) {
-  int64_t n = int64_t(dtype_size(t.dtype));
+  int64_t n = 1;
   for (int d = 1; d < t.ndim; ++d) n *= t.shape[d];
-  return n;
+  return int64_t(dtype_bytes(t.dtype, n));
 }
 
 bool summable(DType t) {
