@@ -1,19 +1,27 @@
 // Multi-rank pieces on CPU ranks, under mpirun (registered with ctest at 1, 2 and 4 ranks):
 //   the expert-parallel dispatch with rows that name their source rank and token (as DeepEP's
 //   tests do), and the combine's rows back that name the rank and the slot that made them;
+//   what the expert-parallel layer sends across ranks, recorded at the communicator (FP8 dispatch
+//   with power-of-two scales, BF16 combine, forward and backward; ctest parallel_mpi_wire_np*);
 //   ZeRO-1 AdamW against AdamW on one rank with the rank-order sum of the gradients (bitwise),
 //   its checkpoint moments, and its per-rank memory against the formula.
 //   mpirun --oversubscribe -np 4 build/tests/parallel/test_parallel_mpi
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <iostream>
+#include <map>
 #include <random>
 #include <set>
 
 #include "fp8moe/backend.hpp"
 #include "fp8moe/codecs.hpp"
 #include "fp8moe/comm.hpp"
+#include "fp8moe/config.hpp"
+#include "fp8moe/error.hpp"
+#include "fp8moe/model.hpp"
+#include "fp8moe/parallel.hpp"
 #include "fp8moe/optimizer.hpp"
 #include "fp8moe/zero1.hpp"
 #include "moe_routing.hpp"
@@ -128,6 +136,249 @@ TEST(ExpertParallelDispatch, OneHopRowsNameTheirSourceAndToken) { check_dispatch
 TEST(ExpertParallelDispatch, TwoHopsAcrossNodesOfTwoRanks) {
   if (g_world->size() % 2 || g_world->size() < 4) GTEST_SKIP() << "needs 2 nodes of 2 ranks or more";
   check_dispatch(2);
+}
+
+// ---- What crosses ranks in the expert-parallel layer: FP8 dispatch, BF16 combine (§3.3.3) ----
+// A Comm that forwards every call to the real MPI communicator (the data still travels through
+// Open MPI) and records each all_to_all_v: dtype, row width, counts, and the send buffer's bytes.
+// Its splits (the two-hop dispatch's rail and node groups) record into the same log.
+struct WireCall {
+  DType dtype;
+  int64_t cols = 0;                            // elements per row
+  std::vector<int64_t> send_counts, recv_counts;
+  std::vector<uint8_t> send;                   // the rows as sent, destination-major
+  int64_t row_bytes() const { return int64_t(dtype_bytes(dtype, cols)); }
+};
+class RecordingComm final : public Comm {
+ public:
+  RecordingComm(Comm& inner, std::shared_ptr<std::vector<WireCall>> log, std::unique_ptr<Comm> owned = nullptr)
+      : inner_(inner), owned_(std::move(owned)), log_(std::move(log)) {}
+  const std::vector<WireCall>& log() const { return *log_; }
+  std::string name() const override { return inner_.name(); }
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::unique_ptr<Comm> split(int color, int key) override {
+    std::unique_ptr<Comm> sub = inner_.split(color, key);
+    Comm& ref = *sub;
+    return std::make_unique<RecordingComm>(ref, log_, std::move(sub));
+  }
+  void send(const TensorView& t, int peer, const Stream& s) override { inner_.send(t, peer, s); }
+  void recv(const TensorView& t, int peer, const Stream& s) override { inner_.recv(t, peer, s); }
+  CommRequest isend(const TensorView& t, int peer, const Stream& s) override { return inner_.isend(t, peer, s); }
+  CommRequest irecv(const TensorView& t, int peer, const Stream& s) override { return inner_.irecv(t, peer, s); }
+  void all_to_all_v(const TensorView& send, std::span<const int64_t> sc, const TensorView& recv,
+                    std::span<const int64_t> rc, const Stream& s) override {
+    FP8MOE_CHECK(send.device == Device::cpu, "RecordingComm: CPU ranks only");
+    int64_t cols = 1;  // the row shape (empty exchanges too)
+    for (int d = 1; d < send.ndim; ++d) cols *= send.size(d);
+    WireCall w{send.dtype, cols, {sc.begin(), sc.end()}, {rc.begin(), rc.end()}, {}};
+    w.send.resize(send.nbytes());
+    if (!w.send.empty()) std::memcpy(w.send.data(), send.data, w.send.size());
+    log_->push_back(std::move(w));
+    inner_.all_to_all_v(send, sc, recv, rc, s);
+  }
+  void all_gather(const TensorView& a, const TensorView& b, const Stream& s) override { inner_.all_gather(a, b, s); }
+  void reduce_scatter(const TensorView& a, const TensorView& b, const Stream& s) override { inner_.reduce_scatter(a, b, s); }
+  void all_reduce(const TensorView& t, const Stream& s) override { inner_.all_reduce(t, s); }
+  void broadcast(const TensorView& t, int root, const Stream& s) override { inner_.broadcast(t, root, s); }
+  void barrier() override { inner_.barrier(); }
+  std::vector<std::string> exchange(std::string_view mine) override { return inner_.exchange(mine); }
+
+ private:
+  Comm& inner_;
+  std::unique_ptr<Comm> owned_;
+  std::shared_ptr<std::vector<WireCall>> log_;
+};
+
+// The expert-parallel layer behind a recorder of its inputs: which exchanges each forward and
+// backward made (calls [first, last) of the log), with h or dy, idx and w on the host.
+struct LayerCall {
+  bool backward = false;
+  size_t first = 0, last = 0;
+  Tensor x, idx, w;  // x: h (forward) or dy (backward)
+};
+class RecordingExperts final : public RoutedExperts {
+ public:
+  RecordingExperts(std::shared_ptr<RoutedExperts> inner, const RecordingComm& comm) : inner_(std::move(inner)), comm_(comm) {}
+  std::vector<LayerCall> calls;
+  std::unique_ptr<State> forward(model::Ctx& c, int64_t layer, const Tensor& h, const Tensor& idx, const Tensor& w,
+                                 const Tensor& y) override {
+    LayerCall lc{false, comm_.log().size(), 0, h, idx, w};
+    auto s = inner_->forward(c, layer, h, idx, w, y);
+    lc.last = comm_.log().size();
+    states_[s.get()] = {idx, w};
+    calls.push_back(std::move(lc));
+    return s;
+  }
+  void backward_input(model::Ctx& c, State& s, const Tensor& dy, const Tensor& w, const Tensor& dh,
+                      const Tensor& dw) override {
+    LayerCall lc{true, comm_.log().size(), 0, dy, states_.at(&s).first, w};
+    inner_->backward_input(c, s, dy, w, dh, dw);
+    lc.last = comm_.log().size();
+    calls.push_back(std::move(lc));
+  }
+  void backward_weight(model::Ctx& c, State& s) override {
+    inner_->backward_weight(c, s);
+    states_.erase(&s);
+  }
+
+ private:
+  std::shared_ptr<RoutedExperts> inner_;
+  const RecordingComm& comm_;
+  std::map<const State*, std::pair<Tensor, Tensor>> states_;
+};
+
+bool is_pow2(float s) {
+  int e;
+  return s > 0 && std::frexp(s, &e) == 0.5f;
+}
+
+// Forward and backward of the tiny MoE config without MTP (hidden 384: three 1x128 tiles per row) through the
+// expert-parallel layer on every rank of the world (one hop; nodes of `rpn` ranks: two hops, the
+// token to one node), the layer's exchanges recorded at the communicator. For each forward:
+// the rows of width D (the hidden size) that cross are exactly two exchanges, the dispatch
+// (e4m3, 1 byte per element, followed at once by the same counts of f32 rows of D / 128 scales,
+// every scale a power of two) and the combine (bf16, 2 bytes per element); for each backward the
+// same, the dispatched dy in e4m3 with power-of-two scales and the combine gradient in bf16. One
+// hop: each destination's e4m3 rows and scales are bit for bit the 1x128 power-of-two quantization
+// of the tokens the routing sends there (the dispatch layout), the combine's rows come back one per
+// (token, expert) slot, and the bytes per destination are rows x (D + 4 D / 128) out and
+// rows x 2 D back; the whole layer's exchanges are exactly these plus the weights, ids and the
+// combine weights' FP32 gradients.
+// Removals tried on a scratch copy of src/parallel/runtime; each made both tests fail at 2 and 4
+// ranks (one hop at 2, one and two hops at 4), and the reverted source passes:
+//   dispatch_fp8 carrying BF16 rows (no scales)      dispatch "bf16", 768 bytes per row, 0 scale exchanges
+//   dispatch_fp8 carrying the f32 rows               dispatch "f32", 1536 bytes per row, 0 scale exchanges
+//   dispatch_fp8 quantizing to e5m2                  dispatch "e5m2"
+//   dispatch_fp8 given ScaleMode::fp32 (both ways)   96 of 96 scales not powers of two (2 ranks), forward and backward
+//   ScaleMode::fp32 for the backward's dy only       the backward's scales only, 96 of 96
+//   return_rows' default dtype f32 (both combines)   combine "f32", 1536 bytes per row, forward and backward
+//   the backward's combine gradient in f32 only      backward combine "f32", 1536 bytes per row
+void check_wire(int64_t rpn) {
+  Comm& world = *g_world;
+  auto be = make_backend("cpu");
+  const int P = world.size(), me = world.rank();
+  ModelConfig cfg = load_config(std::string(FP8MOE_SOURCE_DIR) + "/configs/tiny.json");
+  cfg.hidden_size = 384;  // three 1x128 tiles per row (D / 128 apart from top-k)
+  cfg.seq_len = 16;
+  cfg.num_nextn_predict_layers = 0;  // one MoE layer: oversubscribed CPU ranks are slow
+  ParallelOptions opt;
+  opt.ep = P;
+  if (rpn < P) {
+    opt.ranks_per_node = rpn;
+    opt.max_nodes = 1;
+  }
+  const ParallelLayout layout = make_parallel_layout(opt, P, me, cfg);
+  apply_node_limited_routing(layout, cfg);
+  ParallelGroups groups = make_parallel_groups(world, layout);
+  auto log = std::make_shared<std::vector<WireCall>>();
+  RecordingComm ep(*groups.ep, log);
+  Model model(cfg, Recipe::from_name("fp8"), *be, 5);
+  auto rec = std::make_shared<RecordingExperts>(make_expert_parallel(model, ep, layout), ep);
+  model.set_routed_experts(rec);
+  std::mt19937_64 rng(g_seed + uint64_t(me) * 104729);  // every rank its own tokens
+  Tensor tok = Tensor::host(DType::i32, {2, cfg.seq_len}), tgt = Tensor::host(DType::i32, {2, cfg.seq_len});
+  for (int64_t i = 0; i < tok.numel(); ++i) tok.ptr<int32_t>()[i] = int32_t(rng() % uint64_t(cfg.vocab_size));
+  for (int64_t i = 0; i < tgt.numel(); ++i) tgt.ptr<int32_t>()[i] = int32_t(rng() % uint64_t(cfg.vocab_size));
+  model.zero_grad();
+  model.forward_backward(tok.view(), tgt.view());
+  be->synchronize();
+
+  const int64_t D = cfg.hidden_size, G = D / 128, K = cfg.num_experts_per_tok, epr = layout.experts_per_rank;
+  ASSERT_GE(rec->calls.size(), 2u);
+  int64_t fp8_bytes = 0, bf16_bytes = 0, dispatched = 0, combined = 0, tokens = 0, layers = 0;
+  for (const LayerCall& lc : rec->calls) {
+    const char* what = lc.backward ? "backward" : "forward";
+    const Tensor x = be->to_host(lc.x), idx = be->to_host(lc.idx);
+    const int64_t T = x.size(0);
+    if (!lc.backward) tokens += T, ++layers;
+    std::vector<size_t> wide, scales;  // the exchanges of rows of width D; of f32 rows of D / 128
+    for (size_t i = lc.first; i < lc.last; ++i) {
+      if (log->at(i).cols == D) wide.push_back(i);
+      if (log->at(i).cols == G && log->at(i).dtype == DType::f32) scales.push_back(i);
+    }
+    const size_t hops = rpn < P ? 2 : 1;
+    ASSERT_EQ(wide.size(), hops + 1) << what << ": exchanges of " << D << "-wide rows";
+    // The dispatch (one call per hop), then its scales hop by hop.
+    for (size_t h = 0; h < hops; ++h) {
+      EXPECT_EQ(dtype_name(log->at(wide[h]).dtype), "e4m3") << what << " dispatch hop " << h;
+      EXPECT_EQ(log->at(wide[h]).row_bytes(), D) << what << " dispatch: 1 byte per element";
+    }
+    ASSERT_EQ(scales.size(), hops) << what << ": exchanges of " << G << " f32 per row (a scale per 128 columns)";
+    for (size_t h = 0; h < hops; ++h) {
+      const WireCall& v = log->at(wide[h]);
+      const WireCall& sc = log->at(scales[h]);
+      EXPECT_EQ(sc.send_counts, v.send_counts) << what << ": a scale row per dispatched row";
+      int64_t bad = 0;
+      const float* s = reinterpret_cast<const float*>(sc.send.data());
+      for (size_t i = 0; i < sc.send.size() / 4; ++i) bad += !is_pow2(s[i]);
+      EXPECT_EQ(bad, 0) << what << ": dispatch scales not powers of two, of " << sc.send.size() / 4;
+    }
+    const WireCall& cb = log->at(wide.back());  // the combine (forward) or its gradient (backward)
+    EXPECT_EQ(dtype_name(cb.dtype), "bf16") << what << " combine";
+    EXPECT_EQ(cb.row_bytes(), 2 * D) << what << " combine: 2 bytes per element";
+    if (rpn < P || ::testing::Test::HasFailure()) continue;
+    // One hop: the exact rows and bytes the routing implies.
+    const ep::DispatchLayout plan = ep::dispatch_layout(idx.ptr<int32_t>(), T, K, P, epr);
+    const WireCall& v = log->at(wide[0]);
+    const WireCall& sc = log->at(scales[0]);
+    QuantizedTensor q = be->empty_quantized(T, D, DType::e4m3, ScaleKind::tile_1x128);
+    be->quantize_1x128(x.view(), q, ScaleMode::pow2);
+    const int64_t ld = scale_ld(T);
+    int64_t row = 0, code_diff = 0, scale_diff = 0;
+    for (int d = 0; d < P; ++d) {
+      EXPECT_EQ(v.send_counts[size_t(d)], plan.tokens_per_rank[size_t(d)]) << what << ": rows to rank " << d;
+      EXPECT_EQ(int64_t(v.send_counts[size_t(d)]) * v.row_bytes() + sc.send_counts[size_t(d)] * sc.row_bytes(),
+                plan.tokens_per_rank[size_t(d)] * (D + 4 * G))
+          << what << ": dispatch bytes to rank " << d;
+      // The combine rows this rank receives from d: one per slot of its tokens on d's experts.
+      EXPECT_EQ(cb.recv_counts[size_t(d)] * cb.row_bytes(), plan.slots_per_rank[size_t(d)] * 2 * D)
+          << what << ": combine bytes from rank " << d;
+      for (int64_t i = 0; i < plan.tokens_per_rank[size_t(d)]; ++i, ++row) {
+        const int64_t t = plan.send_token[size_t(row)];
+        code_diff += std::memcmp(v.send.data() + row * D, q.values.ptr<uint8_t>() + t * D, size_t(D)) != 0;
+        for (int64_t g = 0; g < G; ++g)
+          scale_diff += reinterpret_cast<const float*>(sc.send.data())[row * G + g] != q.scales.ptr<float>()[g * ld + t];
+      }
+      if (d != me) {
+        fp8_bytes += v.send_counts[size_t(d)] * v.row_bytes() + sc.send_counts[size_t(d)] * sc.row_bytes();
+        bf16_bytes += cb.recv_counts[size_t(d)] * cb.row_bytes();
+        dispatched += v.send_counts[size_t(d)];
+        combined += cb.recv_counts[size_t(d)];
+      }
+    }
+    EXPECT_EQ(code_diff, 0) << what << ": dispatched rows whose e4m3 codes are not the 1x128 pow2 quantization, of " << row;
+    EXPECT_EQ(scale_diff, 0) << what << ": dispatched scales not those of the 1x128 pow2 quantization";
+    // Everything else the layer exchanged: forward the weights (act) and expert ids (i32) with the
+    // dispatch's counts, backward the combine weights' gradients (f32, one per slot).
+    std::vector<std::pair<std::string_view, int64_t>> seen, want;
+    for (size_t i = lc.first; i < lc.last; ++i) seen.emplace_back(dtype_name(log->at(i).dtype), log->at(i).cols);
+    if (lc.backward) want = {{"e4m3", D}, {"f32", G}, {"bf16", D}, {"f32", 1}};
+    else want = {{"e4m3", D}, {"f32", G}, {dtype_name(lc.w.dtype()), K}, {"i32", K}, {"bf16", D}};
+    EXPECT_EQ(seen, want) << what << ": the layer's exchanges (dtype, row width)";
+  }
+  if (rpn < P) return;
+  Tensor sum = Tensor::host(DType::f64, {6});
+  const double mine[] = {double(fp8_bytes), double(bf16_bytes), double(dispatched), double(combined), double(tokens),
+                         double(layers)};
+  std::memcpy(sum.view().data, mine, sizeof mine);
+  world.all_reduce(sum.view(), be->stream());
+  const double* a = sum.ptr<double>();
+  if (me == 0)
+    std::cout << "[ wire     ] " << P << " ranks, D = " << D << ", forward + backward of " << a[5] / P
+              << " MoE layer(s): " << a[0] / a[2] << " bytes per dispatched row across ranks (bf16: " << 2 * D
+              << "), " << a[1] / a[3] << " per combine row; per token and pass " << a[2] / (2 * a[4])
+              << " dispatched and " << a[3] / (2 * a[4]) << " combine rows to other ranks\n";
+}
+
+TEST(ExpertParallelWire, Fp8DispatchBf16CombineOneHop) {
+  if (g_world->size() < 2) GTEST_SKIP() << "nothing crosses ranks on one";
+  check_wire(g_world->size());
+}
+
+TEST(ExpertParallelWire, Fp8DispatchBf16CombineTwoHops) {
+  if (g_world->size() % 2 || g_world->size() < 4) GTEST_SKIP() << "needs 2 nodes of 2 ranks or more";
+  check_wire(2);
 }
 
 // n parameters of ragged sizes, decay mixed; values identical on every rank.
