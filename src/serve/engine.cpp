@@ -297,6 +297,16 @@ struct Engine::Impl {
   // The attention-out Linear's input as the FP8 recipe's forward feeds it: rounded to E5M6 tiles
   // with power-of-two scales (the training cache this Linear reads its E4M3 tiles from), so the
   // served model is the trained one; the other precisions take O itself.
+  // A sublayer's input as the FP8 recipes' training forward normalizes it: rounded through BF16
+  // (Recipe::residual_cache); the residual stream itself stays FP32.
+  Tensor norm_input(const Tensor& x) {
+    if (prec != LinearPrecision::fp8) return x;
+    Tensor b = be.empty(DType::bf16, {x.size(0), x.size(1)}), r = f32({x.size(0), x.size(1)});
+    be.convert(x.view(), b.view());
+    be.convert(b.view(), r.view());
+    return r;
+  }
+
   Tensor attn_out_input(const Tensor& O) {
     if (prec != LinearPrecision::fp8) return O;
     QuantizedTensor q = be.empty_quantized(O.size(0), O.size(1), DType::e5m6, ScaleKind::tile_1x128);
@@ -315,7 +325,7 @@ struct Engine::Impl {
   void attention(int64_t l, const std::vector<SeqChunk>& chunks, const StepRows& sr, const Tensor& x) {
     Layer& L = layers[size_t(l)];
     const int64_t T = x.size(0), W = rkv + dr;
-    const Tensor h = rmsnorm(x.view(), L.in_norm);  // [T, D]
+    const Tensor h = rmsnorm(norm_input(x).view(), L.in_norm);  // [T, D]
     Tensor q;                                       // [T, H * dqk]
     if (L.q_a.N > 0) {
       const Tensor cq = run(L.q_a, h.view());
@@ -417,7 +427,7 @@ struct Engine::Impl {
   // ---- The MLP half: x [T, D] += mlp(norm(x)) or moe(norm(x)).
   void ffn(int64_t l, const Tensor& x) {
     Layer& L = layers[size_t(l)];
-    const Tensor h = rmsnorm(x.view(), L.post_norm);
+    const Tensor h = rmsnorm(norm_input(x).view(), L.post_norm);
     if (!L.moe) {
       be.axpy(1.0, mlp_forward(L.mlp, h.view(), ScaleMode::fp32).view(), 1.0, x.view());
       return;

@@ -5,6 +5,8 @@
 // count gives the same sums.
 #include "fp8moe/trainer.hpp"
 
+#include "fp8moe/comm.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -258,6 +260,9 @@ struct Trainer::Impl {
     validate_train_options(opt);
     recipe = Recipe::from_name(opt.recipe);
     recipe.set_attention(opt.attention);
+    // Rank 0 of a launch alone writes the folder, so it alone checks it (another rank's check
+    // could see the files rank 0 has begun to write).
+    if (launch_info().rank == 0) check_run_folder(opt.out_dir, opt.resume, opt.overwrite);
     ckpt_path = (fs::path(opt.out_dir) / "checkpoint.safetensors").string();
     cfg = load_config(opt.model_config);
     if (opt.resume) check_resume();
@@ -268,9 +273,6 @@ struct Trainer::Impl {
     par = TrainerParallel::make(opt.parallel, cfg);
     if (par && !par->rank0()) opt.quiet = true;  // output, metrics and checkpoints: rank 0
     if (par && !opt.quiet) std::printf("parallel layout: %s\n", par->layout.str().c_str());
-    // Rank 0 alone writes the folder, so it alone checks it (another rank's check could see the
-    // files rank 0 has begun to write).
-    if (!par || par->rank0()) check_run_folder(opt.out_dir, opt.resume, opt.overwrite);
     validate_config(cfg, recipe);
     if (resume_from) check_same_model(config_from_json(metadata(*resume_from, ckpt_path, "model_config")));
     corpus = std::make_unique<TextCorpus>(opt.data);
@@ -347,7 +349,15 @@ struct Trainer::Impl {
       FP8MOE_CHECK(std::to_string(opt.seed) == f.metadata.at("seed"),
                    "train: --resume: --seed " << opt.seed << " differs from the " << f.metadata.at("seed")
                                               << " the run was trained with (it fixes the data order)");
-    if (f.metadata.count("grad_accum"))
+    // The global batch in micro-batches, grad_accum x data-parallel ranks (every rank of a launch
+    // without pipeline stages), is what must agree: a run may resume at another D.
+    const int64_t micro = opt.grad_accum * int64_t(launch_info().size);
+    if (f.metadata.count("micro_batches"))
+      FP8MOE_CHECK(std::to_string(micro) == f.metadata.at("micro_batches"),
+                   "train: --resume: " << opt.grad_accum << " (--grad-accum) x " << launch_info().size
+                                       << " (ranks) micro-batches per step differ from the "
+                                       << f.metadata.at("micro_batches") << " the run was trained with");
+    else if (f.metadata.count("grad_accum"))
       FP8MOE_CHECK(std::to_string(opt.grad_accum) == f.metadata.at("grad_accum"),
                    "train: --resume: --grad-accum " << opt.grad_accum << " differs from the " << f.metadata.at("grad_accum")
                                                     << " the run was trained with");
@@ -384,7 +394,8 @@ struct Trainer::Impl {
                       {"attention", recipe.attention()},
                       {"model_config", config_to_json(cfg)},
                       {"seed", std::to_string(opt.seed)},
-                      {"grad_accum", std::to_string(opt.grad_accum)}});
+                      {"grad_accum", std::to_string(opt.grad_accum)},
+                      {"micro_batches", std::to_string(opt.grad_accum * (par ? par->dp() : 1))}});
   }
 
   // A resumed run trains the model of its checkpoint: every config key but the name must agree.
