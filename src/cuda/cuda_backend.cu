@@ -229,12 +229,10 @@ class CudaBackend final : public Backend {
   }
 
   void copy(const TensorView& dst, const TensorView& src) override {
-    // By shape: the direction and the size, a power of two of bytes.
+    // By shape: the direction and the source's shape and dtype.
     const TimedOp timed_op_(s_, "copy", [&] {
       const char* dir[2][2] = {{"h2h", "h2d"}, {"d2h", "d2d"}};
-      size_t p2 = 1;
-      while (p2 < src.nbytes()) p2 *= 2;
-      return std::string(dir[src.device == Device::cuda][dst.device == Device::cuda]) + " <=" + std::to_string(p2) + "B";
+      return std::string(dir[src.device == Device::cuda][dst.device == Device::cuda]) + " " + src.str();
     });
     FP8MOE_CHECK(dst.nbytes() == src.nbytes() && dst.dtype == src.dtype,
                  "copy: dst " << dst.str() << " and src " << src.str() << " differ in dtype or size");
