@@ -37,13 +37,15 @@ bool cuda_device_available() {
 
 namespace {
 
-// FP8MOE_PROFILE_OPS=1: every op records a CUDA event before and after itself on its stream; the GPU time between the two is added to a per-op table, printed when the backend is
-// destroyed (sorted by the time after each op's first call), with the sum against the wall time
-// of the profiled span: the rest is the time the GPU waited for the host. 'host ms' is the time
+// FP8MOE_PROFILE_OPS=1: every op records a CUDA event before and after itself on its stream; the
+// GPU time between the two is added to a per-op table, printed when the backend is destroyed
+// (sorted by the time after each op's first call), with the sum against the wall time of the
+// profiled span: the rest is the time the GPU waited for the host. 'host ms' is the time
 // the host spent inside each op: an op far above its GPU time waits for the device or the driver.
 // Nothing synchronizes per op, so the run keeps its speed; an op that calls another op counts
 // both, and its events are read only after it has ended.
-// FP8MOE_PROFILE_OPS=shapes: the GEMMs count per problem (dtypes, M x N x K, transposes).
+// FP8MOE_PROFILE_OPS=shapes: the GEMMs count per problem (dtypes, M x N x K, transposes), the
+// copies per direction and source shape.
 class OpTimes {
  public:
   static OpTimes& get() {
@@ -52,8 +54,8 @@ class OpTimes {
   }
   bool enabled() const { return enabled_; }
   bool by_shape() const { return by_shape_; }
-  // A new op: its id, with its start event recorded on the stream all ops use. end(id) records
-  // its stop event.
+  // A new op: its id, with its start event recorded on the op's stream. end(id) records its
+  // stop event on the same stream.
   int64_t begin(std::string op, cudaStream_t stream) {
     if (pending_.size() >= kBatch) resolve();
     if (free_.empty()) {
@@ -185,8 +187,7 @@ std::string gemm_shape(const TensorView& a, const TensorView& b, bool ta, bool t
 class CudaBackend final : public Backend {
  public:
   ~CudaBackend() override { OpTimes::get().print(); }
-  explicit CudaBackend(bool gemm_via_cublaslt)
-      : cublaslt_(gemm_via_cublaslt) {
+  explicit CudaBackend(bool gemm_via_cublaslt) : cublaslt_(gemm_via_cublaslt) {
     FP8MOE_CUDA_CHECK(cudaFree(nullptr));  // create the context now, not inside the first timed call
     FP8MOE_CUDA_CHECK(cudaGetDevice(&device_));
     // The backend's own compute stream: ops never run on the legacy stream, so that a

@@ -3,7 +3,8 @@
 //              the non-Hopper fallback of gemm_fp8 go through cuBLASLt.
 //   "cublaslt" the same backend with gemm_fp8 routed to cuBLASLt's block-scaled FP8 GEMM: the
 //              vendor baseline the benchmarks compare against.
-// Tensors live in device memory (cudaMalloc); ops run on the legacy default stream.
+// Tensors come from the caching allocator (runtime/caching_allocator.hpp); ops run on the backend's
+// current stream (its own compute stream unless set_stream says otherwise).
 #pragma once
 #include <memory>
 

@@ -21,14 +21,12 @@ bool reached(cudaError_t e) {
 
 class CudaStream final : public Stream::Impl {
  public:
-  CudaStream(cudaStream_t s, bool owned) : s_(s), owned_(owned) {}
+  explicit CudaStream(cudaStream_t s) : s_(s) {}
   ~CudaStream() override {
     // NOTES: cudaStreamDestroy returns before the stream's work ends; waiting first keeps a later
     // stream that reuses the handle from inheriting the caching allocator's blocks too early.
-    if (owned_) {
-      (void)cudaStreamSynchronize(s_);
-      (void)cudaStreamDestroy(s_);
-    }
+    (void)cudaStreamSynchronize(s_);
+    (void)cudaStreamDestroy(s_);
   }
   Device device() const override { return Device::cuda; }
   void* native() const override { return s_; }
@@ -37,7 +35,6 @@ class CudaStream final : public Stream::Impl {
 
  private:
   cudaStream_t s_;
-  bool owned_;
 };
 
 class CudaEvent final : public Event::Impl {
@@ -58,9 +55,8 @@ class CudaEvent final : public Event::Impl {
 Stream make_stream() {
   cudaStream_t s = nullptr;
   FP8MOE_CUDA_CHECK(cudaStreamCreate(&s));
-  return Stream(std::make_shared<CudaStream>(s, true));
+  return Stream(std::make_shared<CudaStream>(s));
 }
-Stream wrap_stream(cudaStream_t s) { return Stream(std::make_shared<CudaStream>(s, false)); }
 Event make_event() { return Event(std::make_shared<CudaEvent>()); }
 
 }  // namespace fp8moe::cuda

@@ -10,10 +10,8 @@ namespace fp8moe::cuda {
 // that a library queues on the legacy stream still orders against it, while two of our streams
 // overlap freely.
 Stream make_stream();
-// A handle on a stream someone else owns (the legacy stream when s is nullptr); not destroyed.
-Stream wrap_stream(cudaStream_t s);
 Event make_event();
-// The cudaStream_t of a handle (nullptr for the host's and the legacy stream).
+// The cudaStream_t of a handle (nullptr for the host's).
 inline cudaStream_t native(const Stream& s) { return static_cast<cudaStream_t>(s.native()); }
 
 }  // namespace fp8moe::cuda
