@@ -112,8 +112,19 @@ void add_bench(CLI::App& app) {
     if (fp8moe::cuda::run_attention_bench(*at) != 0)
       throw CLI::RuntimeError("bench attention: the two paths disagree", 2);
   });
+  auto sm = std::make_shared<fp8moe::cuda::SmallMBenchOptions>();
+  auto* small_m = bench->add_subcommand("small-m", "FP8 GEMM at decode sizes (M = 1..64): B's bytes per second "
+                                                   "against the copy bandwidth, beside the WGMMA kernel and cuBLASLt");
+  small_m->add_option("--iters", sm->iters, "timed runs per case (median)");
+  small_m->add_option("--warmup", sm->warmup, "untimed runs per case");
+  small_m->add_option("--m", sm->rows, "token counts M, 1..64")->delimiter(',');
+  small_m->callback([sm] {
+    require_gpu();
+    if (fp8moe::cuda::run_small_m_bench(*sm) != 0)
+      throw CLI::RuntimeError("bench small-m: the few-rows kernel disagrees with the WGMMA kernel", 2);
+  });
 #else
-  for (const char* name : {"gemm", "quant", "grouped", "permute", "attention"})
+  for (const char* name : {"gemm", "quant", "grouped", "permute", "attention", "small-m"})
     bench->add_subcommand(name, "needs the CUDA backend")->callback([] {
       throw fp8moe::Error("bench: this build has no CUDA backend");
     });

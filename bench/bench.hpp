@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fp8moe::cuda {
@@ -81,6 +82,16 @@ struct AttentionBenchOptions {
   uint64_t seed = 0;     // 0: fresh random seed (printed)
 };
 
+// The FP8 GEMM at decode sizes (bench_small_m.cpp): M tokens x the (N, K) weight shapes.
+struct SmallMBenchOptions {
+  int iters = 30;
+  int warmup = 5;
+  std::vector<int64_t> rows{1, 2, 4, 8, 16, 32, 64};
+  // DeepSeek-V3's Linears at decode: kv_a+q_a fused (2112 x 7168), q_b (24576 x 1536), o (7168 x
+  // 16384), an expert's gate/up (2048 x 7168 as two 2048-row halves: 4096 x 7168), down (7168 x 2048).
+  std::vector<std::pair<int64_t, int64_t>> shapes{{2112, 7168}, {24576, 1536}, {7168, 16384}, {4096, 7168}, {7168, 2048}};
+};
+
 // Return 0 when every correctness check passed (calc_diff < 1e-3 and no NaN; bit-exact for the
 // quantizers and the dispatch ops), 1 otherwise.
 int run_gemm_bench(const GemmBenchOptions& opt);
@@ -89,5 +100,7 @@ int run_grouped_bench(const GroupedBenchOptions& opt);
 int run_permute_bench(const PermuteBenchOptions& opt);
 // 0 when the GEMM path's outputs agree with the flash kernels' (bench_attention.cpp).
 int run_attention_bench(const AttentionBenchOptions& opt);
+// 0 when the few-rows kernel agrees with the WGMMA kernel (rel error < 1e-3) on every case.
+int run_small_m_bench(const SmallMBenchOptions& opt);
 
 }  // namespace fp8moe::cuda

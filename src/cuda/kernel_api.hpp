@@ -27,6 +27,18 @@ int gemm_fp8_sm90_max_active_clusters(const GemmTile& tile, bool b_1x128);
 // True when the current device can run the sm_90a kernels.
 bool sm90_available();
 
+// ---- FP8 GEMM for few rows (gemm_fp8_small_m.cu) ----
+// gemm_fp8_sm90's contract for M <= kSmallMMaxRows and a 128x128-scaled B (Fprop and Dgrad of
+// decode-sized batches), on mma.sync with the operands' roles swapped, streaming B once; D is
+// deterministic. gemm_fp8_sm90 takes it up to kSmallMDispatchRows unless a tile is forced: from
+// 16 tokens on, its mma.sync math and the reloads of A are the bound and the WGMMA kernel is as
+// fast or faster on most shapes (`fp8moe bench small-m`). `k_split`: warps sharing one 16-row
+// slice of B along K (1, 2, 4, 8; 0: chosen), for the benchmark.
+constexpr int64_t kSmallMMaxRows = 64;
+constexpr int64_t kSmallMDispatchRows = 8;
+void gemm_fp8_small_m(const QuantizedView& a, const QuantizedView& b, const TensorView& d, bool accumulate,
+                      cudaStream_t stream, int k_split = 0);
+
 // ---- FP8 GEMMs with emulated Tensor Core accumulation (gemm_fp8_emulated.cu) ----
 // gemm_fp8_ref's AccumMode::tensor_core arithmetic, bit for bit (its mantissa_bits and
 // promote_every, NaN payloads aside), on CUDA cores at a small fraction of the Tensor Cores'

@@ -1,0 +1,114 @@
+// `fp8moe bench small-m` (bench.hpp): the FP8 GEMM at decode sizes, D [M, N] f32 = A [M, K] B [N, K]^T
+// for M = 1..64 tokens on DeepSeek-V3's weight shapes. Such a GEMM only streams B (N * K bytes and
+// its 128x128 scales), so each row gives B's bytes per second against the device copy bandwidth
+// measured in the same run (a 1 GiB device-to-device copy, read + written counted, L2 flushed the
+// same way), beside our WGMMA kernel at the tile its heuristic picks and cuBLASLt's FP8 GEMM.
+// The functions take turns launch by launch after a clean L2 flush (Timer::interleaved,
+// Flush::clean: B comes from DRAM, as it does in a decode step whose weights far exceed L2).
+// Correctness: the few-rows kernel against the WGMMA kernel's D (rel error, < 1e-3).
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <functional>
+
+#include "bench/bench.hpp"
+#include "bench/bench_util.hpp"
+#include "cuda/kernel_api.hpp"
+
+namespace fp8moe::cuda {
+
+namespace {
+
+using namespace bench;
+
+double rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+}  // namespace
+
+int run_small_m_bench(const SmallMBenchOptions& opt) {
+  FP8MOE_CHECK(opt.iters >= 1 && opt.warmup >= 0, "bench small-m: --iters must be >= 1 and --warmup >= 0");
+  for (int64_t m : opt.rows)
+    FP8MOE_CHECK(m >= 1 && m <= kSmallMMaxRows, "bench small-m: --m values must be in [1, " << kSmallMMaxRows << "], got " << m);
+  Timer timer;
+  const Flush flush = Flush::clean;
+  // The copy bandwidth, flushed like the GEMMs.
+  const size_t copy_bytes = size_t(1) << 30;
+  DeviceBuffer src(copy_bytes), dst(copy_bytes);
+  FP8MOE_CUDA_CHECK(cudaMemset(src.p, 1, copy_bytes));
+  const double t_copy = timer.median_us(
+      [&] { FP8MOE_CUDA_CHECK(cudaMemcpyAsync(dst.p, src.p, copy_bytes, cudaMemcpyDeviceToDevice, nullptr)); },
+      2, 5, flush);
+  const double copy_gbs = 2.0 * double(copy_bytes) / t_copy * 1e-3;
+  std::printf("# bench small-m: D [M, N] f32 = A [M, K] B [N, K]^T, FP8 (A 1x128, B 128x128 scales); L2 flushed clean "
+              "before each launch; device copy %.0f GB/s (1 GiB, read + write)\n",
+              copy_gbs);
+  std::printf("# B GB/s: bytes of B and its scales over the time; of copy: that against the copy bandwidth; "
+              "k-split us: the kernel with 1, 2, 4, 8 warps per 16-row slice (the chosen one first)\n");
+  std::printf("| M | N | K | ours us | B GB/s | of copy | k-split 1/2/4/8 us | WGMMA tile | WGMMA us | cuBLASLt us | "
+              "ours/WGMMA | ours/cuBLASLt | rel err vs WGMMA |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::vector<double> r_wg, r_lt, r_copy;
+  uint64_t seed = 20261202;
+  for (const auto& nk : opt.shapes) {
+    const int64_t N = nk.first, K = nk.second;
+    DeviceBuffer b16(size_t(N * K) * 2);
+    fill_normal_bf16(b16.p, N * K, ++seed);
+    DeviceQuantized bq(N, K, ScaleKind::block_128x128);
+    quantize_128x128_cuda(dview(b16.p, DType::bf16, N, K), bq.view, ScaleMode::fp32, nullptr, false);
+    const double b_bytes = double(N * K) + double(bq.scales.bytes);
+    for (const int64_t M : opt.rows) {
+      DeviceBuffer a16(size_t(M * K) * 2);
+      fill_normal_bf16(a16.p, M * K, ++seed);
+      DeviceQuantized aq(M, K, ScaleKind::tile_1x128);
+      quantize_1x128_cuda(dview(a16.p, DType::bf16, M, K), aq.view, ScaleMode::fp32, nullptr, false);
+      const size_t dbytes = size_t(M * N) * 4;
+      DeviceBuffer d_ours(dbytes), d_wg(dbytes), d_lt(dbytes), d_x(dbytes);
+      const TensorView dv_ours = dview(d_ours.p, DType::f32, M, N), dv_wg = dview(d_wg.p, DType::f32, M, N),
+                       dv_lt = dview(d_lt.p, DType::f32, M, N), dv_x = dview(d_x.p, DType::f32, M, N);
+      const GemmTile tile = gemm_fp8_sm90_tile(M, N, K, false, true);
+      gemm_fp8_small_m(aq.view, bq.view, dv_ours, false, nullptr);
+      gemm_fp8_sm90(aq.view, bq.view, dv_wg, false, nullptr, &tile);
+      bool lt_ok = true;
+      try {
+        gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, false, nullptr);
+        FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      } catch (const std::exception&) {
+        lt_ok = false;
+      }
+      FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      const double err = rel_diff(d_to_doubles(d_ours.p, M, N, true), d_to_doubles(d_wg.p, M, N, true));
+      std::vector<std::function<void()>> fns = {
+          [&] { gemm_fp8_small_m(aq.view, bq.view, dv_ours, false, nullptr); },
+          [&] { gemm_fp8_sm90(aq.view, bq.view, dv_wg, false, nullptr, &tile); }};
+      for (int ks : {1, 2, 4, 8}) fns.push_back([&, ks] { gemm_fp8_small_m(aq.view, bq.view, dv_x, false, nullptr, ks); });
+      if (lt_ok) fns.push_back([&] { gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, false, nullptr); });
+      const std::vector<Timing> t = timer.interleaved(fns, opt.warmup, opt.iters, flush);
+      const double t_ours = t[0].us, t_wg = t[1].us, t_lt = lt_ok ? t[6].us : NAN;
+      const double gbs = b_bytes / t_ours * 1e-3;
+      r_wg.push_back(t_wg / t_ours);
+      if (lt_ok) r_lt.push_back(t_lt / t_ours);
+      r_copy.push_back(gbs / copy_gbs);
+      std::printf("| %lld | %lld | %lld | %.2f | %.0f | %.1f%% | %.2f / %.2f / %.2f / %.2f | %s | %.2f | %.2f | %.2fx | %.2fx | %.1e |\n",
+                  (long long)M, (long long)N, (long long)K, t_ours, gbs, 100.0 * gbs / copy_gbs, t[2].us, t[3].us,
+                  t[4].us, t[5].us, tile_name(tile).c_str(), t_wg, t_lt, t_wg / t_ours, t_lt / t_ours, err);
+      std::fflush(stdout);
+      if (!(err < 1e-3)) {
+        std::printf("# FAILED: M=%lld N=%lld K=%lld differs from the WGMMA kernel by %.2e\n", (long long)M,
+                    (long long)N, (long long)K, err);
+        return 1;
+      }
+    }
+  }
+  std::printf("# geomean: WGMMA time / ours %.2fx, cuBLASLt time / ours %.2fx, B bandwidth of copy %.1f%%\n",
+              geomean(r_wg), geomean(r_lt), 100.0 * geomean(r_copy));
+  return 0;
+}
+
+}  // namespace fp8moe::cuda
