@@ -35,9 +35,10 @@ step "memcheck quantize" 90 "$OUT/memcheck.log" compute-sanitizer --tool memchec
   "$BIN_T/test_cuda_quantize" --gtest_filter='*Rows1x128*:*Transposed*:*Requantize*:*Blocks*'
 { cuobjdump --dump-sass "$BIN_T/test_cuda_gemm" 2>/dev/null | grep -c QGMMA; } >"$OUT/sass.txt" 2>&1
 # The independent oracle: the PyTorch reference model (torch is installed here) against the C++
-# model's forward and every gradient, end to end and per sublayer (tests/reference/run_reference.sh;
-# exit 77 = torch missing).
-step "torch reference" 300 "$OUT/reference.log" tests/reference/ctest_reference.sh "$BIN_CLI" "$OUT/reference"
+# model's forward and every gradient on the CUDA backend, end to end and per sublayer
+# (tests/reference/run_reference.sh; exit 77 = torch missing).
+step "torch reference" 300 "$OUT/reference.log" env FP8MOE_REF_BACKEND=cuda tests/reference/ctest_reference.sh \
+  "$BIN_CLI" "$OUT/reference"
 step "bench quant" 60 "$OUT/bench_quant.md" "$BIN_CLI" bench quant --iters "$ITERS"
 [ "$GEMM_HUNG" = 0 ] && step "bench gemm" 200 "$OUT/bench_gemm.md" "$BIN_CLI" bench gemm --iters "$ITERS" --set "$SET"
 
