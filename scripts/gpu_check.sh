@@ -37,8 +37,7 @@ step "memcheck quantize" 90 "$OUT/memcheck.log" compute-sanitizer --tool memchec
 # The independent oracle: the PyTorch reference model (torch is installed here) against the C++
 # model's forward and every gradient on the CUDA backend, end to end and per sublayer
 # (tests/reference/run_reference.sh; exit 77 = torch missing).
-step "torch reference" 300 "$OUT/reference.log" env FP8MOE_REF_BACKEND=cuda tests/reference/ctest_reference.sh \
-  "$BIN_CLI" "$OUT/reference"
+step "torch reference" 300 "$OUT/reference.log" tests/reference/ctest_reference.sh "$BIN_CLI" "$OUT/reference" cuda
 step "bench quant" 60 "$OUT/bench_quant.md" "$BIN_CLI" bench quant --iters "$ITERS"
 [ "$GEMM_HUNG" = 0 ] && step "bench gemm" 200 "$OUT/bench_gemm.md" "$BIN_CLI" bench gemm --iters "$ITERS" --set "$SET"
 
