@@ -33,13 +33,13 @@ int64_t block(const Backend& be, int64_t bytes) {
   return be.device() == Device::cuda ? int64_t(cuda::allocator_size_class(size_t(bytes))) : bytes;
 }
 
-// The account's trunk items as the allocator rounds them (each item one block).
-int64_t trunk_blocks(const Backend& be, const MemoryAccount& m, const std::vector<Layer*>& trunk) {
+// The account's trunk items as the CUDA allocator rounds them (each item one block).
+int64_t trunk_blocks(const MemoryAccount& m, const std::vector<Layer*>& trunk) {
   std::set<std::string> names;
   for (const Layer* l : trunk) names.insert(l->name());
   int64_t n = 0;
   for (const auto& it : m.items)
-    if (names.count(it.layer)) n += block(be, it.bytes);
+    if (names.count(it.layer)) n += int64_t(cuda::allocator_size_class(size_t(it.bytes)));
   return n;
 }
 
@@ -101,8 +101,8 @@ TEST_P(ModelMemoryCuda, MediumStepKeepsWhatTheAccountLists) {
   std::cout << "[ memory   ] medium " << recipe << " (" << be->name() << "), " << T << " tokens, " << trunk.size()
             << " trunk sublayers: allocator " << measured << " bytes (" << per_token(measured)
             << " per token), predict_memory " << kept_account << " (" << per_token(kept_account)
-            << "), saved_memory " << kept_saved << " (" << per_token(kept_saved) << "), the account in size classes "
-            << trunk_blocks(*be, account, trunk) << "; measured / account " << double(measured) / double(kept_account)
+            << "), saved_memory " << kept_saved << " (" << per_token(kept_saved) << "), the account in the CUDA allocator's size classes "
+            << trunk_blocks(account, trunk) << "; measured / account " << double(measured) / double(kept_account)
             << "\n";
   if (be->device() == Device::cuda)  // the CPU backend's peak runs from its making
     std::cout << "[ memory   ] medium " << recipe << ": the forward's peak above its start " << peak << " bytes ("
