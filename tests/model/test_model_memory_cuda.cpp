@@ -118,7 +118,8 @@ TEST_P(ModelMemoryCuda, MediumStepKeepsWhatTheAccountLists) {
   states.clear();
 }
 
-INSTANTIATE_TEST_SUITE_P(Recipes, ModelMemoryCuda, ::testing::Values("bf16", "fp8"));
+INSTANTIATE_TEST_SUITE_P(Recipes, ModelMemoryCuda, ::testing::Values("bf16", "fp8"),
+                         [](const auto& info) { return std::string(info.param); });
 
 }  // namespace
 }  // namespace fp8moe::testing
