@@ -270,15 +270,15 @@ TEST(ModelMemory, AllocatorHoldsWhatTheAccountLists) {
 }
 
 // The account itemized per token for DeepSeek-V3 (configs/deepseek-v3.json, 4096 tokens, balanced
-// routing): one attention and one MoE layer, the report's recipe against BF16, as docs/MODEL.md
-// lists it. The attention-out cache takes 0.75 of BF16's bytes (plus its scales); no RMSNorm
-// output is kept.
+// routing): one attention and one MoE layer and the MTP's own part, the report's recipe against
+// BF16, as docs/MODEL.md lists it (`fp8moe model` prints every layer kind). The attention-out
+// cache takes 0.75 of BF16's bytes (plus its scales); no RMSNorm output is kept.
 TEST(ModelMemory, ItemizedPerTokenDeepSeekV3) {
   const ModelConfig c = load_config(source_dir() + "/configs/deepseek-v3.json");
   const int64_t T = 4096;
   const MemoryAccount bf = predict_memory(c, Recipe::from_name("bf16"), T),
                       f8 = predict_memory(c, Recipe::from_name("fp8"), T);
-  for (const std::string layer : {"layers.3.attn", "layers.3.moe"}) {
+  for (const std::string layer : {"layers.3.attn", "layers.3.moe", "layers.61.eh"}) {
     std::map<std::string, std::pair<double, double>> per_token;  // tensor -> bf16, fp8 bytes per token
     std::vector<std::string> order;
     for (const auto* acc : {&bf, &f8})
@@ -297,6 +297,12 @@ TEST(ModelMemory, ItemizedPerTokenDeepSeekV3) {
     }
     std::cout << "    total | " << sb << " | " << s8 << " (" << s8 / sb << " of BF16)\n";
   }
+  // The MTP's own part: the trunk output as the sublayers keep their inputs, the ids, two rstd.
+  const auto per_token = [T](const MemoryAccount& m, const std::string& layer) {
+    return double(m.bytes_per_layer().at(layer)) / double(T);
+  };
+  EXPECT_EQ(per_token(bf, "layers.61.eh"), 4.0 * double(c.hidden_size) + 12);
+  EXPECT_EQ(per_token(f8, "layers.61.eh"), 2.0 * double(c.hidden_size) + 12);
   for (const auto& it : f8.items)
     if (it.tensor == "attn_out") {
       EXPECT_EQ(it.dtype, DType::e5m6);
