@@ -2,13 +2,14 @@
 # step runner with a time limit.
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}
 
-# gpu_bins <targets...>: BIN_CLI (the fp8moe command) and BIN_T (the CUDA test binaries) from
-# $FP8MOE_BIN when set; otherwise configures and builds the targets in build-gpu/ (log:
-# $OUT/build.log) and exits when that fails.
+# gpu_bins <targets...>: BIN_CLI (the fp8moe command), BIN_T (the CUDA test binaries) and BIN_M
+# (the model's GPU tests) from $FP8MOE_BIN when set; otherwise configures and builds the targets in
+# build-gpu/ (log: $OUT/build.log) and exits when that fails.
 gpu_bins() {
   if [ -n "${FP8MOE_BIN:-}" ]; then
     BIN_CLI=$FP8MOE_BIN/fp8moe
     BIN_T=$FP8MOE_BIN
+    BIN_M=$FP8MOE_BIN
     return
   fi
   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
@@ -16,6 +17,7 @@ gpu_bins() {
     { echo "build failed, see $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
   BIN_CLI=build-gpu/bin/fp8moe
   BIN_T=build-gpu/tests/cuda
+  BIN_M=build-gpu/tests/model
 }
 
 declare -a ROWS

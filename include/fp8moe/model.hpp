@@ -176,7 +176,9 @@ class Model {
   Tensor embed_forward(const Batch& b);
   void embed_backward(const Batch& b, const Tensor& dx0);
   // Final norm + head + cross-entropy (+ the MTP module when enabled). Takes the trunk output,
-  // returns dh [T, D] for the trunk's backward, adds head/norm/MTP gradients, fills losses.
+  // returns dh [T, D] for the trunk's backward, adds head/norm/MTP gradients, fills losses. The
+  // MTP module keeps its own copy of h (Recipe::residual_cache); forward_backward hands the trunk
+  // output over instead, so that its storage goes once the main head is done.
   Tensor head_forward_backward(const Batch& b, const Tensor& h, double grad_scale, StepStats& st, bool backward);
 
   // Sublayer records (the teacher-forced reference check, tests/reference/compare.py): while on,

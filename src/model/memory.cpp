@@ -1,6 +1,6 @@
 // The analytic account of the bytes each layer keeps from forward to backward (report §3.2.3 and
 // §3.3.3), from the config and the recipe alone. RMSNorm outputs are not kept (the backward
-// recomputes them from the norms' inputs, which are). It lists the same tensors, in the same formats,
+// recomputes them from the norms' inputs, which are; the MTP's embedding too, from the token ids). It lists the same tensors, in the same formats,
 // as the layers' forward records (Saved::kept), so tests can check one against the other; with FP8
 // the cached Linear inputs are padded to 128 tokens (the Wgrad's K) and carry 4-byte scales per 128,
 // and the routed experts cache their segments of the expert-sorted layout, each padded to 128 rows.
@@ -45,11 +45,13 @@ MemoryAccount predict_memory(const ModelConfig& c, const Recipe& r, int64_t T,
   for (int64_t l = 0; l < c.num_layers_total(); ++l) {
     const std::string L = "layers." + std::to_string(l);
     if (l >= c.num_hidden_layers) {
+      // The trunk output as the sublayers keep their inputs, the token ids and the norms' rstd; the
+      // embedding and eh_proj's input (the two norm outputs) are recomputed.
       Acc a{r, m.items, L + ".eh"};
-      a.act("emb", T * D);
+      a.plain("h", r.residual_cache, T * D);
+      a.plain("ids", DType::i32, T);
       a.act("rstd_e", T);
       a.act("rstd_h", T);
-      a.cached("eh_in", T, 2 * D, true);
     }
     {
       Acc a{r, m.items, L + ".attn"};

@@ -106,8 +106,29 @@ struct Model::Impl {
     return sum / n;
   }
 
-  // The MTP module on the trunk output h [T, D]; adds its gradient into dh.
-  void mtp_forward_backward(const Batch& b, const Tensor& h, const Tensor& dh, bool backward, StepStats& st) {
+  // eh_proj's input [enorm(embed(ids)); hnorm(h)] as the Linear caches it, from the token ids and
+  // the MTP's kept trunk output hk; writes the norms' rstd and, when asked, the embedding e.
+  // Deterministic, so the backward recomputes it bit for bit instead of keeping it.
+  Cached mtp_eh_input(const Tensor& ids, const Tensor& hk, const Tensor& rstd_e, const Tensor& rstd_h, Tensor* e_out) {
+    const int64_t T = ids.size(0), D = cfg.hidden_size;
+    Tensor e = ctx.empty({T, D}), en = ctx.empty({T, D}), hn = ctx.empty({T, D});
+    be.embedding_forward(ids.view(), embed->weight.view(), e.view());
+    model::rmsnorm(ctx, e, *enorm, en, rstd_e);
+    model::rmsnorm(ctx, model::norm_input(ctx, hk), *hnorm, hn, rstd_h);
+    Tensor cat = ctx.empty({T, 2 * D});
+    be.copy_cols(en.view(), 0, cat.view(), 0, D, false);
+    be.copy_cols(hn.view(), 0, cat.view(), D, D, false);
+    if (e_out) *e_out = e;
+    return model::linear_input(ctx, cat.view(), recipe.scale_mode);
+  }
+
+  // The MTP module on the trunk output h [T, D]; adds its gradient into dh. It keeps h as the
+  // sublayers keep their inputs (Recipe::residual_cache: BF16 in the FP8 recipes, hnorm then reads
+  // bf16(h) in forward too), the token ids and the norms' rstd; the embedding and eh_proj's input
+  // are recomputed for the backward (as the sublayers recompute their norm outputs). h is taken
+  // by value and released once the kept copy exists: the caller passes the trunk output over, so
+  // that in the FP8 recipes its FP32 storage goes before the MTP block runs.
+  void mtp_forward_backward(const Batch& b, Tensor h, const Tensor& dh, bool backward, StepStats& st) {
     const int64_t T = h.size(0), D = h.size(1), S = b.seq;
     const std::string L = "layers." + std::to_string(cfg.num_hidden_layers) + ".eh";
     // Inputs: token t+1 (= targets[t]); targets: token t+2 inside the sequence.
@@ -120,24 +141,17 @@ struct Model::Impl {
     }
     ids = model::to_backend(ctx, ids);
     tg2 = model::to_backend(ctx, tg2);
-    Tensor e = ctx.empty({T, D}), en = ctx.empty({T, D}), rstd_e = ctx.empty({T});
-    be.embedding_forward(ids.view(), embed->weight.view(), e.view());
-    model::rmsnorm(ctx, e, *enorm, en, rstd_e);
-    Tensor hn = ctx.empty({T, D}), rstd_h = ctx.empty({T});
-    model::rmsnorm(ctx, h, *hnorm, hn, rstd_h);
-    Tensor cat = ctx.empty({T, 2 * D});  // [enorm(e); hnorm(h)]
-    be.copy_cols(en.view(), 0, cat.view(), 0, D, false);
-    be.copy_cols(hn.view(), 0, cat.view(), D, D, false);
-    const Cached catin = model::linear_input(ctx, cat.view(), recipe.scale_mode);
-    Tensor x = ctx.empty({T, D});
-    model::linear_forward(ctx, catin, *eh, x, recipe.linear);
     // Sublayer numbers of the records: the trunk's, the main head, then eh, the block, the head.
     const size_t sub = trunk.size() + 1;
+    const Tensor hk = model::keep_residual(ctx, h);
     record(sub, L, "x", h);
+    h = Tensor();
+    Tensor rstd_e = ctx.empty({T}), rstd_h = ctx.empty({T}), x = ctx.empty({T, D});
+    model::linear_forward(ctx, mtp_eh_input(ids, hk, rstd_e, rstd_h, nullptr), *eh, x, recipe.linear);
     record(sub, L, "y", x);
-    std::vector<MemoryItem> kept{model::account_item(L, "emb", e.view()), model::account_item(L, "rstd_e", rstd_e.view()),
-                                 model::account_item(L, "rstd_h", rstd_h.view())};
-    catin.account(kept, L, "eh_in");
+    const std::vector<MemoryItem> kept{model::account_item(L, "h", hk.view()), model::account_item(L, "ids", ids.view()),
+                                       model::account_item(L, "rstd_e", rstd_e.view()),
+                                       model::account_item(L, "rstd_h", rstd_h.view())};
     std::vector<std::unique_ptr<Saved>> saved;
     for (auto& layer : mtp) {
       Tensor y;
@@ -178,18 +192,38 @@ struct Model::Impl {
     record(sub, L, "dy", dx);
     Tensor dcat = ctx.empty({T, 2 * D});
     const model::WgradDy deh = model::linear_backward_input(ctx, dx, *eh, dcat, false, recipe.linear);
-    model::linear_backward_weight(ctx, catin, deh, *eh, recipe.linear);
-    Tensor den = ctx.empty({T, D}), dhn = ctx.empty({T, D}), de = ctx.empty({T, D});
-    be.copy_cols(dcat.view(), 0, den.view(), 0, D, false);
+    {
+      // eh_proj's input and the embedding recomputed as forward made them (rstd again, the same).
+      Tensor e;
+      const Cached catin = mtp_eh_input(ids, hk, ctx.empty({T}), ctx.empty({T}), &e);
+      model::linear_backward_weight(ctx, catin, deh, *eh, recipe.linear);
+      Tensor den = ctx.empty({T, D}), de = ctx.empty({T, D});
+      be.copy_cols(dcat.view(), 0, den.view(), 0, D, false);
+      be.rmsnorm_backward(e.view(), enorm->weight.view(), rstd_e.view(), den.view(), de.view(), enorm->grad.view(), false);
+      be.embedding_backward(ids.view(), de.view(), embed->grad.view());
+    }
+    Tensor dhn = ctx.empty({T, D});
     be.copy_cols(dcat.view(), D, dhn.view(), 0, D, false);
-    be.rmsnorm_backward(e.view(), enorm->weight.view(), rstd_e.view(), den.view(), de.view(), enorm->grad.view(), false);
-    be.embedding_backward(ids.view(), de.view(), embed->grad.view());
-    be.rmsnorm_backward(h.view(), hnorm->weight.view(), rstd_h.view(), dhn.view(), dh.view(), hnorm->grad.view(), true);
+    const Tensor hx = model::norm_input(ctx, hk);
+    be.rmsnorm_backward(hx.view(), hnorm->weight.view(), rstd_h.view(), dhn.view(), dh.view(), hnorm->grad.view(), true);
     if (recording) {  // eh's own share of dh, computed once more on its own
       Tensor dh_eh = ctx.empty({T, D});
-      be.rmsnorm_backward(h.view(), hnorm->weight.view(), rstd_h.view(), dhn.view(), dh_eh.view(), TensorView(), false);
+      be.rmsnorm_backward(hx.view(), hnorm->weight.view(), rstd_h.view(), dhn.view(), dh_eh.view(), TensorView(), false);
       record(sub, L, "dx", dh_eh);
     }
+  }
+
+  // The main head, then the MTP module, on the trunk output h; returns d loss / d h.
+  Tensor heads(const Batch& b, Tensor h, double grad_scale, StepStats& st, bool backward) {
+    Tensor dh = ctx.zeros({h.size(0), h.size(1)});  // zero-filled: the heads add their gradients into it
+    st.main_loss = head_loss(h, *norm, b.targets, 1.0, grad_scale, backward, dh, &last_logits);
+    const size_t sub = trunk.size();
+    record(sub, "head", "x", h);
+    record(sub, "head", "y", last_logits);
+    record(sub, "head", "loss", st.main_loss);
+    if (backward) record(sub, "head", "dx", dh);
+    if (cfg.num_nextn_predict_layers > 0) mtp_forward_backward(b, std::move(h), dh, backward, st);
+    return dh;
   }
 };
 
@@ -348,16 +382,7 @@ void Model::embed_backward(const Batch& b, const Tensor& dx0) {
 }
 
 Tensor Model::head_forward_backward(const Batch& b, const Tensor& h, double grad_scale, StepStats& st, bool backward) {
-  auto& m = *impl_;
-  Tensor dh = m.ctx.zeros({h.size(0), h.size(1)});  // zero-filled: the heads add their gradients into it
-  st.main_loss = m.head_loss(h, *m.norm, b.targets, 1.0, grad_scale, backward, dh, &m.last_logits);
-  const size_t sub = m.trunk.size();
-  m.record(sub, "head", "x", h);
-  m.record(sub, "head", "y", m.last_logits);
-  m.record(sub, "head", "loss", st.main_loss);
-  if (backward) m.record(sub, "head", "dx", dh);
-  if (m.cfg.num_nextn_predict_layers > 0) m.mtp_forward_backward(b, h, dh, backward, st);
-  return dh;
+  return impl_->heads(b, h, grad_scale, st, backward);
 }
 
 StepStats Model::Impl::run(Model& model, const TensorView& tokens, const TensorView& targets, double grad_scale,
@@ -389,7 +414,8 @@ StepStats Model::Impl::run(Model& model, const TensorView& tokens, const TensorV
     m.record(i, m.trunk[i]->name(), "aux", m.trunk[i]->aux_loss(*saved[i]));
     st.expert_loads.push_back(std::move(loads));
   }
-  Tensor d = model.head_forward_backward(b, x, grad_scale, st, backward);
+  // The trunk output passes to the heads, which release it once the MTP keeps its own copy.
+  Tensor d = m.heads(b, std::move(x), grad_scale, st, backward);
   st.loss = st.main_loss + m.cfg.mtp_loss_weight * st.mtp_loss + st.balance_loss;
   if (!backward) return st;
   for (size_t i = m.trunk.size(); i-- > 0;) {

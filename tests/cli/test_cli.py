@@ -219,6 +219,71 @@ class Cli(unittest.TestCase):
         self.assertEqual(rc, 0, err)
         self.assertEqual(json.loads(out)["config"], "deepseek-v3")
 
+    def test_model_itemizes_memory_per_layer_kind(self):
+        """`model` itemizes the memory account per layer kind and tensor, bytes per token: the
+        printed rows add up to each kind's total, and the kinds' totals to predict_memory's
+        (the per-layer bytes of --json), in the text and in the JSON."""
+        rc, out, err = fp8moe("model", "-c", "deepseek-v3", "--json")
+        self.assertEqual(rc, 0, err)
+        j = json.loads(out)
+        tokens, it = j["tokens"], j["itemized"]
+        self.assertEqual(it["recipes"], ["bf16", "fp8"])
+        kinds = {k["kind"]: k for k in it["kinds"]}
+        self.assertEqual(sorted(kinds), ["MTP module", "MoE layer", "dense layer"])
+        self.assertEqual(kinds["dense layer"]["layers"], [0, 1, 2])
+        self.assertEqual(len(kinds["MoE layer"]["layers"]), 58)
+        self.assertEqual(kinds["MTP module"]["layers"], [61])
+        for r in it["recipes"]:
+            per_layer = j["saved_bytes"][r]
+            self.assertEqual(it["total_bytes"][r], sum(per_layer.values()), r)
+            for k in it["kinds"]:
+                layer_bytes = sum(v for name, v in per_layer.items() if int(name.split(".")[1]) in k["layers"])
+                self.assertAlmostEqual(k["bytes_per_token"][r] * len(k["layers"]) * tokens, layer_bytes,
+                                       delta=1e-9 * layer_bytes, msg=r + " " + k["kind"])
+                self.assertAlmostEqual(sum(t["bytes_per_token"][r] for t in k["tensors"]), k["bytes_per_token"][r],
+                                       delta=1e-9 * k["bytes_per_token"][r], msg=r + " " + k["kind"])
+        # The report's choices in the rows: the attention-out cache at 0.75 of BF16, sublayer inputs
+        # and the MTP's trunk output in BF16, no RMSNorm output.
+        moe = {t["tensor"]: t for t in kinds["MoE layer"]["tensors"]}
+        self.assertEqual(moe["attn.attn_out"]["dtype"]["fp8"], "e5m6")
+        self.assertEqual(moe["attn.attn_out"]["bytes_per_token"]["fp8"],
+                         0.75 * moe["attn.attn_out"]["bytes_per_token"]["bf16"])
+        for name in ("attn.x", "moe.x"):
+            self.assertEqual(moe[name]["dtype"]["fp8"], "bf16")
+        mtp = {t["tensor"]: t for t in kinds["MTP module"]["tensors"]}
+        self.assertEqual(mtp["eh.h"]["dtype"]["fp8"], "bf16")
+        self.assertFalse([t for k in it["kinds"] for t in k["tensors"] if "norm" in t["tensor"]])
+
+        # The text: each kind's rows and total line, and the totals over all layers, as the JSON has them.
+        rc, text, err = fp8moe("model", "-c", "deepseek-v3")
+        self.assertEqual(rc, 0, err)
+        lines = text.splitlines()
+        for k in it["kinds"]:
+            head = [i for i, l in enumerate(lines) if l.startswith(k["kind"] + " (")]
+            self.assertEqual(len(head), 1, k["kind"])
+            rows, i = {}, head[0] + 1
+            while lines[i].startswith("  "):
+                f = lines[i].split()
+                rows[f[0]] = f
+                i += 1
+            self.assertEqual(sorted(rows), sorted([t["tensor"] for t in k["tensors"]] + ["total"]), k["kind"])
+            for c, r in enumerate(it["recipes"]):
+                for t in k["tensors"]:
+                    self.assertAlmostEqual(float(rows[t["tensor"]][1 + 2 * c]), t["bytes_per_token"][r], delta=0.005)
+                self.assertAlmostEqual(float(rows["total"][1 + c]), k["bytes_per_token"][r], delta=0.005)
+        self.assertIn("embedding, head                    nothing kept", text)
+        totals = [l for l in lines if l.startswith("all layers, bytes") and "per token" not in l]
+        self.assertEqual(len(totals), 1)
+        self.assertEqual([int(v) for v in totals[0].split()[3:]], [it["total_bytes"][r] for r in it["recipes"]])
+        # Other recipes on request, none with an empty list.
+        rc, out, err = fp8moe("model", "-c", "tiny", "--itemize", "fp32,fp8", "--json")
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(json.loads(out)["itemized"]["recipes"], ["fp32", "fp8"])
+        rc, out, err = fp8moe("model", "-c", "tiny", "--itemize", "")
+        self.assertEqual(rc, 0, err)
+        self.assertNotIn("activation memory kept for backward, bytes per token", out)
+        self.refused(BAD_INPUT, "fp9", "model", "-c", "tiny", "--itemize", "bf16,fp9")
+
     def test_bad_data_is_refused(self):
         utf16 = os.path.join(self.root, "utf16.txt")
         with open(utf16, "wb") as f:

@@ -167,17 +167,18 @@ TEST(ModelMemory, MeasuredEqualsPredictedAndFp8KeepsLess) {
   // The saving of the caching choices at the same routing (the recipes route differently, and
   // each expert's rows are padded to 128): every tensor cached as BF16 (2 bytes) is cached as E4M3
   // (1 byte, padded to 128 tokens for Linear inputs, + 4-byte scales per 128) or, for the
-  // attention-out input, as E5M6 (1.5 bytes, packed), and each sublayer's input x, FP32 in bf16, is
-  // kept in BF16. Nothing else differs between the two accounts, so the saving is the difference
-  // of their totals.
+  // attention-out input, as E5M6 (1.5 bytes, packed), and each sublayer's input x and the MTP's
+  // copy of the trunk output h, FP32 in bf16, are kept in BF16. Nothing else differs between the
+  // two accounts, so the saving is the difference of their totals.
   const auto saving = [&c](int64_t tokens, const std::vector<std::vector<int64_t>>* loads) {
     const MemoryAccount bf = predict_memory(c, Recipe::from_name("bf16"), tokens, loads),
                         f8 = predict_memory(c, Recipe::from_name("fp8"), tokens, loads);
     int64_t s = 0;
     for (const auto& it : bf.items)
-      if (it.dtype == DType::bf16 || it.tensor == "x") s += it.bytes;
+      if (it.dtype == DType::bf16 || it.tensor == "x" || it.tensor == "h") s += it.bytes;
     for (const auto& it : f8.items)
-      if (it.dtype == DType::e4m3 || it.dtype == DType::e5m6 || it.tensor.ends_with(".scales") || it.tensor == "x")
+      if (it.dtype == DType::e4m3 || it.dtype == DType::e5m6 || it.tensor.ends_with(".scales") || it.tensor == "x" ||
+          it.tensor == "h")
         s -= it.bytes;
     EXPECT_EQ(s, bf.total_bytes() - f8.total_bytes());
     return s;
@@ -188,6 +189,38 @@ TEST(ModelMemory, MeasuredEqualsPredictedAndFp8KeepsLess) {
   EXPECT_GT(observed, 0);
   EXPECT_GT(balanced, 0);
   EXPECT_GT(large, 0);
+}
+
+// The MTP module keeps the trunk output h as the sublayers keep their inputs (BF16 in the FP8
+// recipes, the activation dtype otherwise), the token ids and the two rstd, and recomputes the
+// embedding and eh_proj's input (the two norm outputs) for its backward.
+// Catches: eh_proj's input cached from forward (FP8 tiles in fp8), the embedding kept, h kept in
+// FP32 in fp8 (keep_residual dropped for the trunk output).
+// Seen failing: with the module as it was (eh_proj's input cached, the embedding kept; model and
+// account: emb f32 and eh_in listed, 784 bytes per token in fp8 instead of 268, 1544 in fp32
+// instead of 524), and with h kept as the FP32 trunk output in fp8 (h f32, 524 bytes per token).
+TEST(ModelMemory, MtpKeepsTheTrunkOutputAsSublayersKeepTheirInputs) {
+  auto rng = make_rng();
+  const uint64_t seed = rng();
+  const ModelConfig c = tiny_config();
+  auto [tok, tgt] = random_batch(rng, c);
+  const int64_t T = c.batch_size * c.seq_len, D = c.hidden_size;
+  const std::string eh = "layers." + std::to_string(c.num_hidden_layers) + ".eh";
+  for (const std::string name : {"fp32", "bf16", "fp8"}) {
+    const Recipe r = Recipe::from_name(name);
+    const RecipeRun run = run_recipe(name, seed, tok, tgt);
+    std::map<std::string, std::string_view> kept;  // tensor -> dtype
+    int64_t bytes = 0;
+    for (const auto& it : run.memory.items)
+      if (it.layer == eh) kept[it.tensor] = dtype_name(it.dtype), bytes += it.bytes;
+    const std::map<std::string, std::string_view> expected{{"h", dtype_name(r.residual_cache)},
+                                                           {"ids", "i32"},
+                                                           {"rstd_e", dtype_name(r.act_dtype)},
+                                                           {"rstd_h", dtype_name(r.act_dtype)}};
+    EXPECT_EQ(kept, expected) << name << ": only the norms' inputs (h, the ids of the embedding) and rstd";
+    EXPECT_EQ(bytes, T * (int64_t(dtype_size(r.residual_cache)) * D + 4 + 2 * int64_t(dtype_size(r.act_dtype)))) << name;
+    std::cout << "[ memory   ] " << name << " " << eh << ": " << double(bytes) / double(T) << " bytes per token\n";
+  }
 }
 
 // What the allocator holds, not the account: the backend's live bytes grow, over each trunk
@@ -237,15 +270,15 @@ TEST(ModelMemory, AllocatorHoldsWhatTheAccountLists) {
 }
 
 // The account itemized per token for DeepSeek-V3 (configs/deepseek-v3.json, 4096 tokens, balanced
-// routing): one attention and one MoE layer, the report's recipe against BF16, as docs/MODEL.md
-// lists it. The attention-out cache takes 0.75 of BF16's bytes (plus its scales); no RMSNorm
-// output is kept.
+// routing): one attention and one MoE layer and the MTP's own part, the report's recipe against
+// BF16, as docs/MODEL.md lists it (`fp8moe model` prints every layer kind). The attention-out
+// cache takes 0.75 of BF16's bytes (plus its scales); no RMSNorm output is kept.
 TEST(ModelMemory, ItemizedPerTokenDeepSeekV3) {
   const ModelConfig c = load_config(source_dir() + "/configs/deepseek-v3.json");
   const int64_t T = 4096;
   const MemoryAccount bf = predict_memory(c, Recipe::from_name("bf16"), T),
                       f8 = predict_memory(c, Recipe::from_name("fp8"), T);
-  for (const std::string layer : {"layers.3.attn", "layers.3.moe"}) {
+  for (const std::string layer : {"layers.3.attn", "layers.3.moe", "layers.61.eh"}) {
     std::map<std::string, std::pair<double, double>> per_token;  // tensor -> bf16, fp8 bytes per token
     std::vector<std::string> order;
     for (const auto* acc : {&bf, &f8})
@@ -264,6 +297,12 @@ TEST(ModelMemory, ItemizedPerTokenDeepSeekV3) {
     }
     std::cout << "    total | " << sb << " | " << s8 << " (" << s8 / sb << " of BF16)\n";
   }
+  // The MTP's own part: the trunk output as the sublayers keep their inputs, the ids, two rstd.
+  const auto per_token = [T](const MemoryAccount& m, const std::string& layer) {
+    return double(m.bytes_per_layer().at(layer)) / double(T);
+  };
+  EXPECT_EQ(per_token(bf, "layers.61.eh"), 4.0 * double(c.hidden_size) + 12);
+  EXPECT_EQ(per_token(f8, "layers.61.eh"), 2.0 * double(c.hidden_size) + 12);
   for (const auto& it : f8.items)
     if (it.tensor == "attn_out") {
       EXPECT_EQ(it.dtype, DType::e5m6);
