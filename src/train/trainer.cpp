@@ -270,9 +270,11 @@ struct Trainer::Impl {
     if (opt.seq_len > 0) cfg.seq_len = opt.seq_len;
     FP8MOE_CHECK(cfg.vocab_size >= kByteVocab, "model config '" << opt.model_config << "': vocab_size " << cfg.vocab_size
                                                                  << " is smaller than the byte vocabulary (256)");
-    par = TrainerParallel::make(opt.parallel, cfg);
+    par = TrainerParallel::make(opt.parallel, cfg, opt.grad_accum);
     if (par && !par->rank0()) opt.quiet = true;  // output, metrics and checkpoints: rank 0
     if (par && !opt.quiet) std::printf("parallel layout: %s\n", par->layout.str().c_str());
+    FP8MOE_CHECK(opt.trace.empty() || (par && par->schedule), "train: --trace '" << opt.trace
+                                                                                << "' records pipeline steps: it needs --pp >= 2");
     validate_config(cfg, recipe);
     if (resume_from) check_same_model(config_from_json(metadata(*resume_from, ckpt_path, "model_config")));
     corpus = std::make_unique<TextCorpus>(opt.data);
@@ -349,13 +351,14 @@ struct Trainer::Impl {
       FP8MOE_CHECK(std::to_string(opt.seed) == f.metadata.at("seed"),
                    "train: --resume: --seed " << opt.seed << " differs from the " << f.metadata.at("seed")
                                               << " the run was trained with (it fixes the data order)");
-    // The global batch in micro-batches, grad_accum x data-parallel ranks (every rank of a launch
-    // without pipeline stages), is what must agree: a run may resume at another D.
-    const int64_t micro = opt.grad_accum * int64_t(launch_info().size);
+    // The global batch in micro-batches, grad_accum x data-parallel ranks (the launch's ranks over
+    // --pp), is what must agree: a run may resume at another D or P.
+    const int64_t dp_ranks = int64_t(launch_info().size) / std::max<int64_t>(opt.parallel.pp, 1);
+    const int64_t micro = opt.grad_accum * dp_ranks;
     if (f.metadata.count("micro_batches"))
       FP8MOE_CHECK(std::to_string(micro) == f.metadata.at("micro_batches"),
-                   "train: --resume: " << opt.grad_accum << " (--grad-accum) x " << launch_info().size
-                                       << " (ranks) micro-batches per step differ from the "
+                   "train: --resume: " << opt.grad_accum << " (--grad-accum) x " << dp_ranks
+                                       << " (data-parallel ranks) micro-batches per step differ from the "
                                        << f.metadata.at("micro_batches") << " the run was trained with");
     else if (f.metadata.count("grad_accum"))
       FP8MOE_CHECK(std::to_string(opt.grad_accum) == f.metadata.at("grad_accum"),
@@ -544,11 +547,7 @@ struct Trainer::Impl {
     int64_t tokens_done = 0;
     for (; step < opt.steps; ++step) {
       bool stop = stop_flag().load();
-      if (par) {  // every rank stops at the same step
-        std::vector<double> any{stop ? 1.0 : 0.0};
-        par->sum(*backend, any);
-        stop = any[0] > 0;
-      }
+      if (par) stop = par->any(*backend, stop);  // every rank stops at the same step
       if (stop) {
         sum.interrupted = true;
         break;
@@ -565,19 +564,7 @@ struct Trainer::Impl {
       // The global batch is dp x grad_accum micro-batches, taken in the order one rank would take
       // them; data-parallel rank r runs micro-batches r, r + dp, ...
       const int64_t dp = par ? par->dp() : 1, micro = opt.grad_accum * dp;
-      for (int64_t m = 0; m < micro; ++m) {
-        sampler->next(int(B), windows);
-        if (par && m % dp != par->dp_rank()) continue;
-        fill_batch(windows.data(), tok, tgt);
-        StepStats st;
-        try {
-          st = model->forward_backward(tok, tgt, 1.0 / double(micro));
-          backend->synchronize();
-        } catch (const Error& e) {
-          // A NaN/Inf reaching a quantizer is reported as what it is: a diverged step.
-          FP8MOE_CHECK(false, "step " << step << ": forward/backward failed: " << e.what() << "; first non-finite tensor: "
-                                      << first_non_finite() << ". Nothing was saved over the last checkpoint.");
-        }
+      auto add = [&](const StepStats& st) {
         agg.loss += st.loss / double(micro);
         agg.main_loss += st.main_loss / double(micro);
         agg.mtp_loss += st.mtp_loss / double(micro);
@@ -587,6 +574,43 @@ struct Trainer::Impl {
           loads[l].resize(st.expert_loads[l].size(), 0);
           for (size_t e = 0; e < st.expert_loads[l].size(); ++e) loads[l][e] += st.expert_loads[l][e];
         }
+      };
+      // A NaN/Inf reaching a quantizer is reported as what it is: a diverged step.
+      auto diverged = [&](const Error& e) {
+        FP8MOE_CHECK(false, "step " << step << ": forward/backward failed: " << e.what() << "; first non-finite tensor: "
+                                    << first_non_finite() << ". Nothing was saved over the last checkpoint.");
+      };
+      std::vector<Tensor> toks, tgts;  // with pipeline stages: this data-parallel rank's micro-batches
+      for (int64_t m = 0; m < micro; ++m) {
+        sampler->next(int(B), windows);
+        if (par && m % dp != par->dp_rank()) continue;
+        fill_batch(windows.data(), tok, tgt);
+        if (par && par->executor) {
+          toks.push_back(Tensor::host(DType::i32, {B, S}));
+          tgts.push_back(Tensor::host(DType::i32, {B, S}));
+          std::memcpy(toks.back().ptr<int32_t>(), tok.ptr<int32_t>(), size_t(B * S) * sizeof(int32_t));
+          std::memcpy(tgts.back().ptr<int32_t>(), tgt.ptr<int32_t>(), size_t(B * S) * sizeof(int32_t));
+          continue;
+        }
+        StepStats st;
+        try {
+          st = model->forward_backward(tok, tgt, 1.0 / double(micro));
+          backend->synchronize();
+        } catch (const Error& e) {
+          diverged(e);
+        }
+        add(st);
+      }
+      if (par && par->executor) {
+        std::vector<StepStats> sts;
+        try {
+          sts = par->executor->run(toks, tgts, 1.0 / double(micro));
+          backend->synchronize();
+        } catch (const Error& e) {
+          diverged(e);
+        }
+        for (const StepStats& st : sts) add(st);
+        par->executor->sum_gradients();
       }
       if (par) {  // every rank's losses and loads, summed in rank order
         std::vector<double> l{agg.loss, agg.main_loss, agg.mtp_loss, agg.balance_loss};
@@ -666,6 +690,7 @@ struct Trainer::Impl {
       save_checkpoint();
       sum.checkpoint = ckpt_path;
     }
+    if (par && !opt.trace.empty() && step > start_step) par->write_trace(opt.trace, !opt.quiet);
     ema->wait();
     if (loss_n > 0) sum.final_loss = loss_acc / double(loss_n);
     sum.steps = step;
