@@ -85,6 +85,10 @@ class Executor {
   // The last run's ops in the order they ran, with their times and components.
   const std::vector<ExecutedOp>& executed() const;
 
+  // The most bytes this rank kept for backward at once during the last run (the trunk's saved
+  // state of every pass in flight; the head's is freed inside the forward).
+  int64_t peak_saved_bytes() const;
+
   // Test hook: the rank throws Error when it reaches op `op_index` of its list (-1: never).
   void fail_at(int op_index);
 

@@ -500,7 +500,8 @@ struct Trainer::Impl {
     if (par) moments = par->zero->memory().moments;
     for (size_t i = 0; !par && i < refs.size(); ++i)
       moments += int64_t(adamw->first_moments()[i].view().nbytes() + adamw->second_moments()[i].view().nbytes());
-    const int64_t acts = model->saved_memory().total_bytes(), dev = backend->device_memory_in_use(),
+    // With pipeline stages: the most this rank held at once over the micro-batches in flight.
+    const int64_t acts = par && par->executor ? par->executor->peak_saved_bytes() : model->saved_memory().total_bytes(), dev = backend->device_memory_in_use(),
                   peak = backend->device_memory_peak();
     j["memory"] = {{"master_weights", params}, {"gradients", params}, {"adam_moments", moments},
                    {"activations_kept", acts}, {"ema_host", params}, {"device_in_use", dev}, {"device_peak", peak}};
@@ -508,9 +509,10 @@ struct Trainer::Impl {
     if (opt.quiet) return;
     const double mib = 1048576.0;
     std::printf("memory (%s, %s): master weights %.1f MiB, gradients %.1f MiB, AdamW moments %.1f MiB (%s), "
-                "activations kept for backward %.1f MiB per micro-batch, EMA %.1f MiB in host memory%s\n",
+                "activations kept for backward %.1f MiB %s, EMA %.1f MiB in host memory%s\n",
                 backend->name().c_str(), recipe.name.c_str(), double(params) / mib, double(params) / mib,
-                double(moments) / mib, opt.moments.c_str(), double(acts) / mib, double(params) / mib,
+                double(moments) / mib, opt.moments.c_str(), double(acts) / mib,
+                par && par->executor ? "at the pipeline's peak" : "per micro-batch", double(params) / mib,
                 dev >= 0 ? (", device in use " + std::to_string(dev / 1048576) + " MiB, tensors at peak " +
                             std::to_string(peak / 1048576) + " MiB")
                                .c_str()
@@ -607,7 +609,12 @@ struct Trainer::Impl {
           sts = par->executor->run(toks, tgts, 1.0 / double(micro));
           backend->synchronize();
         } catch (const Error& e) {
-          diverged(e);
+          // A rank that failed, or a peer that went away, is not a diverged step: say which.
+          const std::string bad = first_non_finite();
+          FP8MOE_CHECK(false, "step " << step << ": pipeline rank " << par->layout.pp_rank() << " (world rank "
+                                      << par->layout.rank << "): " << e.what()
+                                      << (bad.starts_with("(none") ? "" : "; first non-finite tensor: " + bad)
+                                      << ". Nothing was saved over the last checkpoint.");
         }
         for (const StepStats& st : sts) add(st);
         par->executor->sum_gradients();

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -22,16 +23,17 @@ std::unique_ptr<TrainerParallel> TrainerParallel::make(const ParallelOptions& op
   // rank raises the same error before any rank makes a communicator.
   p->layout = make_parallel_layout(opt, launch.size, launch.rank, cfg);
   if (p->layout.pp > 1) {
-    const pipeline::Method method = pipeline::parse_method(opt.schedule);
-    const int stages = pipeline::stages_for(method, int(p->layout.pp));
     try {
+      const pipeline::Method method = pipeline::parse_method(opt.schedule);
+      const int stages = pipeline::stages_for(method, int(p->layout.pp));
       p->schedule = pipeline::make_schedule(method, method == pipeline::Method::DualPipeV ? stages : int(p->layout.pp),
                                             int(micro_batches));
+      p->split = opt.pp_split.empty() ? pipeline::balanced_split(cfg, stages)
+                                      : pipeline::parse_split(opt.pp_split, cfg, stages);
     } catch (const Error& e) {
       FP8MOE_CHECK(false, "--schedule " << opt.schedule << " --pp " << p->layout.pp << " --grad-accum " << micro_batches
                                         << ": " << e.what());
     }
-    p->split = opt.pp_split.empty() ? pipeline::balanced_split(cfg, stages) : pipeline::parse_split(opt.pp_split, cfg, stages);
   }
   apply_node_limited_routing(p->layout, cfg);
   select_local_gpu(launch);
@@ -42,7 +44,16 @@ std::unique_ptr<TrainerParallel> TrainerParallel::make(const ParallelOptions& op
 
 void TrainerParallel::attach(Model& model, Backend& be, const std::vector<ParamRef>& refs, const AdamWConfig& cfg) {
   if (layout.expert_parallel) model.set_routed_experts(make_expert_parallel(model, *groups.ep, layout));
-  if (schedule) executor = std::make_unique<pipeline::Executor>(model, *schedule, split, groups.pp.get());
+  if (schedule) {
+    executor = std::make_unique<pipeline::Executor>(model, *schedule, split, groups.pp.get());
+    // FP8MOE_PIPELINE_FAIL_AT=R:K makes world rank R fail at op K of every step: how the tests
+    // check that the other ranks stop with an error instead of waiting.
+    if (const char* at = std::getenv("FP8MOE_PIPELINE_FAIL_AT")) {
+      int r = -1, k = -1;
+      FP8MOE_CHECK(std::sscanf(at, "%d:%d", &r, &k) == 2, "FP8MOE_PIPELINE_FAIL_AT='" << at << "': expected RANK:OP");
+      if (r == int(layout.rank)) executor->fail_at(k);
+    }
+  }
   zero = std::make_unique<Zero1AdamW>(be, *groups.dp, refs, cfg);
 }
 

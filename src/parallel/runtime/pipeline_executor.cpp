@@ -6,6 +6,7 @@
 // by (micro-batch, stage): the input activation of F(m, s), the output-gradient of B(m, s), and
 // what is waiting to be sent. A compute op first waits for all communication posted before it,
 // as the simulator assumes; the rank ends with a wait.
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -85,6 +86,18 @@ struct Executor::Impl {
   std::vector<std::vector<double>> table;  // [micro-batch][stats.width()]
   Clock::time_point t0;
   ExecutedOp* current = nullptr;
+  // Bytes each pass's forward kept (counted when kept: a backward may shrink Saved::kept).
+  std::map<Key, int64_t> pass_bytes;
+  int64_t saved_bytes = 0, peak_bytes = 0;
+
+  void keep(const Key& k, const Saved& s) {
+    for (const MemoryItem& i : s.kept) pass_bytes[k] += i.bytes, saved_bytes += i.bytes;
+    peak_bytes = std::max(peak_bytes, saved_bytes);
+  }
+  void release(const Key& k) {
+    saved_bytes -= pass_bytes[k];
+    pass_bytes.erase(k);
+  }
 
   Impl(Model& m, Schedule s, StageSplit sp, Comm* c) : model(m), schedule(std::move(s)), split(std::move(sp)), comm(c) {
     me = comm ? comm->rank() : 0;
@@ -148,6 +161,7 @@ struct Executor::Impl {
         kept.push_back(layer.forward(b, x, y));
         x = y;
       });
+      keep(key(p), *kept.back());
       row[stats.aux(i)] = layer.aux_loss(*kept.back());
       const std::vector<int64_t> loads = layer.expert_loads(*kept.back());
       for (size_t j = 0; j < stats.moe_trunk.size(); ++j)
@@ -180,6 +194,7 @@ struct Executor::Impl {
     const int first = split.first[size_t(p.stage)];
     for (int i = split.first[size_t(p.stage) + 1]; i-- > first;)
       component("W " + trunk[size_t(i)]->name(), [&] { trunk[size_t(i)]->backward_weight(b, *it->second[size_t(i - first)]); });
+    release(key(p));
     saved.erase(it);
     if (p.stage == 0) {
       const Tensor dx0 = take(embed_grad, key(p), "embedding gradient");
@@ -213,7 +228,10 @@ struct Executor::Impl {
     } else {
       grad_out[key(p)] = dy;
     }
-    if (!defers) saved.erase(it);
+    if (!defers) {
+      release(key(p));
+      saved.erase(it);
+    }
   }
 
   void post(const Op& op) {
@@ -282,6 +300,7 @@ struct Executor::Impl {
     }
     table.assign(size_t(M), std::vector<double>(stats.width(), 0.0));
     executed.clear();
+    saved_bytes = peak_bytes = 0;
     executed.reserve(schedule.rank_ops[size_t(me)].size());
     t0 = Clock::now();
     const std::vector<Op>& ops = schedule.rank_ops[size_t(me)];
@@ -388,6 +407,7 @@ std::vector<StepStats> Executor::run(const std::vector<Tensor>& tokens, const st
 }
 void Executor::sum_gradients() { impl_->sum_gradients(); }
 const std::vector<ExecutedOp>& Executor::executed() const { return impl_->executed; }
+int64_t Executor::peak_saved_bytes() const { return impl_->peak_bytes; }
 void Executor::fail_at(int op_index) { impl_->fail_at = op_index; }
 
 }  // namespace fp8moe::pipeline
