@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <sstream>
 
@@ -147,44 +148,55 @@ struct Executor::Impl {
     return t;
   }
 
-  void forward(const Pass& p) {
+  using Steps = std::vector<std::function<void()>>;
+
+  // F(p) as steps: the input (the embedding on stage 0), each sublayer, then the head on the last
+  // stage or the output's way on. Run in a row by F, interleaved with a B's by F&B.
+  Steps forward_steps(const Pass& p) {
     const Batch& b = batches[size_t(p.micro_batch)];
     std::vector<double>& row = table[size_t(p.micro_batch)];
-    Tensor x;
-    if (p.stage == 0) component("F embed", [&] { x = model.embed_forward(b); });
-    else x = take(act_in, key(p), "input activation");
-    auto& kept = saved[key(p)];
-    for (int i = split.first[size_t(p.stage)]; i < split.first[size_t(p.stage) + 1]; ++i) {
-      Layer& layer = *trunk[size_t(i)];
-      component("F " + layer.name(), [&] {
-        Tensor y;
-        kept.push_back(layer.forward(b, x, y));
-        x = y;
+    auto x = std::make_shared<Tensor>();
+    Steps steps;
+    steps.push_back([this, p, x, &b] {
+      if (p.stage == 0) component("F embed", [&] { *x = model.embed_forward(b); });
+      else *x = take(act_in, key(p), "input activation");
+    });
+    for (int i = split.first[size_t(p.stage)]; i < split.first[size_t(p.stage) + 1]; ++i)
+      steps.push_back([this, p, x, i, &b, &row] {
+        Layer& layer = *trunk[size_t(i)];
+        auto& kept = saved[key(p)];
+        component("F " + layer.name(), [&] {
+          Tensor y;
+          kept.push_back(layer.forward(b, *x, y));
+          *x = y;
+        });
+        keep(key(p), *kept.back());
+        row[stats.aux(i)] = layer.aux_loss(*kept.back());
+        const std::vector<int64_t> loads = layer.expert_loads(*kept.back());
+        for (size_t j = 0; j < stats.moe_trunk.size(); ++j)
+          if (stats.moe_trunk[j] == i)
+            for (size_t e = 0; e < loads.size(); ++e) row[stats.loads(int(j)) + e] = double(loads[e]);
       });
-      keep(key(p), *kept.back());
-      row[stats.aux(i)] = layer.aux_loss(*kept.back());
-      const std::vector<int64_t> loads = layer.expert_loads(*kept.back());
-      for (size_t j = 0; j < stats.moe_trunk.size(); ++j)
-        if (stats.moe_trunk[j] == i)
-          for (size_t e = 0; e < loads.size(); ++e) row[stats.loads(int(j)) + e] = double(loads[e]);
-    }
-    if (last_stage(p.stage)) {
-      // The head's forward and backward end the forward: the B of this stage starts from dh.
-      component("F head", [&] {
-        StepStats st;
-        grad_in[key(p)] = model.head_forward_backward(b, x, b.grad_scale, st, true);
-        row[StatsLayout::kMain] = st.main_loss;
-        row[StatsLayout::kMtp] = st.mtp_loss;
-        row[StatsLayout::kMtpBalance] = st.balance_loss;
-        for (size_t j = 0; j < st.expert_loads.size(); ++j)
-          for (size_t e = 0; e < st.expert_loads[j].size(); ++e)
-            row[stats.loads(int(stats.moe_trunk.size() + j)) + e] = double(st.expert_loads[j][e]);
-      });
-    } else if (here(p.micro_batch, p.stage + 1)) {
-      act_in[{p.micro_batch, p.stage + 1}] = x;  // DualPipeV's turn: the next stage is on this rank
-    } else {
-      act_out[key(p)] = x;
-    }
+    steps.push_back([this, p, x, &b, &row] {
+      if (last_stage(p.stage)) {
+        // The head's forward and backward end the forward: the B of this stage starts from dh.
+        component("F head", [&] {
+          StepStats st;
+          grad_in[key(p)] = model.head_forward_backward(b, *x, b.grad_scale, st, true);
+          row[StatsLayout::kMain] = st.main_loss;
+          row[StatsLayout::kMtp] = st.mtp_loss;
+          row[StatsLayout::kMtpBalance] = st.balance_loss;
+          for (size_t j = 0; j < st.expert_loads.size(); ++j)
+            for (size_t e = 0; e < st.expert_loads[j].size(); ++e)
+              row[stats.loads(int(stats.moe_trunk.size() + j)) + e] = double(st.expert_loads[j][e]);
+        });
+      } else if (here(p.micro_batch, p.stage + 1)) {
+        act_in[{p.micro_batch, p.stage + 1}] = *x;  // DualPipeV's turn: the next stage is on this rank
+      } else {
+        act_out[key(p)] = *x;
+      }
+    });
+    return steps;
   }
 
   void weight(const Pass& p) {
@@ -202,35 +214,57 @@ struct Executor::Impl {
     }
   }
 
-  // Input-only when `defers`: the weight gradients wait for W(p); otherwise each sublayer's
-  // weight gradient follows its input gradient, as in Model's own loop.
-  void backward(const Pass& p, bool defers) {
-    auto it = saved.find(key(p));
-    FP8MOE_CHECK(it != saved.end(), "pipeline: B of micro-batch " << p.micro_batch << ", stage " << p.stage << " before its F");
+  // B(p) as steps, from the last sublayer down. Input-only when `defers`: the weight gradients
+  // wait for W(p); otherwise each sublayer's weight gradient follows its input gradient, as in
+  // Model's own loop.
+  Steps backward_steps(const Pass& p, bool defers) {
+    FP8MOE_CHECK(saved.count(key(p)), "pipeline: B of micro-batch " << p.micro_batch << ", stage " << p.stage << " before its F");
     const Batch& b = batches[size_t(p.micro_batch)];
-    Tensor dy = take(grad_in, key(p), "output gradient");
+    auto dy = std::make_shared<Tensor>();
     const int first = split.first[size_t(p.stage)];
-    for (int i = split.first[size_t(p.stage) + 1]; i-- > first;) {
-      Layer& layer = *trunk[size_t(i)];
-      Saved& s = *it->second[size_t(i - first)];
-      component("B " + layer.name(), [&] {
-        Tensor dx;
-        layer.backward_input(b, s, dy, dx);
-        dy = dx;
+    Steps steps;
+    steps.push_back([this, p, dy] { *dy = take(grad_in, key(p), "output gradient"); });
+    for (int i = split.first[size_t(p.stage) + 1]; i-- > first;)
+      steps.push_back([this, p, dy, i, first, defers, &b] {
+        Layer& layer = *trunk[size_t(i)];
+        Saved& s = *saved.at(key(p))[size_t(i - first)];
+        component("B " + layer.name(), [&] {
+          Tensor dx;
+          layer.backward_input(b, s, *dy, dx);
+          *dy = dx;
+        });
+        if (!defers) component("W " + layer.name(), [&] { layer.backward_weight(b, s); });
       });
-      if (!defers) component("W " + layer.name(), [&] { layer.backward_weight(b, s); });
-    }
-    if (p.stage == 0) {
-      if (defers) embed_grad[key(p)] = dy;
-      else component("W embed", [&] { model.embed_backward(b, dy); });
-    } else if (here(p.micro_batch, p.stage - 1)) {
-      grad_in[{p.micro_batch, p.stage - 1}] = dy;
-    } else {
-      grad_out[key(p)] = dy;
-    }
-    if (!defers) {
-      release(key(p));
-      saved.erase(it);
+    steps.push_back([this, p, dy, defers, &b] {
+      if (p.stage == 0) {
+        if (defers) embed_grad[key(p)] = *dy;
+        else component("W embed", [&] { model.embed_backward(b, *dy); });
+      } else if (here(p.micro_batch, p.stage - 1)) {
+        grad_in[{p.micro_batch, p.stage - 1}] = *dy;
+      } else {
+        grad_out[key(p)] = *dy;
+      }
+      if (!defers) {
+        release(key(p));
+        saved.erase(key(p));
+      }
+    });
+    return steps;
+  }
+
+  static void run_steps(const Steps& steps) {
+    for (const auto& f : steps) f();
+  }
+
+  // DualPipe's F&B chunk (report Figure 4): the forward's and the backward's sublayers taken in
+  // turn, forward attention first, then the backward's last sublayer (the MLP or MoE, its
+  // combine and dispatch inside), so that the exchanges of one half meet the computation of the
+  // other. Both are of different micro-batches: no data passes between them.
+  void forward_backward(const Pass& f, const Pass& b) {
+    const Steps fs = forward_steps(f), bs = backward_steps(b, false);
+    for (size_t i = 0; i < std::max(fs.size(), bs.size()); ++i) {
+      if (i < fs.size()) fs[i]();
+      if (i < bs.size()) bs[i]();
     }
   }
 
@@ -270,17 +304,16 @@ struct Executor::Impl {
   void execute(const Op& op) {
     switch (op.kind) {
       case OpKind::Forward:
-        forward(op.pass);
+        run_steps(forward_steps(op.pass));
         break;
       case OpKind::Backward:
-        backward(op.pass, op.defers_weights);
+        run_steps(backward_steps(op.pass, op.defers_weights));
         break;
       case OpKind::Weight:
         weight(op.pass);
         break;
       case OpKind::ForwardBackward:
-        forward(op.pass);
-        backward(op.backward_pass, false);
+        forward_backward(op.pass, op.backward_pass);
         break;
       default:
         post(op);
