@@ -47,6 +47,9 @@ struct Model::Impl {
   // The gradient storage, each block once: a parameter's own, or a stack of routed experts'.
   std::vector<Tensor> grad_blocks;
   bool recording = false;  // record_sublayers
+  // Inside forward_backward: what the MTP module keeps enters `memory`. Outside (a pipeline's
+  // head_forward_backward calls, one per micro-batch) the account is not grown.
+  bool accounting = false;
   std::vector<std::pair<std::string, Tensor>> records;
 
   Impl(const ModelConfig& c, const Recipe& r, Backend& b) : cfg(c), recipe(r), be(b), ctx{be, recipe, cfg} {}
@@ -146,7 +149,7 @@ struct Model::Impl {
       record(sub + saved.size(), layer->name(), "y", y);
       x = y;
     }
-    if (backward) {
+    if (backward && accounting) {
       memory.items.insert(memory.items.end(), kept.begin(), kept.end());
       for (auto& s : saved) memory.items.insert(memory.items.end(), s->kept.begin(), s->kept.end());
     }
@@ -368,6 +371,11 @@ StepStats Model::Impl::run(Model& model, const TensorView& tokens, const TensorV
   StepStats st;
   st.tokens = b.tokens_count();
   if (backward) m.memory = MemoryAccount{};
+  struct Accounting {
+    bool& on;
+    ~Accounting() { on = false; }
+  } accounting{m.accounting};
+  m.accounting = backward;
   m.records.clear();
   // A forward alone uses each weight once: nothing to share.
   std::optional<model::WeightCache::Pass> pass;

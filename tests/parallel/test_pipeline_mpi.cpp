@@ -1,4 +1,4 @@
-// The pipeline executor on CPU ranks, under mpirun (registered with ctest at 2 and 4 ranks): for
+// The pipeline executor on CPU ranks, under mpirun (registered with ctest at 1, 2 and 4 ranks): for
 // each of 1F1B, ZB1P, DualPipe and DualPipeV over every rank of the world, one step of the
 // executor on a 4-layer MoE model against Model::forward_backward on the same rank:
 //   - the ops each rank ran, recorded by the executor as it ran them, are its schedule's list;
@@ -43,6 +43,8 @@ void check_method(pipeline::Method method) {
   Comm& world = *g_world;
   const int P = world.size(), me = world.rank();
   const ModelConfig cfg = deep_config();
+  if (P == 1 && (method == pipeline::Method::DualPipe || method == pipeline::Method::DualPipeV))
+    GTEST_SKIP() << "two stages per rank need an even number of them";
   const int M = micro_batches_for(method, P), stages = pipeline::stages_for(method, P);
   const pipeline::Schedule schedule =
       pipeline::make_schedule(method, method == pipeline::Method::DualPipeV ? stages : P, M);
