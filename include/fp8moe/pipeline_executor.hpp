@@ -85,8 +85,9 @@ class Executor {
   // The last run's ops in the order they ran, with their times and components.
   const std::vector<ExecutedOp>& executed() const;
 
-  // The most bytes this rank kept for backward at once during the last run (the trunk's saved
-  // state of every pass in flight; the head's is freed inside the forward).
+  // The most bytes this rank kept for backward at once during the last run: the trunk's saved
+  // state of every pass in flight, with the MTP module's while a head call holds it. At one rank
+  // with 1F1B: Model::saved_memory()'s total after a forward_backward.
   int64_t peak_saved_bytes() const;
 
   // Test hook: the rank throws Error when it reaches op `op_index` of its list (-1: never).

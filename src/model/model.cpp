@@ -47,8 +47,8 @@ struct Model::Impl {
   // The gradient storage, each block once: a parameter's own, or a stack of routed experts'.
   std::vector<Tensor> grad_blocks;
   bool recording = false;  // record_sublayers
-  // Inside forward_backward: what the MTP module keeps enters `memory`. Outside (a pipeline's
-  // head_forward_backward calls, one per micro-batch) the account is not grown.
+  // Inside forward_backward: the MTP module's kept tensors join the trunk's in `memory`. Outside
+  // (head_forward_backward alone, once per micro-batch in a pipeline) each call replaces it.
   bool accounting = false;
   std::vector<std::pair<std::string, Tensor>> records;
 
@@ -149,7 +149,7 @@ struct Model::Impl {
       record(sub + saved.size(), layer->name(), "y", y);
       x = y;
     }
-    if (backward && accounting) {
+    if (backward) {
       memory.items.insert(memory.items.end(), kept.begin(), kept.end());
       for (auto& s : saved) memory.items.insert(memory.items.end(), s->kept.begin(), s->kept.end());
     }
@@ -352,6 +352,7 @@ void Model::embed_backward(const Batch& b, const Tensor& dx0) {
 
 Tensor Model::head_forward_backward(const Batch& b, const Tensor& h, double grad_scale, StepStats& st, bool backward) {
   auto& m = *impl_;
+  if (!m.accounting && backward) m.memory = MemoryAccount{};
   Tensor dh = m.ctx.zeros({h.size(0), h.size(1)});  // zero-filled: the heads add their gradients into it
   st.main_loss = m.head_loss(h, *m.norm, b.targets, 1.0, grad_scale, backward, dh, &m.last_logits);
   const size_t sub = m.trunk.size();
@@ -361,6 +362,10 @@ Tensor Model::head_forward_backward(const Batch& b, const Tensor& h, double grad
   if (backward) m.record(sub, "head", "dx", dh);
   if (m.cfg.num_nextn_predict_layers > 0) m.mtp_forward_backward(b, h, dh, backward, st);
   return dh;
+}
+
+std::shared_ptr<void> Model::share_weight_conversions() {
+  return std::make_shared<model::WeightCache::Pass>(impl_->ctx.weights);
 }
 
 StepStats Model::Impl::run(Model& model, const TensorView& tokens, const TensorView& targets, double grad_scale,

@@ -25,6 +25,7 @@
 #include "fp8moe/ema.hpp"
 #include "fp8moe/model.hpp"
 #include "fp8moe/safetensors.hpp"
+#include "fp8moe/pipeline_executor.hpp"
 #include "trainer_parallel.hpp"
 
 namespace fp8moe {
@@ -247,7 +248,9 @@ struct Trainer::Impl {
   std::vector<ParamRef> refs;        // trainable parameters, host views
   std::vector<Parameter*> all;       // every parameter (EMA and checkpoints)
   std::unique_ptr<AdamW> adamw;       // one process; with `par`, par->zero instead
-  std::unique_ptr<TrainerParallel> par;  // several ranks (--dp/--ep): trainer_parallel.hpp
+  std::unique_ptr<TrainerParallel> par;  // several ranks (--pp/--dp/--ep): trainer_parallel.hpp
+  std::unique_ptr<pipeline::Executor> serial;  // without pipeline stages: 1F1B over one stage
+  pipeline::Executor* executor = nullptr;      // par's with --pp, else `serial`
   std::unique_ptr<ParameterEma> ema;
   LrSchedule schedule;
   int64_t step = 0;
@@ -302,6 +305,13 @@ struct Trainer::Impl {
     ac.moments = opt.moments == "bf16" ? MomentPrecision::bf16 : MomentPrecision::f32;
     if (par) par->attach(*model, *backend, refs, ac);
     else adamw = std::make_unique<AdamW>(*backend, refs, ac);
+    if (par && par->executor) {
+      executor = par->executor.get();
+    } else {
+      serial = std::make_unique<pipeline::Executor>(*model, pipeline::one_f_one_b_schedule(1, int(opt.grad_accum)),
+                                                     pipeline::balanced_split(cfg, 1), nullptr);
+      executor = serial.get();
+    }
     std::vector<ParamRef> ema_refs;
     for (Parameter* p : all) ema_refs.push_back({p->name, p->weight.view(), p->grad.view(), false});
     // The EMA lives in host memory whatever the device: one asynchronous device-to-host copy every
@@ -500,8 +510,8 @@ struct Trainer::Impl {
     if (par) moments = par->zero->memory().moments;
     for (size_t i = 0; !par && i < refs.size(); ++i)
       moments += int64_t(adamw->first_moments()[i].view().nbytes() + adamw->second_moments()[i].view().nbytes());
-    // With pipeline stages: the most this rank held at once over the micro-batches in flight.
-    const int64_t acts = par && par->executor ? par->executor->peak_saved_bytes() : model->saved_memory().total_bytes(), dev = backend->device_memory_in_use(),
+    // The most this rank held at once: one micro-batch's on one stage, several in flight with stages.
+    const int64_t acts = executor->peak_saved_bytes(), dev = backend->device_memory_in_use(),
                   peak = backend->device_memory_peak();
     j["memory"] = {{"master_weights", params}, {"gradients", params}, {"adam_moments", moments},
                    {"activations_kept", acts}, {"ema_host", params}, {"device_in_use", dev}, {"device_peak", peak}};
@@ -542,7 +552,6 @@ struct Trainer::Impl {
                   corpus->validation().size());
     TrainSummary sum;
     std::vector<int32_t> windows;
-    Tensor tok = Tensor::host(DType::i32, {B, S}), tgt = Tensor::host(DType::i32, {B, S});
     double loss_acc = 0;
     int64_t loss_n = 0;
     auto t_start = std::chrono::steady_clock::now();
@@ -577,48 +586,34 @@ struct Trainer::Impl {
           for (size_t e = 0; e < st.expert_loads[l].size(); ++e) loads[l][e] += st.expert_loads[l][e];
         }
       };
-      // A NaN/Inf reaching a quantizer is reported as what it is: a diverged step.
-      auto diverged = [&](const Error& e) {
-        FP8MOE_CHECK(false, "step " << step << ": forward/backward failed: " << e.what() << "; first non-finite tensor: "
-                                    << first_non_finite() << ". Nothing was saved over the last checkpoint.");
-      };
-      std::vector<Tensor> toks, tgts;  // with pipeline stages: this data-parallel rank's micro-batches
+      // This data-parallel rank's micro-batches, through the pipeline's schedule (one rank:
+      // 1F1B over one stage, forward and backward of each micro-batch in turn).
+      std::vector<Tensor> toks, tgts;
       for (int64_t m = 0; m < micro; ++m) {
         sampler->next(int(B), windows);
         if (par && m % dp != par->dp_rank()) continue;
-        fill_batch(windows.data(), tok, tgt);
-        if (par && par->executor) {
-          toks.push_back(Tensor::host(DType::i32, {B, S}));
-          tgts.push_back(Tensor::host(DType::i32, {B, S}));
-          std::memcpy(toks.back().ptr<int32_t>(), tok.ptr<int32_t>(), size_t(B * S) * sizeof(int32_t));
-          std::memcpy(tgts.back().ptr<int32_t>(), tgt.ptr<int32_t>(), size_t(B * S) * sizeof(int32_t));
-          continue;
-        }
-        StepStats st;
-        try {
-          st = model->forward_backward(tok, tgt, 1.0 / double(micro));
-          backend->synchronize();
-        } catch (const Error& e) {
-          diverged(e);
-        }
-        add(st);
+        toks.push_back(Tensor::host(DType::i32, {B, S}));
+        tgts.push_back(Tensor::host(DType::i32, {B, S}));
+        fill_batch(windows.data(), toks.back(), tgts.back());
       }
-      if (par && par->executor) {
-        std::vector<StepStats> sts;
-        try {
-          sts = par->executor->run(toks, tgts, 1.0 / double(micro));
-          backend->synchronize();
-        } catch (const Error& e) {
-          // A rank that failed, or a peer that went away, is not a diverged step: say which.
-          const std::string bad = first_non_finite();
-          FP8MOE_CHECK(false, "step " << step << ": pipeline rank " << par->layout.pp_rank() << " (world rank "
-                                      << par->layout.rank << "): " << e.what()
-                                      << (bad.starts_with("(none") ? "" : "; first non-finite tensor: " + bad)
-                                      << ". Nothing was saved over the last checkpoint.");
-        }
-        for (const StepStats& st : sts) add(st);
-        par->executor->sum_gradients();
+      std::vector<StepStats> sts;
+      try {
+        sts = executor->run(toks, tgts, 1.0 / double(micro));
+        backend->synchronize();
+      } catch (const Error& e) {
+        const std::string bad = first_non_finite();
+        // A NaN/Inf reaching a quantizer is reported as what it is: a diverged step. With stages,
+        // a rank that failed or a peer that went away is not one: the message says which rank.
+        if (!par || !par->executor)
+          FP8MOE_CHECK(false, "step " << step << ": forward/backward failed: " << e.what() << "; first non-finite tensor: "
+                                      << bad << ". Nothing was saved over the last checkpoint.");
+        FP8MOE_CHECK(false, "step " << step << ": pipeline rank " << par->layout.pp_rank() << " (world rank "
+                                    << par->layout.rank << "): " << e.what()
+                                    << (bad.starts_with("(none") ? "" : "; first non-finite tensor: " + bad)
+                                    << ". Nothing was saved over the last checkpoint.");
       }
+      for (const StepStats& st : sts) add(st);
+      executor->sum_gradients();
       if (par) {  // every rank's losses and loads, summed in rank order
         std::vector<double> l{agg.loss, agg.main_loss, agg.mtp_loss, agg.balance_loss};
         par->sum(*backend, l);

@@ -183,6 +183,8 @@ struct Executor::Impl {
         component("F head", [&] {
           StepStats st;
           grad_in[key(p)] = model.head_forward_backward(b, *x, b.grad_scale, st, true);
+          // The MTP module's kept tensors live only inside the call, on top of the trunk's.
+          peak_bytes = std::max(peak_bytes, saved_bytes + model.saved_memory().total_bytes());
           row[StatsLayout::kMain] = st.main_loss;
           row[StatsLayout::kMtp] = st.mtp_loss;
           row[StatsLayout::kMtpBalance] = st.balance_loss;
@@ -335,6 +337,7 @@ struct Executor::Impl {
     executed.clear();
     saved_bytes = peak_bytes = 0;
     executed.reserve(schedule.rank_ops[size_t(me)].size());
+    const std::shared_ptr<void> conversions = model.share_weight_conversions();
     t0 = Clock::now();
     const std::vector<Op>& ops = schedule.rank_ops[size_t(me)];
     for (size_t i = 0; i < ops.size(); ++i) {
