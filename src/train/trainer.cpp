@@ -195,6 +195,9 @@ void validate_train_options(const TrainOptions& o) {
   FP8MOE_CHECK(o.backend == "auto" || o.backend == "cpu" || o.backend == "cuda",
                "train: --backend (backend) = '" << o.backend << "' is not one of auto, cpu, cuda");
   FP8MOE_CHECK(!o.out_dir.empty(), "train: --out (out_dir) must not be empty");
+  check(o.parallel.pp >= 1, "--pp", "parallel.pp", o.parallel.pp, ">= 1");
+  FP8MOE_CHECK(o.parallel.pp_split.empty() || o.parallel.pp > 1,
+               "train: --pp-split '" << o.parallel.pp_split << "' splits pipeline stages: it needs --pp >= 2");
   FP8MOE_CHECK(!(o.resume && o.overwrite), "train: --resume continues the run in --out and --overwrite replaces it: give one");
   Recipe::from_name(o.recipe).set_attention(o.attention);
 }

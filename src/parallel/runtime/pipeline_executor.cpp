@@ -11,7 +11,6 @@
 #include <cstring>
 #include <functional>
 #include <map>
-#include <sstream>
 
 #include "fp8moe/error.hpp"
 #include "fp8moe/pipeline_executor.hpp"
