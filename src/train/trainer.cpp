@@ -578,17 +578,6 @@ struct Trainer::Impl {
       // The global batch is dp x grad_accum micro-batches, taken in the order one rank would take
       // them; data-parallel rank r runs micro-batches r, r + dp, ...
       const int64_t dp = par ? par->dp() : 1, micro = opt.grad_accum * dp;
-      auto add = [&](const StepStats& st) {
-        agg.loss += st.loss / double(micro);
-        agg.main_loss += st.main_loss / double(micro);
-        agg.mtp_loss += st.mtp_loss / double(micro);
-        agg.balance_loss += st.balance_loss / double(micro);
-        if (loads.empty()) loads.assign(st.expert_loads.size(), std::vector<int64_t>());
-        for (size_t l = 0; l < st.expert_loads.size(); ++l) {
-          loads[l].resize(st.expert_loads[l].size(), 0);
-          for (size_t e = 0; e < st.expert_loads[l].size(); ++e) loads[l][e] += st.expert_loads[l][e];
-        }
-      };
       // This data-parallel rank's micro-batches, through the pipeline's schedule (one rank:
       // 1F1B over one stage, forward and backward of each micro-batch in turn).
       std::vector<Tensor> toks, tgts;
@@ -615,7 +604,17 @@ struct Trainer::Impl {
                                     << (bad.starts_with("(none") ? "" : "; first non-finite tensor: " + bad)
                                     << ". Nothing was saved over the last checkpoint.");
       }
-      for (const StepStats& st : sts) add(st);
+      for (const StepStats& st : sts) {
+        agg.loss += st.loss / double(micro);
+        agg.main_loss += st.main_loss / double(micro);
+        agg.mtp_loss += st.mtp_loss / double(micro);
+        agg.balance_loss += st.balance_loss / double(micro);
+        if (loads.empty()) loads.assign(st.expert_loads.size(), std::vector<int64_t>());
+        for (size_t l = 0; l < st.expert_loads.size(); ++l) {
+          loads[l].resize(st.expert_loads[l].size(), 0);
+          for (size_t e = 0; e < st.expert_loads[l].size(); ++e) loads[l][e] += st.expert_loads[l][e];
+        }
+      }
       executor->sum_gradients();
       if (par) {  // every rank's losses and loads, summed in rank order
         std::vector<double> l{agg.loss, agg.main_loss, agg.mtp_loss, agg.balance_loss};
