@@ -333,6 +333,11 @@ struct Executor::Impl {
       batches.back().grad_scale = grad_scale;
     }
     table.assign(size_t(M), std::vector<double>(stats.width(), 0.0));
+    // What a step that failed part-way left behind goes with it.
+    for (auto* m : {&act_in, &act_out, &grad_in, &grad_out, &embed_grad}) m->clear();
+    saved.clear();
+    pass_bytes.clear();
+    pending.clear();
     executed.clear();
     saved_bytes = peak_bytes = 0;
     executed.reserve(schedule.rank_ops[size_t(me)].size());
@@ -351,9 +356,10 @@ struct Executor::Impl {
       }
       current->end = now();
     }
-    if (!executed.empty()) {
+    if (!executed.empty()) {  // the rank's last wait, counted in its last op (its busy time stays its own)
       current = &executed.back();
       wait_posted();
+      current->end = std::max(current->end, now());
     }
     current = nullptr;
     FP8MOE_CHECK(saved.empty() && act_in.empty() && grad_in.empty() && act_out.empty() && grad_out.empty() && embed_grad.empty(),
