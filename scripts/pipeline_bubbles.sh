@@ -9,6 +9,7 @@ set -euo pipefail
 bin=${1:-build/bin/fp8moe}
 root=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 export OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 printf '| schedule | PP | ranks | F | B | W | F&B | measured bubble | simulated | Table 2 |\n'
 printf '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n'
