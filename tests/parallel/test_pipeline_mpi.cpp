@@ -14,7 +14,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <iostream>
 #include <random>
 
 #include "fp8moe/backend.hpp"
@@ -22,6 +21,7 @@
 #include "fp8moe/config.hpp"
 #include "fp8moe/model.hpp"
 #include "fp8moe/pipeline_executor.hpp"
+#include "mpi_main.hpp"
 
 namespace fp8moe {
 namespace {
@@ -109,13 +109,4 @@ TEST(PipelineExecutor, DualPipeV) { check_method(pipeline::Method::DualPipeV); }
 }  // namespace
 }  // namespace fp8moe
 
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  std::unique_ptr<fp8moe::Comm> world = fp8moe::make_comm("mpi");
-  fp8moe::g_world = world.get();
-  if (world->rank() != 0) GTEST_FLAG_SET(brief, true);
-  const int rc = RUN_ALL_TESTS();
-  fp8moe::g_world = nullptr;
-  world.reset();
-  return rc;
-}
+int main(int argc, char** argv) { return fp8moe::testing::mpi_test_main(argc, argv, fp8moe::g_world); }
