@@ -50,7 +50,19 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--seed", o.seed, "seed of the initialization and the data order")->capture_default_str();
   cmd->add_option("--stop-at", o.stop_at, "checkpoint and stop after this step (the schedule still spans --steps)");
   cmd->add_flag("-q,--quiet", o.quiet, "no progress lines");
-  // Several ranks: mpirun -np N fp8moe train --dp D --ep E (include/fp8moe/parallel.hpp).
+  // Several ranks: mpirun -np N fp8moe train --pp P --dp D --ep E (include/fp8moe/parallel.hpp).
+  cmd->add_option("--pp", o.parallel.pp,
+                  "pipeline ranks: the trunk's layers split into stages, run by --schedule (world = pp x dp)")
+      ->capture_default_str();
+  cmd->add_option("--schedule", o.parallel.schedule,
+                  "pipeline schedule with --pp: 1f1b | zb1p | dualpipe | dualpipev (2 x pp stages, two per rank); "
+                  "--grad-accum gives its micro-batches")
+      ->capture_default_str();
+  cmd->add_option("--pp-split", o.parallel.pp_split,
+                  "trunk sublayers (attention, MLP/MoE) per stage, e.g. 3,2,3 (default: balanced by a cost model)");
+  cmd->add_option("--trace", o.trace,
+                  "with --pp: the last step's timeline, per rank, as Chrome/Perfetto traces FILE.rankN.json, and its "
+                  "busy, communication wait and bubble printed");
   cmd->add_option("--dp", o.parallel.dp, "data-parallel ranks (0: the world size under mpirun)");
   cmd->add_option("--ep", o.parallel.ep,
                   "expert-parallel ranks inside --dp: the routed experts sharded, tokens dispatched in FP8 and "

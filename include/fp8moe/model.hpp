@@ -160,7 +160,8 @@ class Model {
   StepStats forward(const TensorView& tokens, const TensorView& targets);
   // Main logits [T, V] f32|f64 of the last forward or forward_backward.
   const Tensor& last_logits() const;
-  // Bytes kept for backward by the last forward_backward, per layer (measured).
+  // Bytes kept for backward by the last forward_backward, per layer (measured); after a
+  // head_forward_backward called on its own (a pipeline's last stage), those its MTP module kept.
   const MemoryAccount& saved_memory() const;
 
   // Auxiliary-loss-free balancing: b_i += gamma * sign(mean load - load_i) per MoE layer, with
@@ -180,6 +181,10 @@ class Model {
   // MTP module keeps its own copy of h (Recipe::residual_cache); forward_backward hands the trunk
   // output over instead, so that its storage goes once the main head is done.
   Tensor head_forward_backward(const Batch& b, const Tensor& h, double grad_scale, StepStats& st, bool backward);
+  // While the returned handle lives, the BF16/FP8 form of a weight made by a forward is reused
+  // by the backward that uses it last, as forward_backward does within one micro-batch: the
+  // pipeline executor holds one over a step. The weights must not change meanwhile.
+  std::shared_ptr<void> share_weight_conversions();
 
   // Sublayer records (the teacher-forced reference check, tests/reference/compare.py): while on,
   // forward_backward and forward keep host copies of what every sublayer saw and returned, named

@@ -1,5 +1,6 @@
-// The parallel layout of a training run (DeepSeek-V3 §3.2, without pipeline stages yet): world =
-// dp ranks; expert parallelism shards each MoE layer's routed experts over `ep` consecutive ranks
+// The parallel layout of a training run (DeepSeek-V3 §3.2): world = pp x dp ranks, pipeline rank
+// p holding the dp consecutive ranks [p * dp, (p + 1) * dp) (include/fp8moe/pipeline_executor.hpp
+// runs the stages); inside each, expert parallelism shards each MoE layer's routed experts over `ep` consecutive ranks
 // inside the data-parallel dimension (rank r holds experts [(r % ep) * E / ep, ...)); everything
 // else is replicated; each expert is replicated over dp / ep ranks (its expert-data-parallel
 // group). Nodes are `ranks_per_node` consecutive ranks; routing is node-limited to `max_nodes`
@@ -22,7 +23,10 @@ class Model;
 class RoutedExperts;
 
 struct ParallelOptions {
-  int64_t dp = 0;              // data-parallel ranks; 0: the world size
+  int64_t pp = 1;              // pipeline ranks (DualPipeV: 2 x pp stages, two per rank)
+  std::string schedule = "1f1b";  // 1f1b | zb1p | dualpipe | dualpipev (fp8moe/schedule.hpp)
+  std::string pp_split;        // trunk sublayers per stage, "3,2,..."; empty: balanced by cost
+  int64_t dp = 0;              // data-parallel ranks; 0: the world size / pp
   int64_t ep = 0;              // expert-parallel ranks; 0: the routed experts run in each process
                                // as without a layout; >= 1: the expert-parallel layer (FP8
                                // dispatch, BF16 combine) over ep ranks, 1 included
@@ -33,12 +37,14 @@ struct ParallelOptions {
 
 struct ParallelLayout {
   int64_t world = 1, rank = 0;
-  int64_t dp = 1, ep = 1;
+  int64_t pp = 1, dp = 1, ep = 1;
   bool expert_parallel = false;   // ParallelOptions::ep >= 1
   int64_t ranks_per_node = 1;     // within an expert-parallel group: min(option, ep)
   int64_t nodes = 1;              // nodes of one expert-parallel group (ep / ranks_per_node)
   int64_t max_nodes = 1;
   int64_t experts = 0, experts_per_rank = 0;
+  int64_t pp_rank() const { return rank / dp; }         // pipeline rank
+  int64_t dp_rank() const { return rank % dp; }         // place inside the data-parallel group
   int64_t ep_rank() const { return rank % ep; }         // place inside the expert-parallel group
   int64_t ep_group() const { return rank / ep; }        // which expert-parallel group
   int64_t first_expert() const { return ep_rank() * experts_per_rank; }
@@ -55,7 +61,8 @@ void apply_node_limited_routing(const ParallelLayout& layout, ModelConfig& cfg);
 
 // The sub-communicators of a layout (Comm::split; collective over `world`).
 struct ParallelGroups {
-  std::unique_ptr<Comm> dp;   // every data-parallel rank (the world while there are no stages)
+  std::unique_ptr<Comm> dp;   // the data-parallel ranks of this pipeline rank
+  std::unique_ptr<Comm> pp;   // the pipeline ranks of this data-parallel rank, ordered by pp_rank
   std::unique_ptr<Comm> ep;   // this rank's expert-parallel group, ordered by ep_rank
   std::unique_ptr<Comm> edp;  // the ranks holding the same experts (expert-data-parallel)
 };

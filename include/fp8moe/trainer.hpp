@@ -50,6 +50,7 @@ struct TrainOptions {
   // Several ranks under mpirun (--dp, --ep, --ranks-per-node, --max-nodes, --comm): the global
   // batch is dp x batch_size x grad_accum sequences; rank 0 writes the output.
   ParallelOptions parallel;
+  std::string trace;  // with --pp: the last step's timeline, FILE.rankN.json per rank (--trace FILE.json)
 };
 
 struct TrainSummary {

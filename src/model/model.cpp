@@ -47,6 +47,9 @@ struct Model::Impl {
   // The gradient storage, each block once: a parameter's own, or a stack of routed experts'.
   std::vector<Tensor> grad_blocks;
   bool recording = false;  // record_sublayers
+  // Inside forward_backward: the MTP module's kept tensors join the trunk's in `memory`. Outside
+  // (head_forward_backward alone, once per micro-batch in a pipeline) each call replaces it.
+  bool accounting = false;
   std::vector<std::pair<std::string, Tensor>> records;
 
   Impl(const ModelConfig& c, const Recipe& r, Backend& b) : cfg(c), recipe(r), be(b), ctx{be, recipe, cfg} {}
@@ -382,7 +385,13 @@ void Model::embed_backward(const Batch& b, const Tensor& dx0) {
 }
 
 Tensor Model::head_forward_backward(const Batch& b, const Tensor& h, double grad_scale, StepStats& st, bool backward) {
-  return impl_->heads(b, h, grad_scale, st, backward);
+  auto& m = *impl_;
+  if (!m.accounting && backward) m.memory = MemoryAccount{};
+  return m.heads(b, h, grad_scale, st, backward);
+}
+
+std::shared_ptr<void> Model::share_weight_conversions() {
+  return std::make_shared<model::WeightCache::Pass>(impl_->ctx.weights);
 }
 
 StepStats Model::Impl::run(Model& model, const TensorView& tokens, const TensorView& targets, double grad_scale,
@@ -393,6 +402,11 @@ StepStats Model::Impl::run(Model& model, const TensorView& tokens, const TensorV
   StepStats st;
   st.tokens = b.tokens_count();
   if (backward) m.memory = MemoryAccount{};
+  struct Accounting {
+    bool& on;
+    ~Accounting() { on = false; }
+  } accounting{m.accounting};
+  m.accounting = backward;
   m.records.clear();
   // A forward alone uses each weight once: nothing to share.
   std::optional<model::WeightCache::Pass> pass;

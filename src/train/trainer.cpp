@@ -25,6 +25,7 @@
 #include "fp8moe/ema.hpp"
 #include "fp8moe/model.hpp"
 #include "fp8moe/safetensors.hpp"
+#include "fp8moe/pipeline_executor.hpp"
 #include "trainer_parallel.hpp"
 
 namespace fp8moe {
@@ -194,6 +195,9 @@ void validate_train_options(const TrainOptions& o) {
   FP8MOE_CHECK(o.backend == "auto" || o.backend == "cpu" || o.backend == "cuda",
                "train: --backend (backend) = '" << o.backend << "' is not one of auto, cpu, cuda");
   FP8MOE_CHECK(!o.out_dir.empty(), "train: --out (out_dir) must not be empty");
+  check(o.parallel.pp >= 1, "--pp", "parallel.pp", o.parallel.pp, ">= 1");
+  FP8MOE_CHECK(o.parallel.pp_split.empty() || o.parallel.pp > 1,
+               "train: --pp-split '" << o.parallel.pp_split << "' splits pipeline stages: it needs --pp >= 2");
   FP8MOE_CHECK(!(o.resume && o.overwrite), "train: --resume continues the run in --out and --overwrite replaces it: give one");
   Recipe::from_name(o.recipe).set_attention(o.attention);
 }
@@ -247,7 +251,9 @@ struct Trainer::Impl {
   std::vector<ParamRef> refs;        // trainable parameters, host views
   std::vector<Parameter*> all;       // every parameter (EMA and checkpoints)
   std::unique_ptr<AdamW> adamw;       // one process; with `par`, par->zero instead
-  std::unique_ptr<TrainerParallel> par;  // several ranks (--dp/--ep): trainer_parallel.hpp
+  std::unique_ptr<TrainerParallel> par;  // several ranks (--pp/--dp/--ep): trainer_parallel.hpp
+  std::unique_ptr<pipeline::Executor> serial;  // without pipeline stages: 1F1B over one stage
+  pipeline::Executor* executor = nullptr;      // par's with --pp, else `serial`
   std::unique_ptr<ParameterEma> ema;
   LrSchedule schedule;
   int64_t step = 0;
@@ -270,9 +276,11 @@ struct Trainer::Impl {
     if (opt.seq_len > 0) cfg.seq_len = opt.seq_len;
     FP8MOE_CHECK(cfg.vocab_size >= kByteVocab, "model config '" << opt.model_config << "': vocab_size " << cfg.vocab_size
                                                                  << " is smaller than the byte vocabulary (256)");
-    par = TrainerParallel::make(opt.parallel, cfg);
+    par = TrainerParallel::make(opt.parallel, cfg, opt.grad_accum);
     if (par && !par->rank0()) opt.quiet = true;  // output, metrics and checkpoints: rank 0
     if (par && !opt.quiet) std::printf("parallel layout: %s\n", par->layout.str().c_str());
+    FP8MOE_CHECK(opt.trace.empty() || (par && par->schedule), "train: --trace '" << opt.trace
+                                                                                << "' records pipeline steps: it needs --pp >= 2");
     validate_config(cfg, recipe);
     if (resume_from) check_same_model(config_from_json(metadata(*resume_from, ckpt_path, "model_config")));
     corpus = std::make_unique<TextCorpus>(opt.data);
@@ -300,6 +308,13 @@ struct Trainer::Impl {
     ac.moments = opt.moments == "bf16" ? MomentPrecision::bf16 : MomentPrecision::f32;
     if (par) par->attach(*model, *backend, refs, ac);
     else adamw = std::make_unique<AdamW>(*backend, refs, ac);
+    if (par && par->executor) {
+      executor = par->executor.get();
+    } else {
+      serial = std::make_unique<pipeline::Executor>(*model, pipeline::one_f_one_b_schedule(1, int(opt.grad_accum)),
+                                                     pipeline::balanced_split(cfg, 1), nullptr);
+      executor = serial.get();
+    }
     std::vector<ParamRef> ema_refs;
     for (Parameter* p : all) ema_refs.push_back({p->name, p->weight.view(), p->grad.view(), false});
     // The EMA lives in host memory whatever the device: one asynchronous device-to-host copy every
@@ -349,13 +364,14 @@ struct Trainer::Impl {
       FP8MOE_CHECK(std::to_string(opt.seed) == f.metadata.at("seed"),
                    "train: --resume: --seed " << opt.seed << " differs from the " << f.metadata.at("seed")
                                               << " the run was trained with (it fixes the data order)");
-    // The global batch in micro-batches, grad_accum x data-parallel ranks (every rank of a launch
-    // without pipeline stages), is what must agree: a run may resume at another D.
-    const int64_t micro = opt.grad_accum * int64_t(launch_info().size);
+    // The global batch in micro-batches, grad_accum x data-parallel ranks (the launch's ranks over
+    // --pp), is what must agree: a run may resume at another D or P.
+    const int64_t dp_ranks = int64_t(launch_info().size) / std::max<int64_t>(opt.parallel.pp, 1);
+    const int64_t micro = opt.grad_accum * dp_ranks;
     if (f.metadata.count("micro_batches"))
       FP8MOE_CHECK(std::to_string(micro) == f.metadata.at("micro_batches"),
-                   "train: --resume: " << opt.grad_accum << " (--grad-accum) x " << launch_info().size
-                                       << " (ranks) micro-batches per step differ from the "
+                   "train: --resume: " << opt.grad_accum << " (--grad-accum) x " << dp_ranks
+                                       << " (data-parallel ranks) micro-batches per step differ from the "
                                        << f.metadata.at("micro_batches") << " the run was trained with");
     else if (f.metadata.count("grad_accum"))
       FP8MOE_CHECK(std::to_string(opt.grad_accum) == f.metadata.at("grad_accum"),
@@ -497,7 +513,8 @@ struct Trainer::Impl {
     if (par) moments = par->zero->memory().moments;
     for (size_t i = 0; !par && i < refs.size(); ++i)
       moments += int64_t(adamw->first_moments()[i].view().nbytes() + adamw->second_moments()[i].view().nbytes());
-    const int64_t acts = model->saved_memory().total_bytes(), dev = backend->device_memory_in_use(),
+    // The most this rank held at once: one micro-batch's on one stage, several in flight with stages.
+    const int64_t acts = executor->peak_saved_bytes(), dev = backend->device_memory_in_use(),
                   peak = backend->device_memory_peak();
     j["memory"] = {{"master_weights", params}, {"gradients", params}, {"adam_moments", moments},
                    {"activations_kept", acts}, {"ema_host", params}, {"device_in_use", dev}, {"device_peak", peak}};
@@ -505,9 +522,10 @@ struct Trainer::Impl {
     if (opt.quiet) return;
     const double mib = 1048576.0;
     std::printf("memory (%s, %s): master weights %.1f MiB, gradients %.1f MiB, AdamW moments %.1f MiB (%s), "
-                "activations kept for backward %.1f MiB per micro-batch, EMA %.1f MiB in host memory%s\n",
+                "activations kept for backward %.1f MiB %s, EMA %.1f MiB in host memory%s\n",
                 backend->name().c_str(), recipe.name.c_str(), double(params) / mib, double(params) / mib,
-                double(moments) / mib, opt.moments.c_str(), double(acts) / mib, double(params) / mib,
+                double(moments) / mib, opt.moments.c_str(), double(acts) / mib,
+                par && par->executor ? "at the pipeline's peak" : "per micro-batch", double(params) / mib,
                 dev >= 0 ? (", device in use " + std::to_string(dev / 1048576) + " MiB, tensors at peak " +
                             std::to_string(peak / 1048576) + " MiB")
                                .c_str()
@@ -537,18 +555,13 @@ struct Trainer::Impl {
                   corpus->validation().size());
     TrainSummary sum;
     std::vector<int32_t> windows;
-    Tensor tok = Tensor::host(DType::i32, {B, S}), tgt = Tensor::host(DType::i32, {B, S});
     double loss_acc = 0;
     int64_t loss_n = 0;
     auto t_start = std::chrono::steady_clock::now();
     int64_t tokens_done = 0;
     for (; step < opt.steps; ++step) {
       bool stop = stop_flag().load();
-      if (par) {  // every rank stops at the same step
-        std::vector<double> any{stop ? 1.0 : 0.0};
-        par->sum(*backend, any);
-        stop = any[0] > 0;
-      }
+      if (par) stop = par->any(*backend, stop);  // every rank stops at the same step
       if (stop) {
         sum.interrupted = true;
         break;
@@ -565,19 +578,33 @@ struct Trainer::Impl {
       // The global batch is dp x grad_accum micro-batches, taken in the order one rank would take
       // them; data-parallel rank r runs micro-batches r, r + dp, ...
       const int64_t dp = par ? par->dp() : 1, micro = opt.grad_accum * dp;
+      // This data-parallel rank's micro-batches, through the pipeline's schedule (one rank:
+      // 1F1B over one stage, forward and backward of each micro-batch in turn).
+      std::vector<Tensor> toks, tgts;
       for (int64_t m = 0; m < micro; ++m) {
         sampler->next(int(B), windows);
         if (par && m % dp != par->dp_rank()) continue;
-        fill_batch(windows.data(), tok, tgt);
-        StepStats st;
-        try {
-          st = model->forward_backward(tok, tgt, 1.0 / double(micro));
-          backend->synchronize();
-        } catch (const Error& e) {
-          // A NaN/Inf reaching a quantizer is reported as what it is: a diverged step.
+        toks.push_back(Tensor::host(DType::i32, {B, S}));
+        tgts.push_back(Tensor::host(DType::i32, {B, S}));
+        fill_batch(windows.data(), toks.back(), tgts.back());
+      }
+      std::vector<StepStats> sts;
+      try {
+        sts = executor->run(toks, tgts, 1.0 / double(micro));
+        backend->synchronize();
+      } catch (const Error& e) {
+        const std::string bad = first_non_finite();
+        // A NaN/Inf reaching a quantizer is reported as what it is: a diverged step. With stages,
+        // a rank that failed or a peer that went away is not one: the message says which rank.
+        if (!par || !par->executor)
           FP8MOE_CHECK(false, "step " << step << ": forward/backward failed: " << e.what() << "; first non-finite tensor: "
-                                      << first_non_finite() << ". Nothing was saved over the last checkpoint.");
-        }
+                                      << bad << ". Nothing was saved over the last checkpoint.");
+        FP8MOE_CHECK(false, "step " << step << ": pipeline rank " << par->layout.pp_rank() << " (world rank "
+                                    << par->layout.rank << "): " << e.what()
+                                    << (bad.starts_with("(none") ? "" : "; first non-finite tensor: " + bad)
+                                    << ". Nothing was saved over the last checkpoint.");
+      }
+      for (const StepStats& st : sts) {
         agg.loss += st.loss / double(micro);
         agg.main_loss += st.main_loss / double(micro);
         agg.mtp_loss += st.mtp_loss / double(micro);
@@ -588,6 +615,7 @@ struct Trainer::Impl {
           for (size_t e = 0; e < st.expert_loads[l].size(); ++e) loads[l][e] += st.expert_loads[l][e];
         }
       }
+      executor->sum_gradients();
       if (par) {  // every rank's losses and loads, summed in rank order
         std::vector<double> l{agg.loss, agg.main_loss, agg.mtp_loss, agg.balance_loss};
         par->sum(*backend, l);
@@ -666,6 +694,7 @@ struct Trainer::Impl {
       save_checkpoint();
       sum.checkpoint = ckpt_path;
     }
+    if (par && !opt.trace.empty() && step > start_step) par->write_trace(opt.trace, !opt.quiet);
     ema->wait();
     if (loss_n > 0) sum.final_loss = loss_acc / double(loss_n);
     sum.steps = step;

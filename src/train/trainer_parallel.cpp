@@ -1,19 +1,40 @@
 // The trainer's multi-rank part (trainer_parallel.hpp).
 #include "trainer_parallel.hpp"
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "fp8moe/pipeline_trace.hpp"
 
 namespace fp8moe {
 
-std::unique_ptr<TrainerParallel> TrainerParallel::make(const ParallelOptions& opt, ModelConfig& cfg) {
+std::unique_ptr<TrainerParallel> TrainerParallel::make(const ParallelOptions& opt, ModelConfig& cfg,
+                                                       int64_t micro_batches) {
   const LaunchInfo launch = launch_info();
-  if (launch.size == 1 && opt.ep == 0 && opt.dp <= 1 && opt.ranks_per_node == 0 && opt.max_nodes == 0) return nullptr;
+  if (launch.size == 1 && opt.ep == 0 && opt.dp <= 1 && opt.pp <= 1 && opt.ranks_per_node == 0 && opt.max_nodes == 0)
+    return nullptr;
   auto p = std::make_unique<TrainerParallel>();
   p->launch = launch;
-  // The layout is a function of the options, the launch and the model: every rank raises the
-  // same error before any rank makes a communicator.
+  // The layout and the schedule are functions of the options, the launch and the model: every
+  // rank raises the same error before any rank makes a communicator.
   p->layout = make_parallel_layout(opt, launch.size, launch.rank, cfg);
+  if (p->layout.pp > 1) {
+    try {
+      const pipeline::Method method = pipeline::parse_method(opt.schedule);
+      const int stages = pipeline::stages_for(method, int(p->layout.pp));
+      p->schedule = pipeline::make_schedule(method, method == pipeline::Method::DualPipeV ? stages : int(p->layout.pp),
+                                            int(micro_batches));
+      p->split = opt.pp_split.empty() ? pipeline::balanced_split(cfg, stages)
+                                      : pipeline::parse_split(opt.pp_split, cfg, stages);
+    } catch (const Error& e) {
+      FP8MOE_CHECK(false, "--schedule " << opt.schedule << " --pp " << p->layout.pp << " --grad-accum " << micro_batches
+                                        << ": " << e.what());
+    }
+  }
   apply_node_limited_routing(p->layout, cfg);
   select_local_gpu(launch);
   p->world = make_comm(opt.comm);
@@ -23,6 +44,16 @@ std::unique_ptr<TrainerParallel> TrainerParallel::make(const ParallelOptions& op
 
 void TrainerParallel::attach(Model& model, Backend& be, const std::vector<ParamRef>& refs, const AdamWConfig& cfg) {
   if (layout.expert_parallel) model.set_routed_experts(make_expert_parallel(model, *groups.ep, layout));
+  if (schedule) {
+    executor = std::make_unique<pipeline::Executor>(model, *schedule, split, groups.pp.get());
+    // FP8MOE_PIPELINE_FAIL_AT=R:K makes world rank R fail at op K of every step: how the tests
+    // check that the other ranks stop with an error instead of waiting.
+    if (const char* at = std::getenv("FP8MOE_PIPELINE_FAIL_AT")) {
+      int r = -1, k = -1;
+      FP8MOE_CHECK(std::sscanf(at, "%d:%d", &r, &k) == 2, "FP8MOE_PIPELINE_FAIL_AT='" << at << "': expected RANK:OP");
+      if (r == int(layout.rank)) executor->fail_at(k);
+    }
+  }
   zero = std::make_unique<Zero1AdamW>(be, *groups.dp, refs, cfg);
 }
 
@@ -36,6 +67,17 @@ void TrainerParallel::sum(Backend& be, std::vector<double>& v) {
   be.copy(h.view(), d.view());
   be.synchronize();
   std::memcpy(v.data(), h.view().data, v.size() * sizeof(double));
+}
+
+bool TrainerParallel::any(Backend& be, bool mine) {
+  Tensor d = be.zeros(DType::f64, {1});
+  if (mine) {
+    Tensor h = Tensor::host(DType::f64, {1});
+    h.ptr<double>()[0] = 1;
+    be.copy(d.view(), h.view());
+  }
+  world->all_reduce(d.view(), be.stream());
+  return be.to_host(d).ptr<double>()[0] > 0;
 }
 
 void TrainerParallel::sum(Backend& be, std::vector<std::vector<int64_t>>& loads) {
@@ -69,6 +111,47 @@ void TrainerParallel::report_memory(nlohmann::json& memory, bool print) const {
                 "(4 + 2 x %.0f) / %lld = %.3f); weights 4, gradients 4 and the gradient bucket %.3f, whole\n",
                 (long long)layout.dp, double(m.master + m.moments) / n, moment_bytes, (long long)layout.dp, formula,
                 double(m.bucket) / n);
+}
+
+}  // namespace fp8moe
+
+namespace fp8moe {
+
+void TrainerParallel::write_trace(const std::string& path, bool print) const {
+  if (!executor) return;
+  const std::filesystem::path p(path);
+  const std::filesystem::path mine = p.parent_path() / (p.stem().string() + ".rank" + std::to_string(layout.rank) +
+                                                        (p.has_extension() ? p.extension().string() : ".json"));
+  {
+    std::ofstream out(mine);
+    out << pipeline::chrome_trace(*schedule, executor->rank(), executor->executed());
+    if (!out) throw IoError("--trace: writing '" + mine.string() + "' failed");
+  }
+  const pipeline::RankSummary s = pipeline::summarize(executor->executed());
+  const auto all = world->exchange(std::string(reinterpret_cast<const char*>(&s), sizeof s));
+  if (!print) return;
+  std::vector<pipeline::RankSummary> ranks;
+  for (const std::string& b : all) std::memcpy(&ranks.emplace_back(), b.data(), sizeof s);
+  std::printf("pipeline %s, %lld ranks x dp %lld, %d micro-batches, stages %s; the last step, ms:\n",
+              std::string(pipeline::method_name(schedule->method)).c_str(), (long long)layout.pp, (long long)layout.dp,
+              schedule->num_micro_batches, split.str().c_str());
+  std::printf("rank     step     busy     wait   bubble\n");
+  double bubble = 0;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const auto& x = ranks[r];
+    std::printf("%4zu %8.2f %8.2f %8.2f %8.2f\n", r, 1e3 * x.step, 1e3 * x.busy, 1e3 * x.wait, 1e3 * x.bubble);
+    bubble = std::max(bubble, x.bubble);
+  }
+  const pipeline::OpCosts c = pipeline::measured_costs(ranks);
+  const double sim = pipeline::simulate(*schedule, c).bubble;
+  const double formula = pipeline::table2_row(schedule->method, schedule->num_stages, c).bubble;
+  std::printf("measured op costs, ms: F %.3f, B %.3f, W %.3f, F&B %.3f\n", 1e3 * c.forward, 1e3 * c.backward,
+              1e3 * c.weight, 1e3 * c.forward_backward);
+  std::printf("bubble, ms: measured %.2f (the largest over ranks), simulated %.2f, Table 2 %.2f; traces %s\n",
+              1e3 * bubble, 1e3 * sim, 1e3 * formula,
+              (p.parent_path() / (p.stem().string() + ".rank*" + (p.has_extension() ? p.extension().string() : ".json")))
+                  .string()
+                  .c_str());
 }
 
 }  // namespace fp8moe

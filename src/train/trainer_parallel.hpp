@@ -1,14 +1,17 @@
-// What the trainer does differently on several ranks (--dp/--ep, under mpirun), kept out of the
-// loop in trainer.cpp: the layout and its communicators, the expert-parallel MoE layer, ZeRO-1,
+// What the trainer does differently on several ranks (--pp/--dp/--ep, under mpirun), kept out of
+// the loop in trainer.cpp: the layout and its communicators, the pipeline schedule and its
+// executor, the expert-parallel MoE layer, ZeRO-1,
 // the sums of losses and expert loads over the data-parallel ranks, and the checkpoint's moments
 // gathered from the shards. Absent (nullptr) for one process without --ep: training as before.
 #pragma once
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <vector>
 
 #include "fp8moe/model.hpp"
 #include "fp8moe/parallel.hpp"
+#include "fp8moe/pipeline_executor.hpp"
 #include "fp8moe/zero1.hpp"
 
 namespace fp8moe {
@@ -19,14 +22,21 @@ struct TrainerParallel {
   ParallelLayout layout;
   ParallelGroups groups;
   std::unique_ptr<Zero1AdamW> zero;
+  // --pp > 1: this rank's op lists and stages, and the executor running them (attach).
+  std::optional<pipeline::Schedule> schedule;
+  pipeline::StageSplit split;
+  std::unique_ptr<pipeline::Executor> executor;
 
-  // nullptr for one process without --ep; otherwise validates the layout against the world and
-  // the model (on every rank, before any work), applies node-limited routing to cfg and makes
-  // the GPU of this local rank current.
-  static std::unique_ptr<TrainerParallel> make(const ParallelOptions& opt, ModelConfig& cfg);
+  // nullptr for one process without --ep or --pp; otherwise validates the layout and the
+  // pipeline schedule of `micro_batches` per data-parallel rank against the world and the model
+  // (on every rank, before any work), applies node-limited routing to cfg and makes the GPU of
+  // this local rank current.
+  static std::unique_ptr<TrainerParallel> make(const ParallelOptions& opt, ModelConfig& cfg, int64_t micro_batches);
   bool rank0() const { return layout.rank == 0; }
   int64_t dp() const { return layout.dp; }
-  int64_t dp_rank() const { return layout.rank; }
+  int64_t dp_rank() const { return layout.dp_rank(); }
+  // True on every rank when `mine` is true on any.
+  bool any(Backend& be, bool mine);
   // After the model is made: its routed experts expert-parallel (--ep), the optimizer sharded.
   void attach(Model& model, Backend& be, const std::vector<ParamRef>& refs, const AdamWConfig& cfg);
   // Sums over the data-parallel ranks (rank order), in place.
@@ -35,6 +45,10 @@ struct TrainerParallel {
   // The optimizer's bytes per rank beside the ZeRO-1 formula (FP32 master + two moments over dp),
   // into the first step's metrics line (and printed).
   void report_memory(nlohmann::json& memory, bool print) const;
+  // The executor's last step: this rank's Chrome trace to `path` with .rankN before its
+  // extension; rank 0 gathers every rank's summary and prints it beside the simulator's bubble
+  // for the measured op costs and Table 2's formula (when `print`).
+  void write_trace(const std::string& path, bool print) const;
 };
 
 }  // namespace fp8moe

@@ -62,11 +62,23 @@ TEST(ParallelLayout, ShardsExpertsInsideDataParallel) {
   EXPECT_EQ(make_parallel_layout(opts(4, 4, 2), 4, 0, experts(8)).max_nodes, 2);  // min(4, nodes)
 }
 
+TEST(ParallelLayout, PipelineRanksHoldConsecutiveDataParallelBlocks) {
+  ParallelOptions o = opts(0, 2);
+  o.pp = 2;
+  const ParallelLayout l = make_parallel_layout(o, 8, 5, experts(8));
+  EXPECT_EQ(l.dp, 4);  // 0: the world over --pp
+  EXPECT_EQ(l.pp_rank(), 1);
+  EXPECT_EQ(l.dp_rank(), 1);
+  EXPECT_EQ(l.ep_rank(), 1);
+  o.pp = 3;
+  expect_error(o, 8, experts(8), "--pp 3 must divide the world size 8");
+}
+
 TEST(ParallelLayout, ImpossibleLayoutsNameTheOption) {
   expect_error(opts(2, 3), 2, experts(8), "--ep 3 must divide --dp 2");
   expect_error(opts(4, 4), 4, experts(6), "must divide the routed experts (n_routed_experts = 6");
   expect_error(opts(3, 0), 4, experts(8), "--dp 3 must divide the world size 4");
-  expect_error(opts(2, 0), 4, experts(8), "pipeline stages");
+  expect_error(opts(2, 0), 4, experts(8), "--pp 1 x --dp 2 = 2 ranks, the world has 4");
   expect_error(opts(4, 4, 3), 4, experts(8), "--ranks-per-node 3 must divide the world size 4");
   expect_error(opts(4, 4, 2, 3), 4, experts(8), "--max-nodes 3 is larger than the nodes of an expert-parallel group (2");
   expect_error(opts(4, 4, 0, 2), 4, experts(8), "--max-nodes 2 is larger");

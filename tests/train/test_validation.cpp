@@ -34,6 +34,8 @@ TEST(TrainOptions, EveryRangeIsCheckedNamingTheOption) {
       {[](TrainOptions& o) { o.batch_size = -1; }, "--batch-size (batch_size) = -1"},
       {[](TrainOptions& o) { o.seq_len = -1; }, "--seq-len (seq_len) = -1"},
       {[](TrainOptions& o) { o.grad_accum = 0; }, "--grad-accum (grad_accum) = 0"},
+      {[](TrainOptions& o) { o.parallel.pp = 0; }, "--pp (parallel.pp) = 0 is out of range: must be >= 1"},
+      {[](TrainOptions& o) { o.parallel.pp_split = "2,2"; }, "--pp-split '2,2' splits pipeline stages: it needs --pp >= 2"},
       {[](TrainOptions& o) { o.lr = NAN; }, "--lr (lr) = nan is out of range: must be finite and > 0"},
       {[](TrainOptions& o) { o.lr = 0; }, "--lr (lr) = 0"},
       {[](TrainOptions& o) { o.min_lr_ratio = 1.5f; }, "--min-lr-ratio (min_lr_ratio) = 1.5 is out of range: must be in [0, 1]"},

@@ -11,7 +11,9 @@ namespace fp8moe {
 
 std::string ParallelLayout::str() const {
   std::ostringstream o;
-  o << "world " << world << " = dp " << dp;
+  o << "world " << world << " = ";
+  if (pp > 1) o << "pp " << pp << " x ";
+  o << "dp " << dp;
   if (expert_parallel)
     o << ", ep " << ep << " (" << experts_per_rank << " of " << experts << " routed experts per rank, each on "
       << dp / ep << " rank" << (dp / ep > 1 ? "s" : "") << "), " << nodes << " node" << (nodes > 1 ? "s" : "")
@@ -25,12 +27,14 @@ ParallelLayout make_parallel_layout(const ParallelOptions& opt, int64_t world, i
   ParallelLayout l;
   l.world = world;
   l.rank = rank;
-  FP8MOE_CHECK(opt.dp >= 0, "--dp must be >= 1 (0: the world size), got " << opt.dp);
-  l.dp = opt.dp == 0 ? world : opt.dp;
+  FP8MOE_CHECK(opt.pp >= 1, "--pp must be >= 1, got " << opt.pp);
+  l.pp = opt.pp;
+  FP8MOE_CHECK(world % l.pp == 0, "--pp " << l.pp << " must divide the world size " << world << " (world = pp x dp)");
+  FP8MOE_CHECK(opt.dp >= 0, "--dp must be >= 1 (0: the world size / --pp), got " << opt.dp);
+  l.dp = opt.dp == 0 ? world / l.pp : opt.dp;
   FP8MOE_CHECK(world % l.dp == 0, "--dp " << l.dp << " must divide the world size " << world << " (world = pp x dp)");
-  FP8MOE_CHECK(world == l.dp, "--dp " << l.dp << " with " << world << " ranks needs " << world / l.dp
-                                      << " pipeline stages; training runs without pipeline stages yet: --dp must be "
-                                      << world);
+  FP8MOE_CHECK(world == l.pp * l.dp, "--pp " << l.pp << " x --dp " << l.dp << " = " << l.pp * l.dp
+                                             << " ranks, the world has " << world << " (world = pp x dp)");
   FP8MOE_CHECK(opt.ep >= 0, "--ep must be >= 1 (0: no expert parallelism), got " << opt.ep);
   l.expert_parallel = opt.ep > 0;
   l.ep = std::max<int64_t>(opt.ep, 1);
@@ -78,9 +82,10 @@ ParallelGroups make_parallel_groups(Comm& world, const ParallelLayout& l) {
                "parallel groups: the communicator is rank " << world.rank() << " of " << world.size()
                                                             << ", the layout rank " << l.rank << " of " << l.world);
   ParallelGroups g;
-  g.dp = world.split(0, int(l.rank));
+  g.dp = world.split(int(l.pp_rank()), int(l.rank));
+  g.pp = world.split(int(l.dp_rank()), int(l.pp_rank()));
   g.ep = world.split(int(l.ep_group()), int(l.ep_rank()));
-  g.edp = world.split(int(l.ep_rank()), int(l.ep_group()));
+  g.edp = world.split(int(l.pp_rank() * l.ep + l.ep_rank()), int(l.ep_group()));
   return g;
 }
 

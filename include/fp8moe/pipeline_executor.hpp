@@ -1,0 +1,105 @@
+// The pipeline executor: runs one rank's op list of a schedule (fp8moe/schedule.hpp) on the real
+// model. The trunk's sublayers (Model::trunk(): attention and MLP/MoE halves) are split into
+// stages; stage 0 also runs the embedding, the last stage the final norm, the head and the MTP
+// module (their backward at the end of the forward, so a B of the last stage starts from the
+// head's gradient). Activations and gradients go between ranks through Comm's isend/irecv, posted
+// where the schedule posts them and waited for before the next compute op.
+//
+// Every rank holds the whole model; a rank computes, and accumulates gradients for, its stages
+// only, and sum_gradients() adds the ranks' gradients (in rank order: a parameter of one stage
+// gets zeros from the others, exact; DualPipe's two copies of a stage and the embedding that
+// stage 0 and the MTP module share add up there) so that every rank steps the same optimizer.
+//   auto split = pipeline::balanced_split(cfg, schedule.num_stages);
+//   pipeline::Executor ex(model, schedule, split, pp_comm);
+//   std::vector<StepStats> st = ex.run(tokens, targets, 1.0 / micro_batches);
+//   ex.sum_gradients();
+#pragma once
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fp8moe/comm.hpp"
+#include "fp8moe/model.hpp"
+#include "fp8moe/schedule.hpp"
+
+namespace fp8moe::pipeline {
+
+// Which trunk sublayers each stage runs: stage s runs trunk()[first[s], first[s + 1]).
+struct StageSplit {
+  std::vector<int> first;  // [stages + 1], first[0] = 0, last = trunk size
+  int stages() const { return int(first.size()) - 1; }
+  int size(int stage) const { return first[size_t(stage) + 1] - first[size_t(stage)]; }
+  std::string str() const;  // sublayers per stage: "3,2,3"
+};
+
+// Relative cost (multiply-adds per token) of each trunk sublayer, and of the embedding (on stage
+// 0) and the head with the MTP module (on the last stage): the balance's cost model.
+struct StageCosts {
+  std::vector<double> sublayers;
+  double embedding = 0, head = 0;
+};
+StageCosts stage_costs(const ModelConfig& cfg);
+// The contiguous split into `stages` non-empty stages whose most expensive stage is cheapest.
+// Throws Error when the trunk has fewer sublayers than stages.
+StageSplit balanced_split(const ModelConfig& cfg, int stages);
+// "3,2,3": sublayers per stage, as --pp-split gives them; throws Error naming what does not fit.
+StageSplit parse_split(std::string_view spec, const ModelConfig& cfg, int stages);
+
+// One op as the executor ran it: what it did (kind and passes as in the schedule's Op) and when,
+// in seconds from the start of the step. Compute ops also carry their components (each
+// sublayer's forward, input and weight backward, the head, waits for communication).
+struct Component {
+  std::string name;  // "F layers.1.moe", "B layers.0.attn", "W embed", "wait", ...
+  double start = 0, end = 0;
+};
+struct ExecutedOp {
+  Op op;
+  double start = 0, end = 0;  // communication ops: the post
+  double wait = 0;            // compute ops: seconds waiting for the communication posted before
+  std::vector<Component> components;
+};
+
+class Executor {
+ public:
+  // `comm`: the pipeline ranks, rank r running schedule.rank_ops[r] (nullptr: one rank). Throws
+  // Error when the split's stages are not the schedule's or the sends between two ranks are not
+  // posted in the order their receives are (one message stream per pair of ranks).
+  Executor(Model& model, Schedule schedule, StageSplit split, Comm* comm);
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  const Schedule& schedule() const;
+  const StageSplit& split() const;
+  int rank() const;
+
+  // One step over the schedule's micro-batches (tokens/targets [B, S] i32 each, host or backend):
+  // gradients of grad_scale * loss added to this rank's stages' parameters. Returns, on every
+  // rank, each micro-batch's StepStats as Model::forward_backward gives them (the losses and
+  // loads of every stage, gathered over the pipeline ranks).
+  std::vector<StepStats> run(const std::vector<Tensor>& tokens, const std::vector<Tensor>& targets, double grad_scale);
+  // Adds the gradients of the trainable parameters over the pipeline ranks, in rank order.
+  void sum_gradients();
+
+  // The last run's ops in the order they ran, with their times and components.
+  const std::vector<ExecutedOp>& executed() const;
+
+  // The most bytes this rank kept for backward at once during the last run: the trunk's saved
+  // state of every pass in flight, with the MTP module's while a head call holds it. At one rank
+  // with 1F1B: Model::saved_memory()'s total after a forward_backward.
+  int64_t peak_saved_bytes() const;
+
+  // Test hook: the rank throws Error when it reaches op `op_index` of its list (-1: never).
+  void fail_at(int op_index);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The number of ranks and stages a method runs with on `pp` pipeline ranks (DualPipeV: 2 x pp
+// stages, rank r holding stages r and 2 pp - 1 - r; the others: pp stages, one per rank).
+int stages_for(Method method, int pp);
+
+}  // namespace fp8moe::pipeline

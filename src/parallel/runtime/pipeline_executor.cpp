@@ -1,0 +1,454 @@
+// The pipeline executor (include/fp8moe/pipeline_executor.hpp): one rank's op list of a schedule
+// run on the model's trunk, embedding and head, with the activations and gradients between ranks
+// through Comm's isend/irecv.
+//
+// A message is named by the pass that produced it (schedule.hpp), so every tensor here is keyed
+// by (micro-batch, stage): the input activation of F(m, s), the output-gradient of B(m, s), and
+// what is waiting to be sent. A compute op first waits for all communication posted before it,
+// as the simulator assumes; the rank ends with a wait.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <map>
+
+#include "fp8moe/error.hpp"
+#include "fp8moe/pipeline_executor.hpp"
+
+namespace fp8moe::pipeline {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Key {
+  int micro_batch = -1, stage = -1;
+  friend auto operator<=>(const Key&, const Key&) = default;
+};
+Key key(const Pass& p) { return {p.micro_batch, p.stage}; }
+
+// A message of one ordered pair of ranks: (gradient?, micro-batch, stage of its producer).
+struct Message {
+  bool gradient = false;
+  Pass pass;
+  friend bool operator==(const Message&, const Message&) = default;
+};
+
+// Comm has one message stream per pair of ranks: a send must be posted in the order its receive is.
+void check_message_order(const Schedule& s) {
+  std::map<std::pair<int, int>, std::vector<Message>> sent, received;  // (from, to)
+  for (int r = 0; r < s.num_ranks; ++r)
+    for (const Op& op : s.rank_ops[size_t(r)]) {
+      const bool grad = op.kind == OpKind::SendGradient || op.kind == OpKind::RecvGradient;
+      if (op.kind == OpKind::SendActivation || op.kind == OpKind::SendGradient) sent[{r, op.peer}].push_back({grad, op.pass});
+      if (op.kind == OpKind::RecvActivation || op.kind == OpKind::RecvGradient) received[{op.peer, r}].push_back({grad, op.pass});
+    }
+  for (const auto& [pair, msgs] : sent)
+    FP8MOE_CHECK(received[pair] == msgs, "pipeline: " << method_name(s.method) << ": rank " << pair.first << " sends to rank "
+                                                      << pair.second << " in another order than that rank receives");
+}
+
+// The per-micro-batch numbers every rank needs, in one f64 row per micro-batch so that one sum
+// over the pipeline ranks gathers them (each is produced on one rank, zeros elsewhere: exact).
+struct StatsLayout {
+  int sublayers = 0;
+  std::vector<int> moe_trunk;  // trunk sublayers with expert loads
+  int mtp_moe = 0;             // MoE layers of the MTP module
+  int64_t experts = 0;
+  enum : int { kMain, kMtp, kMtpBalance, kFixed };
+  size_t aux(int i) const { return kFixed + size_t(i); }
+  size_t loads(int j) const { return kFixed + size_t(sublayers) + size_t(j) * size_t(experts); }  // j-th MoE layer
+  size_t width() const { return loads(int(moe_trunk.size()) + mtp_moe); }
+};
+
+}  // namespace
+
+struct Executor::Impl {
+  Model& model;
+  Schedule schedule;
+  StageSplit split;
+  Comm* comm;
+  int me = 0;
+  std::vector<Layer*> trunk;
+  StatsLayout stats;
+  std::vector<ExecutedOp> executed;
+  int fail_at = -1;
+
+  // One run's state.
+  struct Posted {
+    CommRequest request;
+    Tensor keep;  // the tensor in flight
+  };
+  std::vector<Batch> batches;
+  std::map<Key, std::vector<std::unique_ptr<Saved>>> saved;
+  std::map<Key, Tensor> act_in, act_out, grad_in, grad_out, embed_grad;
+  std::vector<Posted> pending;
+  std::vector<std::vector<double>> table;  // [micro-batch][stats.width()]
+  Clock::time_point t0;
+  ExecutedOp* current = nullptr;
+  // Bytes each pass's forward kept (counted when kept: a backward may shrink Saved::kept).
+  std::map<Key, int64_t> pass_bytes;
+  int64_t saved_bytes = 0, peak_bytes = 0;
+
+  void keep(const Key& k, const Saved& s) {
+    for (const MemoryItem& i : s.kept) pass_bytes[k] += i.bytes, saved_bytes += i.bytes;
+    peak_bytes = std::max(peak_bytes, saved_bytes);
+  }
+  void release(const Key& k) {
+    saved_bytes -= pass_bytes[k];
+    pass_bytes.erase(k);
+  }
+
+  Impl(Model& m, Schedule s, StageSplit sp, Comm* c) : model(m), schedule(std::move(s)), split(std::move(sp)), comm(c) {
+    me = comm ? comm->rank() : 0;
+    trunk = model.trunk();
+    FP8MOE_CHECK((comm ? comm->size() : 1) == schedule.num_ranks,
+                 "pipeline: " << method_name(schedule.method) << " runs on " << schedule.num_ranks << " ranks, the pipeline group has "
+                              << (comm ? comm->size() : 1));
+    FP8MOE_CHECK(split.stages() == schedule.num_stages && split.first.front() == 0 && split.first.back() == int(trunk.size()),
+                 "pipeline: the split " << split.str() << " does not cut the " << trunk.size() << " trunk sublayers into the "
+                                        << schedule.num_stages << " stages of " << method_name(schedule.method));
+    check_message_order(schedule);
+    const ModelConfig& cfg = model.config();
+    stats.sublayers = int(trunk.size());
+    stats.experts = cfg.n_routed_experts;
+    for (int i = 0; i < stats.sublayers; ++i)
+      if (i % 2 == 1 && cfg.is_moe_layer(i / 2)) stats.moe_trunk.push_back(i);
+    for (int64_t l = cfg.num_hidden_layers; l < cfg.num_layers_total(); ++l) stats.mtp_moe += cfg.is_moe_layer(l);
+  }
+
+  double now() const { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+  // Runs `f` as a component of the current op.
+  template <class F>
+  void component(std::string name, F&& f) {
+    const double a = now();
+    f();
+    current->components.push_back({std::move(name), a, now()});
+  }
+
+  void wait_posted() {
+    if (pending.empty()) return;
+    component("wait", [&] {
+      for (Posted& p : pending) p.request.wait();
+    });
+    current->wait += current->components.back().end - current->components.back().start;
+    pending.clear();
+  }
+
+  bool last_stage(int s) const { return s == schedule.num_stages - 1; }
+  bool here(int micro_batch, int stage) const { return schedule.rank_of({micro_batch, stage}) == me; }
+
+  static Tensor take(std::map<Key, Tensor>& m, const Key& k, const char* what) {
+    auto it = m.find(k);
+    FP8MOE_CHECK(it != m.end(), "pipeline: no " << what << " for micro-batch " << k.micro_batch << ", stage " << k.stage);
+    Tensor t = std::move(it->second);
+    m.erase(it);
+    return t;
+  }
+
+  using Steps = std::vector<std::function<void()>>;
+
+  // F(p) as steps: the input (the embedding on stage 0), each sublayer, then the head on the last
+  // stage or the output's way on. Run in a row by F, interleaved with a B's by F&B.
+  Steps forward_steps(const Pass& p) {
+    const Batch& b = batches[size_t(p.micro_batch)];
+    std::vector<double>& row = table[size_t(p.micro_batch)];
+    auto x = std::make_shared<Tensor>();
+    Steps steps;
+    steps.push_back([this, p, x, &b] {
+      if (p.stage == 0) component("F embed", [&] { *x = model.embed_forward(b); });
+      else *x = take(act_in, key(p), "input activation");
+    });
+    for (int i = split.first[size_t(p.stage)]; i < split.first[size_t(p.stage) + 1]; ++i)
+      steps.push_back([this, p, x, i, &b, &row] {
+        Layer& layer = *trunk[size_t(i)];
+        auto& kept = saved[key(p)];
+        component("F " + layer.name(), [&] {
+          Tensor y;
+          kept.push_back(layer.forward(b, *x, y));
+          *x = y;
+        });
+        keep(key(p), *kept.back());
+        row[stats.aux(i)] = layer.aux_loss(*kept.back());
+        const std::vector<int64_t> loads = layer.expert_loads(*kept.back());
+        for (size_t j = 0; j < stats.moe_trunk.size(); ++j)
+          if (stats.moe_trunk[j] == i)
+            for (size_t e = 0; e < loads.size(); ++e) row[stats.loads(int(j)) + e] = double(loads[e]);
+      });
+    steps.push_back([this, p, x, &b, &row] {
+      if (last_stage(p.stage)) {
+        // The head's forward and backward end the forward: the B of this stage starts from dh.
+        component("F head", [&] {
+          StepStats st;
+          grad_in[key(p)] = model.head_forward_backward(b, *x, b.grad_scale, st, true);
+          // The MTP module's kept tensors live only inside the call, on top of the trunk's.
+          peak_bytes = std::max(peak_bytes, saved_bytes + model.saved_memory().total_bytes());
+          row[StatsLayout::kMain] = st.main_loss;
+          row[StatsLayout::kMtp] = st.mtp_loss;
+          row[StatsLayout::kMtpBalance] = st.balance_loss;
+          for (size_t j = 0; j < st.expert_loads.size(); ++j)
+            for (size_t e = 0; e < st.expert_loads[j].size(); ++e)
+              row[stats.loads(int(stats.moe_trunk.size() + j)) + e] = double(st.expert_loads[j][e]);
+        });
+      } else if (here(p.micro_batch, p.stage + 1)) {
+        act_in[{p.micro_batch, p.stage + 1}] = *x;  // DualPipeV's turn: the next stage is on this rank
+      } else {
+        act_out[key(p)] = *x;
+      }
+    });
+    return steps;
+  }
+
+  void weight(const Pass& p) {
+    auto it = saved.find(key(p));
+    FP8MOE_CHECK(it != saved.end(), "pipeline: W of micro-batch " << p.micro_batch << ", stage " << p.stage << " before its F");
+    const Batch& b = batches[size_t(p.micro_batch)];
+    const int first = split.first[size_t(p.stage)];
+    for (int i = split.first[size_t(p.stage) + 1]; i-- > first;)
+      component("W " + trunk[size_t(i)]->name(), [&] { trunk[size_t(i)]->backward_weight(b, *it->second[size_t(i - first)]); });
+    release(key(p));
+    saved.erase(it);
+    if (p.stage == 0) {
+      const Tensor dx0 = take(embed_grad, key(p), "embedding gradient");
+      component("W embed", [&] { model.embed_backward(b, dx0); });
+    }
+  }
+
+  // B(p) as steps, from the last sublayer down. Input-only when `defers`: the weight gradients
+  // wait for W(p); otherwise each sublayer's weight gradient follows its input gradient, as in
+  // Model's own loop.
+  Steps backward_steps(const Pass& p, bool defers) {
+    FP8MOE_CHECK(saved.count(key(p)), "pipeline: B of micro-batch " << p.micro_batch << ", stage " << p.stage << " before its F");
+    const Batch& b = batches[size_t(p.micro_batch)];
+    auto dy = std::make_shared<Tensor>();
+    const int first = split.first[size_t(p.stage)];
+    Steps steps;
+    steps.push_back([this, p, dy] { *dy = take(grad_in, key(p), "output gradient"); });
+    for (int i = split.first[size_t(p.stage) + 1]; i-- > first;)
+      steps.push_back([this, p, dy, i, first, defers, &b] {
+        Layer& layer = *trunk[size_t(i)];
+        Saved& s = *saved.at(key(p))[size_t(i - first)];
+        component("B " + layer.name(), [&] {
+          Tensor dx;
+          layer.backward_input(b, s, *dy, dx);
+          *dy = dx;
+        });
+        if (!defers) component("W " + layer.name(), [&] { layer.backward_weight(b, s); });
+      });
+    steps.push_back([this, p, dy, defers, &b] {
+      if (p.stage == 0) {
+        if (defers) embed_grad[key(p)] = *dy;
+        else component("W embed", [&] { model.embed_backward(b, *dy); });
+      } else if (here(p.micro_batch, p.stage - 1)) {
+        grad_in[{p.micro_batch, p.stage - 1}] = *dy;
+      } else {
+        grad_out[key(p)] = *dy;
+      }
+      if (!defers) {
+        release(key(p));
+        saved.erase(key(p));
+      }
+    });
+    return steps;
+  }
+
+  static void run_steps(const Steps& steps) {
+    for (const auto& f : steps) f();
+  }
+
+  // DualPipe's F&B chunk (report Figure 4): the forward's and the backward's sublayers taken in
+  // turn, forward attention first, then the backward's last sublayer (the MLP or MoE, its
+  // combine and dispatch inside), so that the exchanges of one half meet the computation of the
+  // other. Both are of different micro-batches: no data passes between them.
+  void forward_backward(const Pass& f, const Pass& b) {
+    const Steps fs = forward_steps(f), bs = backward_steps(b, false);
+    for (size_t i = 0; i < std::max(fs.size(), bs.size()); ++i) {
+      if (i < fs.size()) fs[i]();
+      if (i < bs.size()) bs[i]();
+    }
+  }
+
+  void post(const Op& op) {
+    Backend& be = model.backend();
+    const Stream s = be.stream();
+    auto message = [&](const Pass& p) {
+      const Batch& b = batches[size_t(p.micro_batch)];
+      return be.empty(model.recipe().act_dtype, {b.tokens_count(), model.config().hidden_size});
+    };
+    Posted posted;
+    switch (op.kind) {
+      case OpKind::SendActivation:
+        posted.keep = take(act_out, key(op.pass), "activation to send");
+        posted.request = comm->isend(posted.keep.view(), op.peer, s);
+        break;
+      case OpKind::SendGradient:
+        posted.keep = take(grad_out, key(op.pass), "gradient to send");
+        posted.request = comm->isend(posted.keep.view(), op.peer, s);
+        break;
+      case OpKind::RecvActivation:
+        posted.keep = message(op.pass);
+        posted.request = comm->irecv(posted.keep.view(), op.peer, s);
+        act_in[{op.pass.micro_batch, op.pass.stage + 1}] = posted.keep;
+        break;
+      case OpKind::RecvGradient:
+        posted.keep = message(op.pass);
+        posted.request = comm->irecv(posted.keep.view(), op.peer, s);
+        grad_in[{op.pass.micro_batch, op.pass.stage - 1}] = posted.keep;
+        break;
+      default:
+        break;
+    }
+    pending.push_back(std::move(posted));
+  }
+
+  void execute(const Op& op) {
+    switch (op.kind) {
+      case OpKind::Forward:
+        run_steps(forward_steps(op.pass));
+        break;
+      case OpKind::Backward:
+        run_steps(backward_steps(op.pass, op.defers_weights));
+        break;
+      case OpKind::Weight:
+        weight(op.pass);
+        break;
+      case OpKind::ForwardBackward:
+        forward_backward(op.pass, op.backward_pass);
+        break;
+      default:
+        post(op);
+        break;
+    }
+  }
+
+  std::vector<StepStats> run(const std::vector<Tensor>& tokens, const std::vector<Tensor>& targets, double grad_scale) {
+    const int M = schedule.num_micro_batches;
+    FP8MOE_CHECK(int(tokens.size()) == M && int(targets.size()) == M,
+                 "pipeline: " << method_name(schedule.method) << " runs " << M << " micro-batches, given " << tokens.size()
+                              << " token and " << targets.size() << " target tensors");
+    batches.clear();
+    for (int m = 0; m < M; ++m) {
+      batches.push_back(model.make_batch(tokens[size_t(m)].view(), targets[size_t(m)].view()));
+      batches.back().grad_scale = grad_scale;
+    }
+    table.assign(size_t(M), std::vector<double>(stats.width(), 0.0));
+    // What a step that failed part-way left behind goes with it.
+    for (auto* m : {&act_in, &act_out, &grad_in, &grad_out, &embed_grad}) m->clear();
+    saved.clear();
+    pass_bytes.clear();
+    pending.clear();
+    executed.clear();
+    saved_bytes = peak_bytes = 0;
+    executed.reserve(schedule.rank_ops[size_t(me)].size());
+    const std::shared_ptr<void> conversions = model.share_weight_conversions();
+    t0 = Clock::now();
+    const std::vector<Op>& ops = schedule.rank_ops[size_t(me)];
+    for (size_t i = 0; i < ops.size(); ++i) {
+      FP8MOE_CHECK(int(i) != fail_at, "pipeline rank " << me << ": failing at op " << i << " as FP8MOE_PIPELINE_FAIL_AT asks");
+      executed.push_back({ops[i], now(), 0, 0, {}});
+      current = &executed.back();
+      if (is_compute(ops[i].kind)) {
+        wait_posted();
+        execute(ops[i]);
+      } else {
+        post(ops[i]);
+      }
+      current->end = now();
+    }
+    if (!executed.empty()) {  // the rank's last wait, counted in its last op (its busy time stays its own)
+      current = &executed.back();
+      wait_posted();
+      current->end = std::max(current->end, now());
+    }
+    current = nullptr;
+    FP8MOE_CHECK(saved.empty() && act_in.empty() && grad_in.empty() && act_out.empty() && grad_out.empty() && embed_grad.empty(),
+                 "pipeline rank " << me << ": " << method_name(schedule.method) << " left work undone ("
+                                  << saved.size() << " passes without W, " << act_out.size() + grad_out.size() << " unsent)");
+    return gather();
+  }
+
+  // Every micro-batch's StepStats, summed in Model's order: trunk balance losses by sublayer,
+  // then the MTP module's; expert loads of the trunk's MoE layers, then the MTP module's.
+  std::vector<StepStats> gather() {
+    Backend& be = model.backend();
+    const size_t W = stats.width(), M = table.size();
+    if (comm && comm->size() > 1 && W * M > 0) {
+      Tensor h = Tensor::host(DType::f64, {int64_t(M * W)});
+      for (size_t m = 0; m < M; ++m) std::memcpy(h.ptr<double>() + m * W, table[m].data(), W * sizeof(double));
+      Tensor d = be.empty(DType::f64, {int64_t(M * W)});
+      be.copy(d.view(), h.view());
+      comm->all_reduce(d.view(), be.stream());
+      be.copy(h.view(), d.view());
+      be.synchronize();
+      for (size_t m = 0; m < M; ++m) std::memcpy(table[m].data(), h.ptr<double>() + m * W, W * sizeof(double));
+    }
+    std::vector<StepStats> out(M);
+    for (size_t m = 0; m < M; ++m) {
+      const std::vector<double>& row = table[m];
+      StepStats& st = out[m];
+      st.tokens = batches[m].tokens_count();
+      st.main_loss = row[StatsLayout::kMain];
+      st.mtp_loss = row[StatsLayout::kMtp];
+      for (int i = 0; i < stats.sublayers; ++i) st.balance_loss += row[stats.aux(i)];
+      st.balance_loss += row[StatsLayout::kMtpBalance];
+      for (int j = 0; j < int(stats.moe_trunk.size()) + stats.mtp_moe; ++j) {
+        std::vector<int64_t> loads(size_t(stats.experts));
+        for (size_t e = 0; e < loads.size(); ++e) loads[e] = int64_t(row[stats.loads(j) + e]);
+        st.expert_loads.push_back(std::move(loads));
+      }
+      st.loss = st.main_loss + model.config().mtp_loss_weight * st.mtp_loss + st.balance_loss;
+    }
+    return out;
+  }
+
+  // One flat host buffer of every trainable gradient, summed once.
+  void sum_gradients() {
+    if (!comm || comm->size() == 1) return;
+    Backend& be = model.backend();
+    std::vector<Parameter*> params;
+    int64_t n = 0;
+    for (Parameter& p : model.parameters())
+      if (p.trainable) {
+        params.push_back(&p);
+        n += p.grad.numel();
+      }
+    const DType dt = params.empty() ? DType::f32 : params[0]->grad.dtype();
+    Tensor flat = be.empty(dt, {n});
+    // n elements of a contiguous tensor from `offset`, as 1-D.
+    auto elements = [&](const TensorView& v, size_t offset, int64_t n) {
+      return TensorView(static_cast<char*>(v.data) + offset * dtype_size(dt), dt, {n}, v.device);
+    };
+    size_t at = 0;
+    for (Parameter* p : params) {
+      const TensorView& g = p->grad.view();
+      FP8MOE_CHECK(g.dtype == dt && g.is_contiguous(), "pipeline: gradient of " << p->name << " is " << g.str());
+      be.copy(elements(flat.view(), at, g.numel()), elements(g, 0, g.numel()));
+      at += size_t(g.numel());
+    }
+    comm->all_reduce(flat.view(), be.stream());
+    at = 0;
+    for (Parameter* p : params) {
+      const TensorView& g = p->grad.view();
+      be.copy(elements(g, 0, g.numel()), elements(flat.view(), at, g.numel()));
+      at += size_t(g.numel());
+    }
+  }
+};
+
+Executor::Executor(Model& model, Schedule schedule, StageSplit split, Comm* comm)
+    : impl_(std::make_unique<Impl>(model, std::move(schedule), std::move(split), comm)) {}
+Executor::~Executor() = default;
+const Schedule& Executor::schedule() const { return impl_->schedule; }
+const StageSplit& Executor::split() const { return impl_->split; }
+int Executor::rank() const { return impl_->me; }
+std::vector<StepStats> Executor::run(const std::vector<Tensor>& tokens, const std::vector<Tensor>& targets,
+                                     double grad_scale) {
+  return impl_->run(tokens, targets, grad_scale);
+}
+void Executor::sum_gradients() { impl_->sum_gradients(); }
+const std::vector<ExecutedOp>& Executor::executed() const { return impl_->executed; }
+int64_t Executor::peak_saved_bytes() const { return impl_->peak_bytes; }
+void Executor::fail_at(int op_index) { impl_->fail_at = op_index; }
+
+}  // namespace fp8moe::pipeline
