@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <sstream>
 #include <string>
 
 #include "cuda/ep/ep_api.hpp"
@@ -290,10 +291,12 @@ void EpRank::check() {
   const char* what = Failure(e[2]) == Failure::ready    ? "to start the step"
                      : Failure(e[2]) == Failure::counts ? "for its counts"
                                                         : "for its rows";
-  throw Error("ep " + std::string(step) + " on rank " + std::to_string(me_) + ": timed out after " +
-              std::to_string(group_->config().timeout_s) + " s waiting for rank " + std::to_string(e[3]) + " " + what +
-              (Failure(e[2]) == Failure::rows ? " (channel " + std::to_string(e[4]) + ")" : std::string()) +
-              ": a peer did not run the same steps, or died");
+  std::ostringstream os;
+  os << "ep " << step << " on rank " << me_ << ": timed out after " << group_->config().timeout_s
+     << " s waiting for rank " << e[3] << " " << what;
+  if (Failure(e[2]) == Failure::rows) os << " (channel " << e[4] << ")";
+  os << ": a peer did not run the same steps, or died";
+  throw Error(os.str());
 }
 
 void EpRank::dispatch(const QuantizedView& x, const TensorView& weights, const TensorView& idx,
