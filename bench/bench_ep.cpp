@@ -163,7 +163,7 @@ int run_ep_bench(const EpBenchOptions& opt) {
     const int64_t epr = E / P;
     std::vector<RankData> rd(static_cast<size_t>(P));
     std::vector<::fp8moe::ep::DispatchLayout> layouts;
-    std::uniform_int_distribution<int> byte(0, 255), ex(-3, 3), pick(0, int(E) - 1);
+    std::uniform_int_distribution<int> ex(-3, 3), pick(0, int(E) - 1);
     std::uniform_real_distribution<float> u(0.01f, 1.0f);
     for (int p = 0; p < P; ++p) {
       RankData& r = rd[size_t(p)];
@@ -177,7 +177,10 @@ int run_ep_bench(const EpBenchOptions& opt) {
           r.tok.w.push_back(u(rng));
         }
       r.tok.x.resize(size_t(T * D));
-      for (auto& b : r.tok.x) b = uint8_t(byte(rng)) & 0x77;  // no NaN codes
+      for (size_t i = 0; i < r.tok.x.size(); i += 8) {  // random codes, no NaN
+        const uint64_t v = rng() & 0x7777777777777777ull;
+        std::memcpy(&r.tok.x[i], &v, std::min<size_t>(8, r.tok.x.size() - i));
+      }
       r.tok.scales.resize(size_t(T * G));
       for (auto& s : r.tok.scales) s = std::ldexp(1.0f, ex(rng));
       std::vector<float> sc(size_t(G * scale_ld(T)), 1.0f);
@@ -209,17 +212,21 @@ int run_ep_bench(const EpBenchOptions& opt) {
         disp_out += double(n0.tokens_to(p, d)) * row_bytes;
         comb_out += double(n0.slots_to(p, d)) * double(D) * 2;
       }
+    // The experts' rows: BF16 values of a random pool, each row from a random place in it.
+    std::vector<uint16_t> pool(size_t(1) << 20);
+    std::uniform_real_distribution<float> val(-4.0f, 4.0f);
+    for (auto& h : pool) {
+      const float f = val(rng);
+      uint32_t b;
+      std::memcpy(&b, &f, 4);
+      h = uint16_t(b >> 16);
+    }
+    std::uniform_int_distribution<size_t> at(0, pool.size() - size_t(D));
     for (int d = 0; d < P; ++d) {
       RankData& r = rd[size_t(d)];
       const int64_t n = g->rank(d).counts().returned(d);
       r.rows_h.resize(size_t(n * D));
-      std::uniform_real_distribution<float> val(-4.0f, 4.0f);
-      for (auto& h : r.rows_h) {
-        const float f = val(rng);
-        uint32_t b;
-        std::memcpy(&b, &f, 4);
-        h = uint16_t(b >> 16);
-      }
+      for (int64_t i = 0; i < n; ++i) std::memcpy(&r.rows_h[size_t(i * D)], &pool[at(rng)], size_t(D) * 2);
       r.rows = std::make_unique<DeviceBuffer>(r.rows_h.size() * 2 + 16);
       upload(r.rows->p, r.rows_h);
     }
@@ -293,11 +300,13 @@ int run_ep_bench(const EpBenchOptions& opt) {
       // The GEMM on its own stream, alone and while the ranks loop over dispatch and combine.
       const int64_t M = 4096, N = 7168, K = 7168;
       DeviceQuantized aq(M, K, ScaleKind::tile_1x128), bq(N, K, ScaleKind::block_128x128);
-      std::vector<uint8_t> ab(size_t(M * K));
-      for (auto& b : ab) b = uint8_t(byte(rng)) & 0x77;
+      std::vector<uint8_t> ab(size_t(M * K)), bb(size_t(N * K));
+      for (auto* v : {&ab, &bb})
+        for (size_t i = 0; i < v->size(); i += 8) {
+          const uint64_t r = rng() & 0x7777777777777777ull;
+          std::memcpy(&(*v)[i], &r, 8);
+        }
       upload(aq.values.p, ab);
-      std::vector<uint8_t> bb(size_t(N * K));
-      for (auto& b : bb) b = uint8_t(byte(rng)) & 0x77;
       upload(bq.values.p, bb);
       std::vector<float> ones(aq.scales.bytes / 4, 1.0f);
       upload(aq.scales.p, ones);

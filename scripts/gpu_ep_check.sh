@@ -18,13 +18,16 @@ gpu_bins fp8moe_cli test_cuda_ep
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 
-step "test_cuda_ep" 120 "$OUT/tests.log" "$BIN_T/test_cuda_ep"
+step "test_cuda_ep" 60 "$OUT/tests.log" "$BIN_T/test_cuda_ep"
 SMALL='*TwoRanksUniform*:*EightRanksFewChannels*:*TooManyTokens*'
-step "memcheck ep" 90 "$OUT/memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
+step "memcheck ep" 40 "$OUT/memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
   "$BIN_T/test_cuda_ep" --gtest_filter="$SMALL"
-step "racecheck ep" 90 "$OUT/racecheck.log" compute-sanitizer --tool racecheck --error-exitcode 3 \
+step "racecheck ep" 30 "$OUT/racecheck.log" compute-sanitizer --tool racecheck --error-exitcode 3 \
   "$BIN_T/test_cuda_ep" --gtest_filter='*TwoRanksUniform*'
-step "bench ep" 150 "$OUT/bench_ep.md" "$BIN_CLI" bench ep --iters "$ITERS" --gemm
+step "bench ep" 100 "$OUT/bench_ep.md" "$BIN_CLI" bench ep --iters "$ITERS" --gemm
+# Other SM budgets: more SMs per rank, and 8 ranks that fit one block per SM (num_sms 16).
+step "bench ep sms" 60 "$OUT/bench_ep_sms.md" bash -c "'$BIN_CLI' bench ep --iters $ITERS --ranks 2,4 --num-sms 32 \
+  --no-check && '$BIN_CLI' bench ep --iters $ITERS --ranks 8 --num-sms 16 --no-check"
 
 echo
 echo "== tests =="
@@ -33,4 +36,5 @@ echo "== sanitizers =="
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error" "$OUT/memcheck.log" "$OUT/racecheck.log" | head -10
 echo "== bench ep =="
 cat "$OUT/bench_ep.md"
+grep -E "^\| [0-9]" "$OUT/bench_ep_sms.md" 2>/dev/null
 print_steps

@@ -7,8 +7,9 @@
 //   send   8 warps, one team per source rank p with p % 2 == b % 2: the channel's rows for p are
 //          contiguous on both sides, copied in 16-byte words; then the fence, the team's barrier
 //          and the (rank, channel) flag in p's buffer.
-//   receive-and-accumulate   8 warps: once every rank's flag for this channel is up, one warp per
-//          token of this block's half of the channel.
+//   receive-and-accumulate   8 warps, joined by the send warps once their rows are out: once every
+//          rank's flag for this channel is up, one warp per token of this block's half of the
+//          channel, all k rows of a token loaded before the first addition.
 #include "cuda/ep/ep_device.cuh"
 #include "cuda/ep/ep_launch.hpp"
 #include "cuda/runtime/cuda_check.hpp"
@@ -20,7 +21,6 @@ namespace fp8moe::cuda::ep {
 namespace {
 
 constexpr int kSendWarps = 8, kSumWarps = 8, kThreads = 32 * (kSendWarps + kSumWarps);
-constexpr int kSumBarrier = 15;
 
 __device__ __forceinline__ void bf16x8(const int4& v, float* f) {
   const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -47,9 +47,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const int32_t* counts = region<int32_t>(a.peer[me], a.layout.counts);
   load_sums(a, counts, sums);
 
-  if (warp < kSendWarps) {
-    const int dests = (P - half + 1) / 2;
-    if (dests == 0) return;
+  const int dests = (P - half + 1) / 2;
+  if (warp < kSendWarps && dests > 0) {
     const int team = warp % dests, p = half + 2 * team;
     const int team_warps = (kSendWarps - team + dests - 1) / dests, wit = warp / dests;
     // Channel c of source p: its slots on this rank, the same range on both sides.
@@ -60,7 +59,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     const int4* src = reinterpret_cast<const int4*>(rows + src_row * D);
     int4* dst = reinterpret_cast<int4*>(region<__nv_bfloat16>(a.peer[p], a.layout.combine) + dst_row * D);
     const int64_t words = n * D / 8;
-    constexpr int kUnroll = 8, kChunk = 32 * kUnroll;
+    constexpr int kUnroll = kBlocksPerSm == 1 ? 16 : 4, kChunk = 32 * kUnroll;
     if (lane == 0) wait_ready(a, p, Step::combine);
     __syncwarp();
     for (int64_t w0 = int64_t(wit) * kChunk; w0 < words; w0 += int64_t(team_warps) * kChunk)
@@ -69,20 +68,21 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     named_sync(1 + team, 32 * team_warps);
     if (wit == 0 && lane == 0)
       store_release(region<uint64_t>(a.peer[p], a.layout.combine_flag) + me * kMaxChannels + c, a.step);
-    return;
   }
 
-  // receive-and-accumulate: this block's half of the channel's tokens.
-  const int w = warp - kSendWarps;
-  if (w == 0 && lane < P)
+  // receive-and-accumulate (every warp, the send warps after their rows): this block's half of the
+  // channel's tokens.
+  constexpr int kWarps = kSendWarps + kSumWarps;
+  const int w = (warp + kSumWarps) % kWarps;  // the sum warps take the first tokens
+  if (lane < P)
     wait_flag(a, region<uint64_t>(a.peer[me], a.layout.combine_flag) + lane * kMaxChannels + c, Step::combine,
               Failure::rows, lane, c);
-  named_sync(kSumBarrier, 32 * kSumWarps);
+  __syncwarp();
   const int64_t c0 = channel_begin(a.tokens, c, C), c1 = channel_begin(a.tokens, c + 1, C);
   const int64_t t0 = c0 + (c1 - c0) * half / 2, t1 = c0 + (c1 - c0) * (half + 1) / 2;
   const __nv_bfloat16* back = region<__nv_bfloat16>(a.peer[me], a.layout.combine);
   const int64_t groups = D / 8;
-  for (int64_t t = t0 + w; t < t1; t += kSumWarps) {
+  for (int64_t t = t0 + w; t < t1; t += kWarps) {
     int32_t my_row = -1;
     float my_w = 0.0f;
     if (lane < k) {
@@ -105,15 +105,17 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       }
       // NOTES: the rows of a batch are all loaded before any is added (loads in flight); the
       // additions still run in slot order.
-      for (int64_t j0 = 0; j0 < k; j0 += 4) {
-        int4 v[4];
+      // Rows of a token loaded at once: all of top-8 where the registers allow.
+      constexpr int kBatch = kBlocksPerSm == 1 ? 8 : 4;
+      for (int64_t j0 = 0; j0 < k; j0 += kBatch) {
+        int4 v[kBatch];
 #pragma unroll
-        for (int b = 0; b < 4; ++b) {
+        for (int b = 0; b < kBatch; ++b) {
           const int32_t r = __shfl_sync(~0u, my_row, int((j0 + b) & 31));
           if (live && j0 + b < k) v[b] = reinterpret_cast<const int4*>(back + int64_t(r) * D)[g];
         }
 #pragma unroll
-        for (int b = 0; b < 4; ++b) {
+        for (int b = 0; b < kBatch; ++b) {
           const float wj = __shfl_sync(~0u, my_w, int((j0 + b) & 31));
           if (!live || j0 + b >= k) continue;
           float f[8];

@@ -34,13 +34,9 @@ __device__ __forceinline__ uint64_t global_ns() {
 __device__ __forceinline__ uint32_t* error_word(const StepArgs& a) {
   return region<uint32_t>(a.peer[a.me], a.layout.error);
 }
-__device__ __forceinline__ bool failed(const StepArgs& a) {
-  return *reinterpret_cast<volatile uint32_t*>(error_word(a)) != 0;
-}
 
 // The first failure of this rank's step: the host reads it after the stream (ep_group.cpp).
-__device__ __forceinline__ void record_failure(const StepArgs& a, Step step, Failure kind, int peer, int channel) {
-  uint32_t* e = error_word(a);
+__device__ __forceinline__ void record_failure(uint32_t* e, Step step, Failure kind, int peer, int channel) {
   if (atomicCAS(e + 1, 0u, uint32_t(step)) == 0) {
     e[2] = uint32_t(kind);
     e[3] = uint32_t(peer);
@@ -50,19 +46,26 @@ __device__ __forceinline__ void record_failure(const StepArgs& a, Step step, Fai
   }
 }
 
-// Waits (one thread) until *flag >= a.step. On timeout, or when another wait of this rank has
+// Waits (one thread) until *flag >= step. On timeout, or when another wait of this rank has
 // already failed, records the first failure and returns false: the step's results are then
-// garbage and the host throws (ep_buffer.cu).
-static __device__ __noinline__ bool wait_flag(const StepArgs& a, const uint64_t* flag, Step step, Failure kind, int peer,
-                                       int channel) {
-  if (load_acquire(flag) >= a.step) return true;
+// garbage and the host throws (ep_group.cpp).
+// NOTES: scalars, not the StepArgs: a reference to the kernel's parameters would copy them all to
+// the stack of every kernel that waits.
+static __device__ __noinline__ bool wait_flag_at(const uint64_t* flag, uint64_t step, uint64_t timeout_ns, uint32_t* e,
+                                                 Step kind_of_step, Failure kind, int peer, int channel) {
+  if (load_acquire(flag) >= step) return true;
   const uint64_t t0 = global_ns();
   for (uint32_t spin = 0;; ++spin) {
-    if (load_acquire(flag) >= a.step) return true;
-    if ((spin & 1023) == 0 && (failed(a) || global_ns() - t0 > a.timeout_ns)) break;
+    if (load_acquire(flag) >= step) return true;
+    if ((spin & 1023) == 0 && (*reinterpret_cast<volatile uint32_t*>(e) != 0 || global_ns() - t0 > timeout_ns)) break;
   }
-  record_failure(a, step, kind, peer, channel);
+  record_failure(e, kind_of_step, kind, peer, channel);
   return false;
+}
+
+__device__ __forceinline__ bool wait_flag(const StepArgs& a, const uint64_t* flag, Step step, Failure kind, int peer,
+                                          int channel) {
+  return wait_flag_at(flag, a.step, a.timeout_ns, error_word(a), step, kind, peer, channel);
 }
 
 // Posts "rank me has started this step" in every peer's buffer (thread q of one block, q < P).
@@ -75,20 +78,20 @@ __device__ __forceinline__ bool wait_ready(const StepArgs& a, int q, Step step) 
 }
 
 // A warp copies n 16-byte words, kUnroll loads in flight per lane before the stores.
+// NOTES: the lane's pointers advance by whole rounds, so the unrolled accesses of a round are
+// immediate offsets of one address (few registers however large kUnroll is).
 template <int kUnroll>
 __device__ __forceinline__ void warp_copy16(int4* __restrict__ dst, const int4* __restrict__ src, int64_t n, int lane) {
-  for (int64_t i0 = 0; i0 < n; i0 += 32 * kUnroll) {
+  const int4* s = src + lane;
+  int4* d = dst + lane;
+  for (int64_t rem = n - lane; rem > 0; rem -= 32 * kUnroll, s += 32 * kUnroll, d += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = i0 + u * 32 + lane;
-      if (i < n) v[u] = __ldg(src + i);
-    }
+    for (int u = 0; u < kUnroll; ++u)
+      if (u * 32 < rem) v[u] = __ldg(s + u * 32);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = i0 + u * 32 + lane;
-      if (i < n) dst[i] = v[u];
-    }
+    for (int u = 0; u < kUnroll; ++u)
+      if (u * 32 < rem) d[u * 32] = v[u];
   }
 }
 

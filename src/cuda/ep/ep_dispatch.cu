@@ -24,7 +24,7 @@ namespace {
 constexpr int kSendWarps = 14, kRecvWarps = 2, kThreads = 32 * (kSendWarps + kRecvWarps);
 
 // Expert e on rank d (ids out of range, which notify reports, on none).
-__device__ __forceinline__ bool on_rank(int32_t e, int d, int64_t epr) { return e >= 0 && e / epr == d; }
+__device__ __forceinline__ bool on_rank(int32_t e, int d, int epr) { return e >= 0 && e / epr == d; }
 
 __device__ __forceinline__ int64_t scale_ld_dev(int64_t rows) { return (rows + 3) / 4 * 4; }
 
@@ -64,12 +64,15 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const int team = warp % dests, d = half + 2 * team;
   const int team_warps = (kSendWarps - team + dests - 1) / dests, wit = warp / dests;
   const int L = a.counts.length();
-  int64_t row = row_base(sums, me, d), slot = slot_base(sums, me, d);
+  // NOTES: 32-bit rows, tokens and slots in the loop below (buffer_layout bounds them), for the
+  // registers of the two-blocks-per-SM variant.
+  int row = int(row_base(sums, me, d)), slot = int(slot_base(sums, me, d));
+  const int Ti = int(T), ki = int(k), Gi = int(G), epri = int(epr);
   for (int cc = 0; cc < c; ++cc) {
     row += counts[me * L + a.counts.tokens(cc, d)];
     slot += counts[me * L + a.counts.slots(cc, d)];
   }
-  const int64_t ld = scale_ld_dev(rows_at(sums, P, d));
+  const int ld = int(scale_ld_dev(rows_at(sums, P, d)));
   char* dst = a.peer[d];
   uint8_t* dx = region<uint8_t>(dst, a.layout.x);
   float* ds = region<float>(dst, a.layout.scales);
@@ -77,13 +80,13 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   int32_t* di = region<int32_t>(dst, a.layout.ids);
   if (lane == 0) wait_ready(a, d, Step::dispatch);
   __syncwarp();
-  const int64_t t_end = channel_begin(T, c + 1, C);
-  int64_t ordinal = 0;  // rows of this channel to d so far
-  for (int64_t t0 = channel_begin(T, c, C); t0 < t_end; t0 += 32) {
-    const int64_t t = t0 + lane;
+  const int t_end = int(channel_begin(Ti, c + 1, C));
+  int ordinal = 0;  // rows of this channel to d so far
+  for (int t0 = int(channel_begin(Ti, c, C)); t0 < t_end; t0 += 32) {
+    const int t = t0 + lane;
     int here = 0;
     if (t < t_end)
-      for (int64_t j = 0; j < k; ++j) here += on_rank(idx[t * k + j], d, epr);
+      for (int j = 0; j < ki; ++j) here += on_rank(idx[t * ki + j], d, epri);
     const uint32_t goes = __ballot_sync(~0u, here > 0);
     int incl = here;  // inclusive scan of the slots to d over the lanes
 #pragma unroll
@@ -93,18 +96,18 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     }
     if (wit == 0 && here > 0) {
       int32_t s = int32_t(slot + incl - here);
-      for (int64_t j = 0; j < k; ++j)
-        if (on_rank(idx[t * k + j], d, epr)) slot_row[t * k + j] = s++;
+      for (int j = 0; j < ki; ++j)
+        if (on_rank(idx[t * ki + j], d, epri)) slot_row[t * ki + j] = s++;
     }
     slot += __shfl_sync(~0u, incl, 31);
     for (uint32_t m = goes; m != 0; m &= m - 1, ++ordinal) {
       if (ordinal % team_warps != wit) continue;
-      const int64_t src = t0 + __ffs(m) - 1, r = row + ordinal;
-      warp_copy16<6>(reinterpret_cast<int4*>(dx + r * D), reinterpret_cast<const int4*>(x + src * D), D / 16, lane);
-      for (int64_t g = lane; g < G; g += 32) ds[g * ld + r] = x_scales[g * x_ld + src];
-      if (lane < k) {
-        dw[r * k + lane] = weights[src * k + lane];
-        di[r * k + lane] = idx[src * k + lane];
+      const int src = t0 + __ffs(m) - 1, r = row + ordinal;
+      warp_copy16<kBlocksPerSm == 1 ? 16 : 4>(reinterpret_cast<int4*>(dx + r * D), reinterpret_cast<const int4*>(x + src * D), D / 16, lane);
+      for (int g = lane; g < Gi; g += 32) ds[int64_t(g) * ld + r] = x_scales[g * x_ld + src];
+      if (lane < ki) {
+        dw[r * ki + lane] = weights[src * ki + lane];
+        di[r * ki + lane] = idx[src * ki + lane];
       }
     }
   }

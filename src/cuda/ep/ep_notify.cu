@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(StepArgs a, cons
     for (int64_t j = 0; j < k; ++j) {
       const int32_t e = idx[t * k + j];
       if (e < 0 || e >= P * epr) {  // refused by the host (counts()); the slot goes nowhere
-        record_failure(a, Step::notify, Failure::expert_id, int(t), int(j));
+        record_failure(error_word(a), Step::notify, Failure::expert_id, int(t), int(j));
         continue;
       }
       const int d = int(e / epr);
