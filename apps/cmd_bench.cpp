@@ -127,6 +127,7 @@ void add_bench(CLI::App& app) {
   auto ep_no_check = std::make_shared<bool>(false);
   epc->add_flag("--no-check", *ep_no_check, "skip the comparison with the host reference");
   epc->add_flag("--gemm", ep->gemm, "time an FP8 GEMM alone and beside the kernels");
+  epc->add_flag("--pull", ep->pull, "combine by the sources' reads of the expert ranks' rows (one pass over them)");
   epc->callback([ep, ep_no_check] {
     require_gpu();
     ep->check = !*ep_no_check;

@@ -93,6 +93,7 @@ struct EpBenchOptions {
   int num_sms = 20;             // per rank
   bool check = true;            // bit-exact comparison with the host reference
   bool gemm = false;            // an FP8 GEMM's slowdown beside the kernels
+  bool pull = false;            // the combine's sources read the rows (EpConfig::pull_combine)
   uint64_t seed = 0;            // 0: fresh random seed (printed)
 };
 

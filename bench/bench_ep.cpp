@@ -10,6 +10,8 @@
 // counted once too (bytes copied). On one GPU the rows a rank keeps cost the same as the others,
 // so the "all rows" column counts them as well. The combine's time includes the weighted sum on
 // arrival (its reads of the k rows and its f32 writes are not counted).
+// With --pull, the combine's sources read the rows from the expert ranks' buffers
+// (EpConfig::pull_combine).
 // With --gemm, an FP8 GEMM (4096 x 7168 x 7168, ours) is timed alone and while the ranks run
 // dispatch and combine back to back on their SMs: its slowdown.
 #include <cuda_runtime.h>
@@ -129,6 +131,10 @@ struct RankData {
 }  // namespace
 
 int run_ep_bench(const EpBenchOptions& opt) {
+  // One hardware queue per stream (P ranks, the lead, the GEMM's): effective only before the
+  // process's first CUDA context, which the command creates after this (cmd_bench.cpp's check only
+  // counts devices); EpGroup::local refuses too few queues for its ranks.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   const int64_t T = opt.tokens, D = opt.hidden, k = opt.topk, E = opt.experts, G = D / 128;
   const uint64_t seed = opt.seed ? opt.seed : std::random_device{}();
   std::mt19937_64 rng(seed);
@@ -159,6 +165,7 @@ int run_ep_bench(const EpBenchOptions& opt) {
     cfg.topk = k;
     cfg.experts = E;
     cfg.num_sms = opt.num_sms;
+    cfg.pull_combine = opt.pull;
     auto g = EpGroup::local(cfg);
     const int64_t epr = E / P;
     std::vector<RankData> rd(static_cast<size_t>(P));
@@ -229,6 +236,7 @@ int run_ep_bench(const EpBenchOptions& opt) {
       for (int64_t i = 0; i < n; ++i) std::memcpy(&r.rows_h[size_t(i * D)], &pool[at(rng)], size_t(D) * 2);
       r.rows = std::make_unique<DeviceBuffer>(r.rows_h.size() * 2 + 16);
       upload(r.rows->p, r.rows_h);
+      if (opt.pull) upload(g->rank(d).combine_input().data, r.rows_h);  // where the experts would write them
     }
     auto dispatch = [&](int p) {
       RankData& r = rd[size_t(p)];
@@ -240,7 +248,8 @@ int run_ep_bench(const EpBenchOptions& opt) {
     auto combine = [&](int p) {
       RankData& r = rd[size_t(p)];
       const int64_t n = g->rank(p).counts().returned(p);
-      g->rank(p).combine(dview(r.rows->p, DType::bf16, n, D), dview(r.slot_row->p, DType::i32, T, k),
+      g->rank(p).combine(opt.pull ? g->rank(p).combine_input() : dview(r.rows->p, DType::bf16, n, D),
+                         dview(r.slot_row->p, DType::i32, T, k),
                          dview(r.w->p, DType::f32, T, k), dview(r.out->p, DType::f32, T, D), false);
     };
     MultiTimer mt(*g);
@@ -291,7 +300,8 @@ int run_ep_bench(const EpBenchOptions& opt) {
     std::printf("| %d | dispatch | %.1f | %.1f | %.0f | %.0f%% | %.0f | %.0f%% | %s |\n", P, us_d, disp_out / (1 << 20),
                 disp_out / (us_d * 1e3), 100 * disp_out / (us_d * 1e3) / copy, disp_all / (us_d * 1e3),
                 100 * disp_all / (us_d * 1e3) / copy, exact_d.c_str());
-    std::printf("| %d | combine | %.1f | %.1f | %.0f | %.0f%% | %.0f | %.0f%% | %s |\n", P, us_c, comb_out / (1 << 20),
+    std::printf("| %d | combine%s | %.1f | %.1f | %.0f | %.0f%% | %.0f | %.0f%% | %s |\n", P, opt.pull ? " (pull)" : "",
+                us_c, comb_out / (1 << 20),
                 comb_out / (us_c * 1e3), 100 * comb_out / (us_c * 1e3) / copy, comb_all / (us_c * 1e3),
                 100 * comb_all / (us_c * 1e3) / copy, exact_c.c_str());
     std::fflush(stdout);

@@ -24,7 +24,8 @@ step "memcheck ep" 40 "$OUT/memcheck.log" compute-sanitizer --tool memcheck --er
   "$BIN_T/test_cuda_ep" --gtest_filter="$SMALL"
 step "racecheck ep" 30 "$OUT/racecheck.log" compute-sanitizer --tool racecheck --error-exitcode 3 \
   "$BIN_T/test_cuda_ep" --gtest_filter='*TwoRanksUniform*'
-step "bench ep" 100 "$OUT/bench_ep.md" "$BIN_CLI" bench ep --iters "$ITERS" --gemm
+step "bench ep" 80 "$OUT/bench_ep.md" "$BIN_CLI" bench ep --iters "$ITERS" --gemm
+step "bench ep pull" 80 "$OUT/bench_ep_pull.md" "$BIN_CLI" bench ep --iters "$ITERS" --gemm --pull
 # Other SM budgets: more SMs per rank, and 8 ranks that fit one block per SM (num_sms 16).
 step "bench ep sms" 60 "$OUT/bench_ep_sms.md" bash -c "'$BIN_CLI' bench ep --iters $ITERS --ranks 2,4 --num-sms 32 \
   --no-check && '$BIN_CLI' bench ep --iters $ITERS --ranks 8 --num-sms 16 --no-check"
@@ -36,5 +37,6 @@ echo "== sanitizers =="
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error" "$OUT/memcheck.log" "$OUT/racecheck.log" | head -10
 echo "== bench ep =="
 cat "$OUT/bench_ep.md"
+grep -E "^\| [0-9]|^# [0-9]" "$OUT/bench_ep_pull.md" 2>/dev/null
 grep -E "^\| [0-9]" "$OUT/bench_ep_sms.md" 2>/dev/null
 print_steps

@@ -25,6 +25,10 @@ namespace {
 using cuda::ep::EpConfig;
 using cuda::ep::EpGroup;
 
+// One hardware queue per stream (the ranks', and the default stream's copies), set before the
+// first CUDA call: ranks sharing a queue could wait for each other in it (ep_group.cpp).
+const bool kQueues = [] { return setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0; }();
+
 // A device allocation of n elements of T, filled from the host or with a byte.
 template <class T>
 struct Dev {
@@ -62,13 +66,15 @@ struct Case {
   double skew = 0;
   std::vector<int64_t> empty;   // experts never chosen
   int steps = 2;                // routings run one after the other on one group
+  bool pull = false;            // EpConfig::pull_combine
 };
 
 std::string describe(const Case& c) {
   std::string s = std::to_string(c.ranks) + " ranks, num_sms " + std::to_string(c.num_sms) + ", D " +
                   std::to_string(c.hidden) + ", tokens";
   for (int64_t t : c.tokens) s += " " + std::to_string(t);
-  return s + ", skew " + std::to_string(c.skew) + ", " + std::to_string(c.empty.size()) + " empty experts";
+  return s + ", skew " + std::to_string(c.skew) + ", " + std::to_string(c.empty.size()) + " empty experts" +
+         (c.pull ? ", pull combine" : "");
 }
 
 constexpr int64_t kExperts = 256, kTopk = 8;
@@ -87,6 +93,7 @@ void run_case(const Case& cs) {
   cfg.topk = k;
   cfg.experts = kExperts;
   cfg.num_sms = cs.num_sms;
+  cfg.pull_combine = cs.pull;
   auto group = EpGroup::local(cfg);
   auto cpu = make_cpu_backend();
   std::uniform_int_distribution<int> byte(0, 255), e(-3, 3);
@@ -204,6 +211,16 @@ void run_case(const Case& cs) {
       }
       rows_dev.push_back(std::make_unique<Dev<uint16_t>>(rows[size_t(d)]));
     }
+    // Pull, odd steps: the rows written straight into the buffer's combine input (even steps:
+    // copied there by combine()).
+    const bool in_place = cs.pull && step % 2 == 1;
+    if (in_place) {
+      for (int d = 0; d < P; ++d) {
+        ASSERT_EQ(cudaMemcpy(group->rank(d).combine_input().data, rows_dev[size_t(d)]->p,
+                             rows[size_t(d)].size() * 2, cudaMemcpyDeviceToDevice),
+                  cudaSuccess);
+      }
+    }
     for (int pass = 0; pass < 2; ++pass) {
       SCOPED_TRACE(pass == 0 ? "weighted combine" : "unweighted, accumulated");
       std::vector<std::unique_ptr<Dev<float>>> out;
@@ -216,7 +233,7 @@ void run_case(const Case& cs) {
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       for (int p = 0; p < P; ++p) {
         const int64_t T = src[size_t(p)].tokens, n = group->rank(p).counts().returned(p);
-        group->rank(p).combine(rows_dev[size_t(p)]->view(DType::bf16, n, D), slot_row[size_t(p)]->view(DType::i32, T, k),
+        group->rank(p).combine(in_place ? group->rank(p).combine_input() : rows_dev[size_t(p)]->view(DType::bf16, n, D), slot_row[size_t(p)]->view(DType::i32, T, k),
                                pass == 0 ? w[size_t(p)]->view(DType::f32, T, k) : TensorView(),
                                out[size_t(p)]->view(DType::f32, T, D), pass == 1);
       }
@@ -262,6 +279,29 @@ TEST(CudaEp, FourRanksUnevenWithEmptyExpertsAndASilentRank) {
 TEST(CudaEp, EightRanks) {
   FP8MOE_REQUIRE_GPU();
   run_case({8, 20, 512, {256, 511, 1, 0, 300, 129, 64, 400}, 0.5, {7, 8, 9}, 2});
+}
+
+TEST(CudaEp, TwoRanksPullCombine) {
+  FP8MOE_REQUIRE_GPU();
+  Case c{2, 20, 7168, {600, 257}, 1.0, {}, 2};
+  c.pull = true;
+  run_case(c);
+}
+
+TEST(CudaEp, FourRanksPullCombineWithASilentRank) {
+  FP8MOE_REQUIRE_GPU();
+  std::vector<int64_t> empty;
+  for (int64_t e = 64; e < 128; ++e) empty.push_back(e);
+  Case c{4, 20, 512, {300, 0, 41, 700}, 0.5, empty, 3};
+  c.pull = true;
+  run_case(c);
+}
+
+TEST(CudaEp, EightRanksPullCombine) {
+  FP8MOE_REQUIRE_GPU();
+  Case c{8, 20, 256, {256, 11, 0, 90, 300, 129, 64, 400}, 0, {3, 4}, 2};
+  c.pull = true;
+  run_case(c);
 }
 
 TEST(CudaEp, EightRanksFewChannels) {

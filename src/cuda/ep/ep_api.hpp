@@ -43,6 +43,11 @@ struct EpConfig {
   int num_sms = 20;         // blocks of each kernel, even: channels = num_sms / 2
   double timeout_s = 10.0;  // a wait for a peer longer than this fails the step
   size_t buffer_bytes = 0;  // 0: the worst case; else the size to use, refused when below it
+  // The combine's rows travel by the sources' reads from a region of each expert rank's buffer
+  // (combine_input()) instead of the expert ranks' writes into the sources' buffers: one pass over
+  // the rows instead of two (written, then read for the sum), for a region of the worst case,
+  // P * T_max * k rows.
+  bool pull_combine = false;
 };
 
 // The regions of a rank's buffer for the worst case of cfg (checks cfg; throws fp8moe::Error).
@@ -92,8 +97,14 @@ class EpRank {
     int64_t rows = 0;
   };
   Received received() const;
+  // pull_combine: where this rank's combine rows go ([counts().returned(me), D] bf16 in its
+  // buffer), so that the experts can write them there directly. The peers read it during the
+  // combine step: write it only after a later step (dispatch or notify) has begun on this rank's
+  // stream, as the layer's order of steps does.
+  TensorView combine_input() const;
   // rows [counts().returned(me), D] bf16; slot_row and weights (f32, or undefined: 1) [T, k] of
-  // this rank's last dispatch; out [T, D] f32 (+)= the weighted sums.
+  // this rank's last dispatch; out [T, D] f32 (+)= the weighted sums. With pull_combine, rows
+  // other than combine_input() are first copied there on stream().
   void combine(const TensorView& rows, const TensorView& slot_row, const TensorView& weights, const TensorView& out,
                bool accumulate);
   // Waits for this rank's stream; throws fp8moe::Error if one of its waits timed out.

@@ -37,7 +37,8 @@ struct BufferLayout {
   size_t scales = 0;         // [G, scale_ld(P * T_max)] f32, group-major at ld = scale_ld(rows)
   size_t weights = 0;        // [P * T_max, k] f32
   size_t ids = 0;            // [P * T_max, k] i32 global expert ids
-  size_t combine = 0;        // [T_max * k, D] bf16 the experts' rows back, rank-major
+  size_t combine = 0;        // [T_max * k, D] bf16 the experts' rows back, rank-major (push)
+  size_t combine_in = 0;     // [P * T_max * k, D] bf16 this rank's rows for the sources (pull)
   size_t total = 0;
   int64_t max_recv = 0;      // P * T_max
 };
@@ -57,6 +58,7 @@ struct StepArgs {
   uint64_t step = 0;   // this step's number, the same on every rank
   uint64_t timeout_ns = 0;
   int blocks_per_sm = 1;  // the kernels' variant: 2 where the ranks share one GPU's SMs
+  bool pull = false;      // combine: the sources read the rows from the experts' buffers
 };
 
 }  // namespace fp8moe::cuda::ep

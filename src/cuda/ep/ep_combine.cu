@@ -7,6 +7,8 @@
 //   send   8 warps, one team per source rank p with p % 2 == b % 2: the channel's rows for p are
 //          contiguous on both sides, copied in 16-byte words; then the fence, the team's barrier
 //          and the (rank, channel) flag in p's buffer.
+//   pull   (EpConfig::pull_combine) no send: each expert rank's rows stay in its buffer, and the
+//          sums below read them there once that rank has started the step.
 //   receive-and-accumulate   8 warps, joined by the send warps once their rows are out: once every
 //          rank's flag for this channel is up, one warp per token of this block's half of the
 //          channel, all k rows of a token loaded before the first addition.
@@ -48,7 +50,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   load_sums(a, counts, sums);
 
   const int dests = (P - half + 1) / 2;
-  if (warp < kSendWarps && dests > 0) {
+  if (warp < kSendWarps && dests > 0 && !a.pull) {
     const int team = warp % dests, p = half + 2 * team;
     const int team_warps = (kSendWarps - team + dests - 1) / dests, wit = warp / dests;
     // Channel c of source p: its slots on this rank, the same range on both sides.
@@ -74,9 +76,15 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   // channel's tokens.
   constexpr int kWarps = kSendWarps + kSumWarps;
   const int w = (warp + kSumWarps) % kWarps;  // the sum warps take the first tokens
-  if (lane < P)
-    wait_flag(a, region<uint64_t>(a.peer[me], a.layout.combine_flag) + lane * kMaxChannels + c, Step::combine,
-              Failure::rows, lane, c);
+  // Push: the rows of every rank for this channel are here. Pull: every rank has started this
+  // step, so its rows are in its buffer (written by the work before the step on its stream).
+  if (lane < P) {
+    if (a.pull)
+      wait_ready(a, lane, Step::combine);
+    else
+      wait_flag(a, region<uint64_t>(a.peer[me], a.layout.combine_flag) + lane * kMaxChannels + c, Step::combine,
+                Failure::rows, lane, c);
+  }
   __syncwarp();
   const int64_t c0 = channel_begin(a.tokens, c, C), c1 = channel_begin(a.tokens, c + 1, C);
   const int64_t t0 = c0 + (c1 - c0) * half / 2, t1 = c0 + (c1 - c0) * (half + 1) / 2;
@@ -85,9 +93,35 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   for (int64_t t = t0 + w; t < t1; t += kWarps) {
     int32_t my_row = -1;
     float my_w = 0.0f;
+    const __nv_bfloat16* my_src = back;  // the rows of slot `lane`: here (push) or on its rank (pull)
     if (lane < k) {
       my_row = slot_row[t * k + lane];
       my_w = weights ? weights[t * k + lane] : 1.0f;
+      if (a.pull) {
+        // Slot rows are rank-major: rank d's start at slot_base(me, d); on d they are the rows
+        // for this source, from return_base(d, me).
+        int d = 0;
+        while (d + 1 < P && slot_base(sums, me, d + 1) <= my_row) ++d;
+        my_src = region<__nv_bfloat16>(a.peer[d], a.layout.combine_in) +
+                 (return_base(sums, d, me) - slot_base(sums, me, d)) * D;
+      }
+    }
+    // Row of slot j, from the lane that read it (the whole warp calls this).
+    auto row_of = [&](int64_t j) {
+      const int32_t r = __shfl_sync(~0u, my_row, int(j & 31));
+      const auto* src =
+          reinterpret_cast<const __nv_bfloat16*>(__shfl_sync(~0u, reinterpret_cast<uintptr_t>(my_src), int(j & 31)));
+      return reinterpret_cast<const int4*>(src + int64_t(r) * D);
+    };
+    // Rows of a token loaded at once: all of top-8 where the registers allow; the first batch's
+    // row pointers and weights are read once per token, not once per column group.
+    constexpr int kBatch = kBlocksPerSm == 1 ? 8 : 4;
+    const int4* first[kBatch];
+    float first_w[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      first[b] = row_of(b);
+      first_w[b] = __shfl_sync(~0u, my_w, b);
     }
     // NOTES: every lane runs every iteration (the shuffles need the whole warp); lanes past the
     // row's end load and store nothing.
@@ -105,23 +139,22 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       }
       // NOTES: the rows of a batch are all loaded before any is added (loads in flight); the
       // additions still run in slot order.
-      // Rows of a token loaded at once: all of top-8 where the registers allow.
-      constexpr int kBatch = kBlocksPerSm == 1 ? 8 : 4;
       for (int64_t j0 = 0; j0 < k; j0 += kBatch) {
         int4 v[kBatch];
+        float wv[kBatch];
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
-          const int32_t r = __shfl_sync(~0u, my_row, int((j0 + b) & 31));
-          if (live && j0 + b < k) v[b] = reinterpret_cast<const int4*>(back + int64_t(r) * D)[g];
+          const int4* p = j0 == 0 ? first[b] : row_of(j0 + b);
+          wv[b] = j0 == 0 ? first_w[b] : __shfl_sync(~0u, my_w, int((j0 + b) & 31));
+          if (live && j0 + b < k) v[b] = p[g];
         }
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
-          const float wj = __shfl_sync(~0u, my_w, int((j0 + b) & 31));
           if (!live || j0 + b >= k) continue;
           float f[8];
           bf16x8(v[b], f);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], weights ? __fmul_rn(wj, f[i]) : f[i]);
+          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], weights ? __fmul_rn(wv[b], f[i]) : f[i]);
         }
       }
       if (!live) continue;

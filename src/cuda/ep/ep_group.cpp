@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -68,7 +69,8 @@ BufferLayout buffer_layout(const EpConfig& c) {
   l.scales = take(size_t(G * scale_ld(n)) * 4);
   l.weights = take(size_t(n * k) * 4);
   l.ids = take(size_t(n * k) * 4);
-  l.combine = take(size_t(c.max_tokens * k * c.hidden) * 2);
+  l.combine = take(c.pull_combine ? 0 : size_t(c.max_tokens * k * c.hidden) * 2);
+  l.combine_in = take(c.pull_combine ? size_t(n * k * c.hidden) * 2 : 0);
   l.total = o;
   l.max_recv = n;
   FP8MOE_CHECK(c.buffer_bytes == 0 || c.buffer_bytes >= l.total,
@@ -155,6 +157,13 @@ std::unique_ptr<EpGroup> EpGroup::local(const EpConfig& cfg) {
   FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
   FP8MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   g->blocks_per_sm_ = P * cfg.num_sms <= sms ? 1 : 2;
+  // NOTES: streams beyond the device's hardware queues share them in creation order, so a rank's
+  // kernel could queue behind a peer's kernel that spins waiting for it.
+  const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const int queues = conn ? std::atoi(conn) : 8;
+  FP8MOE_CHECK(P <= queues, "ep: " << P << " ranks in one process need as many hardware queues; "
+                                   << "CUDA_DEVICE_MAX_CONNECTIONS is " << queues
+                                   << " (set it to 32 before the first CUDA call)");
   int per_sm_d = 0, per_sm_c = 0;
   FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_d, dispatch_kernel_ptr(g->blocks_per_sm_),
                                                                   dispatch_threads(), 0));
@@ -248,6 +257,7 @@ StepArgs EpRank::next_step(int64_t tokens) {
   a.step = ++step_;
   a.timeout_ns = uint64_t(c.timeout_s * 1e9);
   a.blocks_per_sm = group_->blocks_per_sm();
+  a.pull = c.pull_combine;
   return a;
 }
 
@@ -338,6 +348,14 @@ EpRank::Received EpRank::received() const {
   return r;
 }
 
+TensorView EpRank::combine_input() const {
+  const EpConfig& c = group_->config();
+  FP8MOE_CHECK(c.pull_combine, "ep combine_input: the group was not made with pull_combine");
+  FP8MOE_CHECK(counted_, "ep combine_input on rank " << me_ << ": no counts yet");
+  return TensorView(peer_[me_] + group_->layout().combine_in, DType::bf16, {counts_.returned(me_), c.hidden},
+                    Device::cuda);
+}
+
 void EpRank::combine(const TensorView& rows, const TensorView& slot_row, const TensorView& weights,
                      const TensorView& out, bool accumulate) {
   require_usable("combine");
@@ -356,6 +374,9 @@ void EpRank::combine(const TensorView& rows, const TensorView& slot_row, const T
   check_tensor(out, "ep combine out", DType::f32, 2);
   FP8MOE_CHECK(out.size(0) == T && out.size(1) == D && out.is_contiguous() && aligned16(out.data),
                "ep combine: out " << out.str() << " must be [" << T << ", " << D << "] f32, 16-byte aligned");
+  if (c.pull_combine && rows.data != peer_[me_] + group_->layout().combine_in && n > 0)
+    FP8MOE_CUDA_CHECK(cudaMemcpyAsync(combine_input().data, rows.data, size_t(n * D) * 2, cudaMemcpyDeviceToDevice,
+                                      stream_));
   const StepArgs a = next_step(T);
   launch_combine(a, rows.data, slot_row.ptr<const int32_t>(), weights.defined() ? weights.ptr<const float>() : nullptr,
                  out.ptr<float>(), accumulate, stream_);
