@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total 
 cat "$OUT/gpu.txt"
 
 step "test_cuda_ep" 60 "$OUT/tests.log" "$BIN_T/test_cuda_ep"
-SMALL='*TwoRanksUniform*:*EightRanksFewChannels*:*TooManyTokens*'
+SMALL='*TwoRanksUniform*:*EightRanksFewChannels*:*FourRanksPullCombine*:*TooManyTokens*'
 step "memcheck ep" 40 "$OUT/memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
   "$BIN_T/test_cuda_ep" --gtest_filter="$SMALL"
 step "racecheck ep" 30 "$OUT/racecheck.log" compute-sanitizer --tool racecheck --error-exitcode 3 \
@@ -29,6 +29,8 @@ step "bench ep pull" 80 "$OUT/bench_ep_pull.md" "$BIN_CLI" bench ep --iters "$IT
 # Other SM budgets: more SMs per rank, and 8 ranks that fit one block per SM (num_sms 16).
 step "bench ep sms" 60 "$OUT/bench_ep_sms.md" bash -c "'$BIN_CLI' bench ep --iters $ITERS --ranks 2,4 --num-sms 32 \
   --no-check && '$BIN_CLI' bench ep --iters $ITERS --ranks 8 --num-sms 16 --no-check"
+# Small messages: 128 tokens per rank (the normal mode's latency; no low-latency kernels yet).
+step "bench ep small" 40 "$OUT/bench_ep_small.md" "$BIN_CLI" bench ep --iters "$ITERS" --ranks 2,8 --tokens 128
 
 echo
 echo "== tests =="
@@ -39,4 +41,5 @@ echo "== bench ep =="
 cat "$OUT/bench_ep.md"
 grep -E "^\| [0-9]|^# [0-9]" "$OUT/bench_ep_pull.md" 2>/dev/null
 grep -E "^\| [0-9]" "$OUT/bench_ep_sms.md" 2>/dev/null
+grep -E "^\| [0-9]" "$OUT/bench_ep_small.md" 2>/dev/null
 print_steps
