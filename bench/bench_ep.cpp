@@ -327,17 +327,18 @@ int run_ep_bench(const EpBenchOptions& opt) {
       cudaEvent_t e0, e1;
       FP8MOE_CUDA_CHECK(cudaEventCreate(&e0));
       FP8MOE_CUDA_CHECK(cudaEventCreate(&e1));
+      auto gemm_once = [&] {  // microseconds of one GEMM on gs
+        FP8MOE_CUDA_CHECK(cudaEventRecord(e0, gs));
+        gemm_fp8_sm90(aq.view, bq.view, dview(dd.p, DType::bf16, M, N), false, gs);
+        FP8MOE_CUDA_CHECK(cudaEventRecord(e1, gs));
+        FP8MOE_CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        return 1e3 * double(ms);
+      };
       auto gemm_us = [&](int reps) {
         std::vector<double> v;
-        for (int i = 0; i < reps; ++i) {
-          FP8MOE_CUDA_CHECK(cudaEventRecord(e0, gs));
-          gemm_fp8_sm90(aq.view, bq.view, dview(dd.p, DType::bf16, M, N), false, gs);
-          FP8MOE_CUDA_CHECK(cudaEventRecord(e1, gs));
-          FP8MOE_CUDA_CHECK(cudaEventSynchronize(e1));
-          float ms = 0;
-          FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-          v.push_back(1e3 * double(ms));
-        }
+        for (int i = 0; i < reps; ++i) v.push_back(gemm_once());
         return median(v);
       };
       gemm_us(3);
@@ -354,13 +355,7 @@ int run_ep_bench(const EpBenchOptions& opt) {
           for (int p = 0; p < P; ++p) dispatch(p);
           for (int p = 0; p < P; ++p) combine(p);
         }
-        FP8MOE_CUDA_CHECK(cudaEventRecord(e0, gs));
-        gemm_fp8_sm90(aq.view, bq.view, dview(dd.p, DType::bf16, M, N), false, gs);
-        FP8MOE_CUDA_CHECK(cudaEventRecord(e1, gs));
-        FP8MOE_CUDA_CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        v.push_back(1e3 * double(ms));
+        v.push_back(gemm_once());
         for (int p = 0; p < P; ++p) g->rank(p).check();
       } catch (const Error& e) {
         failed = e.what();
