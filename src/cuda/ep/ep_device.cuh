@@ -1,4 +1,4 @@
-// Device helpers of the expert-parallel kernels: system-scope flags, waits that give up after a
+// Device functions of the expert-parallel kernels: system-scope flags, waits that give up after a
 // timeout (recording which wait failed in the rank's error word instead of hanging), warp copies
 // with 16-byte accesses, and the offsets every step derives from the gathered counts.
 #pragma once
