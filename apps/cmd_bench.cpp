@@ -1,4 +1,4 @@
-// `fp8moe bench gemm`, `quant`, `grouped`, `permute` and `attention`: our CUDA kernels against
+// `fp8moe bench gemm`, `quant`, `grouped`, `permute`, `attention` and `ep`: our CUDA kernels against
 // cuBLASLt and the copy bandwidth, and the attention's two paths, side by side (bench/bench.hpp).
 // Example:  fp8moe bench gemm --iters 30 --set m4096
 #include <memory>
@@ -123,8 +123,29 @@ void add_bench(CLI::App& app) {
     if (fp8moe::cuda::run_small_m_bench(*sm) != 0)
       throw CLI::RuntimeError("bench small-m: the few-rows kernel disagrees with the WGMMA kernel", 2);
   });
+  auto ep = std::make_shared<fp8moe::cuda::EpBenchOptions>();
+  auto* epc = bench->add_subcommand("ep", "Expert-parallel dispatch and combine over peer memory, P ranks on this GPU: "
+                                          "GB/s of the bytes that leave a rank against the device copy bandwidth");
+  epc->add_option("--iters", ep->iters, "timed runs per step (median)");
+  epc->add_option("--warmup", ep->warmup, "untimed runs per step");
+  epc->add_option("--ranks", ep->ranks, "rank counts, e.g. 2,4,8");
+  epc->add_option("--tokens", ep->tokens, "tokens per rank T");
+  epc->add_option("--topk", ep->topk, "experts per token k");
+  epc->add_option("--experts", ep->experts, "routed experts E");
+  epc->add_option("--hidden", ep->hidden, "hidden size D (a multiple of 128)");
+  epc->add_option("--num-sms", ep->num_sms, "SMs per rank (even; channels = num_sms / 2)");
+  epc->add_option("--seed", ep->seed, "random seed (0: fresh)");
+  auto ep_no_check = std::make_shared<bool>(false);
+  epc->add_flag("--no-check", *ep_no_check, "skip the comparison with the host reference");
+  epc->add_flag("--gemm", ep->gemm, "time an FP8 GEMM alone and beside the kernels");
+  epc->add_flag("--pull", ep->pull, "combine by the sources' reads of the expert ranks' rows (one pass over them)");
+  epc->callback([ep, ep_no_check] {
+    require_gpu();
+    ep->check = !*ep_no_check;
+    if (fp8moe::cuda::run_ep_bench(*ep) != 0) throw CLI::RuntimeError("bench ep: bit-exactness check failed", 2);
+  });
 #else
-  for (const char* name : {"gemm", "quant", "grouped", "permute", "attention", "small-m"})
+  for (const char* name : {"gemm", "quant", "grouped", "permute", "attention", "small-m", "ep"})
     bench->add_subcommand(name, "needs the CUDA backend")->callback([] {
       throw fp8moe::Error("bench: this build has no CUDA backend");
     });

@@ -92,6 +92,22 @@ struct SmallMBenchOptions {
   std::vector<std::pair<int64_t, int64_t>> shapes{{2112, 7168}, {24576, 1536}, {7168, 16384}, {4096, 7168}, {7168, 2048}};
 };
 
+// The expert-parallel kernels (bench_ep.cpp): P ranks as P buffers on one GPU.
+struct EpBenchOptions {
+  int iters = 20;
+  int warmup = 3;
+  std::string ranks = "2,4,8";  // rank counts, one table block each
+  int64_t tokens = 4096;        // per rank
+  int64_t topk = 8;
+  int64_t experts = 256;
+  int64_t hidden = 7168;
+  int num_sms = 20;             // per rank
+  bool check = true;            // bit-exact comparison with the host reference
+  bool gemm = false;            // an FP8 GEMM's slowdown beside the kernels
+  bool pull = false;            // the combine's sources read the rows (EpConfig::pull_combine)
+  uint64_t seed = 0;            // 0: fresh random seed (printed)
+};
+
 // Return 0 when every correctness check passed (calc_diff < 1e-3 and no NaN; bit-exact for the
 // quantizers and the dispatch ops), 1 otherwise.
 int run_gemm_bench(const GemmBenchOptions& opt);
@@ -102,5 +118,7 @@ int run_permute_bench(const PermuteBenchOptions& opt);
 int run_attention_bench(const AttentionBenchOptions& opt);
 // 0 when the few-rows kernel agrees with the WGMMA kernel (rel error < 1e-3) on every case.
 int run_small_m_bench(const SmallMBenchOptions& opt);
+// 0 when the kernels' results are the host reference's, byte for byte.
+int run_ep_bench(const EpBenchOptions& opt);
 
 }  // namespace fp8moe::cuda

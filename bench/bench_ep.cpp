@@ -1,0 +1,380 @@
+// `fp8moe bench ep` (bench.hpp): the expert-parallel kernels of src/cuda/ep/ with P ranks as P
+// buffers on one GPU, one stream each, at DeepSeek-V3's routing (T tokens per rank, top-k of E
+// experts drawn uniformly without repeats, hidden D).
+//
+// Each step is timed from an event before it on a lead stream, which every rank's stream waits
+// for, to the last rank's end (the lead waits for all); median of `iters`, L2 flushed (512 MiB
+// memset) before each. Bytes: only those that leave a rank, counted once (the dispatch's FP8 row,
+// its scales, weights and ids per (token, other rank); the combine's BF16 row per slot computed on
+// another rank), over the step's time; the device copy (cudaMemcpyAsync D2D) of the same run is
+// counted once too (bytes copied). On one GPU the rows a rank keeps cost the same as the others,
+// so the "all rows" column counts them as well. The combine's time includes the weighted sum on
+// arrival (its reads of the k rows and its f32 writes are not counted).
+// With --pull, the combine's sources read the rows from the expert ranks' buffers
+// (EpConfig::pull_combine).
+// With --gemm, an FP8 GEMM (4096 x 7168 x 7168, ours) is timed alone and while the ranks run
+// dispatch and combine back to back on their SMs: its slowdown.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/bench.hpp"
+#include "bench/bench_util.hpp"
+#include "cpu/cpu_backend.hpp"
+#include "cuda/ep/ep_api.hpp"
+#include "cuda/kernel_api.hpp"
+#include "fp8moe/error.hpp"
+#include "parallel/runtime/ep_reference.hpp"
+
+namespace fp8moe::cuda {
+
+namespace {
+
+using namespace bench;
+using ep::EpGroup;
+
+std::vector<int> parse_ranks(const std::string& s) {
+  std::vector<int> v;
+  size_t pos = 0;
+  while (pos < s.size()) {
+    const size_t end = std::min(s.find(',', pos), s.size());
+    v.push_back(std::stoi(s.substr(pos, end - pos)));
+    pos = end + 1;
+  }
+  FP8MOE_CHECK(!v.empty(), "bench ep --ranks: '" << s << "' names no rank count");
+  return v;
+}
+
+template <class T>
+void upload(void* dst, const std::vector<T>& h) {
+  FP8MOE_CUDA_CHECK(cudaMemcpy(dst, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? NAN : v[v.size() / 2];
+}
+
+// Times `steps` (one launch per rank each) across all ranks' streams.
+struct MultiTimer {
+  EpGroup& g;
+  cudaStream_t lead;
+  DeviceBuffer flush{size_t(512) << 20};
+  cudaEvent_t start, stop;
+  std::vector<cudaEvent_t> done;
+  explicit MultiTimer(EpGroup& group) : g(group) {
+    FP8MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&lead, cudaStreamNonBlocking));
+    FP8MOE_CUDA_CHECK(cudaEventCreate(&start));
+    FP8MOE_CUDA_CHECK(cudaEventCreate(&stop));
+    done.resize(size_t(g.size()));
+    for (auto& e : done) FP8MOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+  ~MultiTimer() {
+    for (auto& e : done) cudaEventDestroy(e);
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    cudaStreamDestroy(lead);
+  }
+  // One timed run of fn(rank) on every rank; returns microseconds (synchronizes).
+  double once(const std::function<void(int)>& fn) {
+    FP8MOE_CUDA_CHECK(cudaMemsetAsync(flush.p, 0, flush.bytes, lead));
+    FP8MOE_CUDA_CHECK(cudaEventRecord(start, lead));
+    for (int r = 0; r < g.size(); ++r) FP8MOE_CUDA_CHECK(cudaStreamWaitEvent(g.rank(r).stream(), start));
+    for (int r = 0; r < g.size(); ++r) fn(r);
+    for (int r = 0; r < g.size(); ++r) {
+      FP8MOE_CUDA_CHECK(cudaEventRecord(done[size_t(r)], g.rank(r).stream()));
+      FP8MOE_CUDA_CHECK(cudaStreamWaitEvent(lead, done[size_t(r)]));
+    }
+    FP8MOE_CUDA_CHECK(cudaEventRecord(stop, lead));
+    FP8MOE_CUDA_CHECK(cudaEventSynchronize(stop));
+    for (int r = 0; r < g.size(); ++r) g.rank(r).check();
+    float ms = 0;
+    FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    return 1e3 * double(ms);
+  }
+};
+
+// Copy bandwidth, bytes copied per second (counted once), of `bytes` D2D.
+double copy_gbs(size_t bytes, int warmup, int iters) {
+  DeviceBuffer a(bytes), b(bytes), flush(size_t(512) << 20);
+  cudaEvent_t e0, e1;
+  FP8MOE_CUDA_CHECK(cudaEventCreate(&e0));
+  FP8MOE_CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<double> us;
+  for (int i = 0; i < warmup + iters; ++i) {
+    FP8MOE_CUDA_CHECK(cudaMemsetAsync(flush.p, 0, flush.bytes, nullptr));
+    FP8MOE_CUDA_CHECK(cudaEventRecord(e0, nullptr));
+    FP8MOE_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, nullptr));
+    FP8MOE_CUDA_CHECK(cudaEventRecord(e1, nullptr));
+    FP8MOE_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= warmup) us.push_back(1e3 * double(ms));
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return double(bytes) / (median(us) * 1e3);
+}
+
+struct RankData {
+  ::fp8moe::ep::RankTokens tok;
+  std::unique_ptr<DeviceBuffer> idx, w, x, scales, slot_row, rows, out;
+  std::vector<uint16_t> rows_h;
+};
+
+}  // namespace
+
+int run_ep_bench(const EpBenchOptions& opt) {
+  // One hardware queue per stream (P ranks, the lead, the GEMM's): effective only before the
+  // process's first CUDA context, which the command creates after this (cmd_bench.cpp's check only
+  // counts devices); EpGroup::local refuses too few queues for its ranks.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  const int64_t T = opt.tokens, D = opt.hidden, k = opt.topk, E = opt.experts, G = D / 128;
+  const uint64_t seed = opt.seed ? opt.seed : std::random_device{}();
+  std::mt19937_64 rng(seed);
+  cudaDeviceProp prop;
+  int dev = 0;
+  FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  FP8MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  const double copy = copy_gbs(size_t(1) << 30, opt.warmup, opt.iters);
+  std::printf("# fp8moe bench ep on %s (%d SMs): P ranks as P buffers on this GPU, one stream each; T = %lld tokens "
+              "per rank, top-%lld of %lld experts (uniform), D = %lld, num_sms %d per rank, seed %llu, median of %d, "
+              "L2 flushed\n",
+              prop.name, prop.multiProcessorCount, (long long)T, (long long)k, (long long)E, (long long)D, opt.num_sms,
+              (unsigned long long)seed, opt.iters);
+  std::printf("# bytes: only those that leave a rank, counted once (dispatch: FP8 row + scales + weights + ids per "
+              "(token, other rank); combine: BF16 row per slot computed elsewhere); device copy: %.0f GB/s (1 GiB "
+              "cudaMemcpyAsync D2D, bytes copied counted once)\n",
+              copy);
+  std::printf("| ranks | step | us | MiB leaving | GB/s leaving | %% of copy | GB/s all rows | %% of copy | bit-exact |\n"
+              "|---|---|---|---|---|---|---|---|---|\n");
+  std::fflush(stdout);
+  int failures = 0;
+  auto cpu = make_cpu_backend();
+  for (int P : parse_ranks(opt.ranks)) {
+    ep::EpConfig cfg;
+    cfg.ranks = P;
+    cfg.max_tokens = T;
+    cfg.hidden = D;
+    cfg.topk = k;
+    cfg.experts = E;
+    cfg.num_sms = opt.num_sms;
+    cfg.pull_combine = opt.pull;
+    auto g = EpGroup::local(cfg);
+    const int64_t epr = E / P;
+    std::vector<RankData> rd(static_cast<size_t>(P));
+    std::vector<::fp8moe::ep::DispatchLayout> layouts;
+    std::uniform_int_distribution<int> ex(-3, 3), pick(0, int(E) - 1);
+    std::uniform_real_distribution<float> u(0.01f, 1.0f);
+    for (int p = 0; p < P; ++p) {
+      RankData& r = rd[size_t(p)];
+      r.tok.tokens = T;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < k; ++j) {
+          int32_t e;
+          do e = pick(rng);
+          while (std::find(r.tok.idx.end() - j, r.tok.idx.end(), e) != r.tok.idx.end());
+          r.tok.idx.push_back(e);
+          r.tok.w.push_back(u(rng));
+        }
+      r.tok.x.resize(size_t(T * D));
+      for (size_t i = 0; i < r.tok.x.size(); i += 8) {  // random codes, no NaN
+        const uint64_t v = rng() & 0x7777777777777777ull;
+        std::memcpy(&r.tok.x[i], &v, std::min<size_t>(8, r.tok.x.size() - i));
+      }
+      r.tok.scales.resize(size_t(T * G));
+      for (auto& s : r.tok.scales) s = std::ldexp(1.0f, ex(rng));
+      std::vector<float> sc(size_t(G * scale_ld(T)), 1.0f);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t gg = 0; gg < G; ++gg) sc[size_t(gg * scale_ld(T) + t)] = r.tok.scales[size_t(t * G + gg)];
+      r.idx = std::make_unique<DeviceBuffer>(r.tok.idx.size() * 4);
+      r.w = std::make_unique<DeviceBuffer>(r.tok.w.size() * 4);
+      r.x = std::make_unique<DeviceBuffer>(r.tok.x.size());
+      r.scales = std::make_unique<DeviceBuffer>(sc.size() * 4);
+      r.slot_row = std::make_unique<DeviceBuffer>(size_t(T * k) * 4);
+      r.out = std::make_unique<DeviceBuffer>(size_t(T * D) * 4);
+      upload(r.idx->p, r.tok.idx);
+      upload(r.w->p, r.tok.w);
+      upload(r.x->p, r.tok.x);
+      upload(r.scales->p, sc);
+      layouts.push_back(::fp8moe::ep::dispatch_layout(r.tok.idx.data(), T, k, P, epr));
+    }
+    auto notify = [&](int p) { g->rank(p).notify(dview(rd[size_t(p)].idx->p, DType::i32, T, k)); };
+    for (int p = 0; p < P; ++p) notify(p);
+    for (int p = 0; p < P; ++p) g->rank(p).counts();
+    const ep::EpCounts& n0 = g->rank(0).counts();
+    double disp_out = 0, disp_all = 0, comb_out = 0, comb_all = 0;
+    const double row_bytes = double(D + G * 4 + k * 8);
+    for (int p = 0; p < P; ++p)
+      for (int d = 0; d < P; ++d) {
+        disp_all += double(n0.tokens_to(p, d)) * row_bytes;
+        comb_all += double(n0.slots_to(p, d)) * double(D) * 2;
+        if (p == d) continue;
+        disp_out += double(n0.tokens_to(p, d)) * row_bytes;
+        comb_out += double(n0.slots_to(p, d)) * double(D) * 2;
+      }
+    // The experts' rows: BF16 values of a random pool, each row from a random place in it.
+    std::vector<uint16_t> pool(size_t(1) << 20);
+    std::uniform_real_distribution<float> val(-4.0f, 4.0f);
+    for (auto& h : pool) {
+      const float f = val(rng);
+      uint32_t b;
+      std::memcpy(&b, &f, 4);
+      h = uint16_t(b >> 16);
+    }
+    std::uniform_int_distribution<size_t> at(0, pool.size() - size_t(D));
+    for (int d = 0; d < P; ++d) {
+      RankData& r = rd[size_t(d)];
+      const int64_t n = g->rank(d).counts().returned(d);
+      r.rows_h.resize(size_t(n * D));
+      for (int64_t i = 0; i < n; ++i) std::memcpy(&r.rows_h[size_t(i * D)], &pool[at(rng)], size_t(D) * 2);
+      r.rows = std::make_unique<DeviceBuffer>(r.rows_h.size() * 2 + 16);
+      upload(r.rows->p, r.rows_h);
+      if (opt.pull) upload(g->rank(d).combine_input().data, r.rows_h);  // where the experts would write them
+    }
+    auto dispatch = [&](int p) {
+      RankData& r = rd[size_t(p)];
+      QuantizedView q{dview(r.x->p, DType::e4m3, T, D), dview(r.scales->p, DType::f32, G, scale_ld(T)),
+                      ScaleKind::tile_1x128};
+      g->rank(p).dispatch(q, dview(r.w->p, DType::f32, T, k), dview(r.idx->p, DType::i32, T, k),
+                          dview(r.slot_row->p, DType::i32, T, k));
+    };
+    auto combine = [&](int p) {
+      RankData& r = rd[size_t(p)];
+      const int64_t n = g->rank(p).counts().returned(p);
+      g->rank(p).combine(opt.pull ? g->rank(p).combine_input() : dview(r.rows->p, DType::bf16, n, D),
+                         dview(r.slot_row->p, DType::i32, T, k),
+                         dview(r.w->p, DType::f32, T, k), dview(r.out->p, DType::f32, T, D), false);
+    };
+    MultiTimer mt(*g);
+    std::vector<double> tn, td, tc;
+    for (int i = 0; i < opt.warmup + opt.iters; ++i) {
+      const double a = mt.once(notify);
+      for (int p = 0; p < P; ++p) g->rank(p).counts();
+      const double b = mt.once(dispatch);
+      const double c = mt.once(combine);
+      if (i >= opt.warmup) tn.push_back(a), td.push_back(b), tc.push_back(c);
+    }
+    // Bit-exactness against the host reference (the last iteration's results).
+    std::string exact_d = "-", exact_c = "-";
+    if (opt.check) {
+      const auto want = ::fp8moe::ep::reference_dispatch([&] {
+        std::vector<::fp8moe::ep::RankTokens> s;
+        for (auto& r : rd) s.push_back(r.tok);
+        return s;
+      }(), layouts, D, G);
+      bool ok_d = true, ok_c = true;
+      for (int d = 0; d < P; ++d) {
+        const auto rv = g->rank(d).received();
+        std::vector<uint8_t> gx(size_t(rv.rows * D));
+        FP8MOE_CUDA_CHECK(cudaMemcpy(gx.data(), rv.x.values.data, gx.size(), cudaMemcpyDeviceToHost));
+        ok_d &= gx == want[size_t(d)].x;
+        std::vector<int32_t> sr(size_t(T * k));
+        FP8MOE_CUDA_CHECK(cudaMemcpy(sr.data(), rd[size_t(d)].slot_row->p, sr.size() * 4, cudaMemcpyDeviceToHost));
+        ok_d &= sr == layouts[size_t(d)].slot_row;
+      }
+      std::vector<std::vector<uint16_t>> rows;
+      for (auto& r : rd) rows.push_back(r.rows_h);
+      for (int p = 0; p < P && ok_c; ++p) {
+        std::vector<uint16_t> back = ::fp8moe::ep::reference_combine_rows(rows, layouts, p, D);
+        std::vector<float> ref(size_t(T * D)), got(size_t(T * D));
+        cpu->moe_combine(TensorView(back.data(), DType::bf16, {int64_t(back.size()) / D, D}),
+                         TensorView(layouts[size_t(p)].slot_row.data(), DType::i32, {T, k}),
+                         TensorView(rd[size_t(p)].tok.w.data(), DType::f32, {T, k}),
+                         TensorView(ref.data(), DType::f32, {T, D}), false);
+        FP8MOE_CUDA_CHECK(cudaMemcpy(got.data(), rd[size_t(p)].out->p, got.size() * 4, cudaMemcpyDeviceToHost));
+        ok_c &= std::memcmp(got.data(), ref.data(), ref.size() * 4) == 0;
+      }
+      exact_d = ok_d ? "yes (FP8 rows, slot_row)" : "NO";
+      exact_c = ok_c ? "yes" : "NO";
+      failures += !ok_d + !ok_c;
+    }
+    const double us_n = median(tn), us_d = median(td), us_c = median(tc);
+    std::printf("| %d | notify | %.1f | - | - | - | - | - | - |\n", P, us_n);
+    std::printf("| %d | dispatch | %.1f | %.1f | %.0f | %.0f%% | %.0f | %.0f%% | %s |\n", P, us_d, disp_out / (1 << 20),
+                disp_out / (us_d * 1e3), 100 * disp_out / (us_d * 1e3) / copy, disp_all / (us_d * 1e3),
+                100 * disp_all / (us_d * 1e3) / copy, exact_d.c_str());
+    std::printf("| %d | combine%s | %.1f | %.1f | %.0f | %.0f%% | %.0f | %.0f%% | %s |\n", P, opt.pull ? " (pull)" : "",
+                us_c, comb_out / (1 << 20),
+                comb_out / (us_c * 1e3), 100 * comb_out / (us_c * 1e3) / copy, comb_all / (us_c * 1e3),
+                100 * comb_all / (us_c * 1e3) / copy, exact_c.c_str());
+    std::fflush(stdout);
+
+    if (opt.gemm) {
+      // The GEMM on its own stream, alone and while the ranks loop over dispatch and combine.
+      const int64_t M = 4096, N = 7168, K = 7168;
+      DeviceQuantized aq(M, K, ScaleKind::tile_1x128), bq(N, K, ScaleKind::block_128x128);
+      std::vector<uint8_t> ab(size_t(M * K)), bb(size_t(N * K));
+      for (auto* v : {&ab, &bb})
+        for (size_t i = 0; i < v->size(); i += 8) {
+          const uint64_t r = rng() & 0x7777777777777777ull;
+          std::memcpy(&(*v)[i], &r, 8);
+        }
+      upload(aq.values.p, ab);
+      upload(bq.values.p, bb);
+      std::vector<float> ones(aq.scales.bytes / 4, 1.0f);
+      upload(aq.scales.p, ones);
+      upload(bq.scales.p, std::vector<float>(bq.scales.bytes / 4, 1.0f));
+      DeviceBuffer dd(size_t(M * N) * 2);
+      cudaStream_t gs;
+      FP8MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
+      cudaEvent_t e0, e1;
+      FP8MOE_CUDA_CHECK(cudaEventCreate(&e0));
+      FP8MOE_CUDA_CHECK(cudaEventCreate(&e1));
+      auto gemm_once = [&] {  // microseconds of one GEMM on gs
+        FP8MOE_CUDA_CHECK(cudaEventRecord(e0, gs));
+        gemm_fp8_sm90(aq.view, bq.view, dview(dd.p, DType::bf16, M, N), false, gs);
+        FP8MOE_CUDA_CHECK(cudaEventRecord(e1, gs));
+        FP8MOE_CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        return 1e3 * double(ms);
+      };
+      auto gemm_us = [&](int reps) {
+        std::vector<double> v;
+        for (int i = 0; i < reps; ++i) v.push_back(gemm_once());
+        return median(v);
+      };
+      gemm_us(3);
+      const double alone = gemm_us(opt.iters);
+      // Enough EP steps queued to outlast the GEMMs timed beside them.
+      // NOTES: on one GPU this can fail: once the GEMM's pending blocks are ahead of a rank's in the
+      // block scheduler and every SM holds a spinning block of another rank, neither can start;
+      // the ranks' waits then time out (an fp8moe::Error, reported here), which a GPU per rank
+      // cannot meet (the GEMM there never waits for the ranks).
+      std::vector<double> v;
+      std::string failed;
+      for (int i = 0; i < opt.iters && failed.empty(); ++i) try {
+        for (int rep = 0; rep < 4; ++rep) {
+          for (int p = 0; p < P; ++p) dispatch(p);
+          for (int p = 0; p < P; ++p) combine(p);
+        }
+        v.push_back(gemm_once());
+        for (int p = 0; p < P; ++p) g->rank(p).check();
+      } catch (const Error& e) {
+        failed = e.what();
+      }
+      const double beside = median(v);
+      if (!failed.empty())
+        std::printf("# %d ranks: the GEMM beside dispatch + combine did not complete: %s\n", P, failed.c_str());
+      else
+        std::printf("# %d ranks: FP8 GEMM %lldx%lldx%lld alone %.1f us (%.0f TFLOP/s), beside dispatch + combine "
+                  "(%d x %d SMs) %.1f us: %.0f%% slower\n",
+                  P, (long long)M, (long long)N, (long long)K, alone, 2.0 * M * N * K / (alone * 1e6), P, opt.num_sms,
+                  beside, 100 * (beside / alone - 1));
+      std::fflush(stdout);
+      cudaEventDestroy(e0);
+      cudaEventDestroy(e1);
+      cudaStreamDestroy(gs);
+    }
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace fp8moe::cuda

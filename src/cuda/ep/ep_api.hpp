@@ -1,0 +1,161 @@
+// Expert-parallel dispatch and combine over peer memory (DeepSeek-V3 §3.2.2; DeepEP's intranode
+// normal mode is the public form): the ranks of one node share symmetric buffers, and the kernels
+// write rows straight into their peers' buffers through NVLink, on a budget of SMs, in the exact
+// layouts and with the exact results of the Comm path (src/parallel/runtime/ep_exchange.cpp):
+//   notify    each rank's routing -> per (channel, rank) row and slot counts and per-expert slot
+//             counts, exchanged; the host reads them (counts()) to size what follows.
+//   dispatch  FP8 rows [T, D] with their 1x128 scales, f32 routing weights and i32 expert ids [T, k]
+//             -> on every rank, the rows that reach it, source-major, tokens ascending: e4m3 values
+//             [n, D], scales [G, scale_ld(n)] group-major with padding 1 (the quantized layout the
+//             grouped GEMM path reads), weights and ids [n, k]. The source gets slot_row [T, k]:
+//             the row of each (token, expert) slot among the rows the combine brings back.
+//   combine   each rank's BF16 rows, one per slot it computed (source-major, slot order: the
+//             Comm path's send layout) -> on the source, out [T, D] f32 (+)= sum_j w[t, j] *
+//             row(t, j) in slot order, moe_combine's roundings: deterministic and bit-exact.
+// Ranks are either several buffers on one GPU in one process, one stream each (EpGroup::local:
+// tests and benchmarks), or one process per GPU of a node with CUDA IPC handles exchanged over a
+// Comm (EpGroup::ipc). Every rank runs the same steps in the same order; each waits for its peers
+// through system-scope flags and gives up after the configured timeout with an fp8moe::Error
+// naming the step and the peer, instead of hanging.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda/ep/ep_args.hpp"
+#include "fp8moe/quantize.hpp"
+#include "fp8moe/tensor.hpp"
+
+namespace fp8moe {
+class Comm;
+}
+
+namespace fp8moe::cuda::ep {
+
+struct EpConfig {
+  int ranks = 0;            // P, at most kMaxRanks (one node)
+  int64_t max_tokens = 0;   // T per rank and step, at most
+  int64_t hidden = 0;       // D, a multiple of 128 (1x128 tiles)
+  int64_t topk = 0;         // k, at most kMaxTopk
+  int64_t experts = 0;      // routed experts, a multiple of P (rank d holds [d * E / P, (d + 1) * E / P))
+  int num_sms = 20;         // blocks of each kernel, even: channels = num_sms / 2
+  double timeout_s = 10.0;  // a wait for a peer longer than this fails the step
+  size_t buffer_bytes = 0;  // 0: the worst case; else the size to use, refused when below it
+  // The combine's rows travel by the sources' reads from a region of each expert rank's buffer
+  // (combine_input()) instead of the expert ranks' writes into the sources' buffers: one pass over
+  // the rows instead of two (written, then read for the sum), for a region of the worst case,
+  // P * T_max * k rows.
+  bool pull_combine = false;
+};
+
+// The regions of a rank's buffer for the worst case of cfg (checks cfg; throws fp8moe::Error).
+BufferLayout buffer_layout(const EpConfig& cfg);
+
+// What notify gathered on a rank: every source's counts (ep_args.hpp's CountsLayout).
+class EpCounts {
+ public:
+  EpCounts() = default;
+  EpCounts(CountsLayout layout, std::vector<int32_t> raw) : l_(layout), raw_(std::move(raw)) {}
+  int32_t tokens(int p, int c, int d) const { return raw_[size_t(p * l_.length() + l_.tokens(c, d))]; }
+  int32_t slots(int p, int c, int d) const { return raw_[size_t(p * l_.length() + l_.slots(c, d))]; }
+  int32_t expert(int p, int e) const { return raw_[size_t(p * l_.length() + l_.expert(e))]; }
+  int64_t tokens_to(int p, int d) const;  // rows source p sends to rank d
+  int64_t slots_to(int p, int d) const;   // slots of source p's tokens on rank d
+  int64_t received(int d) const;          // rows that reach rank d
+  std::vector<int64_t> recv_counts(int d) const;  // per source
+  int64_t returned(int d) const;          // rows rank d sends back in the combine
+  // Slots of each of rank d's experts over every source (the grouped GEMM's loads).
+  std::vector<int64_t> expert_counts(int d) const;
+
+ private:
+  CountsLayout l_;
+  std::vector<int32_t> raw_;  // [P][length]
+};
+
+class EpGroup;
+
+// One rank: its buffer, its peers' buffers, its stream and its step counter.
+class EpRank {
+ public:
+  int rank() const { return me_; }
+  cudaStream_t stream() const { return stream_; }
+
+  // idx [T, k] i32 on the device, T <= max_tokens, ids in [0, experts). Queued on stream().
+  void notify(const TensorView& idx);
+  // The counts of the last notify: waits for this rank's stream; throws on a timed-out wait or an
+  // expert id out of range.
+  const EpCounts& counts();
+  // x: values [T, D] e4m3, scales [G, ld >= T] f32 (tile_1x128); weights [T, k] f32; idx the
+  // notify's [T, k]; slot_row [T, k] i32 written. Needs counts() of the same routing first.
+  void dispatch(const QuantizedView& x, const TensorView& weights, const TensorView& idx, const TensorView& slot_row);
+  // Views of this rank's buffer after its dispatch (valid until its next dispatch).
+  struct Received {
+    QuantizedView x;            // [n, D] e4m3, scales [G, scale_ld(n)]
+    TensorView weights, ids;    // [n, k] f32, i32
+    int64_t rows = 0;
+  };
+  Received received() const;
+  // pull_combine: where this rank's combine rows go ([counts().returned(me), D] bf16 in its
+  // buffer), so that the experts can write them there directly. The peers read it during the
+  // combine step: write it only after a later step (dispatch or notify) has begun on this rank's
+  // stream, as the layer's order of steps does.
+  TensorView combine_input() const;
+  // rows [counts().returned(me), D] bf16; slot_row and weights (f32, or undefined: 1) [T, k] of
+  // this rank's last dispatch; out [T, D] f32 (+)= the weighted sums. With pull_combine, rows
+  // other than combine_input() are first copied there on stream().
+  void combine(const TensorView& rows, const TensorView& slot_row, const TensorView& weights, const TensorView& out,
+               bool accumulate);
+  // Waits for this rank's stream; throws fp8moe::Error if one of its waits timed out.
+  void check();
+
+ private:
+  friend class EpGroup;
+  StepArgs next_step(int64_t tokens);
+  void require_usable(const char* step) const;
+
+  const EpGroup* group_ = nullptr;
+  int me_ = 0;
+  char* peer_[kMaxRanks] = {};
+  cudaStream_t stream_ = nullptr;
+  uint64_t step_ = 0;
+  int64_t tokens_ = -1;      // T of the last notify
+  bool counted_ = false;     // counts() read since the last notify
+  bool broken_ = false;      // a wait timed out: the peers' step counters no longer agree
+  int32_t* counts_host_ = nullptr;  // pinned [P][length]
+  EpCounts counts_;
+};
+
+class EpGroup {
+ public:
+  // P ranks as P buffers on the current device, one stream each. Checks that the kernels' blocks
+  // of all ranks fit on the device at once (they wait for each other).
+  static std::unique_ptr<EpGroup> local(const EpConfig& cfg);
+  // This process's rank of comm (one process per GPU of one node): its buffer shared with the
+  // others' through CUDA IPC handles exchanged over comm (collective). Work goes on `stream`.
+  static std::unique_ptr<EpGroup> ipc(const EpConfig& cfg, Comm& comm, cudaStream_t stream);
+  ~EpGroup();
+  EpGroup(const EpGroup&) = delete;
+  EpGroup& operator=(const EpGroup&) = delete;
+
+  int size() const { return int(ranks_.size()); }  // ranks held by this process
+  EpRank& rank(int i) { return *ranks_[size_t(i)]; }
+  const EpConfig& config() const { return cfg_; }
+  const BufferLayout& layout() const { return layout_; }
+  const CountsLayout& counts_layout() const { return counts_layout_; }
+  int blocks_per_sm() const { return blocks_per_sm_; }  // the kernels' variant (StepArgs::blocks_per_sm)
+
+ private:
+  EpGroup(const EpConfig& cfg);
+  EpConfig cfg_;
+  BufferLayout layout_;
+  CountsLayout counts_layout_;
+  std::vector<std::unique_ptr<EpRank>> ranks_;
+  std::vector<void*> owned_;       // buffers allocated here
+  std::vector<void*> opened_;      // peers' buffers opened from IPC handles
+  std::vector<cudaStream_t> streams_;  // streams created here
+  int blocks_per_sm_ = 1;
+};
+
+}  // namespace fp8moe::cuda::ep

@@ -1,0 +1,64 @@
+// What the expert-parallel kernels are given (plain C++, shared by the host code and the kernels):
+// the byte layout of one rank's symmetric buffer, identical on every rank so that an offset names
+// the same region in a peer's buffer, and the arguments of one collective step.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace fp8moe::cuda::ep {
+
+constexpr int kMaxRanks = 8;       // one node: NVLink peers
+constexpr int kMaxChannels = 128;  // num_sms / 2 on any device of up to 256 SMs
+constexpr int kMaxTopk = 16;
+
+// (constexpr: callable from the kernels under --expt-relaxed-constexpr.)
+// Counts one source sends in the notify step, ints in this order: tokens[c][d] (rows of channel c
+// for rank d), slots[c][d] ((token, expert) slots of channel c on rank d), experts[e].
+struct CountsLayout {
+  int ranks = 0, channels = 0, experts = 0;
+  constexpr int tokens(int c, int d) const { return c * ranks + d; }
+  constexpr int slots(int c, int d) const { return channels * ranks + c * ranks + d; }
+  constexpr int expert(int e) const { return 2 * channels * ranks + e; }
+  constexpr int length() const { return 2 * channels * ranks + experts; }
+};
+
+// Regions of a rank's buffer, in bytes from its base. Flags are u64 step numbers; rows are placed
+// by their senders at their final position (the layout of the Comm path), so every region is
+// sized for the worst case: every token of every rank sent to one rank.
+struct BufferLayout {
+  size_t ready = 0;          // [P] u64: rank q has started step s (q's earlier reads are over)
+  size_t notify_flag = 0;    // [P] u64: rank q's counts are in `notify`
+  size_t dispatch_flag = 0;  // [P][kMaxChannels] u64: channel c of rank q has written its rows here
+  size_t combine_flag = 0;   // [P][kMaxChannels] u64: likewise for the combine's rows
+  size_t error = 0;          // 8 x u32: set, step, Failure, peer (token), channel (slot) of the first
+  size_t notify = 0;         // [P][counts] i32, written by the peers
+  size_t counts = 0;         // [P][counts] i32, this rank's copy for dispatch and combine
+  size_t x = 0;              // [P * T_max, D] e4m3 received rows
+  size_t scales = 0;         // [G, scale_ld(P * T_max)] f32, group-major at ld = scale_ld(rows)
+  size_t weights = 0;        // [P * T_max, k] f32
+  size_t ids = 0;            // [P * T_max, k] i32 global expert ids
+  size_t combine = 0;        // [T_max * k, D] bf16 the experts' rows back, rank-major (push)
+  size_t combine_in = 0;     // [P * T_max * k, D] bf16 this rank's rows for the sources (pull)
+  size_t total = 0;
+  int64_t max_recv = 0;      // P * T_max
+};
+
+enum class Step : uint32_t { notify = 1, dispatch = 2, combine = 3 };
+// What failed, in the error word: a wait for a peer's flag, or an expert id out of range.
+enum class Failure : uint32_t { ready = 1, counts = 2, rows = 3, expert_id = 4 };
+
+// One rank's step. peer[q] is rank q's buffer in this process's address space (peer[me] its own).
+struct StepArgs {
+  char* peer[kMaxRanks] = {};
+  BufferLayout layout;
+  CountsLayout counts;
+  int me = 0, ranks = 0, channels = 0;
+  int64_t hidden = 0, topk = 0, experts_per_rank = 0;
+  int64_t tokens = 0;  // this rank's T for this step
+  uint64_t step = 0;   // this step's number, the same on every rank
+  uint64_t timeout_ns = 0;
+  int blocks_per_sm = 1;  // the kernels' variant: 2 where the ranks share one GPU's SMs
+  bool pull = false;      // combine: the sources read the rows from the experts' buffers
+};
+
+}  // namespace fp8moe::cuda::ep

@@ -1,0 +1,42 @@
+// The results of the expert-parallel exchanges of ep_exchange.cpp (all_to_all_v of the dispatch
+// layout's rows), computed on the host for every rank at once: the reference the peer-memory
+// kernels (src/cuda/ep/) are compared with byte for byte, and a statement of what they must
+// produce. Rank d holds experts [d * epr, (d + 1) * epr).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "dispatch_layout.hpp"
+
+namespace fp8moe::ep {
+
+// One rank's tokens: idx [T, k] global expert ids, w [T, k], x [T, row_bytes] (FP8 codes), scales
+// [T, G] token-major.
+struct RankTokens {
+  int64_t tokens = 0;
+  std::vector<int32_t> idx;
+  std::vector<float> w;
+  std::vector<uint8_t> x;
+  std::vector<float> scales;
+};
+
+// What reaches one rank: source-major, tokens ascending (DispatchRoute's order).
+struct RankReceived {
+  std::vector<int64_t> recv_counts;  // [P] rows from each source
+  std::vector<uint8_t> x;            // [n, row_bytes]
+  std::vector<float> scales;         // [n, G]
+  std::vector<float> w;              // [n, k]
+  std::vector<int32_t> idx;          // [n, k] global ids
+};
+
+// The dispatch of every rank's tokens (ranks = src.size()); layouts[p] = dispatch_layout of rank p.
+std::vector<RankReceived> reference_dispatch(const std::vector<RankTokens>& src, const std::vector<DispatchLayout>& layouts,
+                                             int64_t row_bytes, int64_t groups);
+
+// The combine's rows as source p receives them ([T_p * k, cols], rank-major: what moe_combine reads
+// with layouts[p].slot_row), from each rank's returned rows expert_rows[d] ([sum_q slots of q on d,
+// cols], source-major, each source's slots in order).
+std::vector<uint16_t> reference_combine_rows(const std::vector<std::vector<uint16_t>>& expert_rows,
+                                             const std::vector<DispatchLayout>& layouts, int p, int64_t cols);
+
+}  // namespace fp8moe::ep
