@@ -4,11 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
-#include <functional>
 #include <random>
 
 #include "fp8moe/error.hpp"
 #include "fp8moe/placement.hpp"
+#include "testing.hpp"
 
 namespace fp8moe {
 namespace {
@@ -82,14 +82,7 @@ TEST(Placement, GlobalWhenGroupsDoNotDivide) {
   EXPECT_LT(placement_balance(kReadme, p).overall(), placement_balance(kReadme, identity_placement(2, 12, 3, 6)).overall());
 }
 
-void expect_error(const std::function<void()>& f, const std::string& words) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one naming '" << words << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
-  }
-}
+using testing::expect_error;
 
 TEST(Placement, BadInput) {
   expect_error([] { place_experts({{1, 2, 3}, {1, 2}}, {4, 1, 2, 1}); }, "layer 1 have 2 experts, layer 0 has 3");
