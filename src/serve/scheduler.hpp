@@ -59,6 +59,11 @@ class Scheduler {
   // Validates the request (raises fp8moe::Error naming the field: empty prompt, prompt +
   // max_tokens beyond the context or the whole cache, bad sampling) and queues it; returns its id.
   uint64_t submit(Request r);
+  // A request whose prompt another engine prefilled (prefill/decode disaggregation, report §3.4):
+  // `first` is the token sampled there, and `fill` stores the prompt's latents into the blocks
+  // allocated for them here (LatentCache::import_blocks on the table's first blocks), called from
+  // step() when the request is admitted. A request preempted later recomputes its text as any other.
+  uint64_t submit_prefilled(Request r, int32_t first, std::function<void(const std::vector<int32_t>& table)> fill);
   void cancel(uint64_t id);  // a no-op for finished or unknown ids
   // One engine step; false when there was nothing to do.
   bool step();
