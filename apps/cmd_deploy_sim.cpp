@@ -22,6 +22,7 @@ struct DeploySimArgs {
   serve::LinkModel links;
   bool links_set = false;
   bool roofline_attention = false;
+  bool attention_given = false;  // --attention-tflops on the command line: kept under --roofline-attention
   bool serial = false;
   int64_t tokens_per_gpu = 0, batch_per_gpu = 0, context = 0;
   double load_sigma = -1;
@@ -34,7 +35,7 @@ void deploy_sim_command(DeploySimArgs a) {
   // H200's 4.8 TB/s of HBM.
   if (a.gpu == "h800") a.rates.memory_scale *= 3.35 / 4.8;
   if (a.roofline_attention) {
-    a.rates.attention_tflops = a.rates.gemm_tflops;
+    if (!a.attention_given) a.rates.attention_tflops = a.rates.gemm_tflops;
     a.rates.attention_full_square = false;
     a.rates.decode_attention_fraction = 1.0;
   }
@@ -92,7 +93,7 @@ void add_deploy_sim(CLI::App& app) {
   cmd->add_option("--gpu", a->gpu, "h800 (the published units' GPU: HBM rates x 3.35/4.8) | h200")->capture_default_str();
   cmd->add_option("--gemm-tflops", a->rates.gemm_tflops, "FP8 dense GEMM")->capture_default_str();
   cmd->add_option("--grouped-tflops", a->rates.grouped_tflops, "FP8 grouped GEMM")->capture_default_str();
-  cmd->add_option("--attention-tflops", a->rates.attention_tflops, "attention")->capture_default_str();
+  auto* attention = cmd->add_option("--attention-tflops", a->rates.attention_tflops, "attention")->capture_default_str();
   cmd->add_option("--weight-stream-tbps", a->rates.weight_stream_tbps, "weights streamed by small-M GEMMs")
       ->capture_default_str();
   cmd->add_option("--copy-tbps", a->rates.copy_tbps, "device copy")->capture_default_str();
@@ -100,7 +101,7 @@ void add_deploy_sim(CLI::App& app) {
                   "decode attention's share of the cache read at copy rate")
       ->capture_default_str();
   cmd->add_flag("--roofline-attention", a->roofline_attention,
-                "attention at the GEMM rate (causal half), decode attention at the copy rate");
+                "attention at the GEMM rate (or --attention-tflops; causal half), decode attention at the copy rate");
   cmd->add_option("--nvlink-gbps", a->links.nvlink_gbps, "NVLink per GPU and direction")->capture_default_str();
   cmd->add_option("--nvlink-latency-us", a->links.nvlink_latency_us, "NVLink per transfer")->capture_default_str();
   cmd->add_option("--ib-gbps", a->links.ib_gbps, "InfiniBand per GPU and direction")->capture_default_str();
@@ -109,7 +110,10 @@ void add_deploy_sim(CLI::App& app) {
   cmd->add_option("--batch-per-gpu", a->batch_per_gpu, "decode sequences per GPU (0: the unit's, 88)");
   cmd->add_option("--context", a->context, "prompt length (prefill) or cached tokens (decode); 0: the unit's");
   cmd->add_option("--load-sigma", a->load_sigma, "lognormal sigma of the expert loads (default 0.5)");
-  cmd->callback([a] { deploy_sim_command(*a); });
+  cmd->callback([a, attention] {
+    a->attention_given = attention->count() > 0;
+    deploy_sim_command(*a);
+  });
 }
 
 const bool registered = cli::register_command(&add_deploy_sim);
