@@ -42,13 +42,12 @@ DeployUnit production_prefill_unit() {
 }
 
 DeployUnit production_decode_unit() {
-  DeployUnit u;
+  DeployUnit u = report_decode_unit();
   u.name = "production decode (DP144, EP144)";
-  u.decode = true;
   u.nodes = 18;
+  u.attention_tp = 1;
   u.slots = 256 + 32;  // 2 routed experts per GPU, the shared one on every GPU
-  u.context = 4989;
-  u.max_nodes = 0;
+  u.shared_as_routed = false;
   u.published_tokens_per_node_s = 14.8e3;
   u.published_note = "output tokens, 20-22 tokens/s per user";
   return u;

@@ -42,14 +42,19 @@ TEST(Placement, InverseMapsAndCounts) {
   }
 }
 
+ExpertLoads lognormal_loads(int64_t layers, int64_t experts, double sigma, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::lognormal_distribution<double> d(0.0, sigma);
+  ExpertLoads loads(static_cast<size_t>(layers), std::vector<double>(static_cast<size_t>(experts)));
+  for (auto& row : loads)
+    for (double& v : row) v = d(rng);
+  return loads;
+}
+
 // The hierarchical policy keeps every group on one node: the token's group-limited routing
 // reaches no node it did not reach before.
 TEST(Placement, HierarchicalKeepsGroupsOnNodes) {
-  std::mt19937 rng(3);
-  std::lognormal_distribution<double> d(0.0, 1.0);
-  ExpertLoads loads(4, std::vector<double>(64));
-  for (auto& row : loads)
-    for (double& v : row) v = d(rng);
+  const ExpertLoads loads = lognormal_loads(4, 64, 1.0, 3);
   const ExpertPlacement p = place_experts(loads, {80, 4, 16, 8});
   for (int64_t l = 0; l < p.layers; ++l)
     for (int64_t s = 0; s < 80; ++s) {
@@ -63,11 +68,7 @@ TEST(Placement, HierarchicalKeepsGroupsOnNodes) {
 }
 
 TEST(Placement, BalancesSkewedLoads) {
-  std::mt19937 rng(11);
-  std::lognormal_distribution<double> d(0.0, 1.5);
-  ExpertLoads loads(3, std::vector<double>(256));
-  for (auto& row : loads)
-    for (double& v : row) v = d(rng);
+  const ExpertLoads loads = lognormal_loads(3, 256, 1.5, 11);
   const ExpertPlacement p = place_experts(loads, {288, 4, 32, 1});  // one group: the global policy
   const PlacementBalance before = placement_balance(loads, identity_placement(3, 256, 4, 32));
   const PlacementBalance after = placement_balance(loads, p);
