@@ -26,6 +26,7 @@ struct Args {
   uint64_t seed = 1;
   int64_t cache_blocks = 1024;
   bool shared_as_routed = false;
+  int64_t expert_slots = 0, expert_nodes = 1, expert_gpus = 1, rebalance_every = 0;
   serve::ServerOptions server;
 };
 
@@ -49,6 +50,10 @@ void run(Args& a) {
   eo.cache = serve::cache_dtype_from_name(a.cache);
   eo.cache_blocks = a.cache_blocks;
   eo.shared_as_routed = a.shared_as_routed;
+  eo.expert_slots = a.expert_slots;
+  eo.expert_nodes = a.expert_nodes;
+  eo.expert_gpus = a.expert_gpus;
+  eo.rebalance_every = a.rebalance_every;
   serve::Engine engine(w, *be, eo);
   serve::Server server(engine, a.server);
   std::signal(SIGINT, on_signal);
@@ -97,6 +102,11 @@ void add_serve(CLI::App& app) {
   c->add_option("--linear", a->linear, "Linear precision")->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}));
   c->add_option("--cache", a->cache, "Latent cache dtype")->check(CLI::IsMember({"f32", "bf16", "fp8"}));
   c->add_option("--cache-blocks", a->cache_blocks, "Cache blocks of 64 tokens")->check(CLI::PositiveNumber);
+  c->add_option("--expert-slots", a->expert_slots, "Redundant experts: slots for copies of the routed experts (0: one each)");
+  c->add_option("--expert-nodes", a->expert_nodes, "Redundant experts: nodes of the virtual GPUs")->check(CLI::PositiveNumber);
+  c->add_option("--expert-gpus", a->expert_gpus, "Redundant experts: virtual GPUs holding the slots")->check(CLI::PositiveNumber);
+  c->add_option("--rebalance-every", a->rebalance_every, "Redundant experts: engine steps between placements (0: never)")
+      ->check(CLI::NonNegativeNumber);
   c->add_option("--max-step-tokens", a->server.scheduler.max_step_tokens, "Tokens per engine step")
       ->check(CLI::PositiveNumber);
   c->add_option("--max-running", a->server.scheduler.max_running, "Requests in the running batch")
