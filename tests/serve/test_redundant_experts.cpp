@@ -51,7 +51,7 @@ double spread(const Engine& e) {
   return mx / (sum / double(n));
 }
 
-void check_recipe(const std::string& recipe) {
+void check_recipe(const std::string& recipe, bool shared_as_routed = false) {
   auto be = make_backend(testing_env::backend_name());
   ModelConfig cfg = load_config(std::string(FP8MOE_SOURCE_DIR) + "/configs/tiny.json");
   cfg.initializer_range = 0.1;  // peaked logits: greedy choices are not near-ties
@@ -65,6 +65,7 @@ void check_recipe(const std::string& recipe) {
   EngineOptions base;
   base.cache = CacheDType::f32;
   base.cache_blocks = 64;
+  base.shared_as_routed = shared_as_routed;  // the shared expert's group stays past the slots
   base.expert_gpus = 4;  // one node: the global policy (2 groups of unequal load cannot balance 2 nodes)
   EngineOptions red = base;
   red.expert_slots = 12;     // 4 redundant copies, 3 slots per GPU
@@ -83,7 +84,7 @@ void check_recipe(const std::string& recipe) {
   EXPECT_EQ(serve_all(copies), want);
   serve_all(plain);
   const double before = spread(plain), after = spread(copies);
-  std::cout << recipe << ": max / mean tokens per virtual GPU " << before << " with one copy per expert, " << after
+  std::cout << recipe << (shared_as_routed ? " (shared expert as routed)" : "") << ": max / mean tokens per virtual GPU " << before << " with one copy per expert, " << after
             << " with 4 redundant copies\n";
   for (const Engine* e : {&plain, &copies}) {
     std::cout << (e == &plain ? "  one copy:" : "  copies:  ");
@@ -96,6 +97,7 @@ void check_recipe(const std::string& recipe) {
 
 TEST(RedundantExperts, SameTokensAndBetterSpreadFp32) { check_recipe("fp32"); }
 TEST(RedundantExperts, SameTokensAndBetterSpreadFp8) { check_recipe("fp8"); }
+TEST(RedundantExperts, SameTokensWithSharedAsRoutedFp8) { check_recipe("fp8", true); }
 
 TEST(RedundantExperts, PlacementOfTheWrongShape) {
   auto be = make_backend(testing_env::backend_name());
