@@ -3,6 +3,8 @@
 //   fp8moe serve --hf out/hf --cache fp8 --cache-blocks 1024
 //   fp8moe serve --dummy configs/tiny.json --port 0     (random weights: load tests)
 //   curl -N localhost:8000/v1/completions -d '{"model": "fp8moe", "prompt": "Hi", "stream": true}'
+//   mpirun -np 2 fp8moe serve --dummy configs/tiny.json --disaggregate
+//                       (rank 0: HTTP and prefill; rank 1: decode; the cache handed over by Comm)
 // Prints "fp8moe serve: listening on http://HOST:PORT" once it accepts connections; SIGINT or
 // SIGTERM stops it (in-flight requests are cancelled) with exit status 0.
 #ifdef FP8MOE_HAVE_SERVER
@@ -14,8 +16,10 @@
 
 #include "commands.hpp"
 #include "fp8moe/backend.hpp"
+#include "fp8moe/comm.hpp"
 #include "fp8moe/error.hpp"
 #include "fp8moe/model.hpp"
+#include "serve/disaggregated_front.hpp"
 #include "serve/server.hpp"
 
 namespace fp8moe {
@@ -26,6 +30,7 @@ struct Args {
   uint64_t seed = 1;
   int64_t cache_blocks = 1024;
   bool shared_as_routed = false;
+  bool disaggregate = false;
   int64_t expert_slots = 0, expert_nodes = 1, expert_gpus = 1, rebalance_every = 0;
   serve::ServerOptions server;
 };
@@ -55,7 +60,21 @@ void run(Args& a) {
   eo.expert_gpus = a.expert_gpus;
   eo.rebalance_every = a.rebalance_every;
   serve::Engine engine(w, *be, eo);
-  serve::Server server(engine, a.server);
+  std::unique_ptr<Comm> comm;
+  std::unique_ptr<serve::DisaggregatedFront> front;
+  if (a.disaggregate) {
+    comm = make_comm("mpi");
+    require_world(*comm, 2, "fp8moe serve --disaggregate (rank 0 prefills and serves HTTP, rank 1 decodes)");
+    if (comm->rank() == 1) {  // stopped by the front's end message, not by signals
+      std::signal(SIGINT, SIG_IGN);
+      std::signal(SIGTERM, SIG_IGN);
+      serve::Scheduler decode(engine, a.server.scheduler);
+      serve::serve_decode_rank(decode, engine, *comm, 0);
+      return;
+    }
+    front = std::make_unique<serve::DisaggregatedFront>(engine, *comm, 1, a.server.scheduler.max_step_tokens);
+  }
+  serve::Server server = front ? serve::Server(engine, *front, a.server) : serve::Server(engine, a.server);
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
   std::atomic<bool> done{false};
@@ -85,6 +104,11 @@ void run(Args& a) {
   }
   done = true;
   watcher.join();
+  if (front) {
+    front->finish();
+    std::printf("fp8moe serve: %lld handovers, %.3f GB/s\n", static_cast<long long>(front->handover().requests),
+                front->handover().gb_per_s());
+  }
 }
 
 void add_serve(CLI::App& app) {
@@ -111,6 +135,8 @@ void add_serve(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   c->add_option("--max-running", a->server.scheduler.max_running, "Requests in the running batch")
       ->check(CLI::PositiveNumber);
+  c->add_flag("--disaggregate", a->disaggregate,
+              "Under mpirun -np 2: prefill on rank 0 (with the HTTP front), decode on rank 1");
   c->add_flag("--shared-as-routed", a->shared_as_routed, "Run the shared expert as a routed expert every token picks");
   c->callback([a] { run(*a); });
 }

@@ -6,11 +6,12 @@
 // cache when it admits the request and decodes from there.
 //   rank 0: PrefillSender tx(engine, comm, 1); tx.send(prompt, 32); ...; tx.finish();
 //   rank 1: DecodeReceiver rx(sched, engine, comm, 0); while (rx.receive(base)) {}  while (sched.step()) {}
-// Both engines load the same weights and keep caches of the same dtype. A sampled (temperature
-// > 0) request draws its first token from the prefill rank's sampler and the rest from a fresh
-// one of the same seed, so only greedy requests are token for token those of one engine.
+// Both engines load the same weights and keep caches of the same dtype. A sampled request's
+// generator state goes with it, so the decode rank goes on with the prefill rank's draws.
 #pragma once
 #include <cstdint>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "fp8moe/comm.hpp"
@@ -28,10 +29,24 @@ struct HandoverStats {
   double gb_per_s() const { return seconds > 0 ? double(bytes) / seconds / 1e9 : 0.0; }
 };
 
+// The bytes of s as a host u8 tensor, for Comm.
+Tensor host_bytes(std::string_view s);
+
 // The transfer itself: the parts of LatentCache::export_blocks to `peer`, and into buffers of
 // LatentCache::empty_export shapes from it; both return the bytes moved.
 int64_t send_cache_blocks(Comm& comm, const std::vector<Tensor>& parts, int peer, const Stream& s);
 int64_t recv_cache_blocks(Comm& comm, const std::vector<Tensor>& parts, int peer, const Stream& s);
+
+// The prefill rank's work on one prompt: through the engine in chunks of max_chunk tokens into
+// blocks of `alloc`, the first token drawn from `sampler`, the blocks exported and given back.
+struct Prefilled {
+  int32_t first = 0;
+  std::string sampler_state;  // after the first draw (Sampler::state)
+  int64_t blocks = 0;
+  std::vector<Tensor> parts;  // LatentCache::export_blocks
+};
+Prefilled prefill_for_handover(Engine& engine, BlockAllocator& alloc, const std::vector<int32_t>& prompt,
+                               int64_t max_chunk, Sampler& sampler);
 
 class PrefillSender {
  public:

@@ -220,22 +220,21 @@ Scheduler::~Scheduler() = default;
 
 uint64_t Scheduler::submit(Request r) { return impl_->enqueue(impl_->make_seq(std::move(r))); }
 
-uint64_t Scheduler::submit_prefilled(Request r, int32_t first,
-                                     std::function<void(const std::vector<int32_t>& table)> fill) {
+uint64_t Scheduler::submit_prefilled(Request r, int32_t first, std::function<void(const std::vector<int32_t>& table)> fill,
+                                     const std::string& sampler_state) {
   const int32_t V = int32_t(impl_->engine.config().vocab_size);
   FP8MOE_CHECK(first >= 0 && first < V, "submit_prefilled: first token " << first << " outside the vocabulary [0, "
                                                                          << V << ")");
   FP8MOE_CHECK(fill, "submit_prefilled: no fill function");
   std::unique_ptr<Seq> s = impl_->make_seq(std::move(r));
+  if (!sampler_state.empty()) s->sampler->set_state(sampler_state);
   s->computed = int64_t(s->tokens.size());
   s->first = first;
   s->fill = std::move(fill);
   return impl_->enqueue(std::move(s));
 }
 
-std::unique_ptr<Seq> Scheduler::Impl::make_seq(Request r) {
-  Impl& m = *this;
-  const ModelConfig& cfg = m.engine.config();
+void validate_request(const Request& r, const ModelConfig& cfg, int64_t cache_blocks) {
   FP8MOE_CHECK(!r.prompt.empty(), "prompt: empty (expected at least one token)");
   for (int32_t t : r.prompt)
     FP8MOE_CHECK(t >= 0 && t < cfg.vocab_size, "prompt: token " << t << " outside the vocabulary [0, " << cfg.vocab_size << ")");
@@ -244,10 +243,14 @@ std::unique_ptr<Seq> Scheduler::Impl::make_seq(Request r) {
   FP8MOE_CHECK(total <= cfg.max_position_embeddings,
                "prompt (" << r.prompt.size() << " tokens) + max_tokens (" << r.max_tokens << ") = " << total
                           << " exceeds the context of " << cfg.max_position_embeddings << " tokens");
-  FP8MOE_CHECK(blocks_for(total) <= m.alloc.total(),
-               "prompt + max_tokens = " << total << " tokens exceed the cache of " << m.alloc.total() * kBlockTokens
+  FP8MOE_CHECK(blocks_for(total) <= cache_blocks,
+               "prompt + max_tokens = " << total << " tokens exceed the cache of " << cache_blocks * kBlockTokens
                                         << " tokens");
   validate(r.sampling);
+}
+
+std::unique_ptr<Seq> Scheduler::Impl::make_seq(Request r) {
+  validate_request(r, engine.config(), alloc.total());
   auto s = std::make_unique<Seq>();
   s->sampler = std::make_unique<Sampler>(r.sampling);
   s->tokens = r.prompt;
@@ -257,13 +260,12 @@ std::unique_ptr<Seq> Scheduler::Impl::make_seq(Request r) {
 }
 
 uint64_t Scheduler::Impl::enqueue(std::unique_ptr<Seq> s) {
-  Impl& m = *this;
-  std::lock_guard<std::mutex> l(m.mu);
-  s->id = m.next_id++;
-  m.st.prompt_tokens += int64_t(s->req.prompt.size());
+  std::lock_guard<std::mutex> l(mu);
+  s->id = next_id++;
+  st.prompt_tokens += int64_t(s->req.prompt.size());
   const uint64_t id = s->id;
-  m.incoming.push_back(std::move(s));
-  ++m.st.waiting;
+  incoming.push_back(std::move(s));
+  ++st.waiting;
   return id;
 }
 

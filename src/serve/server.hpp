@@ -29,7 +29,9 @@ struct ServerOptions {
 
 class Server {
  public:
-  Server(Engine& engine, const ServerOptions& opt);
+  Server(Engine& engine, const ServerOptions& opt);  // its own Scheduler over the engine
+  // Requests through `batcher` (a disaggregated deployment's front); the engine gives the config.
+  Server(Engine& engine, Batcher& batcher, const ServerOptions& opt);
   ~Server();
   // Binds, reports the port through on_listening, serves until stop(); in-flight requests are
   // cancelled at the end.

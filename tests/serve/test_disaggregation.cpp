@@ -10,6 +10,7 @@
 
 #include "fp8moe/comm.hpp"
 #include "fp8moe/model.hpp"
+#include "serve/disaggregated_front.hpp"
 #include "serve/disaggregation.hpp"
 #include "serve_testing.hpp"
 #include "testing.hpp"
@@ -87,6 +88,97 @@ void run(const std::string& recipe, CacheDType cache) {
 TEST(Disaggregation, TokensEqualOneEngineFp32) { run("fp32", CacheDType::f32); }
 TEST(Disaggregation, TokensEqualOneEngineFp8Cache) { run("fp8", CacheDType::fp8); }
 TEST(Disaggregation, TokensEqualOneEngineBf16Cache) { run("bf16", CacheDType::bf16); }
+
+// The server front: requests submitted to the front (rank 0) as to a Scheduler, prefilled there,
+// decoded on rank 1, their text and ends back on rank 0's callbacks: the same text, tokens and
+// finish reasons as one engine's scheduler, with a stop string, a sampled request and a request
+// cancelled on the way.
+struct Out {
+  std::string text, reason;
+  std::vector<int32_t> tokens;
+};
+Request request_of(int64_t i, Out* out, const std::string& stop = "") {
+  Request r;
+  r.prompt = prompt_of(prompt_len(i), i);
+  r.max_tokens = kNew + i;
+  if (i == 2 && !stop.empty()) r.stop = {stop};
+  if (i == 3) r.sampling = {0.8, 0, 0.95, 3};  // sampled: the generator's state goes with the cache
+  r.on_text = [out](std::string_view t) { out->text += t; };
+  r.on_done = [out](const std::string& reason, const std::vector<int32_t>& t) {
+    out->reason = reason;
+    out->tokens = t;
+  };
+  return r;
+}
+
+TEST(Disaggregation, ServerFrontEqualsOneScheduler) {
+  Comm& world = *g_world;
+  ASSERT_EQ(world.size(), 2);
+  auto be = make_backend(testing_env::backend_name());
+  ModelConfig cfg = load_config(std::string(FP8MOE_SOURCE_DIR) + "/configs/tiny.json");
+  cfg.initializer_range = 0.1;
+  Model model(cfg, Recipe::from_name("fp32"), *be, 9);
+  EngineOptions o;
+  o.cache = CacheDType::f32;
+  o.cache_blocks = world.rank() == 0 ? 8 : 24;
+  Engine e(weights_of(model), *be, o);
+  if (world.rank() == 1) {
+    Scheduler s(e, {});
+    serve_decode_rank(s, e, world, 0);
+    return;
+  }
+  std::vector<Out> got(kRequests + 1), want(kRequests);
+  Engine one_e(weights_of(model), *be, o);
+  const auto alone = [&](const Request& r, Out* out) {
+    Scheduler one(one_e, {});
+    Request q = r;
+    q.on_text = [out](std::string_view t) { out->text += t; };
+    q.on_done = [out](const std::string& reason, const std::vector<int32_t>& t) {
+      out->reason = reason;
+      out->tokens = t;
+    };
+    one.submit(std::move(q));
+    while (one.step()) {
+    }
+  };
+  // Request 2 stops at two bytes from the middle of what it makes without a stop string.
+  Out free_run;
+  alone(request_of(2, &free_run), &free_run);
+  ASSERT_GE(free_run.text.size(), 8u);
+  const std::string stop = free_run.text.substr(5, 2);
+  for (int64_t i = 0; i < kRequests; ++i) alone(request_of(i, nullptr, stop), &want[size_t(i)]);
+  EXPECT_EQ(want[2].reason, "stop");
+  {
+    DisaggregatedFront front(e, world, 1);
+    front.submit(request_of(0, &got[0], stop));
+    Request big;
+    big.prompt = {1};
+    big.max_tokens = 256;
+    testing::expect_error([&] { front.submit(big); }, "exceeds the context of 256 tokens");
+    for (int64_t i = 0; i < kRequests; ++i) {
+      if (i > 0) front.submit(request_of(i, &got[size_t(i)], stop));
+      front.step();
+    }
+    Request gone = request_of(1, &got[kRequests]);
+    gone.max_tokens = 200;
+    const uint64_t id = front.submit(std::move(gone));
+    for (int k = 0; k < 3; ++k) front.step();
+    front.cancel(id);
+    while (!front.idle()) front.step();
+    std::cout << "front: " << front.handover().requests << " handovers, " << front.handover().bytes << " bytes, "
+              << front.stats().finished << " finished, " << front.stats().cancelled << " cancelled\n";
+    EXPECT_EQ(front.stats().finished, kRequests);
+    EXPECT_EQ(front.stats().cancelled, 1);
+    front.finish();
+  }
+  for (int64_t i = 0; i < kRequests; ++i) {
+    EXPECT_EQ(got[size_t(i)].tokens, want[size_t(i)].tokens) << "request " << i;
+    EXPECT_EQ(got[size_t(i)].text, want[size_t(i)].text) << "request " << i;
+    EXPECT_EQ(got[size_t(i)].reason, want[size_t(i)].reason) << "request " << i;
+  }
+  EXPECT_EQ(got[kRequests].reason, "cancelled");
+  EXPECT_LT(got[kRequests].tokens.size(), 200u);
+}
 
 // The handover of a DeepSeek-V3-sized cache: 61 layers of the FP8 latent (512 + 64 per token, 656
 // bytes with scales) for a 4096-token prompt, 164 MB, rank 0 to rank 1; received blocks equal sent.
