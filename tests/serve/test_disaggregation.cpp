@@ -1,7 +1,8 @@
 // Prefill/decode disaggregation under mpirun with 2 ranks (ctest serve_disaggregation_np2): rank
 // 0 prefills, rank 1 decodes what it is handed; every greedy output equals the output of one
 // engine serving the request alone with the same weights, with the decode rank's cache of a
-// different size (its blocks elsewhere) and for each cache dtype. Prints the handover's GB/s.
+// different size (its blocks elsewhere) and for each cache dtype; the same through the server
+// front (DisaggregatedFront, serve_decode_rank). Prints the handover's GB/s.
 #include <gtest/gtest.h>
 
 #include <chrono>
