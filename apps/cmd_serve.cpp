@@ -3,6 +3,8 @@
 //   fp8moe serve --hf out/hf --cache fp8 --cache-blocks 1024
 //   fp8moe serve --dummy configs/tiny.json --port 0     (random weights: load tests)
 //   curl -N localhost:8000/v1/completions -d '{"model": "fp8moe", "prompt": "Hi", "stream": true}'
+//   mpirun -np 2 fp8moe serve --dummy configs/tiny.json --disaggregate
+//                       (rank 0: HTTP and prefill; rank 1: decode; the cache handed over by Comm)
 // Prints "fp8moe serve: listening on http://HOST:PORT" once it accepts connections; SIGINT or
 // SIGTERM stops it (in-flight requests are cancelled) with exit status 0.
 #ifdef FP8MOE_HAVE_SERVER
@@ -14,8 +16,10 @@
 
 #include "commands.hpp"
 #include "fp8moe/backend.hpp"
+#include "fp8moe/comm.hpp"
 #include "fp8moe/error.hpp"
 #include "fp8moe/model.hpp"
+#include "serve/disaggregated_front.hpp"
 #include "serve/server.hpp"
 
 namespace fp8moe {
@@ -26,6 +30,8 @@ struct Args {
   uint64_t seed = 1;
   int64_t cache_blocks = 1024;
   bool shared_as_routed = false;
+  bool disaggregate = false;
+  int64_t expert_slots = 0, expert_nodes = 1, expert_gpus = 1, rebalance_every = 0;
   serve::ServerOptions server;
 };
 
@@ -49,8 +55,26 @@ void run(Args& a) {
   eo.cache = serve::cache_dtype_from_name(a.cache);
   eo.cache_blocks = a.cache_blocks;
   eo.shared_as_routed = a.shared_as_routed;
+  eo.expert_slots = a.expert_slots;
+  eo.expert_nodes = a.expert_nodes;
+  eo.expert_gpus = a.expert_gpus;
+  eo.rebalance_every = a.rebalance_every;
   serve::Engine engine(w, *be, eo);
-  serve::Server server(engine, a.server);
+  std::unique_ptr<Comm> comm;
+  std::unique_ptr<serve::DisaggregatedFront> front;
+  if (a.disaggregate) {
+    comm = make_comm("mpi");
+    require_world(*comm, 2, "fp8moe serve --disaggregate (rank 0 prefills and serves HTTP, rank 1 decodes)");
+    if (comm->rank() == 1) {  // stopped by the front's end message, not by signals
+      std::signal(SIGINT, SIG_IGN);
+      std::signal(SIGTERM, SIG_IGN);
+      serve::Scheduler decode(engine, a.server.scheduler);
+      serve::serve_decode_rank(decode, engine, *comm, 0);
+      return;
+    }
+    front = std::make_unique<serve::DisaggregatedFront>(engine, *comm, 1, a.server.scheduler.max_step_tokens);
+  }
+  serve::Server server = front ? serve::Server(engine, *front, a.server) : serve::Server(engine, a.server);
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
   std::atomic<bool> done{false};
@@ -80,6 +104,11 @@ void run(Args& a) {
   }
   done = true;
   watcher.join();
+  if (front) {
+    front->finish();
+    std::printf("fp8moe serve: %lld handovers, %.3f GB/s\n", static_cast<long long>(front->handover().requests),
+                front->handover().gb_per_s());
+  }
 }
 
 void add_serve(CLI::App& app) {
@@ -97,10 +126,17 @@ void add_serve(CLI::App& app) {
   c->add_option("--linear", a->linear, "Linear precision")->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}));
   c->add_option("--cache", a->cache, "Latent cache dtype")->check(CLI::IsMember({"f32", "bf16", "fp8"}));
   c->add_option("--cache-blocks", a->cache_blocks, "Cache blocks of 64 tokens")->check(CLI::PositiveNumber);
+  c->add_option("--expert-slots", a->expert_slots, "Redundant experts: slots for copies of the routed experts (0: one each)");
+  c->add_option("--expert-nodes", a->expert_nodes, "Redundant experts: nodes of the virtual GPUs")->check(CLI::PositiveNumber);
+  c->add_option("--expert-gpus", a->expert_gpus, "Redundant experts: virtual GPUs holding the slots")->check(CLI::PositiveNumber);
+  c->add_option("--rebalance-every", a->rebalance_every, "Redundant experts: engine steps between placements (0: never)")
+      ->check(CLI::NonNegativeNumber);
   c->add_option("--max-step-tokens", a->server.scheduler.max_step_tokens, "Tokens per engine step")
       ->check(CLI::PositiveNumber);
   c->add_option("--max-running", a->server.scheduler.max_running, "Requests in the running batch")
       ->check(CLI::PositiveNumber);
+  c->add_flag("--disaggregate", a->disaggregate,
+              "Under mpirun -np 2: prefill on rank 0 (with the HTTP front), decode on rank 1");
   c->add_flag("--shared-as-routed", a->shared_as_routed, "Run the shared expert as a routed expert every token picks");
   c->callback([a] { run(*a); });
 }

@@ -49,6 +49,7 @@ struct Engine::Impl {
     Tensor gate_w, gate_bias;           // [E, D], [E] f32
     std::vector<Mlp> experts;           // G = E (+1 with shared_as_routed); full/bf16
     QuantizedTensor eg, eu, ed;         // fp8: [G * F, D], [G * F, D], [G * D, F] stacked
+    QuantizedTensor pg, pu, pd;         // fp8 with redundant experts: the same by physical slot
   };
   std::vector<Layer> layers;
   Tensor embed;  // [V, D] f32
@@ -56,6 +57,16 @@ struct Engine::Impl {
   Linear head;
   Tensor enorm, hnorm, mtp_norm;  // [D] f32: the MTP module's norms (layers[L] is its block)
   Linear eh;                      // [D, 2D] eh_proj
+  // Redundant experts: moe_index[l], the trunk MoE layer's row in the placement (-1: none).
+  std::vector<int64_t> moe_index;
+  bool redundant = false;
+  ExpertPlacement placement;
+  ExpertLoads window;                             // [moe layer][expert], decayed at each rebalance
+  std::vector<std::vector<int64_t>> gpu_tokens;   // [moe layer][virtual GPU]
+  // [moe layer][expert] the copy the expert's next token goes to: kept across steps, since a
+  // decode step brings an expert a token or two and a per-step turn would always pick copy 0.
+  std::vector<std::vector<int64_t>> turn;
+  int64_t steps = 0;
 
   Impl(const WeightSet& ws, Backend& b, const EngineOptions& o) : cfg(ws.cfg), opt(o), be(b) {
     validate_config(cfg);
@@ -85,6 +96,76 @@ struct Engine::Impl {
                  "EngineOptions::mtp: the model has no MTP module (num_nextn_predict_layers = 0)");
     cache = std::make_unique<LatentCache>(be, cfg.num_hidden_layers + (opt.mtp ? 1 : 0), opt.cache_blocks, rkv, dr,
                                           opt.cache);
+    init_placement();
+  }
+
+  // ---- Redundant experts.
+  void init_placement() {
+    int64_t n = 0;
+    for (int64_t l = 0; l < int64_t(layers.size()); ++l)
+      moe_index.push_back(l < cfg.num_hidden_layers && layers[size_t(l)].moe ? n++ : -1);
+    FP8MOE_CHECK(opt.expert_gpus >= 1 && opt.expert_nodes >= 1 && opt.rebalance_every >= 0,
+                 "EngineOptions: expert_gpus and expert_nodes must be >= 1 and rebalance_every >= 0, got "
+                     << opt.expert_gpus << ", " << opt.expert_nodes << ", " << opt.rebalance_every);
+    FP8MOE_CHECK(opt.load_decay >= 0 && opt.load_decay <= 1,
+                 "EngineOptions::load_decay must be in [0, 1], got " << opt.load_decay);
+    const int64_t E = cfg.n_routed_experts;
+    window.assign(size_t(n), std::vector<double>(size_t(E), 0.0));
+    gpu_tokens.assign(size_t(n), std::vector<int64_t>(size_t(opt.expert_gpus), 0));
+    redundant = opt.expert_slots > 0 && n > 0;
+    if (!redundant) {
+      if (n > 0) placement = identity_placement(n, E, opt.expert_nodes, opt.expert_gpus);
+      return;
+    }
+    // Before any statistics: equal loads (the extra copies go to the lowest expert indices).
+    set_placement(place_experts(ExpertLoads(size_t(n), std::vector<double>(size_t(E), 1.0)), shape()));
+  }
+  PlacementShape shape() const { return {opt.expert_slots, opt.expert_nodes, opt.expert_gpus, cfg.n_group}; }
+  // Rows of the logical stack `src` ([groups * N, K], groups = E (+1)) for the slots' experts,
+  // then the extra groups past E unchanged.
+  QuantizedTensor by_slot(const QuantizedTensor& src, const std::vector<int32_t>& slot_expert) {
+    const int64_t E = cfg.n_routed_experts, extra = layers_extra() ? 1 : 0;
+    const int64_t N = src.values.size(0) / (E + extra), K = src.values.size(1), S = int64_t(slot_expert.size());
+    QuantizedTensor d = be.empty_quantized((S + extra) * N, K, DType::e4m3, ScaleKind::block_128x128);
+    const int64_t nb = N / kQuantGroup;
+    for (int64_t s = 0; s < S + extra; ++s) {
+      const int64_t e = s < S ? slot_expert[size_t(s)] : E + (s - S);
+      be.copy(rows(d.values.view(), s * N, N), rows(src.values.view(), e * N, N));
+      be.copy(rows(d.scales.view(), s * nb, nb), rows(src.scales.view(), e * nb, nb));
+    }
+    return d;
+  }
+  bool layers_extra() const { return opt.shared_as_routed && cfg.n_shared_experts > 0; }
+  void set_placement(const ExpertPlacement& p) {
+    FP8MOE_CHECK(redundant, "Engine::set_placement: the engine has no redundant experts (EngineOptions::expert_slots = 0)");
+    const PlacementShape s = shape();
+    FP8MOE_CHECK(p.layers == int64_t(window.size()) && p.experts == cfg.n_routed_experts && p.shape.slots == s.slots &&
+                     p.shape.gpus == s.gpus && p.shape.nodes == s.nodes,
+                 "Engine::set_placement: a placement of " << p.layers << " layers, " << p.experts << " experts, "
+                     << p.shape.slots << " slots on " << p.shape.nodes << " x " << p.shape.gpus << " GPUs for an engine of "
+                     << window.size() << ", " << cfg.n_routed_experts << ", " << s.slots << " on " << s.nodes << " x "
+                     << s.gpus);
+    placement = p;
+    turn.assign(size_t(p.layers), std::vector<int64_t>(size_t(p.experts), 0));
+    if (prec != LinearPrecision::fp8) return;  // the slots read the logical experts' weights
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const int64_t ml = moe_index[l];
+      if (ml < 0) continue;
+      Layer& L = layers[l];
+      L.pg = by_slot(L.eg, p.phy_to_log[size_t(ml)]);
+      L.pu = by_slot(L.eu, p.phy_to_log[size_t(ml)]);
+      L.pd = by_slot(L.ed, p.phy_to_log[size_t(ml)]);
+    }
+  }
+  void rebalance() {
+    if (!redundant) return;
+    double seen = 0;
+    for (const auto& row : window)
+      for (double v : row) seen += v;
+    if (seen == 0) return;
+    set_placement(place_experts(window, shape()));
+    for (auto& row : window)
+      for (double& v : row) v *= opt.load_decay;
   }
 
   // ---- Loading.
@@ -441,8 +522,13 @@ struct Engine::Impl {
     be.moe_route(logits.view(), L.gate_bias.view(), scores.view(), idx.view(), w.view(), cfg.n_group, cfg.topk_group,
                  cfg.norm_topk_prob, cfg.routed_scaling_factor);
     const Tensor idx_h = be.to_host(idx);
-    const bool extra = opt.shared_as_routed && cfg.n_shared_experts > 0;
-    const int64_t G = E + (extra ? 1 : 0), K = k + (extra ? 1 : 0);
+    const bool extra = layers_extra();
+    // With redundant experts the groups are the physical slots, each token's choice sent to one
+    // copy of its expert in turn (the copies of an expert split its tokens evenly).
+    const int64_t ml = moe_index[size_t(l)];
+    const bool phys = redundant && ml >= 0;
+    const int64_t routed = phys ? placement.shape.slots : E;
+    const int64_t G = routed + (extra ? 1 : 0), K = k + (extra ? 1 : 0);
     Tensor wk = w;
     if (extra) {  // slot k: expert E with weight 1
       wk = f32({T, K});
@@ -455,7 +541,19 @@ struct Engine::Impl {
     std::vector<int32_t> count(size_t(G), 0), expert(size_t(T * K));
     for (int64_t t = 0; t < T; ++t)
       for (int64_t j = 0; j < K; ++j) {
-        const int32_t g = j < k ? idx_h.ptr<int32_t>()[t * k + j] : int32_t(E);
+        int32_t g = int32_t(routed);
+        if (j < k) {
+          const int32_t e = idx_h.ptr<int32_t>()[t * k + j];
+          g = e;
+          if (phys) {
+            const auto& copies = placement.log_to_phy[size_t(ml)][size_t(e)];
+            g = copies[size_t(turn[size_t(ml)][size_t(e)]++) % copies.size()];
+          }
+          if (ml >= 0) {
+            window[size_t(ml)][size_t(e)] += 1;
+            ++gpu_tokens[size_t(ml)][size_t(int64_t(g) * opt.expert_gpus / routed)];
+          }
+        }
         expert[size_t(t * K + j)] = g;
         ++count[size_t(g)];
       }
@@ -472,25 +570,29 @@ struct Engine::Impl {
     be.copy(sr.view(), reshape(i32(slot_row).view(), {T, K}));
     Tensor ye;  // [R, D] expert outputs
     if (prec == LinearPrecision::fp8) {
-      const int64_t F = L.eg.values.size(0) / G;
+      const int64_t F = L.eg.values.size(0) / (E + (extra ? 1 : 0));
+      const QuantizedTensor& eg = phys ? L.pg : L.eg;
+      const QuantizedTensor& eu = phys ? L.pu : L.eu;
+      const QuantizedTensor& ed = phys ? L.pd : L.ed;
       QuantizedTensor xq = be.empty_quantized(R, D, DType::e4m3, ScaleKind::tile_1x128);
       be.moe_permute_quantize(h.view(), rs.view(), K, TensorView(), xq, ScaleMode::pow2);
       const Tensor counts = i32(count);
       Tensor g = f32({R, F}), u = f32({R, F}), a = f32({R, F});
-      be.grouped_gemm_fp8_masked(xq, L.eg, counts.view(), G, g.view(), GemmOptions{});
-      be.grouped_gemm_fp8_masked(xq, L.eu, counts.view(), G, u.view(), GemmOptions{});
+      be.grouped_gemm_fp8_masked(xq, eg, counts.view(), G, g.view(), GemmOptions{});
+      be.grouped_gemm_fp8_masked(xq, eu, counts.view(), G, u.view(), GemmOptions{});
       be.swiglu_forward(g.view(), u.view(), a.view());
       QuantizedTensor aq = be.empty_quantized(R, F, DType::e4m3, ScaleKind::tile_1x128);
       be.quantize_1x128(a.view(), aq, ScaleMode::fp32);
       ye = f32({R, D});
-      be.grouped_gemm_fp8_masked(aq, L.ed, counts.view(), G, ye.view(), GemmOptions{});
+      be.grouped_gemm_fp8_masked(aq, ed, counts.view(), G, ye.view(), GemmOptions{});
     } else {
       Tensor xe = f32({R, D});
       be.moe_permute(h.view(), rs.view(), K, TensorView(), xe.view());
       ye = be.zeros(DType::f32, {R, D});
       for (int64_t g = 0; g < G; ++g) {
         if (count[size_t(g)] == 0) continue;
-        const Tensor y = mlp_forward(L.experts[size_t(g)], rows(xe.view(), g * M, count[size_t(g)]), ScaleMode::pow2);
+        const int64_t e = phys && g < routed ? placement.phy_to_log[size_t(ml)][size_t(g)] : g < routed ? g : E;
+        const Tensor y = mlp_forward(L.experts[size_t(e)], rows(xe.view(), g * M, count[size_t(g)]), ScaleMode::pow2);
         be.copy(rows(ye.view(), g * M, count[size_t(g)]), y.view());
       }
     }
@@ -547,7 +649,9 @@ struct Engine::Impl {
       ffn(l, x);
     }
     if (hidden) *hidden = x;
-    return head_logits(x, out, norm);
+    Tensor logits = head_logits(x, out, norm);
+    if (opt.rebalance_every > 0 && ++steps % opt.rebalance_every == 0) rebalance();
+    return logits;
   }
 
   Tensor mtp_step(const std::vector<SeqChunk>& chunks, const TensorView& hidden) {
@@ -620,6 +724,14 @@ LinearPrecision Engine::linear_precision() const { return impl_->prec; }
 Backend& Engine::backend() const { return impl_->be; }
 LatentCache& Engine::cache() { return *impl_->cache; }
 Tensor Engine::step(const std::vector<SeqChunk>& chunks, Tensor* hidden) { return impl_->step(chunks, hidden); }
+const ExpertPlacement& Engine::placement() const { return impl_->placement; }
+const ExpertLoads& Engine::expert_loads() const { return impl_->window; }
+const std::vector<std::vector<int64_t>>& Engine::gpu_tokens() const { return impl_->gpu_tokens; }
+void Engine::reset_gpu_tokens() {
+  for (auto& row : impl_->gpu_tokens) std::fill(row.begin(), row.end(), 0);
+}
+void Engine::set_placement(const ExpertPlacement& p) { impl_->set_placement(p); }
+void Engine::rebalance() { impl_->rebalance(); }
 Tensor Engine::mtp_step(const std::vector<SeqChunk>& chunks, const TensorView& hidden) {
   return impl_->mtp_step(chunks, hidden);
 }

@@ -24,6 +24,7 @@
 
 #include "fp8moe/backend.hpp"
 #include "fp8moe/model_recipe.hpp"
+#include "fp8moe/placement.hpp"
 #include "serve/latent_cache.hpp"
 #include "serve/weights.hpp"
 
@@ -36,6 +37,17 @@ struct EngineOptions {
   bool absorbed_decode = true;     // false: decode tokens through the prefill (expanded) form
   bool shared_as_routed = false;   // the shared expert as routed expert E that every token picks
   bool mtp = false;                // load the MTP module (mtp_step: speculative decoding's drafts)
+  // Redundant experts (report §3.4, fp8moe/placement.hpp) on virtual GPUs: expert_slots > 0 holds
+  // that many copies of the routed experts over expert_gpus GPUs of expert_nodes nodes, each
+  // token's choice going to one copy of its expert; every rebalance_every steps (0: never) the
+  // placement is recomputed from the loads routed so far, which are then scaled by load_decay (0:
+  // the next placement sees only the tokens after this one; a few steps' tokens are too few to
+  // place by, so by default the history counts half at each rebalance). The virtual GPUs' token
+  // counts are kept either way (without redundancy: expert e on GPU e * gpus / experts).
+  int64_t expert_slots = 0;
+  int64_t expert_nodes = 1, expert_gpus = 1;
+  int64_t rebalance_every = 0;
+  double load_decay = 0.5;
 };
 
 // Tokens of one sequence to run in a step: positions [start, start + tokens.size()), whose
@@ -73,6 +85,20 @@ class Engine {
   // Linear weights in their format (of the routed experts, those the batch is expected to touch
   // with uniform routing), the head, the router, the absorption's FP32 kv_b_proj, the cache.
   double decode_step_bytes(int64_t batch, int64_t context) const;
+
+  // Redundant experts, over the trunk's MoE layers in order (the MTP block keeps one copy each).
+  // The placement in use (EngineOptions::expert_slots > 0), the tokens routed to each logical
+  // expert (decayed at each rebalance: EngineOptions::load_decay), and to each virtual GPU since
+  // the engine was made (or reset_gpu_tokens).
+  const ExpertPlacement& placement() const;
+  const ExpertLoads& expert_loads() const;
+  const std::vector<std::vector<int64_t>>& gpu_tokens() const;
+  void reset_gpu_tokens();
+  // Between steps (the cache and the sequences in flight are untouched): a new placement of the
+  // engine's shape, its copies' weights rearranged; rebalance() places from expert_loads() and
+  // decays them (nothing to do before any token was routed).
+  void set_placement(const ExpertPlacement& p);
+  void rebalance();
 
  private:
   struct Impl;

@@ -162,4 +162,52 @@ Tensor LatentCache::read(int64_t layer, const std::vector<int32_t>& table, int64
   return out;
 }
 
+std::vector<Tensor*> LatentCache::parts_of(Layer& L) {
+  if (dtype_ == CacheDType::fp8) return {&L.latent, &L.scale, &L.rope};
+  return {&L.rows};
+}
+
+std::vector<Tensor> LatentCache::export_blocks(const std::vector<int32_t>& table) {
+  std::vector<Tensor> out = empty_export(int64_t(table.size()));
+  size_t i = 0;
+  for (Layer& L : layer_)
+    for (Tensor* part : parts_of(L)) {
+      for (size_t j = 0; j < table.size(); ++j)
+        be_.copy(rows(out[i].view(), int64_t(j) * kBlockTokens, kBlockTokens),
+                 rows(part->view(), int64_t(table[j]) * kBlockTokens, kBlockTokens));
+      ++i;
+    }
+  return out;
+}
+
+std::vector<Tensor> LatentCache::empty_export(int64_t blocks) {
+  std::vector<Tensor> out;
+  for (Layer& L : layer_)
+    for (Tensor* part : parts_of(L)) out.push_back(be_.empty(part->dtype(), {blocks * kBlockTokens, part->size(1)}));
+  return out;
+}
+
+void LatentCache::import_blocks(const std::vector<int32_t>& table, const std::vector<Tensor>& parts) {
+  FP8MOE_CHECK(!parts.empty() && parts[0].view().ndim == 2, "LatentCache::import_blocks: no parts");
+  const int64_t nb = parts[0].size(0) / kBlockTokens;
+  FP8MOE_CHECK(int64_t(table.size()) >= nb, "LatentCache::import_blocks: " << nb << " blocks for a table of "
+                                                                            << table.size());
+  const std::vector<Tensor> want = empty_export(nb);
+  FP8MOE_CHECK(parts.size() == want.size(), "LatentCache::import_blocks: " << parts.size() << " parts, this cache has "
+                                                                           << want.size());
+  for (size_t i = 0; i < parts.size(); ++i)
+    FP8MOE_CHECK(parts[i].dtype() == want[i].dtype() && parts[i].view().ndim == 2 && parts[i].size(0) == want[i].size(0) &&
+                     parts[i].size(1) == want[i].size(1),
+                 "LatentCache::import_blocks: part " << i << " is " << parts[i].view().str() << ", expected "
+                                                     << want[i].view().str());
+  size_t i = 0;
+  for (Layer& L : layer_)
+    for (Tensor* part : parts_of(L)) {
+      for (int64_t j = 0; j < nb; ++j)
+        be_.copy(rows(part->view(), int64_t(table[size_t(j)]) * kBlockTokens, kBlockTokens),
+                 rows(parts[i].view(), j * kBlockTokens, kBlockTokens));
+      ++i;
+    }
+}
+
 }  // namespace fp8moe::serve

@@ -56,6 +56,14 @@ class LatentCache {
   // The first `tokens` positions of a sequence of `layer` gathered block by block from its table:
   // [blocks_for(tokens) * 64, rkv + dr] f32 (rows past `tokens` are whatever the last block held).
   Tensor read(int64_t layer, const std::vector<int32_t>& table, int64_t tokens);
+  // A sequence's blocks as they are stored (no conversion), for a handover to another cache of the
+  // same shape and dtype (prefill/decode disaggregation): per layer its parts (f32, bf16: the
+  // rows; fp8: latent, scales, RoPE key), each [table.size() * 64, width]. empty_export makes
+  // buffers of those shapes for `blocks` blocks; import_blocks stores them into the first
+  // blocks of `table`.
+  std::vector<Tensor> export_blocks(const std::vector<int32_t>& table);
+  std::vector<Tensor> empty_export(int64_t blocks);
+  void import_blocks(const std::vector<int32_t>& table, const std::vector<Tensor>& parts);
 
  private:
   Backend& be_;
@@ -66,6 +74,7 @@ class LatentCache {
     Tensor latent, scale, rope;  // fp8: [slots, rkv] e4m3, [slots, ceil(rkv/128)] f32, [slots, dr] bf16
   };
   std::vector<Layer> layer_;
+  std::vector<Tensor*> parts_of(Layer& L);
 };
 
 }  // namespace fp8moe::serve

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <sstream>
 #include <vector>
 
 #include "fp8moe/error.hpp"
@@ -18,6 +19,18 @@ void validate(const SamplingParams& p) {
 }
 
 Sampler::Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) { validate(p); }
+
+std::string Sampler::state() const {
+  std::ostringstream os;
+  os << rng_;
+  return os.str();
+}
+
+void Sampler::set_state(const std::string& s) {
+  std::istringstream is(s);
+  is >> rng_;
+  FP8MOE_CHECK(!is.fail(), "Sampler::set_state: not a generator state (" << s.size() << " bytes)");
+}
 
 int32_t Sampler::sample(const float* logits, int64_t vocab) {
   if (p_.temperature == 0) return int32_t(std::max_element(logits, logits + vocab) - logits);

@@ -24,6 +24,10 @@ class Sampler {
   explicit Sampler(const SamplingParams& p);
   int32_t sample(const float* logits, int64_t vocab);
   const SamplingParams& params() const { return p_; }
+  // The generator's state as text (std::mt19937_64's stream form), so that another process goes
+  // on with the same draws (disaggregation: the first token is drawn on the prefill rank).
+  std::string state() const;
+  void set_state(const std::string& s);
 
  private:
   SamplingParams p_;

@@ -24,6 +24,10 @@ struct Seq {
   std::unique_ptr<Sampler> sampler;
   std::string pending;  // made, not yet emitted (may begin a stop string)
   Clock::time_point arrival, last;
+  // Prefilled elsewhere (submit_prefilled): stores the prompt's latents at admission; the token
+  // sampled there.
+  std::function<void(const std::vector<int32_t>&)> fill;
+  int32_t first = -1;
 };
 
 void keep_latest(std::vector<double>& v) {
@@ -149,6 +153,19 @@ struct Scheduler::Impl {
     const bool preempted = waiting.size() != waiting_before;
     while (!preempted && !waiting.empty() && budget > 0 && int64_t(running.size()) < opt.max_running) {
       Seq& s = *waiting.front();
+      if (s.fill) {  // its blocks, the latents handed over, then the first token as if sampled here
+        const int64_t need = blocks_for(s.computed + 1);
+        if (need > alloc.free_blocks()) break;
+        alloc.allocate(need, s.table);
+        s.fill(s.table);
+        s.fill = nullptr;
+        std::string reason;
+        if (accept(s, s.first, reason)) {
+          finish(s, reason);
+          waiting.pop_front();
+          continue;
+        }
+      }
       const int64_t n = std::min<int64_t>(int64_t(s.tokens.size()) - s.computed, budget);
       const int64_t need = blocks_for(s.computed + n) - int64_t(s.table.size());
       if (need > alloc.free_blocks()) break;
@@ -186,6 +203,9 @@ struct Scheduler::Impl {
     return true;
   }
 
+  std::unique_ptr<Seq> make_seq(Request r);  // validated
+  uint64_t enqueue(std::unique_ptr<Seq> s);
+
   void update_counts() {
     std::lock_guard<std::mutex> l(mu);
     st.waiting = int64_t(waiting.size() + incoming.size());
@@ -198,9 +218,23 @@ struct Scheduler::Impl {
 Scheduler::Scheduler(Engine& engine, const SchedulerOptions& opt) : impl_(std::make_unique<Impl>(engine, opt)) {}
 Scheduler::~Scheduler() = default;
 
-uint64_t Scheduler::submit(Request r) {
-  Impl& m = *impl_;
-  const ModelConfig& cfg = m.engine.config();
+uint64_t Scheduler::submit(Request r) { return impl_->enqueue(impl_->make_seq(std::move(r))); }
+
+uint64_t Scheduler::submit_prefilled(Request r, int32_t first, std::function<void(const std::vector<int32_t>& table)> fill,
+                                     const std::string& sampler_state) {
+  const int32_t V = int32_t(impl_->engine.config().vocab_size);
+  FP8MOE_CHECK(first >= 0 && first < V, "submit_prefilled: first token " << first << " outside the vocabulary [0, "
+                                                                         << V << ")");
+  FP8MOE_CHECK(fill, "submit_prefilled: no fill function");
+  std::unique_ptr<Seq> s = impl_->make_seq(std::move(r));
+  if (!sampler_state.empty()) s->sampler->set_state(sampler_state);
+  s->computed = int64_t(s->tokens.size());
+  s->first = first;
+  s->fill = std::move(fill);
+  return impl_->enqueue(std::move(s));
+}
+
+void validate_request(const Request& r, const ModelConfig& cfg, int64_t cache_blocks) {
   FP8MOE_CHECK(!r.prompt.empty(), "prompt: empty (expected at least one token)");
   for (int32_t t : r.prompt)
     FP8MOE_CHECK(t >= 0 && t < cfg.vocab_size, "prompt: token " << t << " outside the vocabulary [0, " << cfg.vocab_size << ")");
@@ -209,21 +243,29 @@ uint64_t Scheduler::submit(Request r) {
   FP8MOE_CHECK(total <= cfg.max_position_embeddings,
                "prompt (" << r.prompt.size() << " tokens) + max_tokens (" << r.max_tokens << ") = " << total
                           << " exceeds the context of " << cfg.max_position_embeddings << " tokens");
-  FP8MOE_CHECK(blocks_for(total) <= m.alloc.total(),
-               "prompt + max_tokens = " << total << " tokens exceed the cache of " << m.alloc.total() * kBlockTokens
+  FP8MOE_CHECK(blocks_for(total) <= cache_blocks,
+               "prompt + max_tokens = " << total << " tokens exceed the cache of " << cache_blocks * kBlockTokens
                                         << " tokens");
   validate(r.sampling);
+}
+
+std::unique_ptr<Seq> Scheduler::Impl::make_seq(Request r) {
+  validate_request(r, engine.config(), alloc.total());
   auto s = std::make_unique<Seq>();
   s->sampler = std::make_unique<Sampler>(r.sampling);
   s->tokens = r.prompt;
   s->req = std::move(r);
   s->arrival = Clock::now();
-  std::lock_guard<std::mutex> l(m.mu);
-  s->id = m.next_id++;
-  m.st.prompt_tokens += int64_t(s->req.prompt.size());
+  return s;
+}
+
+uint64_t Scheduler::Impl::enqueue(std::unique_ptr<Seq> s) {
+  std::lock_guard<std::mutex> l(mu);
+  s->id = next_id++;
+  st.prompt_tokens += int64_t(s->req.prompt.size());
   const uint64_t id = s->id;
-  m.incoming.push_back(std::move(s));
-  ++m.st.waiting;
+  incoming.push_back(std::move(s));
+  ++st.waiting;
   return id;
 }
 

@@ -52,18 +52,40 @@ struct SchedulerStats {
   std::vector<double> ttft, itl;
 };
 
-class Scheduler {
+// Raises fp8moe::Error naming the field: empty prompt, a token outside the vocabulary, prompt +
+// max_tokens beyond the context or a cache of `cache_blocks` blocks, bad sampling.
+void validate_request(const Request& r, const ModelConfig& cfg, int64_t cache_blocks);
+
+// What the HTTP server drives: a Scheduler, or the front of a disaggregated deployment
+// (disaggregated_front.hpp). submit and cancel from any thread, step from one.
+class Batcher {
+ public:
+  virtual ~Batcher() = default;
+  virtual uint64_t submit(Request r) = 0;  // validated and queued; returns its id
+  virtual void cancel(uint64_t id) = 0;    // a no-op for finished or unknown ids
+  virtual bool step() = 0;                 // false when there was nothing to do
+  virtual SchedulerStats stats() const = 0;
+};
+
+class Scheduler : public Batcher {
  public:
   Scheduler(Engine& engine, const SchedulerOptions& opt = {});
-  ~Scheduler();
-  // Validates the request (raises fp8moe::Error naming the field: empty prompt, prompt +
-  // max_tokens beyond the context or the whole cache, bad sampling) and queues it; returns its id.
-  uint64_t submit(Request r);
-  void cancel(uint64_t id);  // a no-op for finished or unknown ids
+  ~Scheduler() override;
+  // Validates the request (validate_request against this engine's cache) and queues it.
+  uint64_t submit(Request r) override;
+  // A request whose prompt another engine prefilled (prefill/decode disaggregation, report §3.4):
+  // `first` is the token sampled there, and `fill` stores the prompt's latents into the blocks
+  // allocated for them here (LatentCache::import_blocks on the table's first blocks), called from
+  // step() when the request is admitted; `sampler_state` (Sampler::state after the first draw;
+  // empty: a fresh sampler) goes on with the prefill rank's draws. A request preempted later
+  // recomputes its text as any other.
+  uint64_t submit_prefilled(Request r, int32_t first, std::function<void(const std::vector<int32_t>& table)> fill,
+                            const std::string& sampler_state = "");
+  void cancel(uint64_t id) override;
   // One engine step; false when there was nothing to do.
-  bool step();
+  bool step() override;
   bool idle() const;
-  SchedulerStats stats() const;
+  SchedulerStats stats() const override;
 
  private:
   struct Impl;

@@ -92,7 +92,8 @@ double quantile(std::vector<double> v, double q) {
 struct Server::Impl {
   Engine& engine;
   ServerOptions opt;
-  Scheduler sched;
+  std::unique_ptr<Scheduler> own;
+  Batcher& sched;
   httplib::Server http;
   std::atomic<bool> stopping{false};
   std::mutex wake_mu;
@@ -104,7 +105,11 @@ struct Server::Impl {
   std::map<uint64_t, std::shared_ptr<Channel>> live;
   int64_t created = 0;
 
-  Impl(Engine& e, const ServerOptions& o) : engine(e), opt(o), sched(e, o.scheduler) {
+  Impl(Engine& e, const ServerOptions& o)
+      : engine(e), opt(o), own(std::make_unique<Scheduler>(e, o.scheduler)), sched(*own) {
+    created = int64_t(std::time(nullptr));
+  }
+  Impl(Engine& e, Batcher& b, const ServerOptions& o) : engine(e), opt(o), sched(b) {
     created = int64_t(std::time(nullptr));
   }
 
@@ -417,6 +422,8 @@ struct Server::Impl {
 };
 
 Server::Server(Engine& engine, const ServerOptions& opt) : impl_(std::make_unique<Impl>(engine, opt)) {}
+Server::Server(Engine& engine, Batcher& batcher, const ServerOptions& opt)
+    : impl_(std::make_unique<Impl>(engine, batcher, opt)) {}
 Server::~Server() = default;
 
 void Server::run(const std::function<void(int)>& on_listening) {

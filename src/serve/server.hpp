@@ -1,12 +1,13 @@
-// The OpenAI-compatible HTTP server (cpp-httplib) in front of the continuous-batching scheduler:
+// The OpenAI-compatible HTTP server (cpp-httplib) in front of the continuous-batching scheduler
+// (or of a Batcher such as a disaggregated deployment's front, disaggregated_front.hpp):
 //   POST /v1/completions        {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k",
 //                                "seed", "stop", "stream"}
 //   POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], ... as above}
 //   GET  /v1/models, /health, /metrics (Prometheus text)
 // Streaming answers are server-sent events ("data: {chunk}\n\n" ... "data: [DONE]\n\n"). Errors
 // are OpenAI's body {"error": {"message", "type", "param", "code"}} with a 4xx status; a client
-// that goes away mid-stream has its request cancelled (blocks freed). One engine thread runs the
-// scheduler; HTTP requests are served by a pool of threads that only submit and wait.
+// that goes away mid-stream has its request cancelled (blocks freed). One engine thread steps the
+// batcher; HTTP requests are served by a pool of threads that only submit and wait.
 // Chat messages are joined as "<role>: <content>\n" lines followed by "assistant: " (the byte
 // vocabulary has no chat template).
 #pragma once
@@ -29,7 +30,9 @@ struct ServerOptions {
 
 class Server {
  public:
-  Server(Engine& engine, const ServerOptions& opt);
+  Server(Engine& engine, const ServerOptions& opt);  // its own Scheduler over the engine
+  // Requests through `batcher` (a disaggregated deployment's front); the engine gives the config.
+  Server(Engine& engine, Batcher& batcher, const ServerOptions& opt);
   ~Server();
   // Binds, reports the port through on_listening, serves until stop(); in-flight requests are
   // cancelled at the end.

@@ -644,6 +644,8 @@ struct Trainer::Impl {
                        {"mtp_loss", agg.mtp_loss}, {"mtp_weight", mtp_weight}, {"balance_loss", agg.balance_loss}, {"lr", lr},
                        {"grad_norm", norm},  {"tokens_per_s", tok_s},          {"tflops", flops_tok * tok_s / 1e12},
                        {"rss_bytes", resident_bytes()}};
+      // The step's tokens per layer and expert (summed over ranks): what `fp8moe eplb --loads` places.
+      if (!loads.empty()) j["expert_loads"] = loads;
       // The backend's allocator: bytes in tensors now, their high-water mark, and what is held
       // from the device for them (in use + cached).
       const Backend::MemoryStats ms = backend->memory_stats();
