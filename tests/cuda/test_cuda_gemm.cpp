@@ -80,6 +80,19 @@ SmallIntOperands small_int_operands(Backend& be, std::mt19937_64& rng, const Cas
   return o;
 }
 
+// D += A B^T of small integers: a random integer D0 [M, N] f32 and the reference D0 + A B^T.
+std::pair<Tensor, Tensor> accumulate_case(std::mt19937_64& rng, const SmallIntOperands& o, const Case& c) {
+  Tensor c0 = Tensor::host(DType::f32, {c.M, c.N});
+  std::uniform_int_distribution<int> v(-100, 100);
+  for (int64_t i = 0; i < c.M * c.N; ++i) c0.ptr<float>()[i] = float(v(rng));
+  Tensor ref = Tensor::host(DType::f32, {c.M, c.N});
+  std::memcpy(ref.ptr<float>(), c0.ptr<float>(), size_t(c.M * c.N) * 4);
+  GemmOptions acc_opt;
+  acc_opt.accumulate = true;
+  gemm_fp8_ref(o.a.view(), o.b.view(), ref.view(), acc_opt);
+  return {std::move(c0), std::move(ref)};
+}
+
 // N(0, 1) operands of a case in FP32 and quantized on the host (A 1x128, B 1x128 or 128x128).
 struct RandomOperands {
   Tensor a32, b32;
@@ -234,14 +247,7 @@ TEST_F(CudaGemm, AccumulatesIntoF32ForEveryTile) {
   for (bool b_1x128 : {false, true}) {
     for (const Case& c : cases) {
       const SmallIntOperands o = small_int_operands(*be_, rng, c, b_1x128);
-      Tensor c0 = Tensor::host(DType::f32, {c.M, c.N});
-      std::uniform_int_distribution<int> v(-100, 100);
-      for (int64_t i = 0; i < c.M * c.N; ++i) c0.ptr<float>()[i] = float(v(rng));
-      Tensor ref = Tensor::host(DType::f32, {c.M, c.N});
-      std::memcpy(ref.ptr<float>(), c0.ptr<float>(), size_t(c.M * c.N) * 4);
-      GemmOptions acc_opt;
-      acc_opt.accumulate = true;
-      gemm_fp8_ref(o.a.view(), o.b.view(), ref.view(), acc_opt);
+      const auto [c0, ref] = accumulate_case(rng, o, c);
       expect_every_tile_exact(*be_, o.ad, o.bd, ref, DType::f32, c, b_1x128, &c0);
     }
   }
@@ -409,14 +415,9 @@ TEST_F(CudaGemm, SmallMExactForEveryTokenCountAndKSplit) {
       }
     }
     // D += A B^T from small integers, through the backend (which takes this kernel).
-    Tensor c0 = Tensor::host(DType::f32, {c.M, c.N});
-    std::uniform_int_distribution<int> v(-100, 100);
-    for (int64_t i = 0; i < c.M * c.N; ++i) c0.ptr<float>()[i] = float(v(rng));
-    Tensor ref = Tensor::host(DType::f32, {c.M, c.N});
-    std::memcpy(ref.ptr<float>(), c0.ptr<float>(), size_t(c.M * c.N) * 4);
+    const auto [c0, ref] = accumulate_case(rng, o, c);
     GemmOptions acc_opt;
     acc_opt.accumulate = true;
-    gemm_fp8_ref(o.a.view(), o.b.view(), ref.view(), acc_opt);
     PaddedD d(*be_, DType::f32, c.M, c.N, 4, &c0);
     be_->gemm_fp8(o.ad.view(), o.bd.view(), d.view, acc_opt);
     bool pads_ok = false;

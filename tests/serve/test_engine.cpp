@@ -252,9 +252,11 @@ TEST(ServeEngine, SharedExpertAsRoutedExpert) {
     const auto ta = greedy_engine(*f.engine(a), alloc, prompt, 30, 0, &la);
     const auto tb = greedy_engine(*f.engine(b), alloc, prompt, 30, 0, &lb);
     EXPECT_EQ(ta, tb) << recipe;
-    // NOTES: measured 2e-6 (fp32: the order of one sum) and 1.2e-4 (fp8: that rounding moves the
-    // next layer's E4M3 tiles) of the largest logit.
-    const double tol = std::string(recipe) == "fp32" ? 1e-5 : 1e-3;
+    // NOTES: measured 2e-6 (fp32: the order of one sum) and, on the CPU backend, 1.2e-4 (fp8: that
+    // rounding moves the next layer's E4M3 tiles) of the largest logit. On the GPU the decode rows
+    // of the shared expert run on the few-rows GEMM (mma.sync) and the routed form on the grouped
+    // WGMMA kernel, whose Tensor Core sums round apart: 2.5e-3 measured over 30 steps.
+    const double tol = std::string(recipe) == "fp32" ? 1e-5 : 5e-3;
     std::cout << recipe << " shared as routed: max |logit diff| " << max_abs_diff(la, lb) << "\n";
     EXPECT_LT(max_abs_diff(la, lb), tol * max_abs(la)) << recipe;
   }
