@@ -19,8 +19,7 @@ SET=${FP8MOE_BENCH_SET:-all}
 source "$(dirname "$0")/gpu_common.sh"
 gpu_bins fp8moe_cli test_cuda_quantize test_cuda_gemm test_cuda_gemm_emulated test_model_memory_cuda
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
-cat "$OUT/gpu.txt"
+gpu_info
 
 step "test_cuda_quantize" 60 "$OUT/tests.log" "$BIN_T/test_cuda_quantize"
 step "test_cuda_gemm" 90 "$OUT/tests.log" "$BIN_T/test_cuda_gemm"

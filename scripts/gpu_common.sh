@@ -41,3 +41,8 @@ print_steps() {
   echo "|---|---|---|"
   printf '%s\n' "${ROWS[@]}"
 }
+
+gpu_info() {  # the GPU, its driver and clocks, into $OUT/gpu.txt and on the screen
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
+  cat "$OUT/gpu.txt"
+}

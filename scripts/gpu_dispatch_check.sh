@@ -15,8 +15,7 @@ ITERS=${FP8MOE_ITERS:-30}
 source "$(dirname "$0")/gpu_common.sh"
 gpu_bins fp8moe_cli test_cuda_moe_dispatch
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
-cat "$OUT/gpu.txt"
+gpu_info
 
 step "test_cuda_moe_dispatch" 300 "$OUT/tests.log" "$BIN_T/test_cuda_moe_dispatch"
 step "memcheck dispatch" 300 "$OUT/memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 3 \

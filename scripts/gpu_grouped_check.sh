@@ -22,8 +22,7 @@ STEPS=${FP8MOE_STEPS:-tests,dense,memcheck,bench}
 source "$(dirname "$0")/gpu_common.sh"
 gpu_bins fp8moe_cli test_cuda_grouped_gemm test_cuda_gemm
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
-cat "$OUT/gpu.txt"
+gpu_info
 want() { [[ ",$STEPS," == *",$1,"* ]]; }  # want <step>: the step is in FP8MOE_STEPS
 
 want tests && step "test_cuda_grouped_gemm" 120 "$OUT/tests.log" "$BIN_T/test_cuda_grouped_gemm"
