@@ -15,23 +15,11 @@
 #include "bench/bench.hpp"
 #include "bench/bench_util.hpp"
 #include "cuda/kernel_api.hpp"
+#include "fp8moe/similarity.hpp"
 
 namespace fp8moe::cuda {
 
-namespace {
-
 using namespace bench;
-
-double rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (a[i] - b[i]) * (a[i] - b[i]);
-    den += b[i] * b[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-}  // namespace
 
 int run_small_m_bench(const SmallMBenchOptions& opt) {
   FP8MOE_CHECK(opt.iters >= 1 && opt.warmup >= 0, "bench small-m: --iters must be >= 1 and --warmup >= 0");
@@ -83,7 +71,7 @@ int run_small_m_bench(const SmallMBenchOptions& opt) {
         lt_ok = false;
       }
       FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
-      const double err = rel_diff(d_to_doubles(d_ours.p, M, N, true), d_to_doubles(d_wg.p, M, N, true));
+      const double err = rel_error(d_to_doubles(d_ours.p, M, N, true), d_to_doubles(d_wg.p, M, N, true));
       std::vector<std::function<void()>> fns = {
           [&] { gemm_fp8_small_m(aq.view, bq.view, dv_ours, false, nullptr); },
           [&] { gemm_fp8_sm90(aq.view, bq.view, dv_wg, false, nullptr, &tile); }};

@@ -181,11 +181,11 @@ int ctas_per_sm() {
 // Warps per 16-row slice along K (1, 2, 4, 8): the most that keep every CTA in one wave, each warp
 // with at least kDepth blocks where K has them. A second, partial wave costs a whole DRAM round
 // trip more than fewer warps per slice with more blocks each.
-int choose_k_split(int N, int KB, int slots, int depth) {
+int choose_k_split(int N, int KB, int slots) {
   const int slices = (N + 15) / 16, warps = kThreads / 32;
   int best = 1;
   for (int kw = 1; kw <= warps; kw *= 2) {
-    if (kw > 1 && KB < kw * std::min(depth, 2)) break;
+    if (kw > 1 && KB < kw * kDepth) break;
     const int ctas = (slices * kw + warps - 1) / warps;
     if (ctas <= slots) best = kw;
   }
@@ -197,7 +197,7 @@ void launch(const SmallMArgs& p, int k_split, cudaStream_t stream) {
   const int warps = kThreads / 32;
   const int slots = ctas_per_sm<NT, kBf16>() * device_props().multiProcessorCount;
   SmallMArgs q = p;
-  q.kw = k_split > 0 ? k_split : choose_k_split(p.N, p.K / 128, slots, kDepth);
+  q.kw = k_split > 0 ? k_split : choose_k_split(p.N, p.K / 128, slots);
   const int rows_per_cta = warps / q.kw * 16;
   const dim3 grid(unsigned((p.N + rows_per_cta - 1) / rows_per_cta));
   const size_t smem = size_t(warps) * NT * 4 * 32 * sizeof(float);
