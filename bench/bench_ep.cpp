@@ -268,7 +268,7 @@ int run_ep_low_latency_bench(const EpBenchOptions& opt, double copy) {
         }
       }
       std::vector<std::vector<uint16_t>> rows;
-      for (auto& r : rd) rows.push_back(r.rows_h);
+      for (auto& r : rd) rows.push_back(std::move(r.rows_h));  // not needed after this
       for (int p = 0; p < P && ok_c; ++p) {
         std::vector<uint16_t> back = ::fp8moe::ep::reference_low_latency_combine_rows(src, rows, p, k, epr, M, D);
         std::vector<int32_t> slot_row(size_t(T * k));
