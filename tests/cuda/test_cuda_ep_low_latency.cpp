@@ -7,7 +7,8 @@
 // combine captured in one CUDA graph per rank and replayed with new data give the same results
 // (no host synchronization inside), before and after eager steps on the same group. Bad input
 // (too many tokens, a buffer too small, the other mode's calls, ids out of range, an expert listed
-// twice past the buffer) and a peer that never joins fail with fp8moe::Error. Skips without a GPU.
+// twice past the buffer) and a peer that never joins fail with fp8moe::Error. The received layout
+// fed to the masked grouped GEMM gives the CPU's bits. Skips without a GPU (the GEMM: without sm_90).
 // Run: build/tests/cuda/test_cuda_ep_low_latency (FP8MOE_SEED=<n> replays a seed).
 #include <cuda_runtime.h>
 
@@ -110,6 +111,9 @@ struct LlHarness {
   std::vector<RankDev> dev;
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   std::mt19937_64 rng;
+  // FP8 codes of integers in [-6, 6] and scales in {1/2, 1, 2} (exact GEMMs), instead of any byte
+  // and scales in 2^[-3, 3].
+  bool small_ints = false;
 
   // This step's inputs and the experts' rows (host).
   std::vector<ep::RankTokens> src;
@@ -145,7 +149,7 @@ struct LlHarness {
   // (the rows a graph's combine reads are fixed before the routing is known), else only those
   // below the counts.
   void new_inputs(bool full_rows) {
-    std::uniform_int_distribution<int> byte(0, 255), ex(-3, 3);
+    std::uniform_int_distribution<int> byte(0, 255), ex(small_ints ? -1 : -3, small_ints ? 1 : 3), small(-6, 6);
     std::uniform_real_distribution<float> u(0.01f, 1.0f), val(-4.0f, 4.0f);
     src.assign(size_t(P), {});
     for (int p = 0; p < P; ++p) {
@@ -160,7 +164,8 @@ struct LlHarness {
       const Tensor ids = random_routing(rng, rs);
       s.idx.assign(ids.ptr<int32_t>(), ids.ptr<int32_t>() + s.tokens * k);
       for (int64_t i = 0; i < s.tokens * k; ++i) s.w.push_back(u(rng));
-      for (int64_t i = 0; i < s.tokens * D; ++i) s.x.push_back(uint8_t(byte(rng)));
+      for (int64_t i = 0; i < s.tokens * D; ++i)
+        s.x.push_back(small_ints ? e4m3_encode(float(small(rng))) : uint8_t(byte(rng)));
       for (int64_t i = 0; i < s.tokens * G; ++i) s.scales.push_back(std::ldexp(1.0f, ex(rng)));
       const int64_t ld = scale_ld(s.tokens);
       std::vector<float> sc(size_t(G * ld), -7.0f);  // padding columns poisoned
@@ -389,6 +394,47 @@ TEST(CudaEpLowLatency, CapturedGraphReplaysWithNewData) {
   }
   for (auto e : exec) ASSERT_EQ(cudaGraphExecDestroy(e), cudaSuccess);
   h.eager_step();
+}
+
+// The received layout is the masked grouped GEMM's A: the CUDA GEMM on a rank's received rows,
+// scales and device counts gives the bits of the CPU masked GEMM on the reference's rows laid out
+// the same way (small integers: exact), with the rows past each count left poisoned.
+TEST(CudaEpLowLatency, ReceivedLayoutFeedsTheMaskedGroupedGemm) {
+  FP8MOE_REQUIRE_SM90();
+  LlHarness h(LlCase{2, 64, 256, {64, 23}, 0.5, {}, 0});
+  h.small_ints = true;
+  h.new_inputs(false);
+  h.poison(false);
+  for (int p = 0; p < h.P; ++p) h.dispatch(p);
+  h.check_all();
+  h.expect_dispatched();
+  auto be = make_cuda_backend();
+  const int64_t F = 128, epr = h.epr, M = h.M, R = h.R, D = h.D, G = h.G;
+  const QuantizedTensor b = small_int_quantized(h.rng, epr * F, D, ScaleKind::block_128x128);
+  const QuantizedTensor bd = to_device(*be, b);
+  const auto want = ep::reference_low_latency_dispatch(h.src, h.k, epr, D, G);
+  for (int d = 0; d < h.P; ++d) {
+    SCOPED_TRACE("rank " + std::to_string(d));
+    QuantizedTensor a = make_quantized_host(R, D, DType::e4m3, ScaleKind::tile_1x128);
+    std::memset(a.values.ptr<uint8_t>(), 0, size_t(R * D));
+    const int64_t ld = a.scales.size(1);
+    std::fill(a.scales.ptr<float>(), a.scales.ptr<float>() + G * ld, 1.0f);
+    Tensor cnt = Tensor::host(DType::i32, {epr});
+    for (int64_t e = 0; e < epr; ++e) {
+      const ep::LowLatencyExpert& ref = want[size_t(d)][size_t(e)];
+      const int64_t n = int64_t(ref.src_slot.size());
+      cnt.ptr<int32_t>()[e] = int32_t(n);
+      std::memcpy(a.values.ptr<uint8_t>() + e * M * D, ref.x.data(), ref.x.size());
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t g = 0; g < G; ++g) a.scales.ptr<float>()[g * ld + e * M + i] = ref.scales[size_t(i * G + g)];
+    }
+    Tensor expect = Tensor::host(DType::f32, {R, F});
+    h.cpu->grouped_gemm_fp8_masked(a, b, cnt, epr, expect, {});
+    const auto r = h.group->rank(d).low_latency_received();
+    Tensor got = be->zeros(DType::f32, {R, F});
+    be->grouped_gemm_fp8_masked(r.x, bd, r.counts, epr, got, {});
+    EXPECT_EQ(first_mismatch(be->to_host(got), expect), -1) << "masked grouped GEMM on the received layout";
+  }
 }
 
 EpConfig small_config(int ranks) {
