@@ -139,9 +139,13 @@ void add_bench(CLI::App& app) {
   epc->add_flag("--no-check", *ep_no_check, "skip the comparison with the host reference");
   epc->add_flag("--gemm", ep->gemm, "time an FP8 GEMM alone and beside the kernels");
   epc->add_flag("--pull", ep->pull, "combine by the sources' reads of the expert ranks' rows (one pass over them)");
-  epc->callback([ep, ep_no_check] {
+  epc->add_flag("--low-latency", ep->low_latency,
+                "the low-latency mode (decode): no notify, no host read, CUDA-graph capturable; 128 tokens per rank "
+                "unless --tokens");
+  epc->callback([ep, ep_no_check, epc] {
     require_gpu();
     ep->check = !*ep_no_check;
+    if (ep->low_latency && epc->count("--tokens") == 0) ep->tokens = 128;
     if (fp8moe::cuda::run_ep_bench(*ep) != 0) throw CLI::RuntimeError("bench ep: bit-exactness check failed", 2);
   });
 #else

@@ -105,6 +105,7 @@ struct EpBenchOptions {
   bool check = true;            // bit-exact comparison with the host reference
   bool gemm = false;            // an FP8 GEMM's slowdown beside the kernels
   bool pull = false;            // the combine's sources read the rows (EpConfig::pull_combine)
+  bool low_latency = false;     // the low-latency mode (EpConfig::low_latency)
   uint64_t seed = 0;            // 0: fresh random seed (printed)
 };
 

@@ -12,6 +12,10 @@
 // arrival (its reads of the k rows and its f32 writes are not counted).
 // With --pull, the combine's sources read the rows from the expert ranks' buffers
 // (EpConfig::pull_combine).
+// With --low-latency, the low-latency mode (EpConfig::low_latency, decode): T = 128 tokens per rank
+// unless --tokens says otherwise, the buffer sized for T; dispatch and combine timed as above, and
+// both captured in one CUDA graph per rank and replayed; DeepEP's low-latency figures on H800 (its
+// README, EP 8, 128 tokens, hidden 7168, top-8 of 256) printed beside.
 // With --gemm, an FP8 GEMM (4096 x 7168 x 7168, ours) is timed alone and while the ranks run
 // dispatch and combine back to back on their SMs: its slowdown.
 #include <cuda_runtime.h>
@@ -128,6 +132,171 @@ struct RankData {
   std::vector<uint16_t> rows_h;
 };
 
+// The low-latency mode (EpConfig::low_latency): see the header comment.
+int run_ep_low_latency_bench(const EpBenchOptions& opt, double copy) {
+  const int64_t T = opt.tokens, D = opt.hidden, k = opt.topk, E = opt.experts, G = D / 128;
+  const uint64_t seed = opt.seed ? opt.seed : std::random_device{}();
+  std::mt19937_64 rng(seed);
+  std::printf("# low-latency mode: T = N = %lld tokens per rank, top-%lld of %lld experts (uniform), D = %lld, "
+              "num_sms %d blocks per kernel per rank, seed %llu, median of %d, L2 flushed. Bytes leaving a rank: "
+              "dispatch FP8 row + scales + slot per (token, expert) slot on another rank, combine BF16 row per such "
+              "slot; device copy %.0f GB/s. DeepEP (README, H800, EP 8 = 8 GPUs): dispatch 77 us, combine 114 us\n",
+              (long long)T, (long long)k, (long long)E, (long long)D, opt.num_sms, (unsigned long long)seed, opt.iters,
+              copy);
+  std::printf("| ranks | step | us | MiB leaving | GB/s leaving | DeepEP H800 EP 8 us | bit-exact |\n"
+              "|---|---|---|---|---|---|---|\n");
+  std::fflush(stdout);
+  int failures = 0;
+  auto cpu = make_cpu_backend();
+  for (int P : parse_ranks(opt.ranks)) {
+    ep::EpConfig cfg;
+    cfg.ranks = P;
+    cfg.max_tokens = T;
+    cfg.hidden = D;
+    cfg.topk = k;
+    cfg.experts = E;
+    cfg.num_sms = opt.num_sms;
+    cfg.low_latency = true;
+    auto g = EpGroup::local(cfg);
+    const int64_t epr = E / P, M = P * T, R = epr * M;
+    std::vector<RankData> rd(static_cast<size_t>(P));
+    std::uniform_int_distribution<int> ex(-3, 3), pick(0, int(E) - 1);
+    std::uniform_real_distribution<float> u(0.01f, 1.0f), val(-4.0f, 4.0f);
+    std::vector<int64_t> count(size_t(E), 0);
+    double disp_out = 0, comb_out = 0;
+    for (int p = 0; p < P; ++p) {
+      RankData& r = rd[size_t(p)];
+      r.tok.tokens = T;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < k; ++j) {
+          int32_t e;
+          do e = pick(rng);
+          while (std::find(r.tok.idx.end() - j, r.tok.idx.end(), e) != r.tok.idx.end());
+          r.tok.idx.push_back(e);
+          r.tok.w.push_back(u(rng));
+          ++count[size_t(e)];
+          if (e / epr != p) disp_out += double(D + G * 4 + 4), comb_out += double(D) * 2;
+        }
+      r.tok.x.resize(size_t(T * D));
+      for (size_t i = 0; i < r.tok.x.size(); i += 8) {  // random codes, no NaN
+        const uint64_t v = rng() & 0x7777777777777777ull;
+        std::memcpy(&r.tok.x[i], &v, std::min<size_t>(8, r.tok.x.size() - i));
+      }
+      r.tok.scales.resize(size_t(T * G));
+      for (auto& sc : r.tok.scales) sc = std::ldexp(1.0f, ex(rng));
+      std::vector<float> sc(size_t(G * scale_ld(T)), 1.0f);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t gg = 0; gg < G; ++gg) sc[size_t(gg * scale_ld(T) + t)] = r.tok.scales[size_t(t * G + gg)];
+      r.idx = std::make_unique<DeviceBuffer>(r.tok.idx.size() * 4 + 16);
+      r.w = std::make_unique<DeviceBuffer>(r.tok.w.size() * 4 + 16);
+      r.x = std::make_unique<DeviceBuffer>(r.tok.x.size() + 16);
+      r.scales = std::make_unique<DeviceBuffer>(sc.size() * 4);
+      r.out = std::make_unique<DeviceBuffer>(size_t(T * D) * 4 + 16);
+      upload(r.idx->p, r.tok.idx);
+      upload(r.w->p, r.tok.w);
+      upload(r.x->p, r.tok.x);
+      upload(r.scales->p, sc);
+    }
+    // The experts' rows in the masked layout, random below each expert's count.
+    for (int d = 0; d < P; ++d) {
+      RankData& r = rd[size_t(d)];
+      r.rows_h.assign(size_t(R * D), 0);
+      for (int64_t e = 0; e < epr; ++e)
+        for (int64_t i = e * M * D; i < (e * M + count[size_t(d * epr + e)]) * D; ++i) {
+          const float f = val(rng);
+          uint32_t b;
+          std::memcpy(&b, &f, 4);
+          r.rows_h[size_t(i)] = uint16_t(b >> 16);
+        }
+      r.rows = std::make_unique<DeviceBuffer>(r.rows_h.size() * 2);
+      upload(r.rows->p, r.rows_h);
+    }
+    auto dispatch = [&](int p) {
+      RankData& r = rd[size_t(p)];
+      QuantizedView q{dview(r.x->p, DType::e4m3, T, D), dview(r.scales->p, DType::f32, G, scale_ld(T)),
+                      ScaleKind::tile_1x128};
+      g->rank(p).low_latency_dispatch(q, dview(r.idx->p, DType::i32, T, k));
+    };
+    auto combine = [&](int p) {
+      RankData& r = rd[size_t(p)];
+      g->rank(p).low_latency_combine(dview(r.rows->p, DType::bf16, R, D), dview(r.w->p, DType::f32, T, k),
+                                     dview(r.out->p, DType::f32, T, D), false);
+    };
+    MultiTimer mt(*g);
+    std::vector<double> td, tc, tg;
+    for (int i = 0; i < opt.warmup + opt.iters; ++i) {
+      const double a = mt.once(dispatch);
+      const double b = mt.once(combine);
+      if (i >= opt.warmup) td.push_back(a), tc.push_back(b);
+    }
+    // Both steps captured in one graph per rank, replayed.
+    std::vector<cudaGraphExec_t> exec(static_cast<size_t>(P));
+    for (int p = 0; p < P; ++p) {
+      cudaStream_t st = g->rank(p).stream();
+      FP8MOE_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed));
+      dispatch(p);
+      combine(p);
+      cudaGraph_t graph;
+      FP8MOE_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+      FP8MOE_CUDA_CHECK(cudaGraphInstantiate(&exec[size_t(p)], graph, 0));
+      FP8MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+    }
+    for (int i = 0; i < opt.warmup + opt.iters; ++i) {
+      const double a = mt.once([&](int p) { FP8MOE_CUDA_CHECK(cudaGraphLaunch(exec[size_t(p)], g->rank(p).stream())); });
+      if (i >= opt.warmup) tg.push_back(a);
+    }
+    for (auto e : exec) FP8MOE_CUDA_CHECK(cudaGraphExecDestroy(e));
+    // Bit-exactness against the host reference (the last replay's results).
+    std::string exact_d = "-", exact_c = "-";
+    if (opt.check) {
+      std::vector<::fp8moe::ep::RankTokens> src;
+      for (auto& r : rd) src.push_back(r.tok);
+      const auto want = ::fp8moe::ep::reference_low_latency_dispatch(src, k, epr, D, G);
+      bool ok_d = true, ok_c = true;
+      for (int d = 0; d < P && ok_d; ++d) {
+        const auto rv = g->rank(d).low_latency_received();
+        std::vector<int32_t> cnt(static_cast<size_t>(epr));
+        FP8MOE_CUDA_CHECK(cudaMemcpy(cnt.data(), rv.counts.data, cnt.size() * 4, cudaMemcpyDeviceToHost));
+        for (int64_t e = 0; e < epr && ok_d; ++e) {
+          const auto& ref = want[size_t(d)][size_t(e)];
+          ok_d &= cnt[size_t(e)] == int32_t(ref.src_slot.size());
+          if (!ok_d) break;
+          std::vector<uint8_t> gx(ref.x.size());
+          FP8MOE_CUDA_CHECK(cudaMemcpy(gx.data(), static_cast<uint8_t*>(rv.x.values.data) + e * M * D, gx.size(),
+                                       cudaMemcpyDeviceToHost));
+          ok_d &= gx == ref.x;
+        }
+      }
+      std::vector<std::vector<uint16_t>> rows;
+      for (auto& r : rd) rows.push_back(std::move(r.rows_h));  // not needed after this
+      for (int p = 0; p < P && ok_c; ++p) {
+        std::vector<uint16_t> back = ::fp8moe::ep::reference_low_latency_combine_rows(src, rows, p, k, epr, M, D);
+        std::vector<int32_t> slot_row(size_t(T * k));
+        for (size_t i = 0; i < slot_row.size(); ++i) slot_row[i] = int32_t(i);
+        std::vector<float> ref(size_t(T * D)), got(size_t(T * D));
+        cpu->moe_combine(TensorView(back.data(), DType::bf16, {T * k, D}),
+                         TensorView(slot_row.data(), DType::i32, {T, k}),
+                         TensorView(rd[size_t(p)].tok.w.data(), DType::f32, {T, k}),
+                         TensorView(ref.data(), DType::f32, {T, D}), false);
+        FP8MOE_CUDA_CHECK(cudaMemcpy(got.data(), rd[size_t(p)].out->p, got.size() * 4, cudaMemcpyDeviceToHost));
+        ok_c &= std::memcmp(got.data(), ref.data(), ref.size() * 4) == 0;
+      }
+      exact_d = ok_d ? "yes (counts, FP8 rows)" : "NO";
+      exact_c = ok_c ? "yes" : "NO";
+      failures += !ok_d + !ok_c;
+    }
+    const double us_d = median(td), us_c = median(tc), us_g = median(tg);
+    std::printf("| %d | dispatch | %.1f | %.1f | %.0f | %s | %s |\n", P, us_d, disp_out / (1 << 20),
+                disp_out / (us_d * 1e3), P == 8 ? "77" : "-", exact_d.c_str());
+    std::printf("| %d | combine | %.1f | %.1f | %.0f | %s | %s |\n", P, us_c, comb_out / (1 << 20),
+                comb_out / (us_c * 1e3), P == 8 ? "114" : "-", exact_c.c_str());
+    std::printf("| %d | dispatch + combine, one graph per rank | %.1f | %.1f | %.0f | %s | - |\n", P, us_g,
+                (disp_out + comb_out) / (1 << 20), (disp_out + comb_out) / (us_g * 1e3), "-");
+    std::fflush(stdout);
+  }
+  return failures == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int run_ep_bench(const EpBenchOptions& opt) {
@@ -143,6 +312,11 @@ int run_ep_bench(const EpBenchOptions& opt) {
   FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
   FP8MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
   const double copy = copy_gbs(size_t(1) << 30, opt.warmup, opt.iters);
+  if (opt.low_latency) {
+    std::printf("# fp8moe bench ep --low-latency on %s (%d SMs): P ranks as P buffers on this GPU, one stream each\n",
+                prop.name, prop.multiProcessorCount);
+    return run_ep_low_latency_bench(opt, copy);
+  }
   std::printf("# fp8moe bench ep on %s (%d SMs): P ranks as P buffers on this GPU, one stream each; T = %lld tokens "
               "per rank, top-%lld of %lld experts (uniform), D = %lld, num_sms %d per rank, seed %llu, median of %d, "
               "L2 flushed\n",

@@ -12,6 +12,17 @@
 //   combine   each rank's BF16 rows, one per slot it computed (source-major, slot order: the
 //             Comm path's send layout) -> on the source, out [T, D] f32 (+)= sum_j w[t, j] *
 //             row(t, j) in slot order, moe_combine's roundings: deterministic and bit-exact.
+// Low-latency mode (EpConfig::low_latency; decode, DeepEP's low-latency mode), ep_low_latency.cu:
+//   dispatch  FP8 rows [T, D] (T <= N = max_tokens) with their 1x128 scales and the expert ids
+//             [T, k] -> on every rank, one row per (token, expert) slot in the masked layout of
+//             its local experts: expert e's rows at e * M + [0, count[e]) of [E_l * M, D], M = P * N,
+//             source-major, slots ascending; scales group-major [G, scale_ld(E_l * M)]; the counts
+//             [E_l] in device memory, and each row's source and slot.
+//   combine   each rank's BF16 rows in that layout (the masked grouped GEMM's output) -> on the
+//             source, out [T, D] f32 (+)= sum_j w[t, j] * row(t, j) in slot order, as above.
+//   No notify, no host read of counts, the step number kept on the device: both steps can be
+//   captured in a CUDA graph and replayed. The buffer is sized for N tokens per rank per (local
+//   expert, source): E_l * P * N rows staged and as many packed.
 // Ranks are either several buffers on one GPU in one process, one stream each (EpGroup::local:
 // tests and benchmarks), or one process per GPU of a node with CUDA IPC handles exchanged over a
 // Comm (EpGroup::ipc). Every rank runs the same steps in the same order; each waits for its peers
@@ -48,6 +59,9 @@ struct EpConfig {
   // the rows instead of two (written, then read for the sum), for a region of the worst case,
   // P * T_max * k rows.
   bool pull_combine = false;
+  // The low-latency mode: the group serves only low_latency_dispatch and low_latency_combine,
+  // for at most max_tokens (N) tokens per rank, num_sms blocks per kernel.
+  bool low_latency = false;
 };
 
 // The regions of a rank's buffer for the worst case of cfg (checks cfg; throws fp8moe::Error).
@@ -110,10 +124,32 @@ class EpRank {
   // Waits for this rank's stream; throws fp8moe::Error if one of its waits timed out.
   void check();
 
+  // ---- low-latency mode (EpConfig::low_latency) ----
+  // x: values [T, D] e4m3, T <= max_tokens, scales [G, ld >= T] f32 (tile_1x128); idx [T, k] i32,
+  // ids in [0, experts), distinct within a token. Queued on stream() with no host synchronization
+  // (capturable); errors found on the device (an id out of range, a wait timed out) are thrown by
+  // check().
+  void low_latency_dispatch(const QuantizedView& x, const TensorView& idx);
+  // Views of this rank's buffer after its low-latency dispatch (valid until its next one).
+  struct LowLatencyReceived {
+    QuantizedView x;        // [E_l * M, D] e4m3, scales [G, scale_ld(E_l * M)]; rows past a count: garbage
+    TensorView counts;      // [E_l] i32: rows of each local expert (the masked grouped GEMM's counts)
+    TensorView src_counts;  // [E_l, P] i32: of those, from each source (source-major)
+    TensorView src_slot;    // [E_l * M] i32: each row's slot t * k + j on its source
+    int64_t rows_per_expert = 0;  // M = P * N
+  };
+  LowLatencyReceived low_latency_received() const;
+  // rows [E_l * M, D] bf16 in the received layout (only rows below the counts are read); weights
+  // [T, k] f32 of this rank's last low-latency dispatch (or undefined: 1); out [T, D] f32 (+)= the
+  // weighted sums. Capturable, as the dispatch.
+  void low_latency_combine(const TensorView& rows, const TensorView& weights, const TensorView& out, bool accumulate);
+
  private:
   friend class EpGroup;
   StepArgs next_step(int64_t tokens);
+  LlArgs ll_args(int64_t tokens) const;
   void require_usable(const char* step) const;
+  void require_mode(bool low_latency, const char* step) const;
 
   const EpGroup* group_ = nullptr;
   int me_ = 0;
@@ -124,6 +160,7 @@ class EpRank {
   bool counted_ = false;     // counts() read since the last notify
   bool broken_ = false;      // a wait timed out: the peers' step counters no longer agree
   int32_t* counts_host_ = nullptr;  // pinned [P][length]
+  int64_t ll_tokens_ = -1;   // T of the last low-latency dispatch
   EpCounts counts_;
 };
 

@@ -26,6 +26,8 @@ const char* step_name(uint32_t s) {
     case Step::notify: return "notify";
     case Step::dispatch: return "dispatch";
     case Step::combine: return "combine";
+    case Step::ll_dispatch: return "low-latency dispatch";
+    case Step::ll_combine: return "low-latency combine";
   }
   return "?";
 }
@@ -42,6 +44,7 @@ void check_config(const EpConfig& c) {
                "ep: num_sms " << c.num_sms << " must be even and at least 2 (each channel is a pair of SMs)");
   FP8MOE_CHECK(c.num_sms / 2 <= kMaxChannels, "ep: num_sms " << c.num_sms << " above " << 2 * kMaxChannels);
   FP8MOE_CHECK(c.timeout_s > 0, "ep: timeout " << c.timeout_s << " s must be positive");
+  FP8MOE_CHECK(!(c.low_latency && c.pull_combine), "ep: pull_combine is an option of the normal mode, not the low-latency one");
 }
 
 }  // namespace
@@ -58,26 +61,50 @@ BufferLayout buffer_layout(const EpConfig& c) {
     o = align_up(o + bytes, 256);
     return at;
   };
+  // Normal-mode regions are empty in the low-latency mode and low-latency regions in the normal
+  // mode. The flags, the error word and the step counter come first: new_buffer zeroes [0, notify).
+  const bool ll = c.low_latency;
+  const size_t nm = ll ? 0 : 1, lm = ll ? 1 : 0;
+  const int64_t epr = c.experts / P, N = c.max_tokens, M = P * N, R = epr * M;
   l.ready = take(kMaxRanks * 8);
-  l.notify_flag = take(kMaxRanks * 8);
-  l.dispatch_flag = take(size_t(kMaxRanks) * kMaxChannels * 8);
-  l.combine_flag = take(size_t(kMaxRanks) * kMaxChannels * 8);
+  l.notify_flag = take(nm * kMaxRanks * 8);
+  l.dispatch_flag = take(nm * kMaxRanks * kMaxChannels * 8);
+  l.combine_flag = take(nm * kMaxRanks * kMaxChannels * 8);
   l.error = take(32);
-  l.notify = take(size_t(P) * cl.length() * 4);
-  l.counts = take(size_t(P) * cl.length() * 4);
-  l.x = take(size_t(n * c.hidden));
-  l.scales = take(size_t(G * scale_ld(n)) * 4);
-  l.weights = take(size_t(n * k) * 4);
-  l.ids = take(size_t(n * k) * 4);
-  l.combine = take(c.pull_combine ? 0 : size_t(c.max_tokens * k * c.hidden) * 2);
-  l.combine_in = take(c.pull_combine ? size_t(n * k * c.hidden) * 2 : 0);
+  l.ll_step = take(lm * 16);
+  l.ll_count_flag = take(lm * size_t(epr * P) * 8);
+  l.ll_combine_flag = take(lm * size_t(c.experts) * 8);
+  l.notify = take(nm * size_t(P) * cl.length() * 4);
+  l.counts = take(nm * size_t(P) * cl.length() * 4);
+  l.x = take(nm * size_t(n * c.hidden));
+  l.scales = take(nm * size_t(G * scale_ld(n)) * 4);
+  l.weights = take(nm * size_t(n * k) * 4);
+  l.ids = take(nm * size_t(n * k) * 4);
+  l.combine = take(ll || c.pull_combine ? 0 : size_t(c.max_tokens * k * c.hidden) * 2);
+  l.combine_in = take(!ll && c.pull_combine ? size_t(n * k * c.hidden) * 2 : 0);
+  l.ll_stage_x = take(lm * size_t(R * c.hidden));
+  l.ll_stage_scales = take(lm * size_t(R * G) * 4);
+  l.ll_stage_slot = take(lm * size_t(R) * 4);
+  l.ll_x = take(lm * size_t(R * c.hidden));
+  l.ll_scales = take(lm * size_t(G * scale_ld(R)) * 4);
+  l.ll_count = take(lm * size_t(epr) * 4);
+  l.ll_src_count = take(lm * size_t(epr * P) * 4);
+  l.ll_src_slot = take(lm * size_t(R) * 4);
+  l.ll_back = take(lm * size_t(N * k * c.hidden) * 2);
   l.total = o;
-  l.max_recv = n;
-  FP8MOE_CHECK(c.buffer_bytes == 0 || c.buffer_bytes >= l.total,
-               "ep: buffer of " << c.buffer_bytes << " bytes is below the " << l.total << " bytes of the worst case ("
-                                << P << " ranks x " << c.max_tokens << " tokens of hidden " << c.hidden
-                                << " all to one rank, and " << c.max_tokens << " x " << k << " rows back)");
-  FP8MOE_CHECK(n * k < (int64_t(1) << 31) && c.max_tokens * k < (int64_t(1) << 31),
+  l.max_recv = ll ? R : n;
+  if (ll)
+    FP8MOE_CHECK(c.buffer_bytes == 0 || c.buffer_bytes >= l.total,
+                 "ep: low-latency buffer of " << c.buffer_bytes << " bytes is below the " << l.total
+                                              << " bytes it needs (" << epr << " local experts x " << P << " sources x "
+                                              << N << " tokens of hidden " << c.hidden << ", staged and packed, and "
+                                              << N << " x " << k << " rows back)");
+  else
+    FP8MOE_CHECK(c.buffer_bytes == 0 || c.buffer_bytes >= l.total,
+                 "ep: buffer of " << c.buffer_bytes << " bytes is below the " << l.total << " bytes of the worst case ("
+                                  << P << " ranks x " << c.max_tokens << " tokens of hidden " << c.hidden
+                                  << " all to one rank, and " << c.max_tokens << " x " << k << " rows back)");
+  FP8MOE_CHECK(n * k < (int64_t(1) << 31) && c.max_tokens * k < (int64_t(1) << 31) && R < (int64_t(1) << 31),
                "ep: " << n << " rows x top-" << k << " overflow the i32 slot indices");
   return l;
 }
@@ -165,11 +192,16 @@ std::unique_ptr<EpGroup> EpGroup::local(const EpConfig& cfg) {
                                    << "CUDA_DEVICE_MAX_CONNECTIONS is " << queues
                                    << " (set it to 32 before the first CUDA call)");
   int per_sm_d = 0, per_sm_c = 0;
-  FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_d, dispatch_kernel_ptr(g->blocks_per_sm_),
-                                                                  dispatch_threads(), 0));
-  FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_c, combine_kernel_ptr(g->blocks_per_sm_),
-                                                                  combine_threads(), 0));
-  const int fit = std::min({per_sm_d, per_sm_c, g->blocks_per_sm_}) * sms;
+  if (cfg.low_latency) {
+    FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_d, ll_dispatch_kernel_ptr(), ll_threads(), 0));
+    FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_c, ll_combine_kernel_ptr(), ll_threads(), 0));
+  } else {
+    FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm_d, dispatch_kernel_ptr(g->blocks_per_sm_), dispatch_threads(), 0));
+    FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm_c, combine_kernel_ptr(g->blocks_per_sm_), combine_threads(), 0));
+  }
+  const int fit = std::min({per_sm_d, per_sm_c, cfg.low_latency ? per_sm_d : g->blocks_per_sm_}) * sms;
   FP8MOE_CHECK(P * cfg.num_sms <= fit, "ep: " << P << " ranks x " << cfg.num_sms << " SMs on one device need "
                                               << P * cfg.num_sms << " resident blocks; it holds " << fit
                                               << " (lower num_sms)");
@@ -181,7 +213,8 @@ std::unique_ptr<EpGroup> EpGroup::local(const EpConfig& cfg) {
     for (int q = 0; q < P; ++q) rank->peer_[q] = static_cast<char*>(g->owned_[size_t(q)]);
     FP8MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&rank->stream_, cudaStreamNonBlocking));
     g->streams_.push_back(rank->stream_);
-    FP8MOE_CUDA_CHECK(cudaMallocHost(&rank->counts_host_, g->layout_.counts - g->layout_.notify));
+    if (!cfg.low_latency)
+      FP8MOE_CUDA_CHECK(cudaMallocHost(&rank->counts_host_, g->layout_.counts - g->layout_.notify));
     g->ranks_.push_back(std::move(rank));
   }
   FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -228,7 +261,8 @@ std::unique_ptr<EpGroup> EpGroup::ipc(const EpConfig& cfg, Comm& comm, cudaStrea
     rank->peer_[q] = static_cast<char*>(p);
   }
   rank->stream_ = stream;
-  FP8MOE_CUDA_CHECK(cudaMallocHost(&rank->counts_host_, g->layout_.counts - g->layout_.notify));
+  if (!cfg.low_latency)
+    FP8MOE_CUDA_CHECK(cudaMallocHost(&rank->counts_host_, g->layout_.counts - g->layout_.notify));
   g->ranks_.push_back(std::move(rank));
   comm.exchange("");  // every peer has mapped every buffer before any step writes into one
   return g;
@@ -239,6 +273,13 @@ std::unique_ptr<EpGroup> EpGroup::ipc(const EpConfig& cfg, Comm& comm, cudaStrea
 void EpRank::require_usable(const char* step) const {
   FP8MOE_CHECK(!broken_, "ep " << step << " on rank " << me_
                                << ": an earlier step of this group timed out; its buffers cannot be used again");
+}
+
+void EpRank::require_mode(bool low_latency, const char* step) const {
+  FP8MOE_CHECK(group_->config().low_latency == low_latency,
+               "ep " << step << " on rank " << me_ << ": the group was made "
+                     << (low_latency ? "for the normal mode (EpConfig::low_latency is false)"
+                                     : "for the low-latency mode (EpConfig::low_latency)"));
 }
 
 StepArgs EpRank::next_step(int64_t tokens) {
@@ -263,6 +304,7 @@ StepArgs EpRank::next_step(int64_t tokens) {
 
 void EpRank::notify(const TensorView& idx) {
   require_usable("notify");
+  require_mode(false, "notify");
   const EpConfig& c = group_->config();
   check_tensor(idx, "ep notify idx", DType::i32, 2);
   FP8MOE_CHECK(idx.device == Device::cuda && idx.is_contiguous(), "ep notify: idx " << idx.str() << " must be a contiguous device tensor");
@@ -296,15 +338,21 @@ void EpRank::check() {
   broken_ = true;
   const char* step = step_name(e[1]);
   if (Failure(e[2]) == Failure::expert_id)
-    throw Error("ep notify on rank " + std::to_string(me_) + ": idx[" + std::to_string(e[3]) + ", " +
-                std::to_string(e[4]) + "] outside [0, " + std::to_string(group_->config().experts) + ")");
+    throw Error("ep " + std::string(step) + " on rank " + std::to_string(me_) + ": idx[" + std::to_string(e[3]) +
+                ", " + std::to_string(e[4]) + "] outside [0, " + std::to_string(group_->config().experts) + ")");
+  if (Failure(e[2]) == Failure::overflow)
+    throw Error("ep " + std::string(step) + " on rank " + std::to_string(me_) + ": " + std::to_string(e[4]) +
+                " slots for expert " + std::to_string(e[3]) + ", above the buffer's " +
+                std::to_string(group_->config().max_tokens) +
+                " rows per (expert, source): a token lists that expert more than once");
+  const bool ll = Step(e[1]) == Step::ll_dispatch || Step(e[1]) == Step::ll_combine;
   const char* what = Failure(e[2]) == Failure::ready    ? "to start the step"
                      : Failure(e[2]) == Failure::counts ? "for its counts"
                                                         : "for its rows";
   std::ostringstream os;
   os << "ep " << step << " on rank " << me_ << ": timed out after " << group_->config().timeout_s
      << " s waiting for rank " << e[3] << " " << what;
-  if (Failure(e[2]) == Failure::rows) os << " (channel " << e[4] << ")";
+  if (Failure(e[2]) == Failure::rows) os << (ll ? " (expert " : " (channel ") << e[4] << ")";
   os << ": a peer did not run the same steps, or died";
   throw Error(os.str());
 }
@@ -312,6 +360,7 @@ void EpRank::check() {
 void EpRank::dispatch(const QuantizedView& x, const TensorView& weights, const TensorView& idx,
                       const TensorView& slot_row) {
   require_usable("dispatch");
+  require_mode(false, "dispatch");
   const EpConfig& c = group_->config();
   FP8MOE_CHECK(counted_, "ep dispatch on rank " << me_ << ": counts() of the last notify must be read first");
   const int64_t T = tokens_, D = c.hidden, G = D / 128, k = c.topk;
@@ -334,6 +383,7 @@ void EpRank::dispatch(const QuantizedView& x, const TensorView& weights, const T
 }
 
 EpRank::Received EpRank::received() const {
+  require_mode(false, "received");
   FP8MOE_CHECK(counted_, "ep received on rank " << me_ << ": no counts yet");
   const EpConfig& c = group_->config();
   const BufferLayout& l = group_->layout();
@@ -359,6 +409,7 @@ TensorView EpRank::combine_input() const {
 void EpRank::combine(const TensorView& rows, const TensorView& slot_row, const TensorView& weights,
                      const TensorView& out, bool accumulate) {
   require_usable("combine");
+  require_mode(false, "combine");
   const EpConfig& c = group_->config();
   FP8MOE_CHECK(counted_, "ep combine on rank " << me_ << ": no counts of a notify");
   const int64_t T = tokens_, D = c.hidden, k = c.topk, n = counts_.returned(me_);
@@ -380,6 +431,95 @@ void EpRank::combine(const TensorView& rows, const TensorView& slot_row, const T
   const StepArgs a = next_step(T);
   launch_combine(a, rows.data, slot_row.ptr<const int32_t>(), weights.defined() ? weights.ptr<const float>() : nullptr,
                  out.ptr<float>(), accumulate, stream_);
+}
+
+// ---- low-latency mode ----
+
+LlArgs EpRank::ll_args(int64_t tokens) const {
+  const EpConfig& c = group_->config();
+  LlArgs a;
+  for (int q = 0; q < c.ranks; ++q) a.peer[q] = peer_[q];
+  a.layout = group_->layout();
+  a.me = me_;
+  a.ranks = c.ranks;
+  a.hidden = c.hidden;
+  a.topk = c.topk;
+  a.experts = c.experts;
+  a.experts_per_rank = c.experts / c.ranks;
+  a.max_tokens = c.max_tokens;
+  a.tokens = tokens;
+  a.timeout_ns = uint64_t(c.timeout_s * 1e9);
+  a.blocks = c.num_sms;
+  return a;
+}
+
+void EpRank::low_latency_dispatch(const QuantizedView& x, const TensorView& idx) {
+  require_usable("low-latency dispatch");
+  require_mode(true, "low-latency dispatch");
+  const EpConfig& c = group_->config();
+  const int64_t D = c.hidden, G = D / 128, k = c.topk;
+  check_tensor(idx, "ep low-latency dispatch idx", DType::i32, 2);
+  const int64_t T = idx.size(0);
+  FP8MOE_CHECK(T <= c.max_tokens, "ep low-latency dispatch on rank " << me_ << ": " << T
+                                      << " tokens above the buffer's " << c.max_tokens << " per rank (max_tokens)");
+  FP8MOE_CHECK(idx.size(1) == k && idx.is_contiguous() && idx.device == Device::cuda,
+               "ep low-latency dispatch: idx " << idx.str() << " must be [" << T << ", " << k << "] on the device");
+  FP8MOE_CHECK(x.kind == ScaleKind::tile_1x128 && x.values.dtype == DType::e4m3 && x.values.ndim == 2 &&
+                   x.values.size(0) == T && x.values.size(1) == D && x.values.is_contiguous() &&
+                   x.values.device == Device::cuda,
+               "ep low-latency dispatch: x " << x.values.str() << " must be [" << T << ", " << D
+                                             << "] e4m3 on the device with 1x128 scales");
+  FP8MOE_CHECK(x.scales.dtype == DType::f32 && x.scales.ndim == 2 && x.scales.size(0) == G && x.scales.size(1) >= T &&
+                   x.scales.is_contiguous() && x.scales.device == Device::cuda,
+               "ep low-latency dispatch: scales " << x.scales.str() << " must be [" << G << ", >= " << T << "] f32");
+  FP8MOE_CHECK(aligned16(x.values.data), "ep low-latency dispatch: x values must start on a 16-byte boundary");
+  launch_ll_dispatch(ll_args(T), x.values.ptr<const uint8_t>(), x.scales.ptr<const float>(), x.scales.size(1),
+                     idx.ptr<const int32_t>(), stream_);
+  ll_tokens_ = T;
+}
+
+EpRank::LowLatencyReceived EpRank::low_latency_received() const {
+  require_mode(true, "low-latency received");
+  const EpConfig& c = group_->config();
+  const BufferLayout& l = group_->layout();
+  const int64_t P = c.ranks, epr = c.experts / P, M = P * c.max_tokens, R = epr * M;
+  char* b = peer_[me_];
+  LowLatencyReceived r;
+  r.x.values = TensorView(b + l.ll_x, DType::e4m3, {R, c.hidden}, Device::cuda);
+  r.x.scales = TensorView(b + l.ll_scales, DType::f32, {c.hidden / 128, scale_ld(R)}, Device::cuda);
+  r.x.kind = ScaleKind::tile_1x128;
+  r.counts = TensorView(b + l.ll_count, DType::i32, {epr}, Device::cuda);
+  r.src_counts = TensorView(b + l.ll_src_count, DType::i32, {epr, P}, Device::cuda);
+  r.src_slot = TensorView(b + l.ll_src_slot, DType::i32, {R}, Device::cuda);
+  r.rows_per_expert = M;
+  return r;
+}
+
+void EpRank::low_latency_combine(const TensorView& rows, const TensorView& weights, const TensorView& out,
+                                 bool accumulate) {
+  require_usable("low-latency combine");
+  require_mode(true, "low-latency combine");
+  const EpConfig& c = group_->config();
+  FP8MOE_CHECK(ll_tokens_ >= 0, "ep low-latency combine on rank " << me_ << ": no low-latency dispatch before it");
+  const int64_t T = ll_tokens_, D = c.hidden, k = c.topk, R = c.experts * c.max_tokens;
+  check_tensor(rows, "ep low-latency combine rows", DType::bf16, 2);
+  FP8MOE_CHECK(rows.size(0) == R && rows.size(1) == D && rows.is_contiguous() && aligned16(rows.data) &&
+                   rows.device == Device::cuda,
+               "ep low-latency combine: rows " << rows.str() << " must be [" << R << ", " << D
+                                               << "] bf16 on the device, 16-byte aligned (the received layout)");
+  if (weights.defined()) {
+    check_tensor(weights, "ep low-latency combine weights", DType::f32, 2);
+    FP8MOE_CHECK(weights.size(0) == T && weights.size(1) == k && weights.is_contiguous() &&
+                     weights.device == Device::cuda,
+                 "ep low-latency combine: weights " << weights.str() << " must be [" << T << ", " << k << "] on the device");
+  }
+  check_tensor(out, "ep low-latency combine out", DType::f32, 2);
+  FP8MOE_CHECK(out.size(0) == T && out.size(1) == D && out.is_contiguous() && aligned16(out.data) &&
+                   out.device == Device::cuda,
+               "ep low-latency combine: out " << out.str() << " must be [" << T << ", " << D
+                                              << "] f32 on the device, 16-byte aligned");
+  launch_ll_combine(ll_args(T), rows.data, weights.defined() ? weights.ptr<const float>() : nullptr, out.ptr<float>(),
+                    accumulate, stream_);
 }
 
 }  // namespace fp8moe::cuda::ep

@@ -1,4 +1,5 @@
-// Launchers of the expert-parallel kernels (ep_notify.cu, ep_dispatch.cu, ep_combine.cu), called
+// Launchers of the expert-parallel kernels (ep_notify.cu, ep_dispatch.cu, ep_combine.cu,
+// ep_low_latency.cu), called
 // by ep_group.cpp after its argument checks.
 #pragma once
 #include <cuda_runtime.h>
@@ -17,5 +18,14 @@ int dispatch_threads();
 int combine_threads();
 const void* dispatch_kernel_ptr(int blocks_per_sm);
 const void* combine_kernel_ptr(int blocks_per_sm);
+
+// Low-latency mode (ep_low_latency.cu).
+void launch_ll_dispatch(const LlArgs& a, const uint8_t* x, const float* x_scales, int64_t x_ld, const int32_t* idx,
+                        cudaStream_t stream);
+void launch_ll_combine(const LlArgs& a, const void* rows, const float* weights, float* out, bool accumulate,
+                       cudaStream_t stream);
+int ll_threads();
+const void* ll_dispatch_kernel_ptr();
+const void* ll_combine_kernel_ptr();
 
 }  // namespace fp8moe::cuda::ep

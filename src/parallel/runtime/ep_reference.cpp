@@ -49,4 +49,50 @@ std::vector<uint16_t> reference_combine_rows(const std::vector<std::vector<uint1
   return back;
 }
 
+std::vector<std::vector<LowLatencyExpert>> reference_low_latency_dispatch(const std::vector<RankTokens>& src,
+                                                                          int64_t k, int64_t epr, int64_t row_bytes,
+                                                                          int64_t G) {
+  const int64_t P = int64_t(src.size());
+  std::vector<std::vector<LowLatencyExpert>> out(static_cast<size_t>(P), std::vector<LowLatencyExpert>(static_cast<size_t>(epr)));
+  for (auto& rank : out)
+    for (auto& e : rank) e.src_counts.assign(size_t(P), 0);
+  for (int64_t p = 0; p < P; ++p) {  // source-major: sources in order, each one's slots in order
+    const RankTokens& s = src[size_t(p)];
+    FP8MOE_CHECK(int64_t(s.idx.size()) == s.tokens * k, "reference_low_latency_dispatch: rank " << p << " has "
+                                                            << s.idx.size() << " ids for " << s.tokens << " x " << k);
+    for (int64_t sl = 0; sl < s.tokens * k; ++sl) {
+      const int64_t x = s.idx[size_t(sl)], t = sl / k;
+      FP8MOE_CHECK(x >= 0 && x < P * epr, "reference_low_latency_dispatch: expert " << x << " out of range");
+      LowLatencyExpert& e = out[size_t(x / epr)][size_t(x % epr)];
+      e.x.insert(e.x.end(), s.x.begin() + t * row_bytes, s.x.begin() + (t + 1) * row_bytes);
+      e.scales.insert(e.scales.end(), s.scales.begin() + t * G, s.scales.begin() + (t + 1) * G);
+      e.src_slot.push_back(int32_t(sl));
+      ++e.src_counts[size_t(p)];
+    }
+  }
+  return out;
+}
+
+std::vector<uint16_t> reference_low_latency_combine_rows(const std::vector<RankTokens>& src,
+                                                         const std::vector<std::vector<uint16_t>>& expert_rows, int p,
+                                                         int64_t k, int64_t epr, int64_t M, int64_t cols) {
+  const int64_t P = int64_t(src.size()), E = P * epr;
+  // fill[x]: the rows expert x holds before source p's (sources before p), then p's so far.
+  std::vector<int64_t> fill(size_t(E), 0);
+  for (int64_t q = 0; q < p; ++q)
+    for (int32_t x : src[size_t(q)].idx) ++fill[size_t(x)];
+  const RankTokens& s = src[size_t(p)];
+  std::vector<uint16_t> back;
+  back.reserve(size_t(s.tokens * k * cols));
+  for (int64_t sl = 0; sl < s.tokens * k; ++sl) {
+    const int64_t x = s.idx[size_t(sl)], d = x / epr, e = x % epr, r = e * M + fill[size_t(x)]++;
+    const std::vector<uint16_t>& rows = expert_rows[size_t(d)];
+    FP8MOE_CHECK(int64_t(rows.size()) >= (r + 1) * cols,
+                 "reference_low_latency_combine_rows: rank " << d << " holds " << rows.size() / cols << " rows, row "
+                                                             << r << " needed");
+    back.insert(back.end(), rows.begin() + r * cols, rows.begin() + (r + 1) * cols);
+  }
+  return back;
+}
+
 }  // namespace fp8moe::ep

@@ -39,4 +39,28 @@ std::vector<RankReceived> reference_dispatch(const std::vector<RankTokens>& src,
 std::vector<uint16_t> reference_combine_rows(const std::vector<std::vector<uint16_t>>& expert_rows,
                                              const std::vector<DispatchLayout>& layouts, int p, int64_t cols);
 
+// The low-latency mode (src/cuda/ep/ep_low_latency.cu): what reaches rank d for its local expert e,
+// one row per (token, expert) slot of any source whose expert is d * epr + e, source-major, each
+// source's slots t * k + j ascending (the order of the masked layout's rows e * M + [0, n)).
+struct LowLatencyExpert {
+  std::vector<int64_t> src_counts;  // [P] rows from each source
+  std::vector<uint8_t> x;           // [n, row_bytes]
+  std::vector<float> scales;        // [n, G]
+  std::vector<int32_t> src_slot;    // [n] the slot t * k + j on its source
+};
+
+// [P][epr]: every rank's experts for the tokens of every rank (ranks = src.size()).
+std::vector<std::vector<LowLatencyExpert>> reference_low_latency_dispatch(const std::vector<RankTokens>& src,
+                                                                          int64_t topk, int64_t experts_per_rank,
+                                                                          int64_t row_bytes, int64_t groups);
+
+// The combine's rows as source p receives them, [T_p * k, cols] in slot order (what moe_combine
+// reads with slot_row t * k + j): slot (t, j)'s row from the rank d holding idx[t, j] = d * epr + e,
+// expert_rows[d] being d's rows in the masked layout ([epr * rows_per_expert, cols], expert e's at
+// e * rows_per_expert + i in the order above).
+std::vector<uint16_t> reference_low_latency_combine_rows(const std::vector<RankTokens>& src,
+                                                         const std::vector<std::vector<uint16_t>>& expert_rows, int p,
+                                                         int64_t topk, int64_t experts_per_rank,
+                                                         int64_t rows_per_expert, int64_t cols);
+
 }  // namespace fp8moe::ep
