@@ -46,9 +46,11 @@ class ParameterEma {
   Backend& backend_;
   int threads_;
   std::vector<Tensor> ema_;
+  // Every snapshot's staging in one allocation: page-locking costs milliseconds per call, and a
+  // model's parameters fall into a hundred or more runs.
+  Tensor staging_;  // [all parameters] f32, page-locked where the backend has it
   struct Snapshot {  // parameters contiguous in memory, copied at once
-    TensorView source;
-    Tensor staging;  // page-locked where the backend has it
+    TensorView source, staging;
   };
   std::vector<Snapshot> snapshots_;
   std::vector<const float*> staged_;  // each parameter's values in its snapshot's staging

@@ -16,12 +16,18 @@ ParameterEma::ParameterEma(const std::vector<ParamRef>& params, float decay, Bac
     backend_.copy(ema_.back().view(), p.value);  // the average starts at the initial weights
   }
   // One snapshot copy per run of parameters that follow each other in memory (the routed
-  // experts' stacked matrices), into one staging tensor per run.
+  // experts' stacked matrices), each into its range of one staging tensor.
   staged_.resize(params_.size());
-  for (const ParamRun& r : contiguous_runs(params_, false)) {
-    Snapshot snap{r.value(params_), backend_.empty_host(DType::f32, {r.numel})};
-    for (size_t j = 0; j < r.index.size(); ++j) staged_[r.index[j]] = snap.staging.ptr<const float>() + r.offset[j];
-    snapshots_.push_back(std::move(snap));
+  const std::vector<ParamRun> runs = contiguous_runs(params_, false);
+  int64_t total = 0;
+  for (const ParamRun& r : runs) total += r.numel;
+  staging_ = backend_.empty_host(DType::f32, {total});
+  float* next = staging_.ptr<float>();
+  for (const ParamRun& r : runs) {
+    const Snapshot snap{r.value(params_), TensorView(next, DType::f32, {r.numel})};
+    for (size_t j = 0; j < r.index.size(); ++j) staged_[r.index[j]] = next + r.offset[j];
+    snapshots_.push_back(snap);
+    next += r.numel;
   }
   // The fold is memory-bound (read 8 bytes, write 4 per element): one thread reaches a fraction of
   // the host's bandwidth, so the elements are split into equal chunks for a few threads. Every
@@ -45,7 +51,7 @@ ParameterEma::~ParameterEma() {
 void ParameterEma::update_async() {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return !pending_; });
-  for (const Snapshot& s : snapshots_) backend_.copy_to_host_async(s.staging.view(), s.source);
+  for (const Snapshot& s : snapshots_) backend_.copy_to_host_async(s.staging, s.source);
   pending_ = true;
   cv_.notify_all();
 }
