@@ -17,7 +17,9 @@ namespace fp8moe::cuda {
 namespace {
 
 constexpr float kNegInf = -INFINITY;
-constexpr int kMinBlocksPerSplit = 4;  // 256 tokens: a split's partial output (H x rkv f32) stays small next to its reads
+// Splits: enough CTAs for one wave (the tensor-core CTA takes most of an SM's shared memory; the
+// CUDA-core one is small, 8 per SM), a split at least one block, at most kMaxSplits. More splits
+// than a wave's worth only add partial outputs (H x rkv f32 each) to write and merge.
 constexpr int64_t kMaxSplits = 128;
 
 // The tokens [begin, end) of sequence b that split `sp` covers; a length outside [0, max_blocks *
@@ -447,12 +449,6 @@ bool tc_shape(int64_t rkv, int64_t dr) {
   return (rkv == 512 && dr == 64) || (rkv == 256 && dr == 32) || (rkv == 128 && dr == 32);
 }
 
-template <class Kernel>
-void allow_smem(Kernel kernel, size_t bytes) {
-  if (bytes > 48 * 1024)
-    FP8MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-}
-
 struct LaunchArgs {
   const float* q;
   const MlaCacheView* cache;
@@ -469,7 +465,13 @@ void launch_tc(const LaunchArgs& a) {
   using C = TcConfig<kRkv, kDr, kMH>;
   const size_t smem = C::smem(kFp8);
   auto kernel = mla_decode_tc_kernel<kRkv, kDr, kMH, kFp8>;
-  allow_smem(kernel, smem);
+  // Above the default 48 KiB; set once per instantiation (the attribute call costs as much as a
+  // small launch), one device per process as the rest of the backend assumes.
+  static const bool smem_allowed = [&] {
+    FP8MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    return true;
+  }();
+  (void)smem_allowed;
   const dim3 grid(unsigned(a.plan.head_tiles * a.plan.splits), unsigned(a.s.B));
   const MlaCacheView& c = *a.cache;
   kernel<<<grid, C::kThreads, smem, a.stream>>>(
@@ -498,9 +500,8 @@ void launch_tc_shape(const LaunchArgs& a) {
 
 template <int kCache>
 void launch_cc(const LaunchArgs& a) {
-  const size_t smem = sizeof(float) * size_t(kCcWarps) * size_t(a.s.rkv + 2);
+  const size_t smem = sizeof(float) * size_t(kCcWarps) * size_t(a.s.rkv + 2);  // <= 16 KiB: rkv < 1024
   auto kernel = mla_decode_cc_kernel<kCache>;
-  allow_smem(kernel, smem);
   const dim3 grid(unsigned(a.s.H * a.plan.splits), unsigned(a.s.B));
   const MlaCacheView& c = *a.cache;
   kernel<<<grid, kCcWarps * 32, smem, a.stream>>>(
@@ -537,9 +538,10 @@ MlaDecodePlan mla_decode_plan(const MlaDecodeShape& s, const TensorView& q, cons
   }
   const int64_t blocks = std::max<int64_t>(1, s.max_blocks);
   int64_t want = splits;
-  if (want <= 0) {  // about two waves of CTAs, each split at least kMinBlocksPerSplit blocks
-    const int64_t ctas = s.B * p.head_tiles, sms = device_props().multiProcessorCount;
-    want = std::min((2 * sms + ctas - 1) / ctas, (blocks + kMinBlocksPerSplit - 1) / kMinBlocksPerSplit);
+  if (want <= 0) {
+    const int64_t ctas = s.B * p.head_tiles,
+                  wave = int64_t(device_props().multiProcessorCount) * (path == MlaDecodePath::tensor_core ? 1 : 8);
+    want = (wave + ctas - 1) / ctas;
   }
   want = std::clamp<int64_t>(want, 1, std::min(blocks, kMaxSplits));
   p.blocks_per_split = (blocks + want - 1) / want;
