@@ -17,9 +17,10 @@ namespace fp8moe::cuda {
 namespace {
 
 constexpr float kNegInf = -INFINITY;
-// Splits: enough CTAs for one wave (the tensor-core CTA takes most of an SM's shared memory; the
-// CUDA-core one is small, 8 per SM), a split at least one block, at most kMaxSplits. More splits
-// than a wave's worth only add partial outputs (H x rkv f32 each) to write and merge.
+// Splits: the count that brings the CTAs nearest to one wave (the tensor-core CTA takes most of an
+// SM's shared memory; the CUDA-core one is small, 8 per SM), a split at least one block, at most
+// kMaxSplits. More splits than a wave's worth only add partial outputs (H x rkv f32 each) to write
+// and merge.
 constexpr int64_t kMaxSplits = 128;
 
 // The tokens [begin, end) of sequence b that split `sp` covers; a length outside [0, max_blocks *
@@ -541,7 +542,7 @@ MlaDecodePlan mla_decode_plan(const MlaDecodeShape& s, const TensorView& q, cons
   if (want <= 0) {
     const int64_t ctas = s.B * p.head_tiles,
                   wave = int64_t(device_props().multiProcessorCount) * (path == MlaDecodePath::tensor_core ? 1 : 8);
-    want = (wave + ctas - 1) / ctas;
+    want = std::max<int64_t>(1, (wave + ctas / 2) / ctas);  // nearest: 1.45 waves would run as 2
   }
   want = std::clamp<int64_t>(want, 1, std::min(blocks, kMaxSplits));
   p.blocks_per_split = (blocks + want - 1) / want;
