@@ -123,6 +123,26 @@ void add_bench(CLI::App& app) {
     if (fp8moe::cuda::run_small_m_bench(*sm) != 0)
       throw CLI::RuntimeError("bench small-m: the few-rows kernel disagrees with the WGMMA kernel", 2);
   });
+  auto md = std::make_shared<fp8moe::cuda::MlaDecodeBenchOptions>();
+  auto* mla = bench->add_subcommand("mla-decode", "MLA decode attention over the paged latent cache: cache bytes per "
+                                                  "second against the copy bandwidth, and TFLOP/s");
+  mla->add_option("--iters", md->iters, "timed runs per case (median)");
+  mla->add_option("--warmup", md->warmup, "untimed runs per case");
+  mla->add_option("--heads", md->heads, "heads H");
+  mla->add_option("--rkv", md->rkv, "kv_lora_rank (a multiple of 128)");
+  mla->add_option("--dr", md->dr, "qk_rope_head_dim");
+  mla->add_option("--batch", md->batch, "sequences B, e.g. 1,32,128")->delimiter(',');
+  mla->add_option("--context", md->context, "tokens per sequence, e.g. 4096,32768")->delimiter(',');
+  mla->add_option("--cache", md->caches, "cache forms: bf16, fp8")->delimiter(',');
+  mla->add_option("--seed", md->seed, "random seed (0: fresh)");
+  auto md_no_check = std::make_shared<bool>(false);
+  mla->add_flag("--no-check", *md_no_check, "skip the comparison with the CUDA-core path");
+  mla->callback([md, md_no_check] {
+    require_gpu();
+    md->check = !*md_no_check;
+    if (fp8moe::cuda::run_mla_decode_bench(*md) != 0)
+      throw CLI::RuntimeError("bench mla-decode: the tensor-core path disagrees with the CUDA-core path", 2);
+  });
   auto ep = std::make_shared<fp8moe::cuda::EpBenchOptions>();
   auto* epc = bench->add_subcommand("ep", "Expert-parallel dispatch and combine over peer memory, P ranks on this GPU: "
                                           "GB/s of the bytes that leave a rank against the device copy bandwidth");
@@ -149,7 +169,7 @@ void add_bench(CLI::App& app) {
     if (fp8moe::cuda::run_ep_bench(*ep) != 0) throw CLI::RuntimeError("bench ep: bit-exactness check failed", 2);
   });
 #else
-  for (const char* name : {"gemm", "quant", "grouped", "permute", "attention", "small-m", "ep"})
+  for (const char* name : {"gemm", "quant", "grouped", "permute", "attention", "small-m", "mla-decode", "ep"})
     bench->add_subcommand(name, "needs the CUDA backend")->callback([] {
       throw fp8moe::Error("bench: this build has no CUDA backend");
     });

@@ -92,6 +92,19 @@ struct SmallMBenchOptions {
   std::vector<std::pair<int64_t, int64_t>> shapes{{2112, 7168}, {24576, 1536}, {7168, 16384}, {4096, 7168}, {7168, 2048}};
 };
 
+// The MLA decode attention over the paged latent cache (bench_mla_decode.cpp): every batch size x
+// context length, for each cache form.
+struct MlaDecodeBenchOptions {
+  int iters = 20;
+  int warmup = 3;
+  int64_t heads = 128, rkv = 512, dr = 64;  // DeepSeek-V3
+  std::vector<int64_t> batch{1, 8, 32, 64, 128};
+  std::vector<int64_t> context{4096, 8192, 16384, 32768};
+  std::vector<std::string> caches{"bf16", "fp8"};
+  bool check = true;   // each cache form's first case against the CUDA-core path
+  uint64_t seed = 0;   // 0: fresh random seed (printed)
+};
+
 // The expert-parallel kernels (bench_ep.cpp): P ranks as P buffers on one GPU.
 struct EpBenchOptions {
   int iters = 20;
@@ -121,5 +134,7 @@ int run_attention_bench(const AttentionBenchOptions& opt);
 int run_small_m_bench(const SmallMBenchOptions& opt);
 // 0 when the kernels' results are the host reference's, byte for byte.
 int run_ep_bench(const EpBenchOptions& opt);
+// 0 when the tensor-core path agrees with the CUDA-core path (rel error < 1e-2).
+int run_mla_decode_bench(const MlaDecodeBenchOptions& opt);
 
 }  // namespace fp8moe::cuda

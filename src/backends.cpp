@@ -31,6 +31,7 @@ std::string_view op_name(Op op) {
     case Op::rope: return "rope";
     case Op::attention_forward: return "attention_forward";
     case Op::attention_backward: return "attention_backward";
+    case Op::mla_decode_attention: return "mla_decode_attention";
     case Op::swiglu_forward: return "swiglu_forward";
     case Op::swiglu_backward: return "swiglu_backward";
     case Op::swiglu_backward_fp8: return "swiglu_backward_fp8";
@@ -105,6 +106,10 @@ void Backend::attention_backward(const TensorView&, const TensorView&, const Ten
                                  const TensorView&, const TensorView&, const TensorView&, const TensorView&,
                                  const TensorView&, int64_t, double, DType) {
   FP8MOE_UNSUPPORTED(attention_backward);
+}
+void Backend::mla_decode_attention(const TensorView&, const MlaCacheView&, const TensorView&, const TensorView&, double,
+                                   const TensorView&) {
+  FP8MOE_UNSUPPORTED(mla_decode_attention);
 }
 void Backend::swiglu_forward(const TensorView&, const TensorView&, const TensorView&) {
   FP8MOE_UNSUPPORTED(swiglu_forward);

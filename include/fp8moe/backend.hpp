@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "fp8moe/gemm_ref.hpp"
+#include "fp8moe/mla_decode.hpp"
 #include "fp8moe/quantize.hpp"
 #include "fp8moe/stream.hpp"
 
@@ -40,6 +41,7 @@ enum class Op : uint8_t {
   rope,
   attention_forward,
   attention_backward,
+  mla_decode_attention,
   swiglu_forward,
   swiglu_backward,
   swiglu_backward_fp8,
@@ -201,6 +203,13 @@ class Backend {
                                   const TensorView& out, const TensorView& lse, const TensorView& dout,
                                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                   int64_t seq_len, double scale, DType compute);
+  // The absorbed MLA decode (include/fp8moe/mla_decode.hpp): B sequences of one query token each,
+  // q [B * H, rkv + dr] f32 (row b * H + h: [q_nope_h W_UK_h | q_pe_h]) against the first
+  // lengths[b] tokens of sequence b in one layer's paged cache, keys the whole cached row
+  // [latent | rope] and values its latent: o [B * H, rkv] f32 = softmax(scale * q k^T) latent
+  // (a sequence of length 0 gives zeros). table [B, max_blocks], lengths [B]: i32 on the device.
+  virtual void mla_decode_attention(const TensorView& q, const MlaCacheView& cache, const TensorView& table,
+                                    const TensorView& lengths, double scale, const TensorView& o);
   // out [T, F] = silu(gate) * up.
   virtual void swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out);
   // dgate, dup [T, F] (overwritten) from dout [T, F].

@@ -50,6 +50,10 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
                         const TensorView& lse, const TensorView& dout, const TensorView& dq, const TensorView& dk,
                         const TensorView& dv, int64_t seq_len, double scale, DType compute);
 
+// FP64 accumulation (ops_mla_decode.cpp).
+void mla_decode_attention(const TensorView& q, const MlaCacheView& cache, const TensorView& table,
+                          const TensorView& lengths, double scale, const TensorView& o);
+
 void swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out);
 void swiglu_backward(const TensorView& gate, const TensorView& up, const TensorView& dout, const TensorView& dgate,
                      const TensorView& dup);

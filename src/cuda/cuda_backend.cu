@@ -22,6 +22,7 @@
 #include "kernel_api.hpp"
 #include "cuda/runtime/device_checks.hpp"
 #include "cuda/ops/model_ops.hpp"
+#include "cuda/attention/mla_decode.hpp"
 #include "cuda/moe/moe_api.hpp"
 
 namespace fp8moe {
@@ -440,6 +441,11 @@ class CudaBackend final : public Backend {
                           const TensorView& dv, int64_t seq_len, double scale, DType compute) override {
     FP8MOE_TIMED_OP("attention_backward");
     cuda::cuda_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, seq_len, scale, compute, s_);
+  }
+  void mla_decode_attention(const TensorView& q, const MlaCacheView& cache, const TensorView& table,
+                            const TensorView& lengths, double scale, const TensorView& o) override {
+    FP8MOE_TIMED_OP("mla_decode_attention");
+    cuda::mla_decode_attention_cuda(q, cache, table, lengths, scale, o, s_);
   }
   void swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out) override {
     FP8MOE_TIMED_OP("swiglu_forward");

@@ -360,20 +360,6 @@ struct Engine::Impl {
     be.swiglu_forward(g.view(), u.view(), a.view());
     return run(m.down, a.view());
   }
-  // Row softmax of scale * s [R, C] (s is scaled in place), a new [R, C] f32. NOTES: the backend has no
-  // softmax op; cross_entropy's gradient is softmax - onehot(target), so with the target on an
-  // extra column of -1e30 (probability exactly 0) the other columns are the softmax itself.
-  Tensor softmax(const Tensor& s) {
-    const int64_t R = s.size(0), C = s.size(1);
-    Tensor x = f32({R, C + 1}), g = f32({R, C + 1}), loss = f32({R});
-    be.axpy(0.0, s.view(), scale, s.view());
-    be.copy_cols(s.view(), 0, x.view(), 0, C, false);
-    Tensor neg = Tensor::host(DType::f32, {R, 1});
-    std::fill(neg.ptr<float>(), neg.ptr<float>() + R, -1e30f);
-    be.copy_cols(upload(neg).view(), 0, x.view(), C, 1, false);
-    be.cross_entropy(x.view(), i32(std::vector<int32_t>(size_t(R), int32_t(C))).view(), loss.view(), g.view(), 1.0);
-    return cols(g.view(), 0, C);
-  }
 
   // The attention-out Linear's input as the FP8 recipe's forward feeds it: rounded to E5M6 tiles
   // with power-of-two scales (the training cache this Linear reads its E4M3 tiles from), so the
@@ -402,6 +388,11 @@ struct Engine::Impl {
     std::vector<int64_t> row0;  // first row of each chunk in the step's rows
     Tensor positions;           // [T] i32
     std::vector<int64_t> slots; // [T] cache slot of each row
+    // The absorbed decode's chunks (one token each) and what every layer's call takes: their rows
+    // in the step, block tables [B, max blocks] and lengths [B], and the orders between the
+    // head-major rows h * B + b of the absorption GEMMs and the op's rows b * H + h.
+    std::vector<size_t> decode;
+    Tensor dec_rows, dec_table, dec_lengths, dec_to_seq, dec_to_head;
   };
   void attention(int64_t l, const std::vector<SeqChunk>& chunks, const StepRows& sr, const Tensor& x) {
     Layer& L = layers[size_t(l)];
@@ -425,12 +416,11 @@ struct Engine::Impl {
     cache->write(l, entry.view(), sr.slots);
 
     Tensor O = be.zeros(DType::f32, {T, H * dv});  // [T, H * dv] attention output
-    std::vector<size_t> decode;
-    for (size_t c = 0; c < chunks.size(); ++c) {
-      if (opt.absorbed_decode && chunks[c].tokens.size() == 1) decode.push_back(c);
+    for (size_t c = 0, d = 0; c < chunks.size(); ++c) {
+      if (d < sr.decode.size() && sr.decode[d] == c) ++d;
       else expanded(L, l, chunks[c], sr.row0[c], q, O);
     }
-    if (!decode.empty()) absorbed(L, l, chunks, decode, sr, q, O);
+    if (!sr.decode.empty()) absorbed(L, l, sr, q, O);
     be.axpy(1.0, run(L.o, attn_out_input(O).view(), ScaleMode::pow2).view(), 1.0, x.view());
   }
 
@@ -459,18 +449,14 @@ struct Engine::Impl {
     be.copy(rows(O.view(), r0, n), rows(reshape(Op.view(), {Lt, H * dv}), c.start, n));
   }
 
-  // The absorbed form for the B single-token chunks `dec`: queries in head-major rows h * B + b.
-  void absorbed(Layer& Ly, int64_t l, const std::vector<SeqChunk>& chunks, const std::vector<size_t>& dec,
-                const StepRows& sr, const Tensor& q, const Tensor& O) {
-    const int64_t B = int64_t(dec.size()), W = rkv + dr;
-    std::vector<int32_t> rows_b, hm(size_t(H * B));
-    for (size_t c : dec) rows_b.push_back(int32_t(sr.row0[c]));
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t b = 0; b < B; ++b) hm[size_t(h * B + b)] = int32_t(b * H + h);
-    const Tensor rows_t = i32(rows_b);
+  // The absorbed form for the step's single-token chunks: q_lat_h = q_nope_h W_UK_h per head
+  // (head-major rows h * B + b), Backend::mla_decode_attention over the layer's cache for all B
+  // sequences at once, then o_h = o_lat_h W_UV_h^T.
+  void absorbed(Layer& Ly, int64_t l, const StepRows& sr, const Tensor& q, const Tensor& O) {
+    const int64_t B = int64_t(sr.decode.size()), W = rkv + dr;
     Tensor qd = f32({B, H * dqk}), qhm = f32({H * B, dqk});
-    be.gather_rows(q.view(), rows_t.view(), TensorView(), qd.view());
-    be.gather_rows(reshape(qd.view(), {B * H, dqk}), i32(hm).view(), TensorView(), qhm.view());
+    be.gather_rows(q.view(), sr.dec_rows.view(), TensorView(), qd.view());
+    be.gather_rows(reshape(qd.view(), {B * H, dqk}), sr.dec_to_head.view(), TensorView(), qhm.view());
     const Tensor qn = cols(qhm.view(), 0, dn);  // [H * B, dn]
     Tensor ql = f32({H * B, rkv});              // q_lat_h = q_nope_h W_UK_h
     for (int64_t h = 0; h < H; ++h)
@@ -479,30 +465,18 @@ struct Engine::Impl {
     Tensor qa = f32({H * B, W});  // [q_lat | q_pe] against [c_kv | k_pe]
     be.copy_cols(ql.view(), 0, qa.view(), 0, rkv, false);
     be.copy_cols(qhm.view(), dn, qa.view(), rkv, dr, false);
-    Tensor olat = be.zeros(DType::f32, {H * B, W});  // attention-weighted latents (the last dr unused)
-    for (int64_t b = 0; b < B; ++b) {
-      const SeqChunk& c = chunks[dec[size_t(b)]];
-      const int64_t Lt = c.start + 1;
-      const Tensor all = cache->read(l, *c.table, Lt);
-      const TensorView lat = rows(all.view(), 0, Lt);  // [L, rkv + dr]
-      std::vector<int32_t> ib(static_cast<size_t>(H));
-      for (int64_t h = 0; h < H; ++h) ib[size_t(h)] = int32_t(h * B + b);
-      const Tensor ibt = i32(ib);
-      Tensor qb = f32({H, W}), s = f32({H, Lt}), ob = f32({H, W});
-      be.gather_rows(qa.view(), ibt.view(), TensorView(), qb.view());
-      be.gemm(qb.view(), lat, s.view(), false, true, false);
-      const Tensor p = softmax(s);
-      be.gemm(p.view(), lat, ob.view(), false, false, false);
-      be.scatter_add_rows(ob.view(), ibt.view(), TensorView(), olat.view());
-    }
-    const Tensor olc = cols(olat.view(), 0, rkv);  // [H * B, rkv]
+    Tensor qs = f32({B * H, W}), os = f32({B * H, rkv});  // the op's rows b * H + h
+    be.gather_rows(qa.view(), sr.dec_to_seq.view(), TensorView(), qs.view());
+    be.mla_decode_attention(qs.view(), cache->view(l), sr.dec_table.view(), sr.dec_lengths.view(), scale, os.view());
+    Tensor olc = f32({H * B, rkv});  // attention-weighted latents, head-major
+    be.gather_rows(os.view(), sr.dec_to_head.view(), TensorView(), olc.view());
     Tensor od = f32({B, H * dv}), oh = f32({B, dv});
     for (int64_t h = 0; h < H; ++h) {  // o_h = o_lat_h W_UV_h^T
       be.gemm(rows(olc.view(), h * B, B), rows(Ly.kv_b_f32.view(), h * (dn + dv) + dn, dv), oh.view(), false, true,
               false);
       be.copy_cols(oh.view(), 0, od.view(), h * dv, dv, false);
     }
-    be.scatter_add_rows(od.view(), rows_t.view(), TensorView(), O.view());
+    be.scatter_add_rows(od.view(), sr.dec_rows.view(), TensorView(), O.view());
   }
 
   // ---- The MLP half: x [T, D] += mlp(norm(x)) or moe(norm(x)).
@@ -627,6 +601,36 @@ struct Engine::Impl {
       for (int64_t r = n - c.logits_rows; r < n; ++r) out_rows.push_back(int32_t(sr.row0.back() + r));
     }
     sr.positions = i32(pos);
+    if (opt.absorbed_decode) {
+      std::vector<int32_t> dec_rows, lengths;
+      int64_t nb = 1;
+      for (size_t c = 0; c < chunks.size(); ++c)
+        if (chunks[c].tokens.size() == 1) {
+          sr.decode.push_back(c);
+          dec_rows.push_back(int32_t(sr.row0[c]));
+          lengths.push_back(int32_t(chunks[c].start + 1));
+          nb = std::max(nb, blocks_for(chunks[c].start + 1));
+        }
+      const int64_t B = int64_t(sr.decode.size());
+      if (B > 0) {
+        Tensor table = Tensor::host(DType::i32, {B, nb});  // blocks past a sequence's end: 0, never read
+        for (int64_t b = 0; b < B; ++b) {
+          const std::vector<int32_t>& t = *chunks[sr.decode[size_t(b)]].table;
+          std::copy(t.begin(), t.begin() + blocks_for(lengths[size_t(b)]), table.ptr<int32_t>() + b * nb);
+        }
+        std::vector<int32_t> to_seq(size_t(B * H)), to_head(size_t(B * H));
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t h = 0; h < H; ++h) {
+            to_seq[size_t(b * H + h)] = int32_t(h * B + b);
+            to_head[size_t(h * B + b)] = int32_t(b * H + h);
+          }
+        sr.dec_rows = i32(dec_rows);
+        sr.dec_table = upload(table);
+        sr.dec_lengths = i32(lengths);
+        sr.dec_to_seq = i32(to_seq);
+        sr.dec_to_head = i32(to_head);
+      }
+    }
     return sr;
   }
 

@@ -162,6 +162,20 @@ Tensor LatentCache::read(int64_t layer, const std::vector<int32_t>& table, int64
   return out;
 }
 
+MlaCacheView LatentCache::view(int64_t layer) const {
+  FP8MOE_CHECK(layer >= 0 && layer < layers_, "LatentCache::view: layer " << layer << " of " << layers_);
+  const Layer& L = layer_[size_t(layer)];
+  MlaCacheView v;
+  if (dtype_ == CacheDType::fp8) {
+    v.latent = L.latent.view();
+    v.scale = L.scale.view();
+    v.rope = L.rope.view();
+  } else {
+    v.rows = L.rows.view();
+  }
+  return v;
+}
+
 std::vector<Tensor*> LatentCache::parts_of(Layer& L) {
   if (dtype_ == CacheDType::fp8) return {&L.latent, &L.scale, &L.rope};
   return {&L.rows};

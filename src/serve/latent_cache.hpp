@@ -56,6 +56,8 @@ class LatentCache {
   // The first `tokens` positions of a sequence of `layer` gathered block by block from its table:
   // [blocks_for(tokens) * 64, rkv + dr] f32 (rows past `tokens` are whatever the last block held).
   Tensor read(int64_t layer, const std::vector<int32_t>& table, int64_t tokens);
+  // One layer as stored, for Backend::mla_decode_attention (views into this cache).
+  MlaCacheView view(int64_t layer) const;
   // A sequence's blocks as they are stored (no conversion), for a handover to another cache of the
   // same shape and dtype (prefill/decode disaggregation): per layer its parts (f32, bf16: the
   // rows; fp8: latent, scales, RoPE key), each [table.size() * 64, width]. empty_export makes

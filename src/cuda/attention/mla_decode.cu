@@ -1,0 +1,583 @@
+// The absorbed MLA decode attention over the paged latent cache (mla_decode.hpp): split-KV CTAs
+// that each read a context range of one sequence once for a tile of heads, then a merge of the
+// splits by log-sum-exp in split order. Scores are kept in the log2 domain (scale * log2(e)
+// folded into the scale) so that every exponential is one exp2f.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/attention/mla_decode.hpp"
+#include "cuda/ops/model_ops_util.cuh"
+#include "cuda/runtime/cuda_check.hpp"
+
+namespace fp8moe::cuda {
+namespace {
+
+constexpr float kNegInf = -INFINITY;
+// Splits: the count that brings the CTAs nearest to one wave (the tensor-core CTA takes most of an
+// SM's shared memory; the CUDA-core one is small, 8 per SM), a split at least one block, at most
+// kMaxSplits. More splits than a wave's worth only add partial outputs (H x rkv f32 each) to write
+// and merge.
+constexpr int64_t kMaxSplits = 128;
+
+// The tokens [begin, end) of sequence b that split `sp` covers; a length outside [0, max_blocks *
+// 64] is clamped (mla_decode.hpp: such values are not errors on the device).
+struct SplitRange {
+  int begin, end;
+};
+__device__ __forceinline__ SplitRange split_range(const int32_t* lengths, int b, int sp, int blocks_per_split,
+                                                  int max_blocks) {
+  const int len = min(max(lengths[b], 0), max_blocks * int(kMlaBlockTokens));
+  const int begin = sp * blocks_per_split * int(kMlaBlockTokens);
+  return {begin, max(begin, min(len, begin + blocks_per_split * int(kMlaBlockTokens)))};
+}
+
+// First slot of token p's block, or -1 when the table's entry is outside the cache.
+__device__ __forceinline__ int64_t block_slot(const int32_t* table, int b, int max_blocks, int p, int64_t slots) {
+  const int64_t blk = table[int64_t(b) * max_blocks + p / int(kMlaBlockTokens)];
+  return blk >= 0 && (blk + 1) * kMlaBlockTokens <= slots ? blk * kMlaBlockTokens : -1;
+}
+
+// ---- tensor-core path ----
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+// d += a (16x16, row) * b (16x8, col), BF16 operands, FP32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The CTA: kMH warp pairs, pair i owning heads [16 i, 16 i + 16) of the CTA's tile. Per tile of
+// kTok = 32 tokens (half a cache block, so its slots are consecutive) warp j of a pair scores
+// tokens [16 j, 16 j + 16) of the tile for its 16 heads; the pair shares its row maxima and sums
+// through shared memory (both warps then hold the same running max and sum), writes the BF16
+// probabilities to shared memory, and warp j accumulates output columns [j rkv / 2, (j + 1) rkv / 2)
+// over all kTok tokens. Rows in shared memory are padded by 8 BF16 so that the eight rows an
+// ldmatrix reads fall in distinct 16-byte bank groups (row stride an odd number of 16 bytes).
+template <int kRkv, int kDr, int kMH>
+struct TcConfig {
+  static constexpr int W = kRkv + kDr, kStride = W + 8, kTok = 32, kPStride = kTok + 8;
+  static constexpr int kHeads = 16 * kMH, kThreads = 64 * kMH;
+  static constexpr int kVCols = kRkv / 2, kNTiles = kVCols / 8;
+  static_assert(W % 16 == 0 && kDr % 8 == 0 && kRkv % 128 == 0, "shape");
+  static_assert((kStride / 8) % 2 == 1 && (kPStride / 8) % 2 == 1, "padding keeps ldmatrix conflict-free");
+  static_assert(kNTiles % 2 == 0, "output n-tiles go in pairs");
+  static constexpr int kG = kRkv / 128;
+  // Shared memory, in bytes: Q, the operand rows (two buffers for bf16, one plus two raw fp8
+  // buffers for fp8), probabilities, the pairs' maxima and sums.
+  static constexpr size_t kQBytes = size_t(kHeads) * kStride * 2, kRowsBytes = size_t(kTok) * kStride * 2;
+  static constexpr size_t kRawLat = size_t(kTok) * kRkv, kRawScale = size_t(kTok) * kG * 4,
+                          kRawRope = size_t(kTok) * kDr * 2, kRawBytes = kRawLat + kRawScale + kRawRope;
+  static constexpr size_t kPBytes = size_t(kHeads) * kPStride * 2, kStatBytes = size_t(4) * kHeads * 4;
+  static constexpr size_t smem(bool fp8) {
+    return kQBytes + (fp8 ? kRowsBytes + 2 * kRawBytes : 2 * kRowsBytes) + kPBytes + kStatBytes;
+  }
+};
+
+template <int kRkv, int kDr, int kMH, bool kFp8>
+__global__ void __launch_bounds__(64 * kMH, 1)
+    mla_decode_tc_kernel(const float* __restrict__ q, const __nv_bfloat16* __restrict__ rows,
+                         const uint8_t* __restrict__ lat, const float* __restrict__ lat_scale,
+                         const __nv_bfloat16* __restrict__ rope, const int32_t* __restrict__ table,
+                         const int32_t* __restrict__ lengths, int H, int max_blocks, int64_t slots, int head_tiles,
+                         int splits, int blocks_per_split, float scale_log2, float* __restrict__ o,
+                         float* __restrict__ part, float* __restrict__ part_lse) {
+  using C = TcConfig<kRkv, kDr, kMH>;
+  constexpr int W = C::W, S = C::kStride, kTok = C::kTok, PS = C::kPStride, NT = C::kThreads, G = C::kG;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __nv_bfloat16* sQ = reinterpret_cast<__nv_bfloat16*>(smem);
+  __nv_bfloat16* sRows = reinterpret_cast<__nv_bfloat16*>(smem + C::kQBytes);
+  unsigned char* sRaw = smem + C::kQBytes + (kFp8 ? 1 : 2) * C::kRowsBytes;  // fp8 only
+  __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + C::kQBytes + (kFp8 ? C::kRowsBytes + 2 * C::kRawBytes
+                                                                                 : 2 * C::kRowsBytes));
+  float* sMax = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sP) + C::kPBytes);  // [2][kHeads]
+  float* sSum = sMax + 2 * C::kHeads;                                                         // [2][kHeads]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, mh = warp >> 1, nw = warp & 1;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int b = blockIdx.y, ht = blockIdx.x % head_tiles, sp = blockIdx.x / head_tiles;
+  const int h0 = ht * C::kHeads;
+  const SplitRange range = split_range(lengths, b, sp, blocks_per_split, max_blocks);
+  const int ntiles = (range.end - range.begin + kTok - 1) / kTok;
+
+  // Q of the tile's heads as BF16 (heads past H: zero rows, their outputs are not stored).
+  for (int i = tid; i < C::kHeads * (W / 4); i += NT) {
+    const int r = i / (W / 4), c = (i % (W / 4)) * 4, h = h0 + r;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (h < H) v = *reinterpret_cast<const float4*>(q + (int64_t(b) * H + h) * W + c);
+    uint2 packed = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+    *reinterpret_cast<uint2*>(sQ + r * S + c) = packed;
+  }
+
+  // Issues the copies of tile `it` into buffer `buf` (rows past the range or in a block outside
+  // the cache: zeros, and masked below).
+  auto load_tile = [&](int it, int buf) {
+    const int t0 = range.begin + it * kTok;
+    const int64_t base = block_slot(table, b, max_blocks, t0, slots);
+    const int64_t slot0 = base + t0 % int(kMlaBlockTokens);
+    if constexpr (!kFp8) {
+      __nv_bfloat16* dst = sRows + buf * kTok * S;
+      for (int i = tid; i < kTok * (W / 8); i += NT) {
+        const int r = i / (W / 8), c = (i % (W / 8)) * 8;
+        if (base >= 0 && t0 + r < range.end)
+          cp_async16(dst + r * S + c, rows + (slot0 + r) * W + c);
+        else
+          *reinterpret_cast<uint4*>(dst + r * S + c) = make_uint4(0, 0, 0, 0);
+      }
+    } else {
+      unsigned char* raw = sRaw + buf * C::kRawBytes;
+      float* rs = reinterpret_cast<float*>(raw + C::kRawLat);
+      __nv_bfloat16* rr = reinterpret_cast<__nv_bfloat16*>(raw + C::kRawLat + C::kRawScale);
+      for (int i = tid; i < kTok * (kRkv / 16); i += NT) {
+        const int r = i / (kRkv / 16), c = (i % (kRkv / 16)) * 16;
+        if (base >= 0 && t0 + r < range.end)
+          cp_async16(raw + r * kRkv + c, lat + (slot0 + r) * kRkv + c);
+        else
+          *reinterpret_cast<uint4*>(raw + r * kRkv + c) = make_uint4(0, 0, 0, 0);
+      }
+      for (int i = tid; i < kTok * G; i += NT) {
+        const int r = i / G;
+        if (base >= 0 && t0 + r < range.end)
+          cp_async4(rs + i, lat_scale + (slot0 + r) * G + i % G);
+        else
+          rs[i] = 0.f;
+      }
+      for (int i = tid; i < kTok * (kDr / 8); i += NT) {
+        const int r = i / (kDr / 8), c = (i % (kDr / 8)) * 8;
+        if (base >= 0 && t0 + r < range.end)
+          cp_async16(rr + r * kDr + c, rope + (slot0 + r) * kDr + c);
+        else
+          *reinterpret_cast<uint4*>(rr + r * kDr + c) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    cp_async_commit();
+  };
+
+  float acc[C::kNTiles][4];
+#pragma unroll
+  for (int n = 0; n < C::kNTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.f, 0.f};  // rows g and g + 8
+  const int row0 = mh * 16 + g;                                 // the thread's first row in the tile
+
+  if (ntiles > 0) load_tile(0, 0);
+  for (int it = 0; it < ntiles; ++it) {
+    const int buf = it & 1;
+    if (it + 1 < ntiles) {
+      load_tile(it + 1, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const __nv_bfloat16* K = sRows + (kFp8 ? 0 : buf * kTok * S);
+    if constexpr (kFp8) {  // e4m3 x scale -> BF16 rows; the RoPE key copied
+      const unsigned char* raw = sRaw + buf * C::kRawBytes;
+      const float* rs = reinterpret_cast<const float*>(raw + C::kRawLat);
+      const __nv_bfloat16* rr = reinterpret_cast<const __nv_bfloat16*>(raw + C::kRawLat + C::kRawScale);
+      __nv_bfloat16* dst = sRows;
+      for (int i = tid; i < kTok * (kRkv / 8); i += NT) {
+        const int r = i / (kRkv / 8), c = (i % (kRkv / 8)) * 8;
+        const uint2 v = *reinterpret_cast<const uint2*>(raw + r * kRkv + c);
+        const float sc = rs[r * G + c / 128];
+        const uint32_t w[2] = {v.x, v.y};
+        uint32_t out[4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          __nv_fp8x2_storage_t lo = __nv_fp8x2_storage_t(w[j] & 0xffff), hi = __nv_fp8x2_storage_t(w[j] >> 16);
+          const float2 flo = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(lo, __NV_E4M3)));
+          const float2 fhi = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(hi, __NV_E4M3)));
+          out[2 * j] = pack_bf16(flo.x * sc, flo.y * sc);
+          out[2 * j + 1] = pack_bf16(fhi.x * sc, fhi.y * sc);
+        }
+        *reinterpret_cast<uint4*>(dst + r * S + c) = make_uint4(out[0], out[1], out[2], out[3]);
+      }
+      for (int i = tid; i < kTok * (kDr / 8); i += NT) {
+        const int r = i / (kDr / 8), c = (i % (kDr / 8)) * 8;
+        *reinterpret_cast<uint4*>(dst + r * S + kRkv + c) = *reinterpret_cast<const uint4*>(rr + r * kDr + c);
+      }
+      __syncthreads();
+    }
+
+    // Scores of 16 heads x 16 tokens: s[j] is tokens 16 nw + 8 j + [0, 8).
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    const __nv_bfloat16* qa = sQ + (mh * 16 + (lane & 15)) * S + (lane >> 4) * 8;
+    const __nv_bfloat16* kb = K + (nw * 16 + ((lane >> 4) & 1) * 8 + (lane & 7)) * S + ((lane >> 3) & 1) * 8;
+#pragma unroll 4
+    for (int k0 = 0; k0 < W; k0 += 16) {
+      uint32_t a[4], bb[4];
+      ldmatrix_x4(a, qa + k0);
+      ldmatrix_x4(bb, kb + k0);
+      mma_bf16(s[0], a, bb[0], bb[1]);
+      mma_bf16(s[1], a, bb[2], bb[3]);
+    }
+    const int t0 = range.begin + it * kTok;
+    const bool tile_ok = block_slot(table, b, max_blocks, t0, slots) >= 0;
+    float mx[2] = {kNegInf, kNegInf};
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = t0 + nw * 16 + j * 8 + 2 * t4 + (e & 1);
+        s[j][e] = tile_ok && tok < range.end ? s[j][e] * scale_log2 : kNegInf;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    }
+    if (t4 == 0) {
+      sMax[nw * C::kHeads + row0] = mx[0];
+      sMax[nw * C::kHeads + row0 + 8] = mx[1];
+    }
+    __syncthreads();
+    float alpha[2], m_use[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float m_tile = fmaxf(sMax[row0 + 8 * r], sMax[C::kHeads + row0 + 8 * r]);
+      const float m_new = fmaxf(m_run[r], m_tile);
+      m_use[r] = m_new == kNegInf ? 0.f : m_new;  // no valid token yet: exp2(-inf - 0) = 0, no NaN
+      alpha[r] = exp2f(m_run[r] - m_use[r]);
+      m_run[r] = m_new;
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const __nv_bfloat162 p =
+            __floats2bfloat162_rn(exp2f(s[j][2 * r] - m_use[r]), exp2f(s[j][2 * r + 1] - m_use[r]));
+        const float2 pf = __bfloat1622float2(p);  // the sum of the probabilities the products use
+        sum[r] += pf.x + pf.y;
+        *reinterpret_cast<__nv_bfloat162*>(sP + (row0 + 8 * r) * PS + nw * 16 + j * 8 + 2 * t4) = p;
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
+      sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
+    }
+    if (t4 == 0) {
+      sSum[nw * C::kHeads + row0] = sum[0];
+      sSum[nw * C::kHeads + row0 + 8] = sum[1];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      l_run[r] = l_run[r] * alpha[r] + (sSum[row0 + 8 * r] + sSum[C::kHeads + row0 + 8 * r]);
+#pragma unroll
+    for (int n = 0; n < C::kNTiles; ++n) {
+      acc[n][0] *= alpha[0];
+      acc[n][1] *= alpha[0];
+      acc[n][2] *= alpha[1];
+      acc[n][3] *= alpha[1];
+    }
+    // o[16 heads, the warp's columns] += P [16, kTok] V [kTok, columns].
+    const __nv_bfloat16* pa = sP + (mh * 16 + (lane & 15)) * PS + (lane >> 4) * 8;
+    const __nv_bfloat16* vb = K + (((lane >> 3) & 1) * 8 + (lane & 7)) * S + nw * C::kVCols + (lane >> 4) * 8;
+#pragma unroll
+    for (int kk = 0; kk < kTok; kk += 16) {
+      uint32_t a[4];
+      ldmatrix_x4(a, pa + kk);
+#pragma unroll
+      for (int np = 0; np < C::kNTiles / 2; ++np) {
+        uint32_t bb[4];
+        ldmatrix_x4_trans(bb, vb + kk * S + np * 16);
+        mma_bf16(acc[2 * np], a, bb[0], bb[1]);
+        mma_bf16(acc[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+    __syncthreads();  // the buffers, P and the statistics are rewritten by the next tile
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int h = h0 + row0 + 8 * r;
+    if (h >= H) continue;
+    const float inv = l_run[r] > 0.f ? 1.f / l_run[r] : 0.f;
+    const int64_t orow = int64_t(b) * H + h;
+    float* dst = splits == 1 ? o + orow * kRkv : part + ((int64_t(b) * splits + sp) * H + h) * kRkv;
+    if (splits > 1 && nw == 0 && t4 == 0)
+      part_lse[(int64_t(b) * splits + sp) * H + h] = l_run[r] > 0.f ? m_run[r] + log2f(l_run[r]) : kNegInf;
+#pragma unroll
+    for (int n = 0; n < C::kNTiles; ++n)
+      *reinterpret_cast<float2*>(dst + nw * C::kVCols + n * 8 + 2 * t4) =
+          make_float2(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+  }
+}
+
+// ---- CUDA-core path: one CTA of 4 warps per (head, split, sequence), FP32 throughout ----
+constexpr int kCcWarps = 4, kCcMaxPerLane = 32;  // rkv + dr <= 1024
+
+// Element c of the cache row at `slot`, as f32. kCache: 0 f32 rows, 1 bf16 rows, 2 fp8 form.
+template <int kCache>
+__device__ __forceinline__ float cache_value(const void* rows, const uint8_t* lat, const float* lat_scale,
+                                             const __nv_bfloat16* rope, int64_t slot, int c, int rkv, int dr) {
+  const int W = rkv + dr;
+  if constexpr (kCache == 0) return static_cast<const float*>(rows)[slot * W + c];
+  if constexpr (kCache == 1) return __bfloat162float(static_cast<const __nv_bfloat16*>(rows)[slot * W + c]);
+  if constexpr (kCache == 2) {
+    if (c >= rkv) return __bfloat162float(rope[slot * dr + (c - rkv)]);
+    const __nv_fp8_e4m3 e = *reinterpret_cast<const __nv_fp8_e4m3*>(lat + slot * rkv + c);
+    return float(e) * lat_scale[slot * (rkv / 128) + c / 128];
+  }
+  return 0.f;
+}
+
+template <int kCache>
+__global__ void __launch_bounds__(kCcWarps * 32)
+    mla_decode_cc_kernel(const float* __restrict__ q, const void* __restrict__ rows, const uint8_t* __restrict__ lat,
+                         const float* __restrict__ lat_scale, const __nv_bfloat16* __restrict__ rope,
+                         const int32_t* __restrict__ table, const int32_t* __restrict__ lengths, int H, int rkv,
+                         int dr, int max_blocks, int64_t slots, int splits, int blocks_per_split, float scale_log2,
+                         float* __restrict__ o, float* __restrict__ part, float* __restrict__ part_lse) {
+  extern __shared__ float cc_smem[];  // [kCcWarps][rkv] accumulators, then [kCcWarps] maxima and sums
+  const int W = rkv + dr, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int h = blockIdx.x % H, sp = blockIdx.x / H, b = blockIdx.y;
+  const SplitRange range = split_range(lengths, b, sp, blocks_per_split, max_blocks);
+  const float* qr = q + (int64_t(b) * H + h) * W;
+  float qv[kCcMaxPerLane], acc[kCcMaxPerLane];
+#pragma unroll
+  for (int i = 0; i < kCcMaxPerLane; ++i) {
+    const int c = lane + 32 * i;
+    qv[i] = c < W ? qr[c] : 0.f;
+    acc[i] = 0.f;
+  }
+  float m = kNegInf, l = 0.f;
+  for (int p = range.begin + warp; p < range.end; p += kCcWarps) {
+    const int64_t base = block_slot(table, b, max_blocks, p, slots);
+    if (base < 0) continue;
+    const int64_t slot = base + p % int(kMlaBlockTokens);
+    float kv[kCcMaxPerLane], dot = 0.f;
+#pragma unroll
+    for (int i = 0; i < kCcMaxPerLane; ++i) {
+      const int c = lane + 32 * i;
+      kv[i] = c < W ? cache_value<kCache>(rows, lat, lat_scale, rope, slot, c, rkv, dr) : 0.f;
+      dot = fmaf(qv[i], kv[i], dot);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    const float sc = dot * scale_log2, m_new = fmaxf(m, sc);
+    const float alpha = exp2f(m - m_new), pr = exp2f(sc - m_new);
+    l = l * alpha + pr;
+#pragma unroll
+    for (int i = 0; i < kCcMaxPerLane; ++i) acc[i] = acc[i] * alpha + (lane + 32 * i < rkv ? pr * kv[i] : 0.f);
+    m = m_new;
+  }
+  float* sacc = cc_smem;
+  float* sm = cc_smem + kCcWarps * rkv;
+  float* sl = sm + kCcWarps;
+#pragma unroll
+  for (int i = 0; i < kCcMaxPerLane; ++i)
+    if (lane + 32 * i < rkv) sacc[warp * rkv + lane + 32 * i] = acc[i];
+  if (lane == 0) {
+    sm[warp] = m;
+    sl[warp] = l;
+  }
+  __syncthreads();
+  float M = kNegInf;
+  for (int w = 0; w < kCcWarps; ++w) M = fmaxf(M, sm[w]);
+  float wt[kCcWarps], L = 0.f;
+  for (int w = 0; w < kCcWarps; ++w) {
+    wt[w] = sm[w] == kNegInf ? 0.f : exp2f(sm[w] - M);
+    L += sl[w] * wt[w];
+  }
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+  float* dst = splits == 1 ? o + (int64_t(b) * H + h) * rkv : part + ((int64_t(b) * splits + sp) * H + h) * rkv;
+  for (int c = threadIdx.x; c < rkv; c += kCcWarps * 32) {
+    float v = 0.f;
+    for (int w = 0; w < kCcWarps; ++w) v += sacc[w * rkv + c] * wt[w];
+    dst[c] = v * inv;
+  }
+  if (splits > 1 && threadIdx.x == 0) part_lse[(int64_t(b) * splits + sp) * H + h] = L > 0.f ? M + log2f(L) : kNegInf;
+}
+
+// ---- the merge of the splits: o = sum_s exp2(lse_s - lse) o_s, s in order ----
+__global__ void mla_decode_combine_kernel(const float* __restrict__ part, const float* __restrict__ part_lse, int H,
+                                          int rkv, int splits, float* __restrict__ o) {
+  const int row = blockIdx.x, b = row / H, h = row % H;
+  const float* lse = part_lse + int64_t(b) * splits * H + h;  // split s at lse[s * H]
+  float M = kNegInf;
+  for (int s = 0; s < splits; ++s) M = fmaxf(M, lse[int64_t(s) * H]);
+  float L = 0.f;
+  if (M != kNegInf)
+    for (int s = 0; s < splits; ++s) L += exp2f(lse[int64_t(s) * H] - M);
+  for (int c = threadIdx.x; c < rkv; c += blockDim.x) {
+    float v = 0.f;
+    if (M != kNegInf)
+      for (int s = 0; s < splits; ++s) {
+        const float w = exp2f(lse[int64_t(s) * H] - M);
+        if (w > 0.f) v += w * part[((int64_t(b) * splits + s) * H + h) * rkv + c];
+      }
+    o[int64_t(row) * rkv + c] = M != kNegInf ? v / L : 0.f;
+  }
+}
+
+// The tensor-core instantiations: (rkv, dr).
+bool tc_shape(int64_t rkv, int64_t dr) {
+  return (rkv == 512 && dr == 64) || (rkv == 256 && dr == 32) || (rkv == 128 && dr == 32);
+}
+
+struct LaunchArgs {
+  const float* q;
+  const MlaCacheView* cache;
+  const int32_t *table, *lengths;
+  MlaDecodeShape s;
+  MlaDecodePlan plan;
+  float scale_log2;
+  float *o, *part, *part_lse;
+  cudaStream_t stream;
+};
+
+template <int kRkv, int kDr, int kMH, bool kFp8>
+void launch_tc(const LaunchArgs& a) {
+  using C = TcConfig<kRkv, kDr, kMH>;
+  const size_t smem = C::smem(kFp8);
+  auto kernel = mla_decode_tc_kernel<kRkv, kDr, kMH, kFp8>;
+  // Above the default 48 KiB; set once per instantiation (the attribute call costs as much as a
+  // small launch), one device per process as the rest of the backend assumes.
+  static const bool smem_allowed = [&] {
+    FP8MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    return true;
+  }();
+  (void)smem_allowed;
+  const dim3 grid(unsigned(a.plan.head_tiles * a.plan.splits), unsigned(a.s.B));
+  const MlaCacheView& c = *a.cache;
+  kernel<<<grid, C::kThreads, smem, a.stream>>>(
+      a.q, kFp8 ? nullptr : c.rows.ptr<const __nv_bfloat16>(), kFp8 ? c.latent.ptr<const uint8_t>() : nullptr,
+      kFp8 ? c.scale.ptr<const float>() : nullptr, kFp8 ? c.rope.ptr<const __nv_bfloat16>() : nullptr, a.table,
+      a.lengths, int(a.s.H), int(a.s.max_blocks), a.s.slots, int(a.plan.head_tiles), int(a.plan.splits),
+      int(a.plan.blocks_per_split), a.scale_log2, a.o, a.part, a.part_lse);
+  FP8MOE_CUDA_CHECK_LAUNCH("mla_decode_tc_kernel");
+}
+
+template <int kRkv, int kDr, bool kFp8>
+void launch_tc_heads(const LaunchArgs& a) {
+  switch (a.plan.heads_per_cta) {
+    case 16: launch_tc<kRkv, kDr, 1, kFp8>(a); break;
+    case 32: launch_tc<kRkv, kDr, 2, kFp8>(a); break;
+    default: launch_tc<kRkv, kDr, 4, kFp8>(a); break;
+  }
+}
+
+template <bool kFp8>
+void launch_tc_shape(const LaunchArgs& a) {
+  if (a.s.rkv == 512) launch_tc_heads<512, 64, kFp8>(a);
+  else if (a.s.rkv == 256) launch_tc_heads<256, 32, kFp8>(a);
+  else launch_tc_heads<128, 32, kFp8>(a);
+}
+
+template <int kCache>
+void launch_cc(const LaunchArgs& a) {
+  const size_t smem = sizeof(float) * size_t(kCcWarps) * size_t(a.s.rkv + 2);  // <= 16 KiB: rkv < 1024
+  auto kernel = mla_decode_cc_kernel<kCache>;
+  const dim3 grid(unsigned(a.s.H * a.plan.splits), unsigned(a.s.B));
+  const MlaCacheView& c = *a.cache;
+  kernel<<<grid, kCcWarps * 32, smem, a.stream>>>(
+      a.q, kCache == 2 ? nullptr : c.rows.data, kCache == 2 ? c.latent.ptr<const uint8_t>() : nullptr,
+      kCache == 2 ? c.scale.ptr<const float>() : nullptr, kCache == 2 ? c.rope.ptr<const __nv_bfloat16>() : nullptr,
+      a.table, a.lengths, int(a.s.H), int(a.s.rkv), int(a.s.dr), int(a.s.max_blocks), a.s.slots, int(a.plan.splits),
+      int(a.plan.blocks_per_split), a.scale_log2, a.o, a.part, a.part_lse);
+  FP8MOE_CUDA_CHECK_LAUNCH("mla_decode_cc_kernel");
+}
+
+}  // namespace
+
+MlaDecodePlan mla_decode_plan(const MlaDecodeShape& s, const TensorView& q, const MlaCacheView& cache,
+                              MlaDecodePath path, int64_t splits) {
+  MlaDecodePlan p;
+  const bool tc_ok = s.cache != DType::f32 && tc_shape(s.rkv, s.dr) && aligned16(q.data) &&
+                     (cache.fp8() ? aligned16(cache.latent.data) && aligned16(cache.rope.data)
+                                  : aligned16(cache.rows.data));
+  if (path == MlaDecodePath::automatic) path = tc_ok ? MlaDecodePath::tensor_core : MlaDecodePath::cuda_core;
+  FP8MOE_CHECK(path != MlaDecodePath::tensor_core || tc_ok,
+               "mla_decode_attention: the tensor-core path takes bf16 or fp8 caches with (rkv, dr) = (512, 64), "
+               "(256, 32) or (128, 32) and 16-byte aligned q and rows; got "
+                   << dtype_name(s.cache) << ", (" << s.rkv << ", " << s.dr << ")");
+  FP8MOE_CHECK(path != MlaDecodePath::cuda_core || s.rkv + s.dr <= 32 * kCcMaxPerLane,
+               "mla_decode_attention: rkv + dr = " << s.rkv + s.dr << " exceeds the CUDA-core path's "
+                                                   << 32 * kCcMaxPerLane);
+  p.path = path;
+  if (path == MlaDecodePath::tensor_core) {
+    p.heads_per_cta = s.H <= 16 ? 16 : s.H <= 32 ? 32 : 64;
+    p.head_tiles = (s.H + p.heads_per_cta - 1) / p.heads_per_cta;
+  } else {
+    p.heads_per_cta = 1;
+    p.head_tiles = s.H;
+  }
+  const int64_t blocks = std::max<int64_t>(1, s.max_blocks);
+  int64_t want = splits;
+  if (want <= 0) {
+    const int64_t ctas = s.B * p.head_tiles,
+                  wave = int64_t(device_props().multiProcessorCount) * (path == MlaDecodePath::tensor_core ? 1 : 8);
+    want = std::max<int64_t>(1, (wave + ctas / 2) / ctas);  // nearest: 1.45 waves would run as 2
+  }
+  want = std::clamp<int64_t>(want, 1, std::min(blocks, kMaxSplits));
+  p.blocks_per_split = (blocks + want - 1) / want;
+  p.splits = (blocks + p.blocks_per_split - 1) / p.blocks_per_split;
+  return p;
+}
+
+void mla_decode_attention_cuda(const TensorView& q, const MlaCacheView& cache, const TensorView& table,
+                               const TensorView& lengths, double scale, const TensorView& o, cudaStream_t stream,
+                               MlaDecodePath path, int64_t splits) {
+  const MlaDecodeShape s = check_mla_decode(q, cache, table, lengths, o, Device::cuda);
+  FP8MOE_CHECK(s.B <= 65535, "mla_decode_attention: B = " << s.B << " exceeds 65535 sequences per call");
+  FP8MOE_CHECK(s.max_blocks * kMlaBlockTokens < (int64_t(1) << 30),
+               "mla_decode_attention: table of " << s.max_blocks << " blocks is too long");
+  const MlaDecodePlan plan = mla_decode_plan(s, q, cache, path, splits);
+  const int64_t rows = s.B * s.H;
+  ops::DeviceBuffer part(plan.splits > 1 ? sizeof(float) * size_t(plan.splits * rows * s.rkv) : 0, stream);
+  ops::DeviceBuffer part_lse(plan.splits > 1 ? sizeof(float) * size_t(plan.splits * rows) : 0, stream);
+  LaunchArgs a{q.ptr<const float>(), &cache, table.ptr<const int32_t>(), lengths.ptr<const int32_t>(), s, plan,
+               float(scale * M_LOG2E), o.ptr<float>(), part.as<float>(), part_lse.as<float>(), stream};
+  if (plan.path == MlaDecodePath::tensor_core) {
+    if (cache.fp8()) launch_tc_shape<true>(a);
+    else launch_tc_shape<false>(a);
+  } else if (cache.fp8()) {
+    launch_cc<2>(a);
+  } else if (s.cache == DType::bf16) {
+    launch_cc<1>(a);
+  } else {
+    launch_cc<0>(a);
+  }
+  if (plan.splits > 1) {
+    mla_decode_combine_kernel<<<unsigned(rows), 128, 0, stream>>>(part.as<float>(), part_lse.as<float>(), int(s.H),
+                                                                  int(s.rkv), int(plan.splits), o.ptr<float>());
+    FP8MOE_CUDA_CHECK_LAUNCH("mla_decode_combine_kernel");
+  }
+}
+
+}  // namespace fp8moe::cuda

@@ -1,0 +1,34 @@
+// The absorbed MLA decode attention over the paged latent cache on the GPU (mla_decode.cu), the
+// CUDA backend's Backend::mla_decode_attention (contract: include/fp8moe/mla_decode.hpp).
+// Flash-decoding: each sequence's context is split over CTAs (split-KV), each CTA reads its cache
+// rows once for a tile of heads, and a second kernel merges the splits' partial outputs by their
+// log-sum-exp in a fixed order (deterministic). Two paths:
+//   tensor_core  bf16 and fp8 caches, (rkv, dr) in {(512, 64), (256, 32), (128, 32)}: q and the
+//                rows (fp8: e4m3 x scale, dequantized in shared memory) as BF16 operands of
+//                mma.sync m16n8k16 with FP32 accumulation, up to 64 heads per CTA;
+//   cuda_core    every cache dtype and shape (rkv + dr <= 1024), FP32 throughout: the f32 cache
+//                (the exact oracle the serve tests compare the absorbed form with) and the rest.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "fp8moe/mla_decode.hpp"
+
+namespace fp8moe::cuda {
+
+enum class MlaDecodePath { automatic, tensor_core, cuda_core };
+
+// The launch a call takes: its path, the number of context splits per sequence and the cache
+// blocks each covers, and the head tiles (CTAs per split and sequence).
+struct MlaDecodePlan {
+  MlaDecodePath path = MlaDecodePath::cuda_core;
+  int64_t splits = 1, blocks_per_split = 1, head_tiles = 1, heads_per_cta = 1;
+};
+// `splits` > 0 forces that many splits (capped by the table's blocks), for the tests.
+MlaDecodePlan mla_decode_plan(const MlaDecodeShape& s, const TensorView& q, const MlaCacheView& cache, MlaDecodePath path,
+                              int64_t splits);
+
+void mla_decode_attention_cuda(const TensorView& q, const MlaCacheView& cache, const TensorView& table,
+                               const TensorView& lengths, double scale, const TensorView& o, cudaStream_t stream,
+                               MlaDecodePath path = MlaDecodePath::automatic, int64_t splits = 0);
+
+}  // namespace fp8moe::cuda
