@@ -68,7 +68,7 @@ TEST(MlaDecodeOps, EqualsCausalAttentionOverGatheredRows) {
       const MlaHostInputs in = make_mla_inputs(rng, c);
       const Tensor o = run_op(*cpu, c, in);
       const int64_t W = c.rkv + c.dr, mb = in.table.size(1);
-      double worst = 0;
+      double worst = 0;  // max |got - ref| / max |ref| of a sequence, the worst sequence
       for (int64_t b = 0; b < c.B(); ++b) {
         const int64_t L = lengths[size_t(b)];
         Tensor Q = Tensor::host(DType::f32, {L, H, W}), K = Tensor::host(DType::f32, {L, H, W}),
@@ -84,13 +84,17 @@ TEST(MlaDecodeOps, EqualsCausalAttentionOverGatheredRows) {
         }
         std::copy(in.q.ptr<float>() + b * H * W, in.q.ptr<float>() + (b + 1) * H * W, Q.ptr<float>() + (L - 1) * H * W);
         cpu->attention_forward(Q.view(), K.view(), V.view(), out.view(), lse.view(), L, c.scale(), DType::f32);
+        double diff = 0, peak = 0;
         for (int64_t i = 0; i < H * c.rkv; ++i) {
           const double ref = out.ptr<float>()[(L - 1) * H * c.rkv + i], got = o.ptr<float>()[b * H * c.rkv + i];
-          worst = std::max(worst, std::fabs(got - ref) / (1e-3 + std::fabs(ref)));
+          diff = std::max(diff, std::fabs(got - ref));
+          peak = std::max(peak, std::fabs(ref));
         }
+        worst = std::max(worst, diff / peak);
       }
-      // FP32 attention against FP64 sums: FP32 rounding over <= 130 keys.
-      EXPECT_LT(worst, 2e-5) << c.str();
+      // FP32 attention against FP64 sums: FP32 rounding over <= 130 keys, measured up to 1.4e-7
+      // over 40 seeds (the element-wise relative error spikes where an output is near zero).
+      EXPECT_LT(worst, 4e-7) << c.str();
     }
 }
 
