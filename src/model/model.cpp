@@ -237,7 +237,8 @@ Model::Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uin
   FP8MOE_CHECK(recipe.act_dtype != DType::f64 || backend.device() == Device::cpu,
                "recipe fp64 runs on the cpu backend only (backend " << backend.name() << ")");
   if (shard.count == 0) shard = {0, cfg.n_routed_experts};
-  FP8MOE_CHECK(shard.first >= 0 && shard.count > 0 && shard.first + shard.count <= cfg.n_routed_experts,
+  FP8MOE_CHECK(shard.first >= 0 && shard.count >= 0 && shard.first + shard.count <= cfg.n_routed_experts &&
+                   (shard.count > 0 || cfg.n_routed_experts == 0),
                "model: routed experts [" << shard.first << ", " << shard.first + shard.count << ") are not among the "
                                          << cfg.n_routed_experts << " of the config");
   auto& m = *impl_;

@@ -274,7 +274,7 @@ void check_wire(int64_t rpn) {
   ParallelGroups groups = make_parallel_groups(world, layout);
   auto log = std::make_shared<std::vector<WireCall>>();
   RecordingComm ep(*groups.ep, log);
-  Model model(cfg, Recipe::from_name("fp8"), *be, 5);
+  Model model(cfg, Recipe::from_name("fp8"), *be, 5, {layout.first_expert(), layout.experts_per_rank});
   auto rec = std::make_shared<RecordingExperts>(make_expert_parallel(model, ep, layout), ep);
   model.set_routed_experts(rec);
   std::mt19937_64 rng(g_seed + uint64_t(me) * 104729);  // every rank its own tokens
