@@ -129,11 +129,20 @@ class RoutedExperts {
   virtual void backward_weight(model::Ctx& c, State& s) = 0;
 };
 
+// The routed experts a model holds of every MoE layer: [first, first + count); count 0: all.
+// An expert-parallel rank holds its own (the stacked expert tensors are [count * rows, cols],
+// local expert i at rows i * rows); the others run on other ranks, behind set_routed_experts.
+struct ExpertShard {
+  int64_t first = 0, count = 0;
+};
+
 class Model {
  public:
   // Allocates the parameters on `backend` and initializes them from `seed` (normal(0, std) for
   // matrices, ones for norms, zeros for the routing bias). Validates cfg against the recipe.
-  Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uint64_t seed = 0);
+  // With a shard, the parameters of the other routed experts are absent and every value is the
+  // one the whole model would get from `seed`.
+  Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uint64_t seed = 0, ExpertShard shard = {});
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -141,6 +150,8 @@ class Model {
   const ModelConfig& config() const;
   const Recipe& recipe() const;
   Backend& backend() const;
+  // The routed experts held: count is n_routed_experts without a shard.
+  ExpertShard expert_shard() const;
 
   std::vector<Parameter>& parameters();
   Parameter& parameter(std::string_view name);          // throws naming the unknown parameter

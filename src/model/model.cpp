@@ -36,6 +36,7 @@ struct Model::Impl {
   Backend& be;
   Ctx ctx;
   std::vector<Parameter> params;
+  std::vector<size_t> spec_of;  // of each parameter: its place in parameter_specs (the init order)
   std::map<std::string, size_t, std::less<>> index;
   std::vector<std::unique_ptr<Layer>> trunk;  // [layer 0 attn, layer 0 mlp|moe, ...]
   std::vector<std::unique_ptr<Layer>> mtp;    // the MTP block's two sublayers
@@ -230,24 +231,33 @@ struct Model::Impl {
   }
 };
 
-Model::Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uint64_t seed)
+Model::Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uint64_t seed, ExpertShard shard)
     : impl_(std::make_unique<Impl>(cfg, recipe, backend)) {
   validate_config(cfg, recipe);
   FP8MOE_CHECK(recipe.act_dtype != DType::f64 || backend.device() == Device::cpu,
                "recipe fp64 runs on the cpu backend only (backend " << backend.name() << ")");
+  if (shard.count == 0) shard = {0, cfg.n_routed_experts};
+  FP8MOE_CHECK(shard.first >= 0 && shard.count >= 0 && shard.first + shard.count <= cfg.n_routed_experts &&
+                   (shard.count > 0 || cfg.n_routed_experts == 0),
+               "model: routed experts [" << shard.first << ", " << shard.first + shard.count << ") are not among the "
+                                         << cfg.n_routed_experts << " of the config");
   auto& m = *impl_;
+  m.ctx.experts = shard;
   // The routed experts' matrices of one layer and kind share one [E * rows, cols] weight and one
-  // gradient tensor, each expert's Parameter viewing its rows: the grouped GEMMs read the
-  // weights stacked and write the gradients stacked.
+  // gradient tensor (E: the experts held), each expert's Parameter viewing its rows: the grouped
+  // GEMMs read the weights stacked and write the gradients stacked.
   std::map<std::string, std::pair<Tensor, Tensor>> stacks;
-  for (const auto& s : model::parameter_specs(cfg)) {
+  const auto specs = model::parameter_specs(cfg);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const model::ParamSpec& s = specs[i];
     Parameter p;
     p.name = s.name;
     const DType dt = recipe.act_dtype;
     const size_t at = s.name.find(".mlp.experts.");
     if (at != std::string::npos) {
       const size_t e0 = at + 13, e1 = s.name.find('.', e0);
-      const int64_t e = std::stoll(s.name.substr(e0, e1 - e0)), E = cfg.n_routed_experts, R = s.shape[0];
+      const int64_t e = std::stoll(s.name.substr(e0, e1 - e0)) - shard.first, E = shard.count, R = s.shape[0];
+      if (e < 0 || e >= E) continue;
       auto& st = stacks[s.name.substr(0, e0) + "*" + s.name.substr(e1)];
       if (!st.first.defined()) {
         st = {backend.zeros(dt, {E * R, s.shape[1]}), backend.zeros(dt, {E * R, s.shape[1]})};
@@ -267,6 +277,7 @@ Model::Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uin
     p.trainable = s.trainable;
     p.decay = s.decay;
     m.index[p.name] = m.params.size();
+    m.spec_of.push_back(i);
     m.params.push_back(std::move(p));
   }
   const model::ParamLookup get = [&m](const std::string& n) { return m.get(n); };
@@ -293,6 +304,7 @@ Model::~Model() = default;
 const ModelConfig& Model::config() const { return impl_->cfg; }
 const Recipe& Model::recipe() const { return impl_->recipe; }
 Backend& Model::backend() const { return impl_->be; }
+ExpertShard Model::expert_shard() const { return impl_->ctx.experts; }
 std::vector<Parameter>& Model::parameters() { return impl_->params; }
 Parameter& Model::parameter(std::string_view name) { return *impl_->get(std::string(name)); }
 Parameter* Model::find_parameter(std::string_view name) {
@@ -328,11 +340,23 @@ void Model::init_weights(uint64_t seed) {
   const auto specs = model::parameter_specs(m.cfg);
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> nd(0.0, m.cfg.initializer_range);
+  // Every parameter of the whole model draws its values in spec order, the absent experts' too,
+  // so that an expert holds the same values in every shard.
+  size_t next = 0;
   for (size_t i = 0; i < specs.size(); ++i) {
-    Parameter& p = m.params[i];
+    auto draw = [&] {
+      return specs[i].init == model::ParamSpec::normal ? nd(rng) : specs[i].init == model::ParamSpec::ones ? 1.0 : 0.0;
+    };
+    if (next == m.params.size() || m.spec_of[next] != i) {
+      int64_t n = 1;
+      for (int64_t d : specs[i].shape) n *= d;
+      for (int64_t j = 0; j < n; ++j) draw();
+      continue;
+    }
+    Parameter& p = m.params[next++];
     Tensor h = Tensor::host_like(p.weight.view());
     for (int64_t j = 0; j < h.numel(); ++j) {
-      const double v = specs[i].init == model::ParamSpec::normal ? nd(rng) : specs[i].init == model::ParamSpec::ones ? 1.0 : 0.0;
+      const double v = draw();
       if (h.dtype() == DType::f64) {
         h.ptr<double>()[j] = v;
       } else {

@@ -62,6 +62,7 @@ struct Ctx {
   const ModelConfig& cfg;
   WeightCache weights{};
   RoutedExperts* routed = nullptr;  // Model::set_routed_experts; null: the experts run here
+  ExpertShard experts{};            // the routed experts whose parameters exist (count set)
   DType act() const { return recipe.act_dtype; }
   // A zero-filled activation: for outputs that an op accumulates into (or that are read before
   // every element is written).

@@ -42,7 +42,7 @@ class MoeLayer final : public Layer {
     if (c.cfg.n_shared_experts > 0)
       shared_ = {get(pre + "mlp.shared_experts.gate_proj.weight"), get(pre + "mlp.shared_experts.up_proj.weight"),
                  get(pre + "mlp.shared_experts.down_proj.weight")};
-    for (int64_t e = 0; e < c.cfg.n_routed_experts; ++e) {
+    for (int64_t e = c.experts.first; e < c.experts.first + c.experts.count; ++e) {
       const std::string ep = pre + "mlp.experts." + std::to_string(e) + ".";
       experts_.push_back({get(ep + "gate_proj.weight"), get(ep + "up_proj.weight"), get(ep + "down_proj.weight")});
     }
@@ -102,6 +102,10 @@ class MoeLayer final : public Layer {
     s->w = c_.empty({T, K});
     c_.be.moe_route(logits.view(), bias_->weight.view(), s->scores.view(), s->idx.view(), s->w.view(), cfg.n_group,
                     cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor);
+    FP8MOE_CHECK(c_.routed || c_.experts.count == E,
+                 name_ << ": the model holds routed experts [" << c_.experts.first << ", "
+                       << c_.experts.first + c_.experts.count << ") of " << E
+                       << "; the others run on other ranks (Model::set_routed_experts)");
     if (c_.routed) {  // elsewhere (Model::set_routed_experts): only the loads are needed here
       expert_loads(*s, T);
       s->routed = c_.routed->forward(c_, layer_, h, s->idx, s->w, y);

@@ -249,7 +249,7 @@ struct Trainer::Impl {
   std::unique_ptr<TextCorpus> corpus;
   std::unique_ptr<WindowSampler> sampler;
   std::vector<ParamRef> refs;        // trainable parameters, host views
-  std::vector<Parameter*> all;       // every parameter (EMA and checkpoints)
+  std::vector<Parameter*> all;       // every parameter this rank holds (EMA and checkpoints)
   std::unique_ptr<AdamW> adamw;       // one process; with `par`, par->zero instead
   std::unique_ptr<TrainerParallel> par;  // several ranks (--pp/--dp/--ep): trainer_parallel.hpp
   std::unique_ptr<pipeline::Executor> serial;  // without pipeline stages: 1F1B over one stage
@@ -295,7 +295,7 @@ struct Trainer::Impl {
     std::error_code ec;
     fs::create_directories(opt.out_dir, ec);
     if (ec) throw IoError("train: cannot create the output folder '" + opt.out_dir + "': " + ec.message());
-    model = std::make_unique<Model>(cfg, recipe, *backend, opt.seed);
+    model = std::make_unique<Model>(cfg, recipe, *backend, opt.seed, par ? par->expert_shard() : ExpertShard{});
     sampler = std::make_unique<WindowSampler>(corpus->train(), int(cfg.seq_len + 1), opt.seed);
     for (Parameter& p : model->parameters()) {
       all.push_back(&p);
@@ -397,6 +397,7 @@ struct Trainer::Impl {
       add("optimizer.exp_avg." + refs[i].name, par ? m[i] : adamw->first_moments()[i]);
       add("optimizer.exp_avg_sq." + refs[i].name, par ? v[i] : adamw->second_moments()[i]);
     }
+    if (par) par->gather_experts(*backend, tensors, host);  // the other ranks' routed experts
     if (par && !par->rank0()) return;
     const auto ss = sampler->state();
     save_safetensors(ckpt_path, tensors,

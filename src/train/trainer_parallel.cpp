@@ -7,6 +7,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <string_view>
+#include <tuple>
 
 #include "fp8moe/pipeline_trace.hpp"
 
@@ -42,6 +44,18 @@ std::unique_ptr<TrainerParallel> TrainerParallel::make(const ParallelOptions& op
   return p;
 }
 
+namespace {
+
+// A routed expert's parameter: "...mlp.experts.<e>.<rest>" (the shared expert is mlp.shared_experts).
+constexpr std::string_view kExperts = ".mlp.experts.";
+
+}  // namespace
+
+ExpertShard TrainerParallel::expert_shard() const {
+  if (!layout.expert_parallel) return {};
+  return {layout.first_expert(), layout.experts_per_rank};
+}
+
 void TrainerParallel::attach(Model& model, Backend& be, const std::vector<ParamRef>& refs, const AdamWConfig& cfg) {
   if (layout.expert_parallel) model.set_routed_experts(make_expert_parallel(model, *groups.ep, layout));
   if (schedule) {
@@ -54,7 +68,41 @@ void TrainerParallel::attach(Model& model, Backend& be, const std::vector<ParamR
       if (r == int(layout.rank)) executor->fail_at(k);
     }
   }
-  zero = std::make_unique<Zero1AdamW>(be, *groups.dp, refs, cfg);
+  std::vector<bool> expert;
+  for (const ParamRef& r : refs) expert.push_back(layout.expert_parallel && r.name.find(kExperts) != std::string::npos);
+  zero = std::make_unique<Zero1AdamW>(be, *groups.dp, refs, cfg, layout.expert_parallel ? groups.edp.get() : nullptr,
+                                      expert);
+}
+
+void TrainerParallel::gather_experts(Backend& be, std::map<std::string, TensorView>& tensors, std::vector<Tensor>& keep) {
+  if (!layout.expert_parallel || layout.ep == 1) return;
+  const int64_t El = layout.experts_per_rank, first = layout.first_expert(), P = layout.ep;
+  // This rank's expert tensors by (prefix, local expert, rest): the same order on every rank.
+  std::map<std::tuple<std::string, int64_t, std::string>, TensorView> mine;
+  for (const auto& [name, t] : tensors) {
+    const size_t at = name.find(kExperts);
+    if (at == std::string::npos) continue;
+    const size_t e0 = at + kExperts.size(), e1 = name.find('.', e0);
+    const int64_t e = std::stoll(name.substr(e0, e1 - e0));
+    FP8MOE_CHECK(e >= first && e < first + El, "checkpoint: " << name << " is not among this rank's routed experts ["
+                                                              << first << ", " << first + El << ")");
+    mine[{name.substr(0, e0), e - first, name.substr(e1)}] = t;
+  }
+  for (const auto& [key, t] : mine) {
+    const auto& [prefix, local, rest] = key;
+    const int64_t n = t.numel();
+    const size_t bytes = size_t(n) * dtype_size(t.dtype);
+    Tensor send = be.empty(t.dtype, {n}), all = be.empty(t.dtype, {P * n});
+    be.copy(send.view(), TensorView(t.data, t.dtype, {n}, t.device));
+    groups.ep->all_gather(send.view(), all.view(), be.stream());
+    const Tensor host = be.to_host(all);
+    for (int64_t r = 0; r < P; ++r) {
+      if (r == layout.ep_rank()) continue;
+      keep.push_back(Tensor::host_like(t));
+      std::memcpy(keep.back().view().data, static_cast<const char*>(host.view().data) + size_t(r) * bytes, bytes);
+      tensors[prefix + std::to_string(r * El + local) + rest] = keep.back().view();
+    }
+  }
 }
 
 void TrainerParallel::sum(Backend& be, std::vector<double>& v) {
@@ -95,11 +143,17 @@ namespace fp8moe {
 
 void TrainerParallel::report_memory(nlohmann::json& memory, bool print) const {
   const Zero1AdamW::Memory m = zero->memory();
-  const double n = double(zero->numel());
+  // The whole model's trainable parameters: the replicated ones and every rank's experts.
+  const int64_t held = zero->numel(), experts = zero->expert_numel();
+  const int64_t whole = held - experts + experts * (layout.expert_parallel ? layout.ep : 1);
+  const double n = double(whole);
   const double moment_bytes = zero->config().moments == MomentPrecision::bf16 ? 2.0 : 4.0;
   const double formula = (4.0 + 2.0 * moment_bytes) / double(layout.dp);  // bytes per parameter
   memory["zero1"] = {{"dp", layout.dp},
-                     {"parameters", zero->numel()},
+                     {"ep", layout.expert_parallel ? layout.ep : 0},
+                     {"parameters", whole},
+                     {"parameters_held", held},
+                     {"expert_parameters_held", experts},
                      {"master_shard", m.master},
                      {"moments_shard", m.moments},
                      {"gradient_shard", m.gradient_shard},
@@ -108,9 +162,10 @@ void TrainerParallel::report_memory(nlohmann::json& memory, bool print) const {
                      {"formula_bytes_per_parameter", formula}};
   if (print)
     std::printf("ZeRO-1 over %lld ranks: master weights and moments %.3f bytes per parameter per rank (formula "
-                "(4 + 2 x %.0f) / %lld = %.3f); weights 4, gradients 4 and the gradient bucket %.3f, whole\n",
+                "(4 + 2 x %.0f) / %lld = %.3f); this rank holds %lld of the %lld parameters (routed experts %lld), "
+                "their weights 4, gradients 4 and the gradient buckets %.3f bytes per parameter held\n",
                 (long long)layout.dp, double(m.master + m.moments) / n, moment_bytes, (long long)layout.dp, formula,
-                double(m.bucket) / n);
+                (long long)held, (long long)whole, (long long)experts, double(m.bucket) / double(held));
 }
 
 }  // namespace fp8moe

@@ -1,9 +1,10 @@
 // What the trainer does differently on several ranks (--pp/--dp/--ep, under mpirun), kept out of
 // the loop in trainer.cpp: the layout and its communicators, the pipeline schedule and its
-// executor, the expert-parallel MoE layer, ZeRO-1,
+// executor, the expert-parallel MoE layer and its share of the routed experts, ZeRO-1,
 // the sums of losses and expert loads over the data-parallel ranks, and the checkpoint's moments
-// gathered from the shards. Absent (nullptr) for one process without --ep: training as before.
+// and experts gathered from the shards. Absent (nullptr) for one process without --ep: training as before.
 #pragma once
+#include <map>
 #include <memory>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -37,8 +38,16 @@ struct TrainerParallel {
   int64_t dp_rank() const { return layout.dp_rank(); }
   // True on every rank when `mine` is true on any.
   bool any(Backend& be, bool mine);
-  // After the model is made: its routed experts expert-parallel (--ep), the optimizer sharded.
+  // The routed experts this rank's model holds: its expert-parallel share with --ep, else all.
+  ExpertShard expert_shard() const;
+  // After the model is made: its routed experts expert-parallel (--ep), the optimizer sharded
+  // (the routed experts' parameters over the expert-data-parallel group).
   void attach(Model& model, Backend& be, const std::vector<ParamRef>& refs, const AdamWConfig& cfg);
+  // The checkpoint's whole model from the experts' shards: `tensors` holds this rank's (names with
+  // ".mlp.experts.<e>." among others); adds those of the other ranks of its expert-parallel
+  // group, named by their experts. Collective over every expert-parallel group; `keep` owns the
+  // host copies the new views point to.
+  void gather_experts(Backend& be, std::map<std::string, TensorView>& tensors, std::vector<Tensor>& keep);
   // Sums over the data-parallel ranks (rank order), in place.
   void sum(Backend& be, std::vector<double>& v);
   void sum(Backend& be, std::vector<std::vector<int64_t>>& loads);

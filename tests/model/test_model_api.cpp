@@ -2,7 +2,9 @@
 // full DeepSeek-V3, backward-for-input/backward-for-weights split across micro-batches (the order
 // a ZeroBubble/DualPipe schedule uses gives the same gradients), gradient accumulation, the
 // auxiliary-loss-free bias update, safetensors round trip, the sublayer records of the
-// teacher-forced reference check, and model ops unsupported by a backend.
+// teacher-forced reference check, a model holding a share of the routed experts, and model ops
+// unsupported by a backend.
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -321,6 +323,51 @@ class NoModelOps final : public Backend {
   void gemm_fp8(const QuantizedView&, const QuantizedView&, const TensorView&, const GemmOptions&) override {}
   void gemm_bf16(const TensorView&, const TensorView&, const TensorView&, bool) override {}
 };
+
+// A model holding routed experts [2, 6) of 8 (an expert-parallel rank's): those experts' parameters
+// only, stacked from row 0, with the values of the whole model; everything else as in the whole
+// model. The in-process MoE layer, which needs every expert, refuses to run it.
+TEST(ModelApi, ExpertShardHoldsItsExpertsWithTheWholeModelsValues) {
+  auto be = make_backend("cpu");
+  const ModelConfig c = tiny_config();
+  ASSERT_EQ(c.n_routed_experts, 8);
+  Model whole(c, Recipe::from_name("fp8"), *be, 7), part(c, Recipe::from_name("fp8"), *be, 7, {2, 4});
+  EXPECT_EQ(part.expert_shard().first, 2);
+  EXPECT_EQ(part.expert_shard().count, 4);
+  EXPECT_EQ(whole.expert_shard().count, 8);
+  int64_t absent = 0;
+  for (Parameter& p : whole.parameters()) {
+    const size_t at = p.name.find(".mlp.experts.");
+    const int64_t e = at == std::string::npos ? -1 : std::stoll(p.name.substr(at + 13));
+    Parameter* q = part.find_parameter(p.name);
+    if (e >= 0 && (e < 2 || e >= 6)) {
+      EXPECT_EQ(q, nullptr) << p.name;
+      absent += p.weight.numel();
+      continue;
+    }
+    ASSERT_NE(q, nullptr) << p.name;
+    ASSERT_EQ(q->weight.numel(), p.weight.numel()) << p.name;
+    EXPECT_EQ(std::memcmp(q->weight.view().data, p.weight.view().data, p.weight.view().nbytes()), 0) << p.name;
+    if (e > 2) {  // row group e - 2 of its stack
+      const std::string first = p.name.substr(0, at + 13) + "2" + p.name.substr(p.name.find('.', at + 13));
+      EXPECT_EQ(static_cast<const char*>(q->weight.view().data),
+                static_cast<const char*>(part.parameter(first).weight.view().data) +
+                    (e - 2) * int64_t(q->weight.view().nbytes()))
+          << p.name;
+    }
+  }
+  EXPECT_EQ(part.num_parameters(), whole.num_parameters() - absent);
+  EXPECT_GT(absent, 0);
+  auto rng = make_rng();
+  auto [tok, tgt] = random_batch(rng, c);
+  try {
+    part.forward(tok.view(), tgt.view());
+    ADD_FAILURE() << "a model without every expert ran the in-process MoE layer";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("holds routed experts [2, 6) of 8"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(Model(c, Recipe::from_name("fp8"), *be, 7, {6, 4}), Error);
+}
 
 TEST(ModelApi, UnsupportedOpsNameThemselves) {
   NoModelOps be;

@@ -8,7 +8,8 @@
 # With RESUME=1 in the environment the reference is the uninterrupted run under mpirun, and the
 # run is trained in two pieces: --stop-at 2 under mpirun, then resumed on one process with REF
 # ARGS (a checkpoint saved at one data-parallel size resumed at another; EXACT=3: the next loss
-# after the resume is the one of continuing).
+# after the resume is the one of continuing), or under mpirun on RESUME_NP ranks when given (at
+# another layout of data-parallel and expert-parallel ranks).
 set -euo pipefail
 bin=$1 mpirun=$2 np=$3 tol=$4 cfg=$5 ref_args=$6 run_args=$7
 dir=$(mktemp -d)
@@ -22,8 +23,13 @@ if [[ "${RESUME:-0}" == 1 ]]; then
   "$mpirun" --oversubscribe -np "$np" "$bin" "${common[@]}" --ckpt-every 0 $run_args -o "$dir/ref"
   # shellcheck disable=SC2086
   "$mpirun" --oversubscribe -np "$np" "$bin" "${common[@]}" --stop-at 2 $run_args -o "$dir/run"
-  # shellcheck disable=SC2086
-  "$bin" "${common[@]}" --resume $ref_args -o "$dir/run"
+  if [[ -n "${RESUME_NP:-}" ]]; then
+    # shellcheck disable=SC2086
+    "$mpirun" --oversubscribe -np "$RESUME_NP" "$bin" "${common[@]}" --resume $ref_args -o "$dir/run"
+  else
+    # shellcheck disable=SC2086
+    "$bin" "${common[@]}" --resume $ref_args -o "$dir/run"
+  fi
 else
   # shellcheck disable=SC2086
   "$bin" "${common[@]}" --ckpt-every 0 $ref_args -o "$dir/ref"

@@ -4,7 +4,8 @@
 //   what the expert-parallel layer sends across ranks, recorded at the communicator (FP8 dispatch
 //   with power-of-two scales, BF16 combine, forward and backward; ctest parallel_mpi_wire_np*);
 //   ZeRO-1 AdamW against AdamW on one rank with the rank-order sum of the gradients (bitwise),
-//   its checkpoint moments, and its per-rank memory against the formula.
+//   the routed experts' bucket over their expert-data-parallel ranks, its checkpoint moments, and
+//   its per-rank memory against the formula, a model holding 1/E of the experts included.
 //   mpirun --oversubscribe -np 4 build/tests/parallel/test_parallel_mpi
 #include <gtest/gtest.h>
 
@@ -273,7 +274,7 @@ void check_wire(int64_t rpn) {
   ParallelGroups groups = make_parallel_groups(world, layout);
   auto log = std::make_shared<std::vector<WireCall>>();
   RecordingComm ep(*groups.ep, log);
-  Model model(cfg, Recipe::from_name("fp8"), *be, 5);
+  Model model(cfg, Recipe::from_name("fp8"), *be, 5, {layout.first_expert(), layout.experts_per_rank});
   auto rec = std::make_shared<RecordingExperts>(make_expert_parallel(model, ep, layout), ep);
   model.set_routed_experts(rec);
   std::mt19937_64 rng(g_seed + uint64_t(me) * 104729);  // every rank its own tokens
@@ -459,6 +460,154 @@ TEST(Zero1AdamW, BitwiseAdamWOnTheRankOrderSumOfTheGradients) {
   resumed.step(1e-2f);
   for (size_t i = 0; i < z.w.size(); ++i)
     ASSERT_EQ(std::memcmp(z.w[i].view().data, z2.w[i].view().data, z.w[i].view().nbytes()), 0) << i;
+}
+
+// Expert parallelism over E ranks (E = 2 when the world is even): every rank holds the
+// replicated parameters and its ep rank's experts (rank r: r mod E), the same on its
+// expert-data-parallel ranks. The experts' bucket is AdamW on the sum over those ranks only, in
+// rank order; the norm is the whole model's, every expert once.
+TEST(Zero1AdamW, ExpertBucketIsAdamWOnTheSumOverTheExpertsReplicas) {
+  Comm& world = *g_world;
+  auto be = make_backend("cpu");
+  const int P = world.size(), me = world.rank(), E = P % 2 == 0 ? 2 : 1;
+  std::unique_ptr<Comm> edp = world.split(me % E, me);
+  const uint64_t expert_seed = g_seed + 1000;
+  auto experts_of = [&](int ep_rank) { return make_params(expert_seed + uint64_t(ep_rank)); };
+  auto fill_expert_grads = [](Params& p, int r, int k) { fill_grads(p, r, k + 100); };
+  Params rep = make_params(g_seed), ex = experts_of(me % E);
+  Params ref_rep = make_params(g_seed), ref_ex = experts_of(me % E);
+  std::vector<ParamRef> refs = rep.refs, ref_refs = ref_rep.refs;
+  std::vector<bool> expert(rep.refs.size(), false);
+  for (ParamRef r : ex.refs) {
+    r.name = "x" + r.name;
+    refs.push_back(r);
+    expert.push_back(true);
+  }
+  for (ParamRef r : ref_ex.refs) ref_refs.push_back(r);
+  AdamWConfig cfg;
+  Zero1AdamW zero(*be, world, refs, cfg, edp.get(), expert);
+  AdamW adam(*be, ref_refs, cfg);
+  auto sum_into = [](Params& dst, const Params& src) {
+    for (size_t i = 0; i < dst.g.size(); ++i)
+      for (int64_t j = 0; j < dst.g[i].numel(); ++j) dst.g[i].ptr<float>()[j] += src.g[i].ptr<float>()[j];
+  };
+  auto zero_grads = [](Params& p) {
+    for (Tensor& g : p.g) std::memset(g.view().data, 0, g.view().nbytes());
+  };
+  for (int k = 0; k < 3; ++k) {
+    fill_grads(rep, me, k);
+    fill_expert_grads(ex, me, k);
+    zero_grads(ref_rep);
+    zero_grads(ref_ex);
+    double ss_experts = 0;  // every ep rank's experts, summed over their replicas
+    for (int g = 0; g < E; ++g) {
+      Params sum = experts_of(g);
+      zero_grads(sum);
+      for (int r = 0; r < P; ++r) {
+        if (r % E != g) continue;
+        Params other = experts_of(g);
+        fill_expert_grads(other, r, k);
+        sum_into(sum, other);
+      }
+      for (const Tensor& t : sum.g) ss_experts += be->sum_squares(t.view());
+      if (g == me % E) sum_into(ref_ex, sum);
+    }
+    for (int r = 0; r < P; ++r) {
+      Params other = make_params(g_seed);
+      fill_grads(other, r, k);
+      sum_into(ref_rep, other);
+    }
+    const double ref_norm = std::sqrt(std::pow(global_grad_norm(*be, ref_rep.refs), 2) + ss_experts);
+    zero.reduce_gradients();
+    const double norm = zero.grad_norm();
+    EXPECT_NEAR(norm, ref_norm, 1e-12 * ref_norm);
+    zero.step(1e-2f, clip_scale(ref_norm, 1.0f));
+    adam.step(1e-2f, clip_scale(ref_norm, 1.0f));
+    for (size_t i = 0; i < refs.size(); ++i)
+      ASSERT_EQ(std::memcmp(refs[i].value.data, ref_refs[i].value.data, refs[i].value.nbytes()), 0)
+          << refs[i].name << " after step " << k;
+  }
+  std::vector<Tensor> m, v;  // whole moments of this rank's parameters, its experts' included
+  zero.gather_moments(m, v);
+  ASSERT_EQ(m.size(), refs.size());
+  for (size_t i = 0; i < m.size(); ++i) {
+    ASSERT_EQ(std::memcmp(m[i].view().data, adam.first_moments()[i].view().data, m[i].view().nbytes()), 0) << i;
+    ASSERT_EQ(std::memcmp(v[i].view().data, adam.second_moments()[i].view().data, v[i].view().nbytes()), 0) << i;
+  }
+}
+
+// Each rank of --dp D --ep E holds the replicated parameters and 1/E of the routed experts, with
+// their gradients and gradient buckets (4 + 4 + 4 bytes each), and 1/D of the optimizer state
+// (FP32 master, two BF16 moments, the FP32 gradient shard: 4 + 2 + 2 + 4 bytes per parameter of
+// the whole model).
+TEST(ExpertShard, PerRankParameterAndOptimizerBytesAreTheFormula) {
+  Comm& world = *g_world;
+  auto be = make_backend("cpu");
+  const int P = world.size();
+  const ModelConfig cfg = load_config(std::string(FP8MOE_SOURCE_DIR) + "/configs/tiny.json");
+  int64_t n_experts = 0;  // the whole model's routed-expert parameters
+  for (int64_t l = 0; l < cfg.num_layers_total(); ++l)
+    if (cfg.is_moe_layer(l)) n_experts += cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size;
+  const int64_t n_all = count_parameters(cfg).total;
+  for (int64_t E : {1, 2, 4}) {
+    if (P % E != 0 || cfg.n_routed_experts % E != 0) continue;
+    ParallelOptions opt;
+    opt.dp = P;
+    opt.ep = E;
+    const ParallelLayout layout = make_parallel_layout(opt, P, world.rank(), cfg);
+    ParallelGroups groups = make_parallel_groups(world, layout);
+    const int64_t El = layout.experts_per_rank, first = layout.first_expert();
+    Model model(cfg, Recipe::from_name("fp8"), *be, 5, {first, El});
+    // Its experts only, n_routed / E per layer and matrix, stacked: local expert i at rows i * R.
+    // "<layer>.mlp.experts." and ".<matrix>.weight" -> the experts held
+    std::map<std::pair<std::string, std::string>, std::vector<int64_t>> held;
+    int64_t expert_numel = 0, numel = 0, param_bytes = 0;
+    std::vector<ParamRef> refs;
+    std::vector<bool> expert;
+    for (Parameter& p : model.parameters()) {
+      numel += p.weight.numel();
+      param_bytes += int64_t(p.weight.view().nbytes() + p.grad.view().nbytes());
+      const size_t at = p.name.find(".mlp.experts.");
+      if (at != std::string::npos) {
+        const size_t e0 = at + 13, e1 = p.name.find('.', e0);
+        held[{p.name.substr(0, e0), p.name.substr(e1)}].push_back(std::stoll(p.name.substr(e0, e1 - e0)));
+        expert_numel += p.weight.numel();
+      }
+      if (!p.trainable) continue;
+      refs.push_back({p.name, p.weight.view(), p.grad.view(), p.decay});
+      expert.push_back(at != std::string::npos);
+    }
+    ASSERT_FALSE(held.empty());
+    for (const auto& [stack, ids] : held) {
+      const auto& [prefix, rest] = stack;
+      ASSERT_EQ(int64_t(ids.size()), El) << prefix << "*" << rest;
+      const TensorView w0 = model.parameter(prefix + std::to_string(first) + rest).weight.view();
+      for (int64_t i = 0; i < El; ++i) {
+        ASSERT_EQ(ids[size_t(i)], first + i) << prefix << "*" << rest;
+        EXPECT_EQ(static_cast<const char*>(model.parameter(prefix + std::to_string(first + i) + rest).weight.view().data),
+                  static_cast<const char*>(w0.data) + i * int64_t(w0.nbytes()))
+            << prefix << first + i << rest << ": not row group " << i << " of the stack";
+      }
+      for (int64_t e = 0; e < cfg.n_routed_experts; ++e)
+        if (e < first || e >= first + El) EXPECT_EQ(model.find_parameter(prefix + std::to_string(e) + rest), nullptr);
+    }
+    EXPECT_EQ(expert_numel * E, n_experts);
+    EXPECT_EQ(numel, n_all - n_experts + n_experts / E);
+    Zero1AdamW zero(*be, *groups.dp, refs, AdamWConfig{}, groups.edp.get(), expert);
+    const Zero1AdamW::Memory mem = zero.memory();
+    const double measured = double(param_bytes + mem.master + mem.moments + mem.gradient_shard + mem.bucket);
+    const double formula = 12.0 * double(n_all - n_experts + n_experts / E) + 12.0 * double(n_all) / double(P);
+    const double unsharded = 12.0 * double(n_all) + 12.0 * double(n_all) / double(P);  // every expert on every rank
+    if (world.rank() == 0)
+      std::cout << "[ memory   ] D = " << P << ", E = " << E << ": parameters, gradients, buckets and optimizer state "
+                << int64_t(measured) << " bytes per rank, formula " << int64_t(formula) << " ("
+                << measured / double(n_all) << " bytes per parameter; " << int64_t(unsharded)
+                << " with every expert on every rank); routed experts "
+                << expert_numel << " of " << n_experts << " parameters per rank\n";
+    EXPECT_LE(std::abs(measured - formula), 0.1 * formula);
+    const double optimizer = 8.0 * double(n_all) / double(P);  // master and moments, as without experts
+    EXPECT_LE(std::abs(double(mem.master + mem.moments) - optimizer), 0.1 * optimizer);
+  }
 }
 
 TEST(Zero1AdamW, OptimizerMemoryPerRankIsTheFormula) {

@@ -59,6 +59,11 @@ class ExpertParallel final : public RoutedExperts {
     FP8MOE_CHECK(m.config().n_routed_experts == l.experts, "expert parallel: the model has "
                                                                << m.config().n_routed_experts
                                                                << " routed experts, the layout " << l.experts);
+    const ExpertShard held = m.expert_shard();
+    FP8MOE_CHECK(held.first <= l.first_expert() && l.first_expert() + l.experts_per_rank <= held.first + held.count,
+                 "expert parallel: rank " << l.ep_rank() << " runs routed experts [" << l.first_expert() << ", "
+                                          << l.first_expert() + l.experts_per_rank << "), the model holds ["
+                                          << held.first << ", " << held.first + held.count << ")");
     if (l.nodes > 1) {  // the two-hop dispatch: across nodes at this in-node index, then inside the node
       const int node = int(l.ep_rank() / l.ranks_per_node), local = int(l.ep_rank() % l.ranks_per_node);
       rail_ = ep.split(local, node);
