@@ -55,6 +55,18 @@ std::vector<int> parse_ranks(const std::string& s) {
   return v;
 }
 
+// P ranks of T tokens of D columns, top-k of E experts, num_sms blocks per kernel per rank.
+ep::EpConfig ep_config(int P, int64_t T, int64_t D, int64_t k, int64_t E, int num_sms) {
+  ep::EpConfig cfg;
+  cfg.ranks = P;
+  cfg.max_tokens = T;
+  cfg.hidden = D;
+  cfg.topk = k;
+  cfg.experts = E;
+  cfg.num_sms = num_sms;
+  return cfg;
+}
+
 template <class T>
 void upload(void* dst, const std::vector<T>& h) {
   FP8MOE_CUDA_CHECK(cudaMemcpy(dst, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
@@ -149,13 +161,7 @@ int run_ep_low_latency_bench(const EpBenchOptions& opt, double copy) {
   int failures = 0;
   auto cpu = make_cpu_backend();
   for (int P : parse_ranks(opt.ranks)) {
-    ep::EpConfig cfg;
-    cfg.ranks = P;
-    cfg.max_tokens = T;
-    cfg.hidden = D;
-    cfg.topk = k;
-    cfg.experts = E;
-    cfg.num_sms = opt.num_sms;
+    ep::EpConfig cfg = ep_config(P, T, D, k, E, opt.num_sms);
     cfg.low_latency = true;
     auto g = EpGroup::local(cfg);
     const int64_t epr = E / P, M = P * T, R = epr * M;
@@ -332,13 +338,7 @@ int run_ep_bench(const EpBenchOptions& opt) {
   int failures = 0;
   auto cpu = make_cpu_backend();
   for (int P : parse_ranks(opt.ranks)) {
-    ep::EpConfig cfg;
-    cfg.ranks = P;
-    cfg.max_tokens = T;
-    cfg.hidden = D;
-    cfg.topk = k;
-    cfg.experts = E;
-    cfg.num_sms = opt.num_sms;
+    ep::EpConfig cfg = ep_config(P, T, D, k, E, opt.num_sms);
     cfg.pull_combine = opt.pull;
     auto g = EpGroup::local(cfg);
     const int64_t epr = E / P;
