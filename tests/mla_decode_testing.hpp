@@ -30,7 +30,8 @@ struct MlaCase {
   }
 };
 
-struct MlaHostInputs {
+// A case's inputs: made on the host (make_mla_inputs), or their copies on a device.
+struct MlaInputs {
   Tensor q, table, lengths;        // [B * H, rkv + dr] f32, [B, max_blocks] i32, [B] i32
   Tensor rows, latent, scale, rope;
   MlaCacheView view() const {
@@ -43,7 +44,7 @@ struct MlaHostInputs {
   }
 };
 
-inline MlaHostInputs make_mla_inputs(std::mt19937_64& rng, const MlaCase& c) {
+inline MlaInputs make_mla_inputs(std::mt19937_64& rng, const MlaCase& c) {
   const int64_t B = c.B(), W = c.rkv + c.dr, G = c.rkv / kQuantGroup;
   std::vector<int64_t> nb(static_cast<size_t>(B));
   int64_t used = 0, max_blocks = 1;
@@ -56,7 +57,7 @@ inline MlaHostInputs make_mla_inputs(std::mt19937_64& rng, const MlaCase& c) {
   std::vector<int32_t> order(static_cast<size_t>(blocks));
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), rng);
-  MlaHostInputs in;
+  MlaInputs in;
   in.q = random_normal(rng, DType::f32, {B * c.H, W}, c.q_stddev);
   in.table = Tensor::host(DType::i32, {B, max_blocks});
   in.lengths = Tensor::host(DType::i32, {B});

@@ -14,14 +14,14 @@ namespace fp8moe::testing {
 namespace {
 
 // o of the op for the case's inputs.
-Tensor run_op(Backend& cpu, const MlaCase& c, const MlaHostInputs& in) {
+Tensor run_op(Backend& cpu, const MlaCase& c, const MlaInputs& in) {
   Tensor o = Tensor::host(DType::f32, {c.B() * c.H, c.rkv});
   cpu.mla_decode_attention(in.q.view(), in.view(), in.table.view(), in.lengths.view(), c.scale(), o.view());
   return o;
 }
 
 // The cached row of `slot` decoded to f32.
-std::vector<float> decoded_row(const MlaCase& c, const MlaHostInputs& in, int64_t slot) {
+std::vector<float> decoded_row(const MlaCase& c, const MlaInputs& in, int64_t slot) {
   const int64_t W = c.rkv + c.dr, G = c.rkv / kQuantGroup;
   std::vector<float> r(static_cast<size_t>(W));
   for (int64_t i = 0; i < W; ++i) {
@@ -65,7 +65,7 @@ TEST(MlaDecodeOps, EqualsCausalAttentionOverGatheredRows) {
   for (DType cache : {DType::f32, DType::bf16, DType::e4m3})
     for (int64_t H : {1, 3}) {
       const MlaCase c{H, 128, 32, lengths, cache};
-      const MlaHostInputs in = make_mla_inputs(rng, c);
+      const MlaInputs in = make_mla_inputs(rng, c);
       const Tensor o = run_op(*cpu, c, in);
       const int64_t W = c.rkv + c.dr, mb = in.table.size(1);
       double worst = 0;  // max |got - ref| / max |ref| of a sequence, the worst sequence
@@ -102,7 +102,7 @@ TEST(MlaDecodeOps, EmptySequencesAndBlocksOutsideTheCache) {
   auto cpu = make_backend("cpu");
   auto rng = make_rng();
   MlaCase c{2, 128, 32, {0, 70, 70}, DType::bf16};
-  MlaHostInputs in = make_mla_inputs(rng, c);
+  MlaInputs in = make_mla_inputs(rng, c);
   const Tensor full = run_op(*cpu, c, in);
   // Sequence 2's second block outside the pool: its tokens 64..69 are absent, as if it had 64.
   const int64_t mb = in.table.size(1);
@@ -121,7 +121,7 @@ TEST(MlaDecodeOps, ArgumentErrors) {
   auto cpu = make_backend("cpu");
   auto rng = make_rng();
   const MlaCase c{2, 128, 32, {5, 9}, DType::e4m3};
-  const MlaHostInputs in = make_mla_inputs(rng, c);
+  const MlaInputs in = make_mla_inputs(rng, c);
   Tensor o = Tensor::host(DType::f32, {4, 128});
   auto call = [&](const TensorView& q, const MlaCacheView& cv, const TensorView& t, const TensorView& l,
                   const TensorView& out) { cpu->mla_decode_attention(q, cv, t, l, 0.1, out); };

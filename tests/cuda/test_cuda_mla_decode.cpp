@@ -21,20 +21,9 @@
 namespace fp8moe::testing {
 namespace {
 
-struct DeviceInputs {
-  Tensor q, table, lengths, rows, latent, scale, rope;
-  MlaCacheView view() const {
-    MlaCacheView v;
-    v.rows = rows.view();
-    v.latent = latent.view();
-    v.scale = scale.view();
-    v.rope = rope.view();
-    return v;
-  }
-};
-
-DeviceInputs upload(Backend& gpu, const MlaHostInputs& h) {
-  DeviceInputs d;
+// The inputs on the GPU.
+MlaInputs upload(Backend& gpu, const MlaInputs& h) {
+  MlaInputs d;
   auto up = [&](const Tensor& t) { return t.view().defined() ? to_device(gpu, t) : Tensor(); };
   d.q = up(h.q);
   d.table = up(h.table);
@@ -69,14 +58,14 @@ class CudaMlaDecode : public ::testing::Test {
     gpu_ = make_backend("cuda");
   }
   // The GPU result of one path and split count, checked against the CPU reference `ref`.
-  Tensor run_gpu(const MlaCase& c, const DeviceInputs& d, cuda::MlaDecodePath path, int64_t splits) {
+  Tensor run_gpu(const MlaCase& c, const MlaInputs& d, cuda::MlaDecodePath path, int64_t splits) {
     Tensor o = gpu_->zeros(DType::f32, {c.B() * c.H, c.rkv});
     cuda::mla_decode_attention_cuda(d.q.view(), d.view(), d.table.view(), d.lengths.view(), c.scale(), o.view(),
                                     cuda::native(gpu_->stream()), path, splits);
     return gpu_->to_host(o);
   }
   void check_case(std::mt19937_64& rng, const MlaCase& c) {
-    MlaHostInputs in = make_mla_inputs(rng, c);
+    MlaInputs in = make_mla_inputs(rng, c);
     const bool tc = c.cache != DType::f32 && ((c.rkv == 512 && c.dr == 64) || (c.rkv == 128 && c.dr == 32));
     for (cuda::MlaDecodePath path : {cuda::MlaDecodePath::cuda_core, cuda::MlaDecodePath::tensor_core}) {
       const bool tensor = path == cuda::MlaDecodePath::tensor_core;
@@ -84,7 +73,7 @@ class CudaMlaDecode : public ::testing::Test {
       if (tensor) round_to_bf16(in.q);
       Tensor ref = Tensor::host(DType::f32, {c.B() * c.H, c.rkv});
       cpu_->mla_decode_attention(in.q.view(), in.view(), in.table.view(), in.lengths.view(), c.scale(), ref.view());
-      const DeviceInputs d = upload(*gpu_, in);
+      const MlaInputs d = upload(*gpu_, in);
       const double bound = tensor ? 1e-2 : 2e-5;
       Tensor first;
       for (int64_t splits : {int64_t(1), int64_t(3), int64_t(0)}) {
@@ -132,10 +121,10 @@ TEST_F(CudaMlaDecode, OtherShapesAndTheBackendOp) {
   auto rng = make_rng();
   check_case(rng, MlaCase{3, 96, 16, {1, 64, 200}, DType::bf16});
   const MlaCase c{128, 512, 64, {300, 4097}, DType::e4m3};
-  const MlaHostInputs in = make_mla_inputs(rng, c);
+  const MlaInputs in = make_mla_inputs(rng, c);
   Tensor ref = Tensor::host(DType::f32, {c.B() * c.H, c.rkv});
   cpu_->mla_decode_attention(in.q.view(), in.view(), in.table.view(), in.lengths.view(), c.scale(), ref.view());
-  const DeviceInputs d = upload(*gpu_, in);
+  const MlaInputs d = upload(*gpu_, in);
   Tensor o = gpu_->zeros(DType::f32, {c.B() * c.H, c.rkv});
   gpu_->mla_decode_attention(d.q.view(), d.view(), d.table.view(), d.lengths.view(), c.scale(), o.view());
   const double e = rel_max_diff(gpu_->to_host(o), ref);
