@@ -698,6 +698,7 @@ struct Trainer::Impl {
       sum.checkpoint = ckpt_path;
     }
     if (par && !opt.trace.empty() && step > start_step) par->write_trace(opt.trace, !opt.quiet);
+    if (par) par->report_traffic(*backend, cfg.hidden_size, cfg.num_experts_per_tok, !opt.quiet);
     ema->wait();
     if (loss_n > 0) sum.final_loss = loss_acc / double(loss_n);
     sum.steps = step;

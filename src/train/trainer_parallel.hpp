@@ -27,6 +27,7 @@ struct TrainerParallel {
   std::optional<pipeline::Schedule> schedule;
   pipeline::StageSplit split;
   std::unique_ptr<pipeline::Executor> executor;
+  std::shared_ptr<RoutedExperts> experts;  // --ep: the expert-parallel MoE layers
 
   // nullptr for one process without --ep or --pp; otherwise validates the layout and the
   // pipeline schedule of `micro_batches` per data-parallel rank against the world and the model
@@ -58,6 +59,9 @@ struct TrainerParallel {
   // extension; rank 0 gathers every rank's summary and prints it beside the simulator's bubble
   // for the measured op costs and Table 2's formula (when `print`).
   void write_trace(const std::string& path, bool print) const;
+  // --ep: the forward dispatches' traffic per token over every rank (DispatchTraffic), printed by
+  // rank 0 beside the report's figures (when `print`). Collective over the world.
+  void report_traffic(Backend& be, int64_t hidden, int64_t topk, bool print) const;
 };
 
 }  // namespace fp8moe

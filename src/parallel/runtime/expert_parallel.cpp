@@ -98,6 +98,7 @@ class ExpertParallel final : public RoutedExperts {
     s->plan = ep::dispatch_layout(idx_h.ptr<int32_t>(), T, K, P, El);
     s->route = std::make_unique<ep::DispatchRoute>(c.be, ep_, rail_.get(), node_.get(), idx_h.ptr<int32_t>(), T, K, El);
     s->recv_counts = s->route->recv_counts();
+    count_traffic(idx_h.ptr<int32_t>(), T, K, *s->route);
     const int64_t nr = s->route->received();
     // Dispatch: FP8 rows, their expert ids and weights.
     const Tensor xr = ep::dispatch_fp8(c.be, *s->route, h, c.recipe.pow2_mode);  // [nr, D]
@@ -172,6 +173,8 @@ class ExpertParallel final : public RoutedExperts {
     s.w_recv = Tensor();
   }
 
+  const DispatchTraffic& traffic() const { return traffic_; }
+
  private:
   // The stacked matrices of this rank's experts of `layer`, grouped over so's layout.
   model::MlpParams params(int64_t layer, const Source& so) const {
@@ -237,13 +240,40 @@ class ExpertParallel final : public RoutedExperts {
     return ep::exchange_rows(c.be, ep_, rows, s.ret_send, s.ret_recv, dtype);
   }
 
+  void count_traffic(const int32_t* idx, int64_t T, int64_t K, const ep::DispatchRoute& route) {
+    const int64_t G = l_.ranks_per_node, me = l_.ep_rank() / G;
+    traffic_.tokens += T;
+    traffic_.cross_node_rows += route.cross_node_rows();
+    traffic_.in_node_rows += route.in_node_rows();
+    std::vector<int64_t> seen_rank(size_t(l_.ep), -1), seen_node(size_t(l_.nodes), -1);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t r = idx[t * K + j] / l_.experts_per_rank, n = r / G;
+        if (seen_node[size_t(n)] != t) {
+          seen_node[size_t(n)] = t;
+          ++traffic_.token_nodes;
+        }
+        if (seen_rank[size_t(r)] != t) {
+          seen_rank[size_t(r)] = t;
+          if (n != me) ++traffic_.one_hop_cross_rows;
+        }
+      }
+  }
+
   Model& model_;
   Comm& ep_;
   std::unique_ptr<Comm> rail_, node_;  // nodes > 1: the ranks with this in-node index; this node's
   ParallelLayout l_;
+  DispatchTraffic traffic_;
 };
 
 }  // namespace
+
+DispatchTraffic dispatch_traffic(const RoutedExperts& expert_parallel) {
+  const auto* ep = dynamic_cast<const ExpertParallel*>(&expert_parallel);
+  FP8MOE_CHECK(ep, "dispatch_traffic: the routed experts were not made by make_expert_parallel");
+  return ep->traffic();
+}
 
 std::shared_ptr<RoutedExperts> make_expert_parallel(Model& model, Comm& ep, const ParallelLayout& layout) {
   return std::make_shared<ExpertParallel>(model, ep, layout);
