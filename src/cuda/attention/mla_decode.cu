@@ -17,8 +17,8 @@ namespace fp8moe::cuda {
 namespace {
 
 constexpr float kNegInf = -INFINITY;
-// Splits: the count that brings the CTAs nearest to one wave (the tensor-core CTA takes most of an
-// SM's shared memory; the CUDA-core one is small, 8 per SM), a split at least one block, at most
+// Splits: the count that brings the CTAs nearest to one wave (the tensor-core CTAs as many per SM
+// as shared memory holds; the CUDA-core one is small, 8 per SM), a split at least one block, at most
 // kMaxSplits. More splits than a wave's worth only add partial outputs (H x rkv f32 each) to write
 // and merge.
 constexpr int64_t kMaxSplits = 128;
@@ -450,6 +450,24 @@ bool tc_shape(int64_t rkv, int64_t dr) {
   return (rkv == 512 && dr == 64) || (rkv == 256 && dr == 32) || (rkv == 128 && dr == 32);
 }
 
+// The tensor-core CTAs one SM holds at once: as many as its shared memory takes (the registers
+// and threads of those CTAs fit beside them). A CTA of 16 heads takes under half an SM's shared
+// memory: two run side by side, twice the cache bytes in flight.
+template <int kRkv, int kDr>
+int64_t tc_ctas_per_sm(int heads_per_cta, bool fp8) {
+  const size_t bytes = heads_per_cta == 16   ? TcConfig<kRkv, kDr, 1>::smem(fp8)
+                       : heads_per_cta == 32 ? TcConfig<kRkv, kDr, 2>::smem(fp8)
+                                             : TcConfig<kRkv, kDr, 4>::smem(fp8);
+  const cudaDeviceProp& d = device_props();
+  return std::max<int64_t>(1, int64_t(d.sharedMemPerMultiprocessor / (bytes + d.reservedSharedMemPerBlock)));
+}
+
+int64_t tc_ctas_per_sm(int64_t rkv, int heads_per_cta, bool fp8) {
+  if (rkv == 512) return tc_ctas_per_sm<512, 64>(heads_per_cta, fp8);
+  if (rkv == 256) return tc_ctas_per_sm<256, 32>(heads_per_cta, fp8);
+  return tc_ctas_per_sm<128, 32>(heads_per_cta, fp8);
+}
+
 struct LaunchArgs {
   const float* q;
   const MlaCacheView* cache;
@@ -540,8 +558,10 @@ MlaDecodePlan mla_decode_plan(const MlaDecodeShape& s, const TensorView& q, cons
   const int64_t blocks = std::max<int64_t>(1, s.max_blocks);
   int64_t want = splits;
   if (want <= 0) {
-    const int64_t ctas = s.B * p.head_tiles,
-                  wave = int64_t(device_props().multiProcessorCount) * (path == MlaDecodePath::tensor_core ? 1 : 8);
+    const int64_t per_sm = path == MlaDecodePath::tensor_core
+                               ? tc_ctas_per_sm(s.rkv, int(p.heads_per_cta), s.cache == DType::e4m3)
+                               : 8;
+    const int64_t ctas = s.B * p.head_tiles, wave = int64_t(device_props().multiProcessorCount) * per_sm;
     want = std::max<int64_t>(1, (wave + ctas / 2) / ctas);  // nearest: 1.45 waves would run as 2
   }
   want = std::clamp<int64_t>(want, 1, std::min(blocks, kMaxSplits));
