@@ -7,6 +7,7 @@
 // what is waiting to be sent. A compute op first waits for all communication posted before it,
 // as the simulator assumes; the rank ends with a wait.
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -70,6 +71,7 @@ struct Executor::Impl {
   Comm* comm;
   int me = 0;
   std::vector<Layer*> trunk;
+  std::vector<StageShard> shards;  // what each pipeline rank holds
   StatsLayout stats;
   std::vector<ExecutedOp> executed;
   int fail_at = -1;
@@ -110,6 +112,11 @@ struct Executor::Impl {
                                         << schedule.num_stages << " stages of " << method_name(schedule.method));
     check_message_order(schedule);
     const ModelConfig& cfg = model.config();
+    for (int r = 0; r < schedule.num_ranks; ++r) shards.push_back(stage_shard(schedule, split, r));
+    const StageShard& held = model.stage_shard();
+    FP8MOE_CHECK(held.whole() || (held.sublayers == shards[size_t(me)].sublayers &&
+                                  held.embedding == shards[size_t(me)].embedding && held.head == shards[size_t(me)].head),
+                 "pipeline: rank " << me << "'s model holds a stage shard other than its stages'");
     stats.sublayers = int(trunk.size());
     stats.experts = cfg.n_routed_experts;
     for (int i = 0; i < stats.sublayers; ++i)
@@ -402,9 +409,64 @@ struct Executor::Impl {
     return out;
   }
 
+  // A model holding only its stages' parameters: each parameter's gradient summed over the ranks
+  // holding it, in rank order. The parameters are grouped by the ranks holding them (the same
+  // groups, in the same order, on every rank); in each group the lowest rank adds the others'
+  // flat gradients to its own one after the other and sends the sum back: the bits of the
+  // all-reduce of whole models, whose other ranks add zeros.
+  void sum_held_gradients() {
+    Backend& be = model.backend();
+    const ModelConfig& cfg = model.config();
+    std::map<uint64_t, std::vector<Parameter*>> groups;  // by the mask of the ranks holding them
+    for (Parameter& p : model.parameters()) {
+      if (!p.trainable) continue;
+      uint64_t mask = 0;
+      for (size_t r = 0; r < shards.size(); ++r)
+        if (shards[r].holds(cfg, p.name)) mask |= uint64_t(1) << r;
+      if (std::popcount(mask) > 1) groups[mask].push_back(&p);
+    }
+    for (const auto& [mask, params] : groups) {
+      int64_t n = 0;
+      for (Parameter* p : params) n += p->grad.numel();
+      const DType dt = params[0]->grad.dtype();
+      Tensor flat = be.empty(dt, {n});
+      auto elements = [&](const TensorView& v, size_t offset, int64_t k) {
+        return TensorView(static_cast<char*>(v.data) + offset * dtype_size(dt), dt, {k}, v.device);
+      };
+      size_t at = 0;
+      for (Parameter* p : params) {
+        const TensorView& g = p->grad.view();
+        FP8MOE_CHECK(g.dtype == dt && g.is_contiguous(), "pipeline: gradient of " << p->name << " is " << g.str());
+        be.copy(elements(flat.view(), at, g.numel()), elements(g, 0, g.numel()));
+        at += size_t(g.numel());
+      }
+      const int root = std::countr_zero(mask);
+      if (me == root) {
+        Tensor other = be.empty(dt, {n});
+        for (int r = root + 1; r < int(shards.size()); ++r)
+          if (mask >> r & 1) {
+            comm->recv(other.view(), r, be.stream());
+            be.axpy(1.0, other.view(), 1.0, flat.view());
+          }
+        for (int r = root + 1; r < int(shards.size()); ++r)
+          if (mask >> r & 1) comm->send(flat.view(), r, be.stream());
+      } else {
+        comm->send(flat.view(), root, be.stream());
+        comm->recv(flat.view(), root, be.stream());
+      }
+      at = 0;
+      for (Parameter* p : params) {
+        const TensorView& g = p->grad.view();
+        be.copy(elements(g, 0, g.numel()), elements(flat.view(), at, g.numel()));
+        at += size_t(g.numel());
+      }
+    }
+  }
+
   // One flat host buffer of every trainable gradient, summed once.
   void sum_gradients() {
     if (!comm || comm->size() == 1) return;
+    if (!model.stage_shard().whole()) return sum_held_gradients();
     Backend& be = model.backend();
     std::vector<Parameter*> params;
     int64_t n = 0;
