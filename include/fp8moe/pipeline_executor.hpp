@@ -81,6 +81,10 @@ class Executor {
   // rank, each micro-batch's StepStats as Model::forward_backward gives them (the losses and
   // loads of every stage, gathered over the pipeline ranks).
   std::vector<StepStats> run(const std::vector<Tensor>& tokens, const std::vector<Tensor>& targets, double grad_scale);
+  // Forward only of one micro-batch (evaluation; tokens/targets [B, S] i32) along the stages of
+  // the schedule's first direction: on every rank, the StepStats of Model::forward (the main
+  // loss bitwise; the balance loss summed by stage), nothing kept. Collective over the pipeline ranks.
+  StepStats forward(const Tensor& tokens, const Tensor& targets);
   // Adds the gradients of the trainable parameters over the pipeline ranks holding them, in rank order.
   void sum_gradients();
 
