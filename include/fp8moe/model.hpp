@@ -136,13 +136,28 @@ struct ExpertShard {
   int64_t first = 0, count = 0;
 };
 
+// The parts of the model a pipeline rank holds (pipeline::stage_shard makes one from a schedule):
+// the trunk sublayers of its stages (sublayer 2 l: layer l's attention with input_layernorm,
+// 2 l + 1: its post_attention_layernorm with the MLP or MoE), the embedding, and the head side
+// (the final norm, lm_head and the MTP module, which also reads the embedding). Default: all.
+struct StageShard {
+  std::vector<bool> sublayers;  // [trunk size]; empty: every sublayer
+  bool embedding = true, head = true;
+  bool whole() const;
+  // Whether the parameter `name` of a model of `cfg` is held (throws on a name not of cfg's model).
+  bool holds(const ModelConfig& cfg, std::string_view name) const;
+};
+
 class Model {
  public:
   // Allocates the parameters on `backend` and initializes them from `seed` (normal(0, std) for
   // matrices, ones for norms, zeros for the routing bias). Validates cfg against the recipe.
   // With a shard, the parameters of the other routed experts are absent and every value is the
-  // one the whole model would get from `seed`.
-  Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uint64_t seed = 0, ExpertShard shard = {});
+  // one the whole model would get from `seed`. With a stage shard, so are the parameters of the
+  // parts it does not hold: their trunk() entries are nullptr, and only the pipeline executor,
+  // running the parts held, can run the model (forward_backward and forward need it whole).
+  Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uint64_t seed = 0, ExpertShard shard = {},
+        StageShard stages = {});
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -152,6 +167,7 @@ class Model {
   Backend& backend() const;
   // The routed experts held: count is n_routed_experts without a shard.
   ExpertShard expert_shard() const;
+  const StageShard& stage_shard() const;
 
   std::vector<Parameter>& parameters();
   Parameter& parameter(std::string_view name);          // throws naming the unknown parameter
@@ -176,13 +192,15 @@ class Model {
   const MemoryAccount& saved_memory() const;
 
   // Auxiliary-loss-free balancing: b_i += gamma * sign(mean load - load_i) per MoE layer, with
-  // loads as returned in StepStats::expert_loads (summed over micro-batches by the caller).
+  // loads as returned in StepStats::expert_loads (summed over micro-batches by the caller): every
+  // MoE layer of the config, those whose bias a stage shard leaves out skipped.
   void update_routing_bias(const std::vector<std::vector<int64_t>>& loads, double gamma);
 
   // The routed experts of every MoE layer run through `r` from now on (nullptr: in this process).
   void set_routed_experts(std::shared_ptr<RoutedExperts> r);
 
-  // The trunk for pipeline schedules: layers in execution order (attention and MLP halves).
+  // The trunk for pipeline schedules: layers in execution order (attention and MLP halves);
+  // nullptr for a sublayer a stage shard leaves out.
   std::vector<Layer*> trunk();
   // Embedding: tokens -> x0 [T, D]; its backward accumulates into embed_tokens.grad.
   Tensor embed_forward(const Batch& b);

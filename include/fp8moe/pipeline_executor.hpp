@@ -5,11 +5,13 @@
 // head's gradient). Activations and gradients go between ranks through Comm's isend/irecv, posted
 // where the schedule posts them and waited for before the next compute op.
 //
-// Every rank holds the whole model; a rank computes, and accumulates gradients for, its stages
-// only, and sum_gradients() adds the ranks' gradients (in rank order: a parameter of one stage
-// gets zeros from the others, exact; DualPipe's two copies of a stage and the embedding that
-// stage 0 and the MTP module share add up there) so that every rank steps the same optimizer.
+// A rank's model holds the parameters of its stages only (stage_shard below: Model's StageShard),
+// or the whole model; a rank computes, and accumulates gradients for, its stages only, and
+// sum_gradients() adds the gradients of each parameter over the ranks holding it, in rank order
+// (DualPipe's two copies of a stage, the embedding that stage 0 and the MTP module share; a whole
+// model: over every rank, the others adding zeros, the same bits).
 //   auto split = pipeline::balanced_split(cfg, schedule.num_stages);
+//   Model model(cfg, recipe, be, seed, {}, pipeline::stage_shard(schedule, split, pp_rank));
 //   pipeline::Executor ex(model, schedule, split, pp_comm);
 //   std::vector<StepStats> st = ex.run(tokens, targets, 1.0 / micro_batches);
 //   ex.sum_gradients();
@@ -79,7 +81,11 @@ class Executor {
   // rank, each micro-batch's StepStats as Model::forward_backward gives them (the losses and
   // loads of every stage, gathered over the pipeline ranks).
   std::vector<StepStats> run(const std::vector<Tensor>& tokens, const std::vector<Tensor>& targets, double grad_scale);
-  // Adds the gradients of the trainable parameters over the pipeline ranks, in rank order.
+  // Forward only of one micro-batch (evaluation; tokens/targets [B, S] i32) along the stages of
+  // the schedule's first direction: on every rank, the StepStats of Model::forward (the main
+  // loss bitwise; the balance loss summed by stage), nothing kept. Collective over the pipeline ranks.
+  StepStats forward(const Tensor& tokens, const Tensor& targets);
+  // Adds the gradients of the trainable parameters over the pipeline ranks holding them, in rank order.
   void sum_gradients();
 
   // The last run's ops in the order they ran, with their times and components.
@@ -97,6 +103,11 @@ class Executor {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// What pipeline rank `rank` holds of the model: the trunk sublayers of the stages it runs (in
+// either direction: DualPipe's rank holds a stage of each), the embedding with stage 0 and the
+// head side with the last stage (Model's StageShard: the MTP module's embedding too).
+StageShard stage_shard(const Schedule& schedule, const StageSplit& split, int rank);
 
 // The number of ranks and stages a method runs with on `pp` pipeline ranks (DualPipeV: 2 x pp
 // stages, rank r holding stages r and 2 pp - 1 - r; the others: pp stages, one per rank).

@@ -10,7 +10,8 @@
 // The update is elementwise, so with the same summed gradient it is bit-identical to AdamW on one
 // rank. The gradient norm is the whole model's: the squares of the replicated shards summed over
 // the dp ranks, those of the expert shards (every expert once: the ep ranks hold different
-// experts, their edp groups shard them), added in that order.
+// experts, their edp groups shard them), added in that order; with pipeline ranks holding their
+// stages' parameters (count_norm_over), those sums over the pipeline ranks as well.
 //   fp8moe::Zero1AdamW opt(backend, *dp, refs, cfg, edp.get(), expert);
 //   opt.reduce_gradients();  const double norm = opt.grad_norm();  opt.step(lr, clip_scale(norm, 1.0f));
 #pragma once
@@ -28,6 +29,11 @@ class Zero1AdamW {
   // rank of `dp`. Master weights taken from them. `edp` is a subgroup of `dp`, ordered as it is.
   Zero1AdamW(Backend& backend, Comm& dp, std::vector<ParamRef> params, AdamWConfig cfg, Comm* edp = nullptr,
              std::vector<bool> expert = {});
+  // Pipeline ranks each holding some of the model's parameters (a stage shard): the gradient norm
+  // becomes the whole model's over `pp` too, the squares of the parameters with counted[i] (those
+  // no lower pipeline rank holds: each parameter once) summed over the dp group, then over `pp`
+  // in rank order. Without this call every parameter counts and the sums stop at dp.
+  void count_norm_over(Comm& pp, std::vector<bool> counted);
   // Sums every rank's gradients; this rank keeps its shards of the sums.
   void reduce_gradients();
   // sqrt(sum of squares) of the summed gradients of the whole model (after reduce_gradients), the
@@ -76,6 +82,8 @@ class Zero1AdamW {
   Bucket buckets_[2];            // replicated over dp; routed experts over edp
   std::vector<int> bucket_of_;   // of each parameter
   std::vector<int64_t> offset_;  // of each parameter in its bucket
+  Comm* pp_ = nullptr;           // count_norm_over
+  std::vector<bool> counted_;
   int64_t t_ = 0;
 };
 

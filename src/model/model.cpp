@@ -6,6 +6,7 @@
 //   h'_t = eh_proj([enorm(embed(token t+1)); hnorm(h_t)])   (h_t: the main trunk output, pre-norm)
 //   then one transformer block (layers.L), shared_head.norm and the shared lm_head predict token t+2.
 // Its loss (mean over positions that have a t+2 in the sequence) enters with mtp_loss_weight.
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <optional>
@@ -28,6 +29,25 @@ std::map<std::string, int64_t> MemoryAccount::bytes_per_layer() const {
   std::map<std::string, int64_t> m;
   for (const auto& i : items) m[i.layer] += i.bytes;
   return m;
+}
+
+bool StageShard::whole() const {
+  return embedding && head && std::find(sublayers.begin(), sublayers.end(), false) == sublayers.end();
+}
+
+bool StageShard::holds(const ModelConfig& cfg, std::string_view name) const {
+  if (name == "model.embed_tokens.weight") return embedding || (head && cfg.num_nextn_predict_layers > 0);
+  if (name == "model.norm.weight" || name == "lm_head.weight") return head;
+  constexpr std::string_view layers = "model.layers.";
+  FP8MOE_CHECK(name.starts_with(layers), "model: no parameter named '" << name << "'");
+  const size_t dot = name.find('.', layers.size());
+  FP8MOE_CHECK(dot != std::string_view::npos, "model: no parameter named '" << name << "'");
+  const int64_t l = std::stoll(std::string(name.substr(layers.size(), dot - layers.size())));
+  if (l >= cfg.num_hidden_layers) return head;
+  if (sublayers.empty()) return true;
+  const std::string_view rest = name.substr(dot + 1);
+  const bool attention = rest.starts_with("input_layernorm.") || rest.starts_with("self_attn.");
+  return sublayers[size_t(2 * l + (attention ? 0 : 1))];
 }
 
 struct Model::Impl {
@@ -53,7 +73,19 @@ struct Model::Impl {
   bool accounting = false;
   std::vector<std::pair<std::string, Tensor>> records;
 
+  StageShard stages;                          // the parts held (Model's constructor)
+
   Impl(const ModelConfig& c, const Recipe& r, Backend& b) : cfg(c), recipe(r), be(b), ctx{be, recipe, cfg} {}
+
+  // A parameter the part running needs: a clear error where a stage shard left it out.
+  Parameter* held(const char* part, Parameter* p) {
+    FP8MOE_CHECK(p, "model: " << part << " is not held by this stage shard");
+    return p;
+  }
+  Parameter* find(const std::string& name) {
+    auto it = index.find(name);
+    return it == index.end() ? nullptr : &params[it->second];
+  }
 
   // Embedding, trunk forward, head (+ MTP) and, when backward, the trunk's B and W in reverse.
   StepStats run(Model& model, const TensorView& tokens, const TensorView& targets, double grad_scale, bool backward);
@@ -231,7 +263,8 @@ struct Model::Impl {
   }
 };
 
-Model::Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uint64_t seed, ExpertShard shard)
+Model::Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uint64_t seed, ExpertShard shard,
+             StageShard stages)
     : impl_(std::make_unique<Impl>(cfg, recipe, backend)) {
   validate_config(cfg, recipe);
   FP8MOE_CHECK(recipe.act_dtype != DType::f64 || backend.device() == Device::cpu,
@@ -241,8 +274,12 @@ Model::Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uin
                    (shard.count > 0 || cfg.n_routed_experts == 0),
                "model: routed experts [" << shard.first << ", " << shard.first + shard.count << ") are not among the "
                                          << cfg.n_routed_experts << " of the config");
+  FP8MOE_CHECK(stages.sublayers.empty() || int64_t(stages.sublayers.size()) == 2 * cfg.num_hidden_layers,
+               "model: a stage shard of " << stages.sublayers.size() << " sublayers for a trunk of "
+                                          << 2 * cfg.num_hidden_layers);
   auto& m = *impl_;
   m.ctx.experts = shard;
+  m.stages = std::move(stages);
   // The routed experts' matrices of one layer and kind share one [E * rows, cols] weight and one
   // gradient tensor (E: the experts held), each expert's Parameter viewing its rows: the grouped
   // GEMMs read the weights stacked and write the gradients stacked.
@@ -253,6 +290,7 @@ Model::Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uin
     Parameter p;
     p.name = s.name;
     const DType dt = recipe.act_dtype;
+    if (!m.stages.holds(cfg, s.name)) continue;
     const size_t at = s.name.find(".mlp.experts.");
     if (at != std::string::npos) {
       const size_t e0 = at + 13, e1 = s.name.find('.', e0);
@@ -282,14 +320,19 @@ Model::Model(const ModelConfig& cfg, const Recipe& recipe, Backend& backend, uin
   }
   const model::ParamLookup get = [&m](const std::string& n) { return m.get(n); };
   for (int64_t l = 0; l < cfg.num_layers_total(); ++l) {
-    auto& dst = l < cfg.num_hidden_layers ? m.trunk : m.mtp;
-    dst.push_back(model::make_attention_layer(m.ctx, l, get));
-    dst.push_back(cfg.is_moe_layer(l) ? model::make_moe_layer(m.ctx, l, get) : model::make_mlp_layer(m.ctx, l, get));
+    const bool mtp = l >= cfg.num_hidden_layers;
+    if (mtp && !m.stages.head) break;
+    auto& dst = mtp ? m.mtp : m.trunk;
+    const auto part = [&](int64_t i) { return mtp || m.stages.sublayers.empty() || m.stages.sublayers[size_t(i)]; };
+    dst.push_back(part(2 * l) ? model::make_attention_layer(m.ctx, l, get) : nullptr);
+    dst.push_back(!part(2 * l + 1)        ? nullptr
+                  : cfg.is_moe_layer(l) ? model::make_moe_layer(m.ctx, l, get)
+                                        : model::make_mlp_layer(m.ctx, l, get));
   }
-  m.embed = m.get("model.embed_tokens.weight");
-  m.norm = m.get("model.norm.weight");
-  m.head = m.get("lm_head.weight");
-  if (cfg.num_nextn_predict_layers > 0) {
+  m.embed = m.find("model.embed_tokens.weight");
+  m.norm = m.find("model.norm.weight");
+  m.head = m.find("lm_head.weight");
+  if (cfg.num_nextn_predict_layers > 0 && m.stages.head) {
     const std::string p = "model.layers." + std::to_string(cfg.num_hidden_layers) + ".";
     m.enorm = m.get(p + "enorm.weight");
     m.hnorm = m.get(p + "hnorm.weight");
@@ -305,6 +348,7 @@ const ModelConfig& Model::config() const { return impl_->cfg; }
 const Recipe& Model::recipe() const { return impl_->recipe; }
 Backend& Model::backend() const { return impl_->be; }
 ExpertShard Model::expert_shard() const { return impl_->ctx.experts; }
+const StageShard& Model::stage_shard() const { return impl_->stages; }
 std::vector<Parameter>& Model::parameters() { return impl_->params; }
 Parameter& Model::parameter(std::string_view name) { return *impl_->get(std::string(name)); }
 Parameter* Model::find_parameter(std::string_view name) {
@@ -400,16 +444,17 @@ Batch Model::make_batch(const TensorView& tokens, const TensorView& targets) con
 Tensor Model::embed_forward(const Batch& b) {
   auto& m = *impl_;
   Tensor x = m.ctx.empty({b.tokens_count(), m.cfg.hidden_size});
-  m.be.embedding_forward(b.tokens.view(), m.embed->weight.view(), x.view());
+  m.be.embedding_forward(b.tokens.view(), m.held("the embedding", m.embed)->weight.view(), x.view());
   return x;
 }
 
 void Model::embed_backward(const Batch& b, const Tensor& dx0) {
-  impl_->be.embedding_backward(b.tokens.view(), dx0.view(), impl_->embed->grad.view());
+  impl_->be.embedding_backward(b.tokens.view(), dx0.view(), impl_->held("the embedding", impl_->embed)->grad.view());
 }
 
 Tensor Model::head_forward_backward(const Batch& b, const Tensor& h, double grad_scale, StepStats& st, bool backward) {
   auto& m = *impl_;
+  m.held("the head", m.head);
   if (!m.accounting && backward) m.memory = MemoryAccount{};
   return m.heads(b, h, grad_scale, st, backward);
 }
@@ -421,6 +466,8 @@ std::shared_ptr<void> Model::share_weight_conversions() {
 StepStats Model::Impl::run(Model& model, const TensorView& tokens, const TensorView& targets, double grad_scale,
                            bool backward) {
   Impl& m = *this;
+  FP8MOE_CHECK(m.stages.whole(), "model: forward_backward and forward run the whole model; this one holds a stage shard "
+                                 "(the pipeline executor runs it)");
   Batch b = model.make_batch(tokens, targets);
   b.grad_scale = grad_scale;
   StepStats st;
@@ -479,12 +526,16 @@ StepStats Model::forward(const TensorView& tokens, const TensorView& targets) {
 
 void Model::update_routing_bias(const std::vector<std::vector<int64_t>>& loads, double gamma) {
   auto& m = *impl_;
+  // Every MoE layer of the config in execution order (the trunk's, then the MTP module's), nullptr
+  // where a stage shard leaves its bias out.
   std::vector<Parameter*> biases;
-  for (auto& p : m.params)
-    if (p.name.ends_with("mlp.gate.e_score_correction_bias")) biases.push_back(&p);
+  for (int64_t l = 0; l < m.cfg.num_layers_total(); ++l)
+    if (m.cfg.is_moe_layer(l))
+      biases.push_back(m.find("model.layers." + std::to_string(l) + ".mlp.gate.e_score_correction_bias"));
   FP8MOE_CHECK(loads.size() == biases.size(), "update_routing_bias: loads has " << loads.size() << " layers, the model has "
                                                                              << biases.size() << " MoE layers");
   for (size_t l = 0; l < biases.size(); ++l) {
+    if (!biases[l]) continue;
     const int64_t E = biases[l]->weight.numel();
     FP8MOE_CHECK(int64_t(loads[l].size()) == E, "update_routing_bias: loads[" << l << "] has " << loads[l].size()
                                                                              << " experts, expected " << E);

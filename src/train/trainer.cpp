@@ -295,7 +295,9 @@ struct Trainer::Impl {
     std::error_code ec;
     fs::create_directories(opt.out_dir, ec);
     if (ec) throw IoError("train: cannot create the output folder '" + opt.out_dir + "': " + ec.message());
-    model = std::make_unique<Model>(cfg, recipe, *backend, opt.seed, par ? par->expert_shard() : ExpertShard{});
+    // With --pp, this pipeline rank's stages only.
+    model = std::make_unique<Model>(cfg, recipe, *backend, opt.seed, par ? par->expert_shard() : ExpertShard{},
+                                    par ? par->stage_shard() : StageShard{});
     sampler = std::make_unique<WindowSampler>(corpus->train(), int(cfg.seq_len + 1), opt.seed);
     for (Parameter& p : model->parameters()) {
       all.push_back(&p);
@@ -398,6 +400,7 @@ struct Trainer::Impl {
       add("optimizer.exp_avg_sq." + refs[i].name, par ? v[i] : adamw->second_moments()[i]);
     }
     if (par) par->gather_experts(*backend, tensors, host);  // the other ranks' routed experts
+    if (par) par->gather_stages(tensors, host);             // the other pipeline ranks' stages
     if (par && !par->rank0()) return;
     const auto ss = sampler->state();
     save_safetensors(ckpt_path, tensors,
@@ -491,7 +494,8 @@ struct Trainer::Impl {
     for (int64_t e = 0; e < opt.eval_batches; ++e) {
       Tensor tok = Tensor::host(DType::i32, {B, S}), tgt = Tensor::host(DType::i32, {B, S});
       fill_batch(windows.data() + e * B * (S + 1), tok, tgt);
-      sum += model->forward(tok, tgt).main_loss;
+      // A pipeline rank holds its stages only: the forward goes through them.
+      sum += par && par->executor ? par->executor->forward(tok, tgt).main_loss : model->forward(tok, tgt).main_loss;
     }
     for (size_t i = 0; i < live.size(); ++i) backend->copy(all[i]->weight.view(), live[i].view());
     return sum / double(opt.eval_batches);

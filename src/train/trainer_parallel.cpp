@@ -56,6 +56,11 @@ ExpertShard TrainerParallel::expert_shard() const {
   return {layout.first_expert(), layout.experts_per_rank};
 }
 
+StageShard TrainerParallel::stage_shard() const {
+  if (!schedule) return {};
+  return pipeline::stage_shard(*schedule, split, int(layout.pp_rank()));
+}
+
 void TrainerParallel::attach(Model& model, Backend& be, const std::vector<ParamRef>& refs, const AdamWConfig& cfg) {
   if (layout.expert_parallel) {
     experts = make_expert_parallel(model, *groups.ep, layout);
@@ -75,6 +80,99 @@ void TrainerParallel::attach(Model& model, Backend& be, const std::vector<ParamR
   for (const ParamRef& r : refs) expert.push_back(layout.expert_parallel && r.name.find(kExperts) != std::string::npos);
   zero = std::make_unique<Zero1AdamW>(be, *groups.dp, refs, cfg, layout.expert_parallel ? groups.edp.get() : nullptr,
                                       expert);
+  model_cfg = model.config();
+  // Each trainable parameter counted once over the pipeline ranks: on the lowest holding it.
+  // The routed experts count ep times (the other ranks of the expert-parallel group hold the others).
+  const int64_t ep = layout.expert_parallel ? layout.ep : 1;
+  int64_t mine = 0, counted_numel = 0;
+  std::vector<bool> counted;
+  std::vector<StageShard> shards;
+  for (int64_t r = 0; schedule && r < layout.pp; ++r) shards.push_back(pipeline::stage_shard(*schedule, split, int(r)));
+  for (size_t i = 0; i < refs.size(); ++i) {
+    bool lowest = true;
+    for (int64_t r = 0; r < int64_t(shards.size()) && r < layout.pp_rank(); ++r)
+      lowest = lowest && !shards[size_t(r)].holds(model.config(), refs[i].name);
+    counted.push_back(lowest);
+    mine += refs[i].value.numel();
+    if (lowest) counted_numel += refs[i].value.numel() * (expert[i] ? ep : 1);
+  }
+  if (schedule) zero->count_norm_over(*groups.pp, counted);
+  held_per_stage_rank.clear();
+  whole_trainable = 0;
+  const int64_t pair[2] = {mine, counted_numel};
+  const auto all = groups.pp->exchange(std::string(reinterpret_cast<const char*>(pair), sizeof pair));
+  for (const std::string& b : all) {
+    int64_t v[2];
+    std::memcpy(v, b.data(), sizeof v);
+    held_per_stage_rank.push_back(v[0]);
+    whole_trainable += v[1];
+  }
+}
+
+void TrainerParallel::gather_stages(std::map<std::string, TensorView>& tensors, std::vector<Tensor>& keep) {
+  if (!schedule) return;
+  const StageShard first = pipeline::stage_shard(*schedule, split, 0);
+  // A checkpoint name's parameter: the name without its "ema." or "optimizer.exp_avg[_sq]." prefix.
+  auto parameter = [](std::string_view n) {
+    for (std::string_view p : {"ema.", "optimizer.exp_avg.", "optimizer.exp_avg_sq."})
+      if (n.starts_with(p)) return n.substr(p.size());
+    return n;
+  };
+  // This rank's tensors that pipeline rank 0 lacks, as records: name length, name, dtype, ndim,
+  // shape, bytes.
+  std::string mine;
+  auto put = [&](const void* p, size_t n) { mine.append(static_cast<const char*>(p), n); };
+  if (layout.pp_rank() != 0)
+    for (const auto& [name, t] : tensors) {
+      if (first.holds(model_cfg, parameter(name))) continue;
+      const uint64_t len = name.size(), bytes = uint64_t(t.nbytes());
+      const int32_t dt = int32_t(t.dtype), nd = t.ndim;
+      FP8MOE_CHECK(t.device == Device::cpu, "checkpoint: " << name << " is not a host tensor");
+      put(&len, sizeof len);
+      put(name.data(), name.size());
+      put(&dt, sizeof dt);
+      put(&nd, sizeof nd);
+      for (int d = 0; d < nd; ++d) put(&t.shape[d], sizeof(int64_t));
+      put(&bytes, sizeof bytes);
+      put(t.data, bytes);
+    }
+  const auto all = groups.pp->exchange(mine);
+  if (layout.pp_rank() != 0) return;
+  for (const std::string& b : all) {
+    size_t at = 0;
+    auto get = [&](void* p, size_t n) {
+      std::memcpy(p, b.data() + at, n);
+      at += n;
+    };
+    while (at < b.size()) {
+      uint64_t len = 0, bytes = 0;
+      int32_t dt = 0, nd = 0;
+      get(&len, sizeof len);
+      std::string name(b.data() + at, len);
+      at += len;
+      get(&dt, sizeof dt);
+      get(&nd, sizeof nd);
+      std::vector<int64_t> shape(static_cast<size_t>(nd));
+      for (auto& d : shape) get(&d, sizeof d);
+      get(&bytes, sizeof bytes);
+      if (tensors.count(name)) {  // a parameter two pipeline ranks hold: the lower rank's, the same
+        at += bytes;
+        continue;
+      }
+      TensorView like;
+      like.dtype = DType(dt);
+      like.ndim = nd;
+      for (int d = nd; d-- > 0;) {
+        like.shape[size_t(d)] = shape[size_t(d)];
+        like.strides[size_t(d)] = d + 1 < nd ? like.strides[size_t(d) + 1] * like.shape[size_t(d) + 1] : 1;
+      }
+      keep.push_back(Tensor::host_like(like));
+      FP8MOE_CHECK(keep.back().view().nbytes() == bytes, "checkpoint: " << name << " from another pipeline rank is "
+                                                                          << bytes << " bytes for " << like.str());
+      get(keep.back().view().data, bytes);
+      tensors[name] = keep.back().view();
+    }
+  }
 }
 
 void TrainerParallel::gather_experts(Backend& be, std::map<std::string, TensorView>& tensors, std::vector<Tensor>& keep) {
@@ -169,10 +267,13 @@ void TrainerParallel::report_memory(nlohmann::json& memory, bool print) const {
   const Zero1AdamW::Memory m = zero->memory();
   // The whole model's trainable parameters: the replicated ones and every rank's experts.
   const int64_t held = zero->numel(), experts = zero->expert_numel();
-  const int64_t whole = held - experts + experts * (layout.expert_parallel ? layout.ep : 1);
+  // With pipeline stages, the sum over the pipeline ranks of what each holds first (attach).
+  const int64_t whole = schedule ? whole_trainable : held - experts + experts * (layout.expert_parallel ? layout.ep : 1);
   const double n = double(whole);
   const double moment_bytes = zero->config().moments == MomentPrecision::bf16 ? 2.0 : 4.0;
-  const double formula = (4.0 + 2.0 * moment_bytes) / double(layout.dp);  // bytes per parameter
+  // Bytes per parameter of the whole model; a pipeline rank's share of the parameters with --pp.
+  const double share = schedule ? double(held) / n : 1.0;
+  const double formula = (4.0 + 2.0 * moment_bytes) / double(layout.dp) * share;
   memory["zero1"] = {{"dp", layout.dp},
                      {"ep", layout.expert_parallel ? layout.ep : 0},
                      {"parameters", whole},
@@ -184,11 +285,19 @@ void TrainerParallel::report_memory(nlohmann::json& memory, bool print) const {
                      {"gradient_bucket", m.bucket},
                      {"optimizer_bytes_per_parameter", double(m.master + m.moments) / n},
                      {"formula_bytes_per_parameter", formula}};
+  if (schedule) memory["zero1"]["parameters_held_per_pipeline_rank"] = held_per_stage_rank;
+  if (print && schedule) {
+    std::printf("pipeline ranks hold their stages' parameters only, of the %lld trainable:", (long long)whole);
+    for (size_t r = 0; r < held_per_stage_rank.size(); ++r)
+      std::printf(" rank %zu %lld (%.1f%%)", r, (long long)held_per_stage_rank[r],
+                  100.0 * double(held_per_stage_rank[r]) / double(whole));
+    std::printf("\n");
+  }
   if (print)
     std::printf("ZeRO-1 over %lld ranks: master weights and moments %.3f bytes per parameter per rank (formula "
-                "(4 + 2 x %.0f) / %lld = %.3f); this rank holds %lld of the %lld parameters (routed experts %lld), "
+                "(4 + 2 x %.0f) / %lld x %.3f = %.3f); this rank holds %lld of the %lld parameters (routed experts %lld), "
                 "their weights 4, gradients 4 and the gradient buckets %.3f bytes per parameter held\n",
-                (long long)layout.dp, double(m.master + m.moments) / n, moment_bytes, (long long)layout.dp, formula,
+                (long long)layout.dp, double(m.master + m.moments) / n, moment_bytes, (long long)layout.dp, share, formula,
                 (long long)held, (long long)whole, (long long)experts, double(m.bucket) / double(held));
 }
 

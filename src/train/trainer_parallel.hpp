@@ -1,8 +1,8 @@
 // What the trainer does differently on several ranks (--pp/--dp/--ep, under mpirun), kept out of
 // the loop in trainer.cpp: the layout and its communicators, the pipeline schedule and its
-// executor, the expert-parallel MoE layer and its share of the routed experts, ZeRO-1,
-// the sums of losses and expert loads over the data-parallel ranks, and the checkpoint's moments
-// and experts gathered from the shards. Absent (nullptr) for one process without --ep: training as before.
+// executor, the stages and the share of the routed experts this rank's model holds, ZeRO-1,
+// the sums of losses and expert loads over the data-parallel ranks, and the checkpoint's moments,
+// experts and stages gathered from the shards. Absent (nullptr) for one process without --ep: training as before.
 #pragma once
 #include <map>
 #include <memory>
@@ -28,6 +28,10 @@ struct TrainerParallel {
   pipeline::StageSplit split;
   std::unique_ptr<pipeline::Executor> executor;
   std::shared_ptr<RoutedExperts> experts;  // --ep: the expert-parallel MoE layers
+  // Trainable parameters each pipeline rank holds (attach; [pp]), and the whole model's.
+  std::vector<int64_t> held_per_stage_rank;
+  int64_t whole_trainable = 0;
+  ModelConfig model_cfg;  // the model's (attach)
 
   // nullptr for one process without --ep or --pp; otherwise validates the layout and the
   // pipeline schedule of `micro_batches` per data-parallel rank against the world and the model
@@ -41,14 +45,22 @@ struct TrainerParallel {
   bool any(Backend& be, bool mine);
   // The routed experts this rank's model holds: its expert-parallel share with --ep, else all.
   ExpertShard expert_shard() const;
+  // What this rank's model holds of the pipeline stages: its own (--pp), else all.
+  StageShard stage_shard() const;
   // After the model is made: its routed experts expert-parallel (--ep), the optimizer sharded
-  // (the routed experts' parameters over the expert-data-parallel group).
+  // (the routed experts' parameters over the expert-data-parallel group), with --pp over this
+  // pipeline rank's parameters, the gradient norm the whole model's.
   void attach(Model& model, Backend& be, const std::vector<ParamRef>& refs, const AdamWConfig& cfg);
   // The checkpoint's whole model from the experts' shards: `tensors` holds this rank's (names with
   // ".mlp.experts.<e>." among others); adds those of the other ranks of its expert-parallel
   // group, named by their experts. Collective over every expert-parallel group; `keep` owns the
   // host copies the new views point to.
   void gather_experts(Backend& be, std::map<std::string, TensorView>& tensors, std::vector<Tensor>& keep);
+  // The checkpoint's whole model from the pipeline ranks' stages: `tensors` holds this rank's
+  // (parameters, "ema." and "optimizer.exp_avg[_sq]." ones, its expert-parallel group's experts
+  // gathered); pipeline rank 0 adds those the others hold and it does not. Collective over every
+  // pipeline group; `keep` owns the host copies the new views point to.
+  void gather_stages(std::map<std::string, TensorView>& tensors, std::vector<Tensor>& keep);
   // Sums over the data-parallel ranks (rank order), in place.
   void sum(Backend& be, std::vector<double>& v);
   void sum(Backend& be, std::vector<std::vector<int64_t>>& loads);

@@ -83,13 +83,36 @@ void Zero1AdamW::reduce_gradients() {
   }
 }
 
+void Zero1AdamW::count_norm_over(Comm& pp, std::vector<bool> counted) {
+  FP8MOE_CHECK(counted.size() == params_.size(),
+               "Zero1AdamW: " << counted.size() << " counted flags for " << params_.size() << " parameters");
+  pp_ = &pp;
+  counted_ = std::move(counted);
+}
+
 double Zero1AdamW::grad_norm() {
   // [replicated, experts]: the dp ranks' shards of each cover its bucket once over the dp group.
   Tensor ss = Tensor::host(DType::f64, {2});
-  for (int k = 0; k < 2; ++k) ss.ptr<double>()[k] = buckets_[k].comm ? be_.sum_squares(buckets_[k].grad.view()) : 0.0;
+  for (int k = 0; k < 2; ++k) {
+    const Bucket& b = buckets_[k];
+    double& sum = ss.ptr<double>()[k];
+    sum = 0;
+    if (!b.comm) continue;
+    if (!pp_) {
+      sum = be_.sum_squares(b.grad.view());
+      continue;
+    }
+    // The parts of this shard that belong to counted parameters, in flat order.
+    for (size_t i : b.order) {
+      if (!counted_[i]) continue;
+      const int64_t x = std::max(offset_[i], b.lo), y = std::min(offset_[i] + params_[i].value.numel(), b.lo + b.shard);
+      if (y > x) sum += be_.sum_squares(flat(b.grad, x - b.lo, y - x));
+    }
+  }
   Tensor dev = be_.empty(DType::f64, {2});
   be_.copy(dev.view(), ss.view());
   dp_.all_reduce(dev.view(), be_.stream());
+  if (pp_) pp_->all_reduce(dev.view(), be_.stream());
   be_.copy(ss.view(), dev.view());
   be_.synchronize();
   return std::sqrt(ss.ptr<double>()[0] + ss.ptr<double>()[1]);

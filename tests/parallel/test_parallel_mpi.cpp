@@ -462,6 +462,33 @@ TEST(Zero1AdamW, BitwiseAdamWOnTheRankOrderSumOfTheGradients) {
     ASSERT_EQ(std::memcmp(z.w[i].view().data, z2.w[i].view().data, z.w[i].view().nbytes()), 0) << i;
 }
 
+// Pipeline ranks each holding their own parameters (here the world as the pp group, dp one rank):
+// parameter i counts on rank i mod P only, as a parameter two pipeline ranks hold counts on the
+// lower one; the norm is the square root of those squares over every rank.
+TEST(Zero1AdamW, NormOverPipelineRanksCountsEachParameterOnce) {
+  Comm& world = *g_world;
+  auto be = make_backend("cpu");
+  const int P = world.size(), me = world.rank();
+  std::unique_ptr<Comm> dp = world.split(me, 0);
+  Params z = make_params(g_seed);
+  std::vector<bool> counted;
+  for (size_t i = 0; i < z.refs.size(); ++i) counted.push_back(int(i) % P == me);
+  Zero1AdamW zero(*be, *dp, z.refs, AdamWConfig{});
+  zero.count_norm_over(world, counted);
+  fill_grads(z, me, 4);
+  zero.reduce_gradients();
+  double want = 0;
+  for (int r = 0; r < P; ++r) {
+    Params other = make_params(g_seed);
+    fill_grads(other, r, 4);
+    for (size_t i = 0; i < other.g.size(); ++i)
+      if (int(i) % P == r)
+        for (int64_t j = 0; j < other.g[i].numel(); ++j) want += double(other.g[i].ptr<float>()[j]) * other.g[i].ptr<float>()[j];
+  }
+  const double norm = zero.grad_norm();
+  EXPECT_NEAR(norm, std::sqrt(want), 1e-12 * std::sqrt(want));
+}
+
 // Expert parallelism over E ranks (E = 2 when the world is even): every rank holds the
 // replicated parameters and its ep rank's experts (rank r: r mod E), the same on its
 // expert-data-parallel ranks. The experts' bucket is AdamW on the sum over those ranks only, in

@@ -1,10 +1,11 @@
 // The pipeline executor on CPU ranks, under mpirun (registered with ctest at 1, 2 and 4 ranks): for
 // each of 1F1B, ZB1P, DualPipe and DualPipeV over every rank of the world, one step of the
-// executor on a 4-layer MoE model against Model::forward_backward on the same rank:
+// executor on a 4-layer MoE model, each rank's holding only its stages' parameters, against
+// Model::forward_backward of the whole model on the same rank:
 //   - the ops each rank ran, recorded by the executor as it ran them, are its schedule's list;
 //   - every micro-batch's losses and expert loads are bitwise those of the sequential loop;
-//   - after sum_gradients the gradients are the sequential loop's, bitwise where every stage's
-//     parameters sit on one rank (DualPipe's two copies of a stage add up in another order:
+//   - after sum_gradients (over the ranks holding each parameter) the gradients are the
+//     sequential loop's, bitwise where every stage's parameters sit on one rank (DualPipe's two copies of a stage add up in another order:
 //     there within a relative 1e-5 of the gradient's norm).
 // Removals tried once on a scratch copy of the executor, each failing here at 2 ranks: a B always
 // computing its weight gradients (ZB1P, DualPipe, DualPipeV: W finds no pass), DualPipeV's turn
@@ -14,6 +15,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <set>
 #include <random>
 
 #include "fp8moe/backend.hpp"
@@ -49,7 +54,10 @@ void check_method(pipeline::Method method) {
   const pipeline::Schedule schedule =
       pipeline::make_schedule(method, method == pipeline::Method::DualPipeV ? stages : P, M);
   auto be = make_backend("cpu");
-  Model piped(cfg, Recipe::from_name("fp8"), *be, 3), serial(cfg, Recipe::from_name("fp8"), *be, 3);
+  const pipeline::StageSplit split = pipeline::balanced_split(cfg, stages);
+  // The pipelined model holds its stages' parameters only.
+  Model piped(cfg, Recipe::from_name("fp8"), *be, 3, {}, pipeline::stage_shard(schedule, split, me)),
+      serial(cfg, Recipe::from_name("fp8"), *be, 3);
   std::mt19937_64 rng(17);  // the same micro-batches on every rank
   std::vector<Tensor> tok, tgt;
   for (int m = 0; m < M; ++m) {
@@ -58,7 +66,7 @@ void check_method(pipeline::Method method) {
     for (int64_t i = 0; i < tok.back().numel(); ++i) tok.back().ptr<int32_t>()[i] = int32_t(rng() % 256);
     for (int64_t i = 0; i < tgt.back().numel(); ++i) tgt.back().ptr<int32_t>()[i] = int32_t(rng() % 256);
   }
-  pipeline::Executor ex(piped, schedule, pipeline::balanced_split(cfg, stages), &world);
+  pipeline::Executor ex(piped, schedule, split, &world);
   piped.zero_grad();
   const std::vector<StepStats> got = ex.run(tok, tgt, 1.0 / M);
   ex.sum_gradients();
@@ -84,8 +92,8 @@ void check_method(pipeline::Method method) {
   }
   be->synchronize();
   const bool exact = method != pipeline::Method::DualPipe;
-  for (size_t i = 0; i < piped.parameters().size(); ++i) {
-    const Parameter &a = piped.parameters()[i], &b = serial.parameters()[i];
+  for (const Parameter& a : piped.parameters()) {
+    const Parameter& b = serial.parameter(a.name);
     if (!a.trainable) continue;
     const Tensor ha = be->to_host(a.grad), hb = be->to_host(b.grad);
     double diff = 0, norm = 0;
@@ -99,6 +107,109 @@ void check_method(pipeline::Method method) {
     if (exact) EXPECT_EQ(unequal, 0) << a.name << ": largest difference " << diff;
     else EXPECT_LE(diff, 1e-5 * norm) << a.name;
   }
+}
+
+// The trainable parameters of trunk sublayer i of `cfg` (attention with its input norm, MLP or
+// MoE with its post-attention norm), of the embedding and of the head side (final norm, head,
+// MTP module), written out from the config.
+int64_t attention_params(const ModelConfig& c) {
+  const int64_t D = c.hidden_size, H = c.num_attention_heads, dqk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+  const int64_t q = c.q_lora_rank > 0 ? c.q_lora_rank * D + c.q_lora_rank + H * dqk * c.q_lora_rank : H * dqk * D;
+  return D + q + (c.kv_lora_rank + c.qk_rope_head_dim) * D + c.kv_lora_rank +
+         H * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank + D * H * c.v_head_dim;
+}
+int64_t mlp_params(const ModelConfig& c, int64_t layer) {
+  const int64_t D = c.hidden_size;
+  if (!c.is_moe_layer(layer)) return D + 3 * D * c.intermediate_size;
+  const int64_t E = c.n_routed_experts;
+  return D + E * D + E + 3 * D * c.n_shared_experts * c.moe_intermediate_size + E * 3 * D * c.moe_intermediate_size;
+}
+int64_t sublayer_params(const ModelConfig& c, int i) { return i % 2 == 0 ? attention_params(c) : mlp_params(c, i / 2); }
+
+// Every pipeline rank of every method at 2 and 4 ranks holds its stages' parameters, the
+// embedding with stage 0 and the head with the last stage (both on one DualPipe or DualPipeV rank),
+// counted against the formula (the embedding also with the last stage when the MTP module reads
+// it); their values are the whole model's, and the ranks together hold
+// each parameter of the whole model.
+TEST(PipelineShard, EachRankHoldsItsStages) {
+  if (g_world->rank() != 0) GTEST_SKIP() << "models built on rank 0";
+  auto be = make_backend("cpu");
+  for (bool mtp : {false, true}) {
+    ModelConfig cfg = deep_config();
+    cfg.num_nextn_predict_layers = mtp ? 1 : 0;
+    Model whole(cfg, Recipe::from_name("fp8"), *be, 5);
+    const int64_t L = cfg.num_hidden_layers, D = cfg.hidden_size, V = cfg.vocab_size;
+    const int64_t embed = V * D, head = D + V * D + (mtp ? 2 * D + 2 * D * D + attention_params(cfg) + mlp_params(cfg, L) + D : 0);
+    for (pipeline::Method method : {pipeline::Method::OneFOneB, pipeline::Method::ZB1P, pipeline::Method::DualPipe,
+                                    pipeline::Method::DualPipeV})
+      for (int P : {2, 4}) {
+        const int stages = pipeline::stages_for(method, P);
+        const pipeline::Schedule schedule = pipeline::make_schedule(
+            method, method == pipeline::Method::DualPipeV ? stages : P, micro_batches_for(method, P));
+        const pipeline::StageSplit split = pipeline::balanced_split(cfg, stages);
+        std::map<std::string, int> holders;
+        for (int r = 0; r < P; ++r) {
+          // The stages rank r runs, from the schedule's placement.
+          std::set<int> mine;
+          for (const auto& direction : schedule.stage_rank)
+            for (int s = 0; s < stages; ++s)
+              if (direction[size_t(s)] == r) mine.insert(s);
+          int64_t want = 0;
+          for (int s : mine)
+            for (int i = split.first[size_t(s)]; i < split.first[size_t(s) + 1]; ++i) want += sublayer_params(cfg, i);
+          const bool first = mine.count(0) > 0, last = mine.count(stages - 1) > 0;
+          want += (first || (last && mtp) ? embed : 0) + (last ? head : 0);
+          Model part(cfg, Recipe::from_name("fp8"), *be, 5, {}, pipeline::stage_shard(schedule, split, r));
+          EXPECT_EQ(part.num_parameters(), want)
+              << pipeline::method_name(method) << " P " << P << " rank " << r << " mtp " << mtp;
+          // DualPipe: ranks 0 and P - 1 hold both ends; DualPipeV: rank 0 (stages 0 and 2 P - 1).
+          if (method == pipeline::Method::DualPipe || method == pipeline::Method::DualPipeV) {
+            const bool both = r == 0 || (method == pipeline::Method::DualPipe && r == P - 1);
+            EXPECT_EQ(first && last, both) << "rank " << r << ": the embedding and the head on one rank";
+          }
+          std::printf("%s pp %d mtp %d rank %d: %lld of %lld parameters\n", std::string(pipeline::method_name(method)).c_str(),
+                      P, int(mtp), r, (long long)part.num_parameters(), (long long)whole.num_parameters());
+          for (const Parameter& p : part.parameters()) {
+            ++holders[p.name];
+            const Tensor a = be->to_host(p.weight), b = be->to_host(whole.parameter(p.name).weight);
+            ASSERT_EQ(std::memcmp(a.view().data, b.view().data, size_t(a.numel()) * sizeof(float)), 0) << p.name;
+          }
+          const std::vector<Layer*> trunk = part.trunk();
+          for (size_t i = 0; i < trunk.size(); ++i) {
+            bool held = false;
+            for (int s : mine) held = held || (int(i) >= split.first[size_t(s)] && int(i) < split.first[size_t(s) + 1]);
+            EXPECT_EQ(trunk[i] != nullptr, held) << "sublayer " << i << " on rank " << r;
+          }
+        }
+        EXPECT_EQ(holders.size(), whole.parameters().size()) << pipeline::method_name(method) << " P " << P;
+      }
+  }
+}
+
+// A model holding a stage shard refuses to run whole, and a part it does not hold names it.
+TEST(PipelineShard, RefusesWhatItLacks) {
+  auto be = make_backend("cpu");
+  const ModelConfig cfg = deep_config();
+  const pipeline::Schedule schedule = pipeline::make_schedule(pipeline::Method::OneFOneB, 2, 2);
+  const pipeline::StageSplit split = pipeline::balanced_split(cfg, 2);
+  Model last(cfg, Recipe::from_name("fp8"), *be, 5, {}, pipeline::stage_shard(schedule, split, 1));
+  Tensor tok = Tensor::host(DType::i32, {1, 8});
+  for (int64_t i = 0; i < tok.numel(); ++i) tok.ptr<int32_t>()[i] = int32_t(i);
+  try {
+    last.forward_backward(tok.view(), tok.view());
+    ADD_FAILURE() << "a stage shard ran forward_backward";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("whole model"), std::string::npos) << e.what();
+  }
+  const Batch b = last.make_batch(tok.view(), tok.view());
+  try {
+    last.embed_forward(b);
+    ADD_FAILURE() << "the last stage's shard ran the embedding";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the embedding"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(last.find_parameter("model.embed_tokens.weight"), nullptr);
+  EXPECT_NE(last.find_parameter("lm_head.weight"), nullptr);
 }
 
 TEST(PipelineExecutor, OneFOneB) { check_method(pipeline::Method::OneFOneB); }

@@ -7,6 +7,7 @@
 // what is waiting to be sent. A compute op first waits for all communication posted before it,
 // as the simulator assumes; the rank ends with a wait.
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -70,6 +71,7 @@ struct Executor::Impl {
   Comm* comm;
   int me = 0;
   std::vector<Layer*> trunk;
+  std::vector<StageShard> shards;  // what each pipeline rank holds
   StatsLayout stats;
   std::vector<ExecutedOp> executed;
   int fail_at = -1;
@@ -110,6 +112,11 @@ struct Executor::Impl {
                                         << schedule.num_stages << " stages of " << method_name(schedule.method));
     check_message_order(schedule);
     const ModelConfig& cfg = model.config();
+    for (int r = 0; r < schedule.num_ranks; ++r) shards.push_back(stage_shard(schedule, split, r));
+    const StageShard& held = model.stage_shard();
+    FP8MOE_CHECK(held.whole() || (held.sublayers == shards[size_t(me)].sublayers &&
+                                  held.embedding == shards[size_t(me)].embedding && held.head == shards[size_t(me)].head),
+                 "pipeline: rank " << me << "'s model holds a stage shard other than its stages'");
     stats.sublayers = int(trunk.size());
     stats.experts = cfg.n_routed_experts;
     for (int i = 0; i < stats.sublayers; ++i)
@@ -402,9 +409,129 @@ struct Executor::Impl {
     return out;
   }
 
+  // Forward only along direction 0's stages: each rank runs the stages it holds there, the
+  // activation going on to the next stage's rank; the last stage's rank broadcasts the losses.
+  // The operations of Model::forward, in its order: the same bits.
+  StepStats forward(const Tensor& tokens, const Tensor& targets) {
+    Backend& be = model.backend();
+    const Batch b = model.make_batch(tokens.view(), targets.view());
+    const std::vector<int>& rank_of = schedule.stage_rank[0];
+    StepStats st;
+    st.tokens = b.tokens_count();
+    std::vector<double> row(3 + size_t(int(stats.moe_trunk.size()) + stats.mtp_moe) * size_t(stats.experts), 0.0);
+    Tensor x;
+    for (int s = 0; s < schedule.num_stages; ++s) {
+      const int r = rank_of[size_t(s)];
+      if (r != me) continue;
+      if (s == 0) {
+        x = model.embed_forward(b);
+      } else if (rank_of[size_t(s) - 1] != me) {
+        x = be.empty(model.recipe().act_dtype, {b.tokens_count(), model.config().hidden_size});
+        comm->recv(x.view(), rank_of[size_t(s) - 1], be.stream());
+      }
+      for (int i = split.first[size_t(s)]; i < split.first[size_t(s) + 1]; ++i) {
+        Tensor y;
+        const std::unique_ptr<Saved> saved = trunk[size_t(i)]->forward(b, x, y);
+        row[0] += trunk[size_t(i)]->aux_loss(*saved);
+        const std::vector<int64_t> loads = trunk[size_t(i)]->expert_loads(*saved);
+        for (size_t j = 0; j < stats.moe_trunk.size(); ++j)
+          if (stats.moe_trunk[j] == i)
+            for (size_t e = 0; e < loads.size(); ++e) row[3 + j * size_t(stats.experts) + e] = double(loads[e]);
+        x = y;
+      }
+      if (s + 1 < schedule.num_stages) {
+        if (rank_of[size_t(s) + 1] != me) comm->send(x.view(), rank_of[size_t(s) + 1], be.stream());
+        continue;
+      }
+      StepStats head;
+      model.head_forward_backward(b, x, 1.0, head, false);
+      row[1] = head.main_loss;
+      row[2] = head.mtp_loss;
+      row[0] += head.balance_loss;
+      for (size_t j = 0; j < head.expert_loads.size(); ++j)
+        for (size_t e = 0; e < head.expert_loads[j].size(); ++e)
+          row[3 + (stats.moe_trunk.size() + j) * size_t(stats.experts) + e] = double(head.expert_loads[j][e]);
+    }
+    if (comm && comm->size() > 1) {  // every rank's part, exact: one rank writes each entry, the others zeros
+      Tensor h = Tensor::host(DType::f64, {int64_t(row.size())});
+      std::memcpy(h.ptr<double>(), row.data(), row.size() * sizeof(double));
+      Tensor d = be.empty(DType::f64, {int64_t(row.size())});
+      be.copy(d.view(), h.view());
+      comm->all_reduce(d.view(), be.stream());
+      be.copy(h.view(), d.view());
+      be.synchronize();
+      std::memcpy(row.data(), h.ptr<double>(), row.size() * sizeof(double));
+    }
+    st.balance_loss = row[0];
+    st.main_loss = row[1];
+    st.mtp_loss = row[2];
+    for (int j = 0; j < int(stats.moe_trunk.size()) + stats.mtp_moe; ++j) {
+      std::vector<int64_t> loads(size_t(stats.experts));
+      for (size_t e = 0; e < loads.size(); ++e) loads[e] = int64_t(row[3 + size_t(j) * size_t(stats.experts) + e]);
+      st.expert_loads.push_back(std::move(loads));
+    }
+    st.loss = st.main_loss + model.config().mtp_loss_weight * st.mtp_loss + st.balance_loss;
+    return st;
+  }
+
+  // A model holding only its stages' parameters: each parameter's gradient summed over the ranks
+  // holding it, in rank order. The parameters are grouped by the ranks holding them (the same
+  // groups, in the same order, on every rank); in each group the lowest rank adds the others'
+  // flat gradients to its own one after the other and sends the sum back: the bits of the
+  // all-reduce of whole models, whose other ranks add zeros.
+  void sum_held_gradients() {
+    Backend& be = model.backend();
+    const ModelConfig& cfg = model.config();
+    std::map<uint64_t, std::vector<Parameter*>> groups;  // by the mask of the ranks holding them
+    for (Parameter& p : model.parameters()) {
+      if (!p.trainable) continue;
+      uint64_t mask = 0;
+      for (size_t r = 0; r < shards.size(); ++r)
+        if (shards[r].holds(cfg, p.name)) mask |= uint64_t(1) << r;
+      if (std::popcount(mask) > 1) groups[mask].push_back(&p);
+    }
+    for (const auto& [mask, params] : groups) {
+      int64_t n = 0;
+      for (Parameter* p : params) n += p->grad.numel();
+      const DType dt = params[0]->grad.dtype();
+      Tensor flat = be.empty(dt, {n});
+      auto elements = [&](const TensorView& v, size_t offset, int64_t k) {
+        return TensorView(static_cast<char*>(v.data) + offset * dtype_size(dt), dt, {k}, v.device);
+      };
+      size_t at = 0;
+      for (Parameter* p : params) {
+        const TensorView& g = p->grad.view();
+        FP8MOE_CHECK(g.dtype == dt && g.is_contiguous(), "pipeline: gradient of " << p->name << " is " << g.str());
+        be.copy(elements(flat.view(), at, g.numel()), elements(g, 0, g.numel()));
+        at += size_t(g.numel());
+      }
+      const int root = std::countr_zero(mask);
+      if (me == root) {
+        Tensor other = be.empty(dt, {n});
+        for (int r = root + 1; r < int(shards.size()); ++r)
+          if (mask >> r & 1) {
+            comm->recv(other.view(), r, be.stream());
+            be.axpy(1.0, other.view(), 1.0, flat.view());
+          }
+        for (int r = root + 1; r < int(shards.size()); ++r)
+          if (mask >> r & 1) comm->send(flat.view(), r, be.stream());
+      } else {
+        comm->send(flat.view(), root, be.stream());
+        comm->recv(flat.view(), root, be.stream());
+      }
+      at = 0;
+      for (Parameter* p : params) {
+        const TensorView& g = p->grad.view();
+        be.copy(elements(g, 0, g.numel()), elements(flat.view(), at, g.numel()));
+        at += size_t(g.numel());
+      }
+    }
+  }
+
   // One flat host buffer of every trainable gradient, summed once.
   void sum_gradients() {
     if (!comm || comm->size() == 1) return;
+    if (!model.stage_shard().whole()) return sum_held_gradients();
     Backend& be = model.backend();
     std::vector<Parameter*> params;
     int64_t n = 0;
@@ -447,6 +574,7 @@ std::vector<StepStats> Executor::run(const std::vector<Tensor>& tokens, const st
   return impl_->run(tokens, targets, grad_scale);
 }
 void Executor::sum_gradients() { impl_->sum_gradients(); }
+StepStats Executor::forward(const Tensor& tokens, const Tensor& targets) { return impl_->forward(tokens, targets); }
 const std::vector<ExecutedOp>& Executor::executed() const { return impl_->executed; }
 int64_t Executor::peak_saved_bytes() const { return impl_->peak_bytes; }
 void Executor::fail_at(int op_index) { impl_->fail_at = op_index; }

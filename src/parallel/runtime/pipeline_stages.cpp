@@ -113,6 +113,22 @@ StageSplit parse_split(std::string_view spec, const ModelConfig& cfg, int stages
   return split;
 }
 
+StageShard stage_shard(const Schedule& schedule, const StageSplit& split, int rank) {
+  FP8MOE_CHECK(split.stages() == schedule.num_stages, "pipeline: the split " << split.str() << " has " << split.stages()
+                                                                             << " stages, the schedule " << schedule.num_stages);
+  StageShard shard;
+  shard.sublayers.assign(size_t(split.first.back()), false);
+  shard.embedding = shard.head = false;
+  for (const std::vector<int>& direction : schedule.stage_rank)
+    for (int s = 0; s < schedule.num_stages; ++s) {
+      if (direction[size_t(s)] != rank) continue;
+      for (int i = split.first[size_t(s)]; i < split.first[size_t(s) + 1]; ++i) shard.sublayers[size_t(i)] = true;
+      shard.embedding = shard.embedding || s == 0;
+      shard.head = shard.head || s == schedule.num_stages - 1;
+    }
+  return shard;
+}
+
 int stages_for(Method method, int pp) { return method == Method::DualPipeV ? 2 * pp : pp; }
 
 }  // namespace fp8moe::pipeline
