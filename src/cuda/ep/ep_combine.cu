@@ -24,16 +24,6 @@ namespace {
 
 constexpr int kSendWarps = 8, kSumWarps = 8, kThreads = 32 * (kSendWarps + kSumWarps);
 
-__device__ __forceinline__ void bf16x8(const int4& v, float* f) {
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = __bfloat1622float2(h[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
-
 // kBlocksPerSm: as the dispatch's (ep_dispatch.cu).
 template <int kBlocksPerSm>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)

@@ -2,6 +2,7 @@
 // timeout (recording which wait failed in the rank's error word instead of hanging), warp copies
 // with 16-byte accesses, and the offsets every step derives from the gathered counts.
 #pragma once
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -92,6 +93,17 @@ __device__ __forceinline__ void warp_copy16(int4* __restrict__ dst, const int4* 
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (u * 32 < rem) d[u * 32] = v[u];
+  }
+}
+
+// Eight BF16 values of a 16-byte word as floats.
+__device__ __forceinline__ void bf16x8(const int4& v, float* f) {
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = __bfloat1622float2(h[i]);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
   }
 }
 

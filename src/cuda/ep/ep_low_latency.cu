@@ -87,16 +87,6 @@ __device__ __forceinline__ void warp_copy16_peer_written(int4* dst, const int4* 
   }
 }
 
-__device__ __forceinline__ void bf16x8(const int4& v, float* f) {
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = __bfloat1622float2(h[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
-
 __global__ void __launch_bounds__(kThreads, 2)
     ll_dispatch_kernel(LlArgs a, const uint8_t* __restrict__ x, const float* __restrict__ x_scales, int64_t x_ld,
                        const int32_t* __restrict__ idx) {

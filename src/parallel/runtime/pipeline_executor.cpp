@@ -491,23 +491,10 @@ struct Executor::Impl {
       if (std::popcount(mask) > 1) groups[mask].push_back(&p);
     }
     for (const auto& [mask, params] : groups) {
-      int64_t n = 0;
-      for (Parameter* p : params) n += p->grad.numel();
-      const DType dt = params[0]->grad.dtype();
-      Tensor flat = be.empty(dt, {n});
-      auto elements = [&](const TensorView& v, size_t offset, int64_t k) {
-        return TensorView(static_cast<char*>(v.data) + offset * dtype_size(dt), dt, {k}, v.device);
-      };
-      size_t at = 0;
-      for (Parameter* p : params) {
-        const TensorView& g = p->grad.view();
-        FP8MOE_CHECK(g.dtype == dt && g.is_contiguous(), "pipeline: gradient of " << p->name << " is " << g.str());
-        be.copy(elements(flat.view(), at, g.numel()), elements(g, 0, g.numel()));
-        at += size_t(g.numel());
-      }
+      Tensor flat = pack_gradients(params);
       const int root = std::countr_zero(mask);
       if (me == root) {
-        Tensor other = be.empty(dt, {n});
+        Tensor other = be.empty(flat.dtype(), {flat.numel()});
         for (int r = root + 1; r < int(shards.size()); ++r)
           if (mask >> r & 1) {
             comm->recv(other.view(), r, be.stream());
@@ -519,47 +506,49 @@ struct Executor::Impl {
         comm->send(flat.view(), root, be.stream());
         comm->recv(flat.view(), root, be.stream());
       }
-      at = 0;
-      for (Parameter* p : params) {
-        const TensorView& g = p->grad.view();
-        be.copy(elements(g, 0, g.numel()), elements(flat.view(), at, g.numel()));
-        at += size_t(g.numel());
-      }
+      unpack_gradients(params, flat);
     }
   }
 
-  // One flat host buffer of every trainable gradient, summed once.
-  void sum_gradients() {
-    if (!comm || comm->size() == 1) return;
-    if (!model.stage_shard().whole()) return sum_held_gradients();
+  // The gradients of `params` one after another in one flat tensor, and back.
+  Tensor pack_gradients(const std::vector<Parameter*>& params) {
     Backend& be = model.backend();
-    std::vector<Parameter*> params;
     int64_t n = 0;
-    for (Parameter& p : model.parameters())
-      if (p.trainable) {
-        params.push_back(&p);
-        n += p.grad.numel();
-      }
+    for (Parameter* p : params) n += p->grad.numel();
     const DType dt = params.empty() ? DType::f32 : params[0]->grad.dtype();
     Tensor flat = be.empty(dt, {n});
-    // n elements of a contiguous tensor from `offset`, as 1-D.
-    auto elements = [&](const TensorView& v, size_t offset, int64_t n) {
-      return TensorView(static_cast<char*>(v.data) + offset * dtype_size(dt), dt, {n}, v.device);
-    };
-    size_t at = 0;
+    int64_t at = 0;
     for (Parameter* p : params) {
       const TensorView& g = p->grad.view();
       FP8MOE_CHECK(g.dtype == dt && g.is_contiguous(), "pipeline: gradient of " << p->name << " is " << g.str());
       be.copy(elements(flat.view(), at, g.numel()), elements(g, 0, g.numel()));
-      at += size_t(g.numel());
+      at += g.numel();
     }
-    comm->all_reduce(flat.view(), be.stream());
-    at = 0;
+    return flat;
+  }
+  void unpack_gradients(const std::vector<Parameter*>& params, const Tensor& flat) {
+    int64_t at = 0;
     for (Parameter* p : params) {
       const TensorView& g = p->grad.view();
-      be.copy(elements(g, 0, g.numel()), elements(flat.view(), at, g.numel()));
-      at += size_t(g.numel());
+      model.backend().copy(elements(g, 0, g.numel()), elements(flat.view(), at, g.numel()));
+      at += g.numel();
     }
+  }
+  // n elements of a contiguous tensor from element `offset`, as 1-D.
+  static TensorView elements(const TensorView& v, int64_t offset, int64_t n) {
+    return TensorView(static_cast<char*>(v.data) + offset * int64_t(dtype_size(v.dtype)), v.dtype, {n}, v.device);
+  }
+
+  // One flat buffer of every trainable gradient, summed once.
+  void sum_gradients() {
+    if (!comm || comm->size() == 1) return;
+    if (!model.stage_shard().whole()) return sum_held_gradients();
+    std::vector<Parameter*> params;
+    for (Parameter& p : model.parameters())
+      if (p.trainable) params.push_back(&p);
+    Tensor flat = pack_gradients(params);
+    comm->all_reduce(flat.view(), model.backend().stream());
+    unpack_gradients(params, flat);
   }
 };
 
