@@ -3,10 +3,10 @@
 // (source-major, tokens ascending: the Comm path's order), so that no copy follows on arrival.
 //   grid   num_sms blocks; block b serves channel b / 2 (a contiguous range of this rank's tokens)
 //          for the ranks d with d % 2 == b % 2.
-//   send   14 warps, split into one team per destination rank. Every warp of a team walks the
-//          channel's tokens 32 at a time (ballot: which go to d, and their order), so the team
-//          agrees on each row's position without communicating; row i of the channel is copied
-//          by warp i % team. The team's first warp also writes the source's slot_row (the
+//   send   14 warps (8 in the two-blocks-per-SM variant), one team per destination rank. Every
+//          warp of a team walks the channel's tokens 32 at a time (ballot: which go to d, and
+//          their order), so the team agrees on each row's position without communicating; row i
+//          of the channel is copied by warp i % team, all of its loads issued before its stores. The team's first warp also writes the source's slot_row (the
 //          combine's map: row of slot (t, j) among the rows that come back, rank-major). Then a
 //          system-scope fence, the team's barrier, and one release of the (source, channel) flag
 //          in d's buffer.
@@ -21,7 +21,14 @@ namespace fp8moe::cuda::ep {
 
 namespace {
 
-constexpr int kSendWarps = 14, kRecvWarps = 2, kThreads = 32 * (kSendWarps + kRecvWarps);
+// The block's shape per variant. NOTES: two blocks per SM share its registers; fewer send warps,
+// each with more of its row in flight (kUnroll 16-byte loads per lane), keep more bytes in flight
+// per SM than 14 warps of 4 loads each.
+template <int kBlocksPerSm>
+struct Shape {
+  static constexpr int send = kBlocksPerSm == 1 ? 14 : 8, recv = 2, threads = 32 * (send + recv);
+  static constexpr int unroll = kBlocksPerSm == 1 ? 16 : 12;
+};
 
 // Expert e on rank d (ids out of range, which notify reports, on none).
 __device__ __forceinline__ bool on_rank(int32_t e, int d, int epr) { return e >= 0 && e / epr == d; }
@@ -31,9 +38,10 @@ __device__ __forceinline__ int64_t scale_ld_dev(int64_t rows) { return (rows + 3
 // kBlocksPerSm 2 where the ranks of one GPU need two blocks per SM to be resident together (fewer
 // registers, fewer loads in flight), else 1.
 template <int kBlocksPerSm>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+__global__ void __launch_bounds__(Shape<kBlocksPerSm>::threads, kBlocksPerSm)
     dispatch_kernel(StepArgs a, const uint8_t* __restrict__ x, const float* __restrict__ x_scales, int64_t x_ld,
                     const float* __restrict__ weights, const int32_t* __restrict__ idx, int32_t* __restrict__ slot_row) {
+  constexpr int kSendWarps = Shape<kBlocksPerSm>::send, kRecvWarps = Shape<kBlocksPerSm>::recv;
   __shared__ RankSums sums;
   const int P = a.ranks, C = a.channels, me = a.me;
   const int c = blockIdx.x / 2, half = blockIdx.x % 2;
@@ -103,11 +111,27 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     for (uint32_t m = goes; m != 0; m &= m - 1, ++ordinal) {
       if (ordinal % team_warps != wit) continue;
       const int src = t0 + __ffs(m) - 1, r = row + ordinal;
-      warp_copy16<kBlocksPerSm == 1 ? 16 : 4>(reinterpret_cast<int4*>(dx + r * D), reinterpret_cast<const int4*>(x + src * D), D / 16, lane);
-      for (int g = lane; g < Gi; g += 32) ds[int64_t(g) * ld + r] = x_scales[g * x_ld + src];
+      // NOTES: every load of the row (its values' first round, two scales, its weight and id per
+      // lane) is issued before the first store: one DRAM round trip per row instead of three.
+      constexpr int kUnroll = Shape<kBlocksPerSm>::unroll;
+      const int4* xs = reinterpret_cast<const int4*>(x + int64_t(src) * D) + lane;
+      int4* xd = reinterpret_cast<int4*>(dx + int64_t(r) * D) + lane;
+      const int words = int(D / 16);
+      float s0 = 0.0f, s1 = 0.0f, wv = 0.0f;
+      int32_t iv = 0;
+      if (lane < Gi) s0 = x_scales[int64_t(lane) * x_ld + src];
+      if (lane + 32 < Gi) s1 = x_scales[int64_t(lane + 32) * x_ld + src];
       if (lane < ki) {
-        dw[r * ki + lane] = weights[src * ki + lane];
-        di[r * ki + lane] = idx[src * ki + lane];
+        wv = weights[src * ki + lane];
+        iv = idx[src * ki + lane];
+      }
+      warp_copy16<kUnroll>(xd - lane, xs - lane, words, lane);
+      if (lane < Gi) ds[int64_t(lane) * ld + r] = s0;
+      if (lane + 32 < Gi) ds[int64_t(lane + 32) * ld + r] = s1;
+      for (int g = lane + 64; g < Gi; g += 32) ds[int64_t(g) * ld + r] = x_scales[g * x_ld + src];
+      if (lane < ki) {
+        dw[r * ki + lane] = wv;
+        di[r * ki + lane] = iv;
       }
     }
   }
@@ -119,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 
 }  // namespace
 
-int dispatch_threads() { return kThreads; }
+int dispatch_threads(int blocks_per_sm) { return blocks_per_sm == 1 ? Shape<1>::threads : Shape<2>::threads; }
 
 const void* dispatch_kernel_ptr(int blocks_per_sm) {
   return blocks_per_sm == 1 ? reinterpret_cast<const void*>(&dispatch_kernel<1>)
@@ -129,7 +153,7 @@ const void* dispatch_kernel_ptr(int blocks_per_sm) {
 void launch_dispatch(const StepArgs& a, const uint8_t* x, const float* x_scales, int64_t x_ld, const float* weights,
                      const int32_t* idx, int32_t* slot_row, cudaStream_t stream) {
   auto* k = a.blocks_per_sm == 1 ? &dispatch_kernel<1> : &dispatch_kernel<2>;
-  k<<<2 * a.channels, kThreads, 0, stream>>>(a, x, x_scales, x_ld, weights, idx, slot_row);
+  k<<<2 * a.channels, dispatch_threads(a.blocks_per_sm), 0, stream>>>(a, x, x_scales, x_ld, weights, idx, slot_row);
   FP8MOE_CUDA_CHECK_LAUNCH("ep dispatch_kernel");
 }
 
