@@ -3,13 +3,13 @@
 // (source-major, tokens ascending: the Comm path's order), so that no copy follows on arrival.
 //   grid   num_sms blocks; block b serves channel b / 2 (a contiguous range of this rank's tokens)
 //          for the ranks d with d % 2 == b % 2.
-//   send   14 warps (8 in the two-blocks-per-SM variant), one team per destination rank. Every
-//          warp of a team walks the channel's tokens 32 at a time (ballot: which go to d, and
-//          their order), so the team agrees on each row's position without communicating; row i
-//          of the channel is copied by warp i % team, all of its loads issued before its stores. The team's first warp also writes the source's slot_row (the
-//          combine's map: row of slot (t, j) among the rows that come back, rank-major). Then a
-//          system-scope fence, the team's barrier, and one release of the (source, channel) flag
-//          in d's buffer.
+//   send   14 warps (8 in the two-blocks-per-SM variant), one team per destination rank d. Each
+//          warp of a team takes a contiguous range of the channel's tokens, counts its rows and
+//          slots to d, and after the team's barrier starts from the sums of the warps before it:
+//          it then writes its tokens' slot_row (the combine's map: row of slot (t, j) among the
+//          rows that come back, rank-major) and copies its rows, all of a row's loads issued
+//          before its stores. Then a system-scope fence, the team's barrier, and one release of
+//          the (source, channel) flag in d's buffer.
 //   receive 2 warps wait for the flags of the sources p with p % 2 == b % 2 on this channel, so that
 //          the step ends on this rank only once its rows are all here; block 0 writes the scale
 //          padding rows.
@@ -43,6 +43,7 @@ __global__ void __launch_bounds__(Shape<kBlocksPerSm>::threads, kBlocksPerSm)
                     const float* __restrict__ weights, const int32_t* __restrict__ idx, int32_t* __restrict__ slot_row) {
   constexpr int kSendWarps = Shape<kBlocksPerSm>::send, kRecvWarps = Shape<kBlocksPerSm>::recv;
   __shared__ RankSums sums;
+  __shared__ int2 warp_counts[kSendWarps];  // rows and slots to its destination of each send warp
   const int P = a.ranks, C = a.channels, me = a.me;
   const int c = blockIdx.x / 2, half = blockIdx.x % 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -88,13 +89,43 @@ __global__ void __launch_bounds__(Shape<kBlocksPerSm>::threads, kBlocksPerSm)
   int32_t* di = region<int32_t>(dst, a.layout.ids);
   if (lane == 0) wait_ready(a, d, Step::dispatch);
   __syncwarp();
-  const int t_end = int(channel_begin(Ti, c + 1, C));
-  int ordinal = 0;  // rows of this channel to d so far
-  for (int t0 = int(channel_begin(Ti, c, C)); t0 < t_end; t0 += 32) {
+  // Each warp of the team takes a contiguous range of the channel's tokens: it counts its rows
+  // and slots to d first, the team adds the counts of the warps before it, and then the warp
+  // copies its rows with no further agreement.
+  // NOTES: a warp then reads the ids of a group of 32 tokens once for all their rows, instead of
+  // every warp reading every group's ids for the few rows it copies of it.
+  const int c0 = int(channel_begin(Ti, c, C)), n_tok = int(channel_begin(Ti, c + 1, C)) - c0;
+  const int w0 = c0 + int(int64_t(n_tok) * wit / team_warps), w1 = c0 + int(int64_t(n_tok) * (wit + 1) / team_warps);
+  auto slots_to_d = [&](int t) {
+    int n = 0;
+    if (t < w1)
+      for (int j = 0; j < ki; ++j) n += on_rank(idx[t * ki + j], d, epri);
+    return n;
+  };
+  {
+    int my_rows = 0, my_slots = 0;
+    for (int t = w0 + lane; t < w1; t += 32) {
+      const int h = slots_to_d(t);
+      my_rows += h > 0;
+      my_slots += h;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      my_rows += __shfl_xor_sync(~0u, my_rows, o);
+      my_slots += __shfl_xor_sync(~0u, my_slots, o);
+    }
+    if (lane == 0) warp_counts[warp] = make_int2(my_rows, my_slots);
+    named_sync(1 + team, 32 * team_warps);
+    for (int w = 0; w < wit; ++w) {
+      const int2 v = warp_counts[team + dests * w];
+      row += v.x;
+      slot += v.y;
+    }
+  }
+  int ordinal = 0;  // rows of this warp to d so far
+  for (int t0 = w0; t0 < w1; t0 += 32) {
     const int t = t0 + lane;
-    int here = 0;
-    if (t < t_end)
-      for (int j = 0; j < ki; ++j) here += on_rank(idx[t * ki + j], d, epri);
+    const int here = slots_to_d(t);
     const uint32_t goes = __ballot_sync(~0u, here > 0);
     int incl = here;  // inclusive scan of the slots to d over the lanes
 #pragma unroll
@@ -102,14 +133,13 @@ __global__ void __launch_bounds__(Shape<kBlocksPerSm>::threads, kBlocksPerSm)
       const int v = __shfl_up_sync(~0u, incl, o);
       if (lane >= o) incl += v;
     }
-    if (wit == 0 && here > 0) {
+    if (here > 0) {
       int32_t s = int32_t(slot + incl - here);
       for (int j = 0; j < ki; ++j)
         if (on_rank(idx[t * ki + j], d, epri)) slot_row[t * ki + j] = s++;
     }
     slot += __shfl_sync(~0u, incl, 31);
     for (uint32_t m = goes; m != 0; m &= m - 1, ++ordinal) {
-      if (ordinal % team_warps != wit) continue;
       const int src = t0 + __ffs(m) - 1, r = row + ordinal;
       // NOTES: every load of the row (its values' first round, two scales, its weight and id per
       // lane) is issued before the first store: one DRAM round trip per row instead of three.
