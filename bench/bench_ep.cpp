@@ -227,23 +227,32 @@ int run_ep_low_latency_bench(const EpBenchOptions& opt, double copy) {
       r.rows = std::make_unique<DeviceBuffer>(r.rows_h.size() * 2);
       upload(r.rows->p, r.rows_h);
     }
-    auto dispatch = [&](int p) {
+    auto dispatch = [&](int p, bool hook = false) {
       RankData& r = rd[size_t(p)];
       QuantizedView q{dview(r.x->p, DType::e4m3, T, D), dview(r.scales->p, DType::f32, G, scale_ld(T)),
                       ScaleKind::tile_1x128};
-      g->rank(p).low_latency_dispatch(q, dview(r.idx->p, DType::i32, T, k));
+      g->rank(p).low_latency_dispatch(q, dview(r.idx->p, DType::i32, T, k), hook);
     };
-    auto combine = [&](int p) {
+    auto combine = [&](int p, bool hook = false) {
       RankData& r = rd[size_t(p)];
       g->rank(p).low_latency_combine(dview(r.rows->p, DType::bf16, R, D), dview(r.w->p, DType::f32, T, k),
-                                     dview(r.out->p, DType::f32, T, D), false);
+                                     dview(r.out->p, DType::f32, T, D), false, hook);
     };
+    auto receive = [&](int p) { g->rank(p).low_latency_receive(); };
     MultiTimer mt(*g);
     std::vector<double> td, tc, tg;
     for (int i = 0; i < opt.warmup + opt.iters; ++i) {
-      const double a = mt.once(dispatch);
-      const double b = mt.once(combine);
+      const double a = mt.once([&](int p) { dispatch(p); });
+      const double b = mt.once([&](int p) { combine(p); });
       if (i >= opt.warmup) td.push_back(a), tc.push_back(b);
+    }
+    // With the receive hook: the send launch and the receive launch of each step timed apart.
+    std::vector<double> hook_t[4];
+    for (int i = 0; i < opt.warmup + opt.iters; ++i) {
+      const double t[4] = {mt.once([&](int p) { dispatch(p, true); }), mt.once(receive),
+                           mt.once([&](int p) { combine(p, true); }), mt.once(receive)};
+      if (i >= opt.warmup)
+        for (int j = 0; j < 4; ++j) hook_t[j].push_back(t[j]);
     }
     // Both steps captured in one graph per rank, replayed.
     std::vector<cudaGraphExec_t> exec(static_cast<size_t>(P));
@@ -308,6 +317,9 @@ int run_ep_low_latency_bench(const EpBenchOptions& opt, double copy) {
                 comb_out / (us_c * 1e3), P == 8 ? "114" : "-", exact_c.c_str());
     std::printf("| %d | dispatch + combine, one graph per rank | %.1f | %.1f | %.0f | %s | - |\n", P, us_g,
                 (disp_out + comb_out) / (1 << 20), (disp_out + comb_out) / (us_g * 1e3), "-");
+    std::printf("| %d | with the receive hook: dispatch send / receive launch, combine send / receive launch | "
+                "%.1f / %.1f, %.1f / %.1f | - | - | - | - |\n",
+                P, median(hook_t[0]), median(hook_t[1]), median(hook_t[2]), median(hook_t[3]));
     std::fflush(stdout);
   }
   return failures == 0 ? 0 : 1;

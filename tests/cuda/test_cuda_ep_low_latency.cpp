@@ -218,12 +218,14 @@ struct LlHarness {
     return QuantizedView{r.x->view(DType::e4m3, T(p), D), r.scales->view(DType::f32, G, scale_ld(T(p))),
                          ScaleKind::tile_1x128};
   }
-  void dispatch(int p) { group->rank(p).low_latency_dispatch(x_view(p), dev[size_t(p)].idx->view(DType::i32, T(p), k)); }
-  void combine(int p, bool weighted, bool accumulate) {
+  void dispatch(int p, bool hook = false) {
+    group->rank(p).low_latency_dispatch(x_view(p), dev[size_t(p)].idx->view(DType::i32, T(p), k), hook);
+  }
+  void combine(int p, bool weighted, bool accumulate, bool hook = false) {
     const RankDev& r = dev[size_t(p)];
     group->rank(p).low_latency_combine(r.rows->view(DType::bf16, R, D),
                                        weighted ? r.w->view(DType::f32, T(p), k) : TensorView(),
-                                       r.out->view(DType::f32, T(p), D), accumulate);
+                                       r.out->view(DType::f32, T(p), D), accumulate, hook);
   }
 
   void expect_dispatched() {
@@ -396,6 +398,75 @@ TEST(CudaEpLowLatency, CapturedGraphReplaysWithNewData) {
   h.eager_step();
 }
 
+// With the receive hook, every rank's send launch runs first, then other work on the rank's
+// stream (it overwrites a scratch buffer), then the receive launch: the same bits as one launch,
+// eagerly and captured in a graph with the hooks inside it.
+TEST(CudaEpLowLatency, ReceiveHookCompletesTheStepLater) {
+  FP8MOE_REQUIRE_GPU();
+  LlCase c{4, 32, 512, {32, 0, 17, 5}, 0.5, {}, 0};
+  LlHarness h(c);
+  Dev<uint8_t> scratch(size_t(64) << 20);
+  auto other_work = [&](int p) {
+    ASSERT_EQ(cudaMemsetAsync(scratch.p, p, size_t(64) << 20, h.group->rank(p).stream()), cudaSuccess);
+  };
+  auto hooked_step = [&](bool weighted, bool accumulate) {
+    for (int p = 0; p < h.P; ++p) h.dispatch(p, true);
+    for (int p = 0; p < h.P; ++p) EXPECT_TRUE(h.group->rank(p).receive_pending());
+    for (int p = 0; p < h.P; ++p) other_work(p);
+    for (int p = 0; p < h.P; ++p) h.group->rank(p).low_latency_receive();
+    h.check_all();
+    h.expect_dispatched();
+    for (int p = 0; p < h.P; ++p) h.combine(p, weighted, accumulate, true);
+    for (int p = 0; p < h.P; ++p) other_work(p);
+    for (int p = 0; p < h.P; ++p) h.group->rank(p).low_latency_receive();
+    h.check_all();
+    h.expect_combined(weighted, accumulate);
+  };
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("eager step " + std::to_string(step));
+    h.new_inputs(false);
+    h.poison(step == 1);
+    hooked_step(step == 0, step == 1);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+  }
+  h.eager_step();  // one-launch steps after hooked ones
+  std::vector<cudaGraphExec_t> exec(size_t(h.P));
+  for (int p = 0; p < h.P; ++p) {
+    cudaStream_t s = h.group->rank(p).stream();
+    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed), cudaSuccess);
+    h.dispatch(p, true);
+    other_work(p);
+    h.group->rank(p).low_latency_receive();
+    h.combine(p, true, false, true);
+    other_work(p);
+    h.group->rank(p).low_latency_receive();
+    cudaGraph_t graph;
+    ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec[size_t(p)], graph, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  }
+  for (int replay = 0; replay < 2; ++replay) {
+    SCOPED_TRACE("replay " + std::to_string(replay));
+    h.new_inputs(true);
+    h.poison(false);
+    for (int p = 0; p < h.P; ++p) ASSERT_EQ(cudaGraphLaunch(exec[size_t(p)], h.group->rank(p).stream()), cudaSuccess);
+    h.check_all();
+    h.expect_dispatched();
+    h.expect_combined(true, false);
+  }
+  for (auto e : exec) ASSERT_EQ(cudaGraphExecDestroy(e), cudaSuccess);
+  // While a receive is pending, the rank refuses every other low-latency call, and loses nothing.
+  h.new_inputs(false);
+  h.poison(false);
+  for (int p = 0; p < h.P; ++p) h.dispatch(p, true);
+  expect_error([&] { h.dispatch(0, true); }, "dispatch queued with a hook has not been received");
+  expect_error([&] { h.group->rank(0).low_latency_received(); }, "has not been received");
+  expect_error([&] { h.combine(0, true, false); }, "has not been received");
+  for (int p = 0; p < h.P; ++p) h.group->rank(p).low_latency_receive();
+  h.check_all();
+  h.expect_dispatched();
+}
+
 // The received layout is the masked grouped GEMM's A: the CUDA GEMM on a rank's received rows,
 // scales and device counts gives the bits of the CPU masked GEMM on the reference's rows laid out
 // the same way (small integers: exact), with the rows past each count left poisoned.
@@ -471,6 +542,7 @@ TEST(CudaEpLowLatency, BadInputIsRefused) {
   expect_error([&] { g->rank(0).low_latency_combine(TensorView(), TensorView(), out.view(DType::f32, 4, 256), false); },
                "no low-latency dispatch before it");
   expect_error([&] { g->rank(0).notify(idx.view(DType::i32, 4, kTopk)); }, "made for the low-latency mode");
+  expect_error([&] { g->rank(0).low_latency_receive(); }, "no dispatch or combine was queued with a hook");
   EpConfig normal = small_config(2);
   normal.low_latency = false;
   auto gn = EpGroup::local(normal);

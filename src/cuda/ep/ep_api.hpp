@@ -129,7 +129,9 @@ class EpRank {
   // ids in [0, experts), distinct within a token. Queued on stream() with no host synchronization
   // (capturable); errors found on the device (an id out of range, a wait timed out) are thrown by
   // check().
-  void low_latency_dispatch(const QuantizedView& x, const TensorView& idx);
+  // With hook (DeepEP's receive hook), only the send part is queued: the rows travel while the
+  // stream runs other work, and low_latency_receive() queues the rest.
+  void low_latency_dispatch(const QuantizedView& x, const TensorView& idx, bool hook = false);
   // Views of this rank's buffer after its low-latency dispatch (valid until its next one).
   struct LowLatencyReceived {
     QuantizedView x;        // [E_l * M, D] e4m3, scales [G, scale_ld(E_l * M)]; rows past a count: garbage
@@ -142,7 +144,13 @@ class EpRank {
   // rows [E_l * M, D] bf16 in the received layout (only rows below the counts are read); weights
   // [T, k] f32 of this rank's last low-latency dispatch (or undefined: 1); out [T, D] f32 (+)= the
   // weighted sums. Capturable, as the dispatch.
-  void low_latency_combine(const TensorView& rows, const TensorView& weights, const TensorView& out, bool accumulate);
+  void low_latency_combine(const TensorView& rows, const TensorView& weights, const TensorView& out, bool accumulate,
+                           bool hook = false);
+  // The receive part of the last step queued with hook (the dispatch's packing, the combine's sums),
+  // on stream(); the step's results are valid after it. Capturable. Every other low-latency call
+  // is refused while a receive is pending.
+  void low_latency_receive();
+  bool receive_pending() const { return pending_.phase != 0; }
 
  private:
   friend class EpGroup;
@@ -161,6 +169,19 @@ class EpRank {
   bool broken_ = false;      // a wait timed out: the peers' step counters no longer agree
   int32_t* counts_host_ = nullptr;  // pinned [P][length]
   int64_t ll_tokens_ = -1;   // T of the last low-latency dispatch
+  struct PendingReceive {     // the arguments of a hooked step's receive launch
+    int phase = 0;            // 0: none; 1: dispatch; 2: combine
+    LlArgs args;
+    const uint8_t* x = nullptr;
+    const float* x_scales = nullptr;
+    int64_t x_ld = 0;
+    const int32_t* idx = nullptr;
+    const void* rows = nullptr;
+    const float* weights = nullptr;
+    float* out = nullptr;
+    bool accumulate = false;
+  } pending_;
+  void require_no_receive(const char* step) const;
   EpCounts counts_;
 };
 

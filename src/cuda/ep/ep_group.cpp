@@ -197,7 +197,7 @@ std::unique_ptr<EpGroup> EpGroup::local(const EpConfig& cfg) {
     FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_c, ll_combine_kernel_ptr(), ll_threads(), 0));
   } else {
     FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm_d, dispatch_kernel_ptr(g->blocks_per_sm_), dispatch_threads(), 0));
+        &per_sm_d, dispatch_kernel_ptr(g->blocks_per_sm_), dispatch_threads(g->blocks_per_sm_), 0));
     FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &per_sm_c, combine_kernel_ptr(g->blocks_per_sm_), combine_threads(), 0));
   }
@@ -453,9 +453,16 @@ LlArgs EpRank::ll_args(int64_t tokens) const {
   return a;
 }
 
-void EpRank::low_latency_dispatch(const QuantizedView& x, const TensorView& idx) {
+void EpRank::require_no_receive(const char* step) const {
+  FP8MOE_CHECK(pending_.phase == 0, "ep " << step << " on rank " << me_ << ": the low-latency "
+                                          << (pending_.phase == 1 ? "dispatch" : "combine")
+                                          << " queued with a hook has not been received (low_latency_receive)");
+}
+
+void EpRank::low_latency_dispatch(const QuantizedView& x, const TensorView& idx, bool hook) {
   require_usable("low-latency dispatch");
   require_mode(true, "low-latency dispatch");
+  require_no_receive("low-latency dispatch");
   const EpConfig& c = group_->config();
   const int64_t D = c.hidden, G = D / 128, k = c.topk;
   check_tensor(idx, "ep low-latency dispatch idx", DType::i32, 2);
@@ -473,13 +480,24 @@ void EpRank::low_latency_dispatch(const QuantizedView& x, const TensorView& idx)
                    x.scales.is_contiguous() && x.scales.device == Device::cuda,
                "ep low-latency dispatch: scales " << x.scales.str() << " must be [" << G << ", >= " << T << "] f32");
   FP8MOE_CHECK(aligned16(x.values.data), "ep low-latency dispatch: x values must start on a 16-byte boundary");
-  launch_ll_dispatch(ll_args(T), x.values.ptr<const uint8_t>(), x.scales.ptr<const float>(), x.scales.size(1),
-                     idx.ptr<const int32_t>(), stream_);
+  const LlArgs a = ll_args(T);
+  launch_ll_dispatch(a, x.values.ptr<const uint8_t>(), x.scales.ptr<const float>(), x.scales.size(1),
+                     idx.ptr<const int32_t>(), hook ? kPhaseSend : kPhaseSend | kPhaseReceive, stream_);
   ll_tokens_ = T;
+  if (hook) {
+    pending_ = PendingReceive{};
+    pending_.phase = 1;
+    pending_.args = a;
+    pending_.x = x.values.ptr<const uint8_t>();
+    pending_.x_scales = x.scales.ptr<const float>();
+    pending_.x_ld = x.scales.size(1);
+    pending_.idx = idx.ptr<const int32_t>();
+  }
 }
 
 EpRank::LowLatencyReceived EpRank::low_latency_received() const {
   require_mode(true, "low-latency received");
+  require_no_receive("low-latency received");
   const EpConfig& c = group_->config();
   const BufferLayout& l = group_->layout();
   const int64_t P = c.ranks, epr = c.experts / P, M = P * c.max_tokens, R = epr * M;
@@ -496,9 +514,10 @@ EpRank::LowLatencyReceived EpRank::low_latency_received() const {
 }
 
 void EpRank::low_latency_combine(const TensorView& rows, const TensorView& weights, const TensorView& out,
-                                 bool accumulate) {
+                                 bool accumulate, bool hook) {
   require_usable("low-latency combine");
   require_mode(true, "low-latency combine");
+  require_no_receive("low-latency combine");
   const EpConfig& c = group_->config();
   FP8MOE_CHECK(ll_tokens_ >= 0, "ep low-latency combine on rank " << me_ << ": no low-latency dispatch before it");
   const int64_t T = ll_tokens_, D = c.hidden, k = c.topk, R = c.experts * c.max_tokens;
@@ -518,8 +537,32 @@ void EpRank::low_latency_combine(const TensorView& rows, const TensorView& weigh
                    out.device == Device::cuda,
                "ep low-latency combine: out " << out.str() << " must be [" << T << ", " << D
                                               << "] f32 on the device, 16-byte aligned");
-  launch_ll_combine(ll_args(T), rows.data, weights.defined() ? weights.ptr<const float>() : nullptr, out.ptr<float>(),
-                    accumulate, stream_);
+  const LlArgs a = ll_args(T);
+  const float* w = weights.defined() ? weights.ptr<const float>() : nullptr;
+  launch_ll_combine(a, rows.data, w, out.ptr<float>(), accumulate, hook ? kPhaseSend : kPhaseSend | kPhaseReceive,
+                    stream_);
+  if (hook) {
+    pending_ = PendingReceive{};
+    pending_.phase = 2;
+    pending_.args = a;
+    pending_.rows = rows.data;
+    pending_.weights = w;
+    pending_.out = out.ptr<float>();
+    pending_.accumulate = accumulate;
+  }
+}
+
+void EpRank::low_latency_receive() {
+  require_usable("low-latency receive");
+  require_mode(true, "low-latency receive");
+  FP8MOE_CHECK(pending_.phase != 0,
+               "ep low-latency receive on rank " << me_ << ": no dispatch or combine was queued with a hook");
+  const PendingReceive p = pending_;
+  pending_ = PendingReceive{};
+  if (p.phase == 1)
+    launch_ll_dispatch(p.args, p.x, p.x_scales, p.x_ld, p.idx, kPhaseReceive, stream_);
+  else
+    launch_ll_combine(p.args, p.rows, p.weights, p.out, p.accumulate, kPhaseReceive, stream_);
 }
 
 }  // namespace fp8moe::cuda::ep

@@ -18,6 +18,10 @@
 //             release of the expert's flag in the source's buffer. Then, once every expert's flag
 //             is up, one warp per token sums its k rows in slot order j = 0..k-1 with the normal
 //             combine's roundings (ep_combine.cu): deterministic whatever order the rows arrive in.
+// Receive hook (DeepEP's return_recv_hook): each kernel runs its send part and its receive part in
+// one launch, or in two (kPhaseSend, then kPhaseReceive) so that the rows travel while the rank's
+// SMs run other work between the launches. Both launches of a step read the same step number; only
+// the receive launch advances it.
 // Every wait is the normal mode's (ep_device.cuh): timed out, recorded in the rank's error word.
 #include <cuda_bf16.h>
 
@@ -89,7 +93,7 @@ __device__ __forceinline__ void warp_copy16_peer_written(int4* dst, const int4* 
 
 __global__ void __launch_bounds__(kThreads, 2)
     ll_dispatch_kernel(LlArgs a, const uint8_t* __restrict__ x, const float* __restrict__ x_scales, int64_t x_ld,
-                       const int32_t* __restrict__ idx) {
+                       const int32_t* __restrict__ idx, int phases) {
   __shared__ uint64_t step_s;
   __shared__ int32_t cnt[kMaxRanks], base[kMaxRanks + 1];
   const uint64_t step = ll_begin(a, &step_s);
@@ -98,45 +102,48 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int64_t N = a.max_tokens, M = P * N, slots = T * k;
   char* mine = a.peer[me];
   uint32_t* err = ll_error(a);
-  ll_post_ready(a, step);
-  if (blockIdx.x == 0)
-    for (int64_t s = threadIdx.x; s < slots; s += blockDim.x)
-      if (idx[s] < 0 || idx[s] >= E)  // sent nowhere; the host throws
-        record_failure(err, Step::ll_dispatch, Failure::expert_id, int(s / k), int(s % k));
+  if (phases & kPhaseSend) {
+    ll_post_ready(a, step);
+    if (blockIdx.x == 0)
+      for (int64_t s = threadIdx.x; s < slots; s += blockDim.x)
+        if (idx[s] < 0 || idx[s] >= E)  // sent nowhere; the host throws
+          record_failure(err, Step::ll_dispatch, Failure::expert_id, int(s / k), int(s % k));
 
-  // send
-  const int64_t W = int64_t(gridDim.x) * kWarps;
-  for (int64_t xe = int64_t(blockIdx.x) * kWarps + warp; xe < E; xe += W) {
-    const int d = int(xe / epr);
-    const int64_t e = xe % epr;
-    // d has started this step: its packing of the last step's staging rows is over.
-    if (lane == 0) ll_wait_ready(a, d, step, Step::ll_dispatch);
-    __syncwarp();
-    char* dst = a.peer[d];
-    const int64_t row0 = (e * P + me) * N;  // this source's region for expert e on d
-    uint8_t* sx = region<uint8_t>(dst, a.layout.ll_stage_x) + row0 * D;
-    float* ss = region<float>(dst, a.layout.ll_stage_scales) + row0 * G;
-    int32_t* sl = region<int32_t>(dst, a.layout.ll_stage_slot) + row0;
-    int64_t n = 0;  // rows for xe so far (the whole warp agrees)
-    for (int64_t s0 = 0; s0 < slots; s0 += 32) {
-      const int64_t s = s0 + lane;
-      const uint32_t hit = __ballot_sync(~0u, s < slots && idx[s] == xe);
-      for (uint32_t m = hit; m != 0; m &= m - 1, ++n) {
-        if (n >= N) continue;  // a token lists xe twice: reported below, the rest dropped
-        const int64_t sj = s0 + __ffs(int(m)) - 1, t = sj / k;
-        warp_copy16<4>(reinterpret_cast<int4*>(sx + n * D), reinterpret_cast<const int4*>(x + t * D), D / 16, lane);
-        for (int64_t g = lane; g < G; g += 32) ss[n * G + g] = x_scales[g * x_ld + t];
-        if (lane == 0) sl[n] = int32_t(sj);
+    // send
+    const int64_t W = int64_t(gridDim.x) * kWarps;
+    for (int64_t xe = int64_t(blockIdx.x) * kWarps + warp; xe < E; xe += W) {
+      const int d = int(xe / epr);
+      const int64_t e = xe % epr;
+      // d has started this step: its packing of the last step's staging rows is over.
+      if (lane == 0) ll_wait_ready(a, d, step, Step::ll_dispatch);
+      __syncwarp();
+      char* dst = a.peer[d];
+      const int64_t row0 = (e * P + me) * N;  // this source's region for expert e on d
+      uint8_t* sx = region<uint8_t>(dst, a.layout.ll_stage_x) + row0 * D;
+      float* ss = region<float>(dst, a.layout.ll_stage_scales) + row0 * G;
+      int32_t* sl = region<int32_t>(dst, a.layout.ll_stage_slot) + row0;
+      int64_t n = 0;  // rows for xe so far (the whole warp agrees)
+      for (int64_t s0 = 0; s0 < slots; s0 += 32) {
+        const int64_t s = s0 + lane;
+        const uint32_t hit = __ballot_sync(~0u, s < slots && idx[s] == xe);
+        for (uint32_t m = hit; m != 0; m &= m - 1, ++n) {
+          if (n >= N) continue;  // a token lists xe twice: reported below, the rest dropped
+          const int64_t sj = s0 + __ffs(int(m)) - 1, t = sj / k;
+          warp_copy16<4>(reinterpret_cast<int4*>(sx + n * D), reinterpret_cast<const int4*>(x + t * D), D / 16, lane);
+          for (int64_t g = lane; g < G; g += 32) ss[n * G + g] = x_scales[g * x_ld + t];
+          if (lane == 0) sl[n] = int32_t(sj);
+        }
       }
+      if (n > N) {
+        if (lane == 0) record_failure(err, Step::ll_dispatch, Failure::overflow, int(xe), int(n));
+        n = N;
+      }
+      __threadfence_system();
+      __syncwarp();
+      if (lane == 0) store_release(region<uint64_t>(dst, a.layout.ll_count_flag) + e * P + me, step << 32 | uint64_t(n));
     }
-    if (n > N) {
-      if (lane == 0) record_failure(err, Step::ll_dispatch, Failure::overflow, int(xe), int(n));
-      n = N;
-    }
-    __threadfence_system();
-    __syncwarp();
-    if (lane == 0) store_release(region<uint64_t>(dst, a.layout.ll_count_flag) + e * P + me, step << 32 | uint64_t(n));
   }
+  if (!(phases & kPhaseReceive)) return;
 
   // receive: pack the local experts of this block.
   const int64_t R = epr * M, ld = scale_ld_ll(R);
@@ -186,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 __global__ void __launch_bounds__(kThreads, 2)
     ll_combine_kernel(LlArgs a, const __nv_bfloat16* __restrict__ rows, const float* __restrict__ weights,
-                      float* __restrict__ out, bool accumulate) {
+                      float* __restrict__ out, bool accumulate, int phases) {
   __shared__ uint64_t step_s;
   const uint64_t step = ll_begin(a, &step_s);
   const int P = a.ranks, me = a.me, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -194,32 +201,35 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int64_t N = a.max_tokens, M = P * N;
   char* mine = a.peer[me];
   uint32_t* err = ll_error(a);
-  ll_post_ready(a, step);
-
-  // send: the packed rows of this rank's last dispatch, (local expert, source) pair by pair.
-  const int32_t* src_count = region<int32_t>(mine, a.layout.ll_src_count);
-  const int32_t* src_slot = region<int32_t>(mine, a.layout.ll_src_slot);
   const int64_t W = int64_t(gridDim.x) * kWarps;
-  for (int64_t pair = int64_t(blockIdx.x) * kWarps + warp; pair < epr * P; pair += W) {
-    const int64_t e = pair / P;
-    const int p = int(pair % P);
-    int64_t first = 0;
-    for (int q = 0; q < p; ++q) first += src_count[e * P + q];
-    const int64_t n = src_count[e * P + p];
-    // p has started this step: its sums of the last combine's rows are over.
-    if (lane == 0) ll_wait_ready(a, p, step, Step::ll_combine);
-    __syncwarp();
-    __nv_bfloat16* back = region<__nv_bfloat16>(a.peer[p], a.layout.ll_back);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t r = e * M + first + i;
-      const int64_t slot = src_slot[r];
-      if (slot < 0 || slot >= N * k) continue;  // only after a failed dispatch (the host throws)
-      warp_copy16<4>(reinterpret_cast<int4*>(back + slot * D), reinterpret_cast<const int4*>(rows + r * D), D / 8, lane);
+  if (phases & kPhaseSend) {
+    ll_post_ready(a, step);
+
+    // send: the packed rows of this rank's last dispatch, (local expert, source) pair by pair.
+    const int32_t* src_count = region<int32_t>(mine, a.layout.ll_src_count);
+    const int32_t* src_slot = region<int32_t>(mine, a.layout.ll_src_slot);
+    for (int64_t pair = int64_t(blockIdx.x) * kWarps + warp; pair < epr * P; pair += W) {
+      const int64_t e = pair / P;
+      const int p = int(pair % P);
+      int64_t first = 0;
+      for (int q = 0; q < p; ++q) first += src_count[e * P + q];
+      const int64_t n = src_count[e * P + p];
+      // p has started this step: its sums of the last combine's rows are over.
+      if (lane == 0) ll_wait_ready(a, p, step, Step::ll_combine);
+      __syncwarp();
+      __nv_bfloat16* back = region<__nv_bfloat16>(a.peer[p], a.layout.ll_back);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = e * M + first + i;
+        const int64_t slot = src_slot[r];
+        if (slot < 0 || slot >= N * k) continue;  // only after a failed dispatch (the host throws)
+        warp_copy16<4>(reinterpret_cast<int4*>(back + slot * D), reinterpret_cast<const int4*>(rows + r * D), D / 8, lane);
+      }
+      __threadfence_system();
+      __syncwarp();
+      if (lane == 0) store_release(region<uint64_t>(a.peer[p], a.layout.ll_combine_flag) + me * epr + e, step);
     }
-    __threadfence_system();
-    __syncwarp();
-    if (lane == 0) store_release(region<uint64_t>(a.peer[p], a.layout.ll_combine_flag) + me * epr + e, step);
   }
+  if (!(phases & kPhaseReceive)) return;
 
   // receive: every expert's rows for this source are in, then one warp per token.
   for (int64_t i = threadIdx.x; i < E; i += blockDim.x)
@@ -272,15 +282,15 @@ const void* ll_dispatch_kernel_ptr() { return reinterpret_cast<const void*>(&ll_
 const void* ll_combine_kernel_ptr() { return reinterpret_cast<const void*>(&ll_combine_kernel); }
 
 void launch_ll_dispatch(const LlArgs& a, const uint8_t* x, const float* x_scales, int64_t x_ld, const int32_t* idx,
-                        cudaStream_t stream) {
-  ll_dispatch_kernel<<<a.blocks, kThreads, 0, stream>>>(a, x, x_scales, x_ld, idx);
+                        int phases, cudaStream_t stream) {
+  ll_dispatch_kernel<<<a.blocks, kThreads, 0, stream>>>(a, x, x_scales, x_ld, idx, phases);
   FP8MOE_CUDA_CHECK_LAUNCH("ep ll_dispatch_kernel");
 }
 
 void launch_ll_combine(const LlArgs& a, const void* rows, const float* weights, float* out, bool accumulate,
-                       cudaStream_t stream) {
+                       int phases, cudaStream_t stream) {
   ll_combine_kernel<<<a.blocks, kThreads, 0, stream>>>(a, static_cast<const __nv_bfloat16*>(rows), weights, out,
-                                                       accumulate);
+                                                       accumulate, phases);
   FP8MOE_CUDA_CHECK_LAUNCH("ep ll_combine_kernel");
 }
 
