@@ -2,7 +2,7 @@
 //   fp8moe generate --checkpoint runs/tiny/checkpoint.safetensors "Once upon a time"
 //   fp8moe generate --hf out/hf --prompt-file prompt.txt --temperature 0.8 --top-p 0.95 --seed 7
 //   echo "Hello" | fp8moe generate --hf out/hf --max-tokens 64
-//   fp8moe generate --checkpoint ckpt.safetensors --temperature 0 --speculative "Hi"   (MTP drafts)
+//   fp8moe generate --checkpoint ckpt.safetensors --speculative "Hi"   (MTP drafts; greedy or sampled)
 //   fp8moe generate --checkpoint ckpt.safetensors --temperature 0 --batch-invariant "Hi"   (its plain text)
 //   fp8moe generate --hf out/hf --linear f32 --cache f32 --logits-out l.json "Hi"   (no generation)
 // The prompt is the argument, else --prompt-file (- = stdin), else stdin. Runs on the GPU when
@@ -110,7 +110,7 @@ void add_generate(CLI::App& app) {
   c->add_flag("--expanded-decode", a->expanded_decode, "Decode with the expanded MLA form instead of the absorbed one");
   c->add_option("--logits-out", a->logits_out, "Write the prompt's logits at every position (JSON) and stop");
   c->add_flag("--speculative", a->speculative,
-              "MTP speculative decoding (greedy: --temperature 0; implies --batch-invariant)");
+              "MTP speculative decoding (implies --batch-invariant; rejection sampling at --temperature > 0)");
   c->add_flag("--batch-invariant", a->batch_invariant,
               "Decode rows' logits independent of what shares their step (the plain text --speculative equals)");
   c->callback([a] { run(*a); });

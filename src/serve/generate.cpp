@@ -106,11 +106,6 @@ std::vector<int32_t> prepare(Engine& engine, std::string_view prompt, const Gene
   return p;
 }
 
-int32_t argmax_row(const Tensor& logits, int64_t row, int64_t V) {
-  const float* x = logits.ptr<float>() + row * V;
-  return int32_t(std::max_element(x, x + V) - x);
-}
-
 }  // namespace
 
 GenerateResult generate(Engine& engine, std::string_view prompt, const GenerateOptions& opt,
@@ -157,8 +152,7 @@ GenerateResult generate_speculative(Engine& engine, std::string_view prompt, con
   FP8MOE_CHECK(engine.options().batch_invariant,
                "speculative decoding needs EngineOptions::batch_invariant (the verified rows' logits as decoding "
                "them one by one gives)");
-  FP8MOE_CHECK(opt.sampling.temperature == 0, "speculative decoding is greedy: temperature must be 0, got "
-                                                  << opt.sampling.temperature);
+  Sampler sampler(opt.sampling);
   BlockAllocator alloc(engine.cache().blocks());
   std::vector<int32_t> table;
   // One position past the text: the last step may feed a draft there.
@@ -178,7 +172,7 @@ GenerateResult generate_speculative(Engine& engine, std::string_view prompt, con
     logits = engine.step({{&table, s, std::vector<int32_t>(p.begin() + s, p.begin() + std::min(P, s + opt.prefill_chunk))}}, &h);
     hidden.emplace_back(s, h);
   }
-  int32_t m = argmax_row(logits, 0, V);
+  int32_t m = sampler.sample(logits.ptr<float>(), V);
   Tensor draft;
   for (const auto& [s, h] : hidden) {
     const int64_t e = std::min(P, s + opt.prefill_chunk);
@@ -192,22 +186,31 @@ GenerateResult generate_speculative(Engine& engine, std::string_view prompt, con
   int64_t pos = P;  // where m goes
   if (!out.push(m, logits.ptr<float>(), V)) {
     while (true) {
-      const int32_t d = argmax_row(draft, 0, V);
+      // Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): d drawn from the draft's
+      // distribution q and accepted with probability min(1, p(d) / q(d)) under the main model's p,
+      // else a token drawn from normalize(max(p - q, 0)), is distributed as p. At temperature 0
+      // both are one-hot: d is accepted exactly when it is the main model's argmax.
+      const std::vector<double> q = sampler.distribution(draft.ptr<float>(), V);
+      const int32_t d = sampler.draw(q);
       Tensor h;
       // m and d as decode rows (attending to positions <= pos and <= pos + 1): the logits plain
       // decoding computes at pos and, if d is its choice there, at pos + 1.
       const Tensor lg = engine.step({{&table, pos, {m, d}, 2, true}}, &h);
       ++r.main_steps;
       ++r.drafted;
-      const int32_t a0 = argmax_row(lg, 0, V);
-      if (a0 == d) {
+      std::vector<double> pm = sampler.distribution(lg.ptr<float>(), V);
+      if (sampler.uniform() * q[size_t(d)] < pm[size_t(d)]) {
         ++r.accepted;
-        const int32_t a1 = argmax_row(lg, 1, V);
+        const int32_t a1 = sampler.sample(lg.ptr<float>() + V, V);
         if (out.push(d, lg.ptr<float>(), V) || out.push(a1, lg.ptr<float>() + V, V)) break;
         draft = engine.mtp_step({{&table, pos, {d, a1}, 1, true}}, h.view());
         m = a1;
         pos += 2;
       } else {
+        bool residual = false;
+        for (size_t i = 0; i < pm.size(); ++i) residual |= (pm[i] = std::max(pm[i] - q[i], 0.0)) > 0;
+        // p <= q everywhere leaves no mass (p = q up to rounding, where d is always accepted).
+        const int32_t a0 = residual ? sampler.draw(pm) : sampler.sample(lg.ptr<float>(), V);
         // The sequence now ends at pos + 1 (a0 not yet fed): the draft's latents there lie past
         // every length read and are overwritten when a0 is fed; the MTP module never saw d.
         if (out.push(a0, lg.ptr<float>(), V)) break;

@@ -46,12 +46,15 @@ GenerateResult generate(Engine& engine, std::string_view prompt, const GenerateO
 // step; the comparison with other implementations, tests/serve/hf_compare.py).
 Tensor prompt_logits(Engine& engine, std::string_view prompt);
 
-// Greedy decoding with MTP speculative decoding (EngineOptions::mtp and batch_invariant,
-// temperature 0): each main step feeds the last token and the MTP module's draft of the one after
-// as two decode rows of the sequence (SeqChunk::decode); the main model's own choice at the
-// draft's position accepts or replaces it. A verified row's logits are the bits plain decoding
-// computes at its position, so the tokens are plain greedy decoding's on the same engine, in
-// fewer main steps. Returns the drafts made and accepted (the acceptance rate) besides the text.
+// MTP speculative decoding (EngineOptions::mtp and batch_invariant): each main step feeds the
+// last token and the MTP module's draft of the one after as two decode rows of the sequence
+// (SeqChunk::decode). A verified row's logits are the bits plain decoding computes at its
+// position. Greedy (temperature 0): the main model's own choice at the draft's position accepts or
+// replaces it, so the tokens are plain greedy decoding's on the same engine, in fewer main steps.
+// Sampling: the draft is drawn from the MTP module's distribution and accepted or replaced by
+// rejection sampling, so every token is distributed as plain sampling's (the same distribution,
+// not the same draws as generate() with the seed). Returns the drafts made and accepted (the
+// acceptance rate) besides the text.
 GenerateResult generate_speculative(Engine& engine, std::string_view prompt, const GenerateOptions& opt,
                                     const std::function<void(std::string_view)>& on_text = {});
 
