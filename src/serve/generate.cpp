@@ -194,11 +194,11 @@ GenerateResult generate_speculative(Engine& engine, std::string_view prompt, con
       const int32_t d = sampler.draw(q);
       Tensor h;
       // m and d as decode rows (attending to positions <= pos and <= pos + 1): the logits plain
-      // decoding computes at pos and, if d is its choice there, at pos + 1.
+      // decoding computes at pos and, once d is the token there, at pos + 1.
       const Tensor lg = engine.step({{&table, pos, {m, d}, 2, true}}, &h);
       ++r.main_steps;
       ++r.drafted;
-      std::vector<double> pm = sampler.distribution(lg.ptr<float>(), V);
+      std::vector<double> pm = sampler.distribution(lg.ptr<float>(), V);  // then its residual
       if (sampler.uniform() * q[size_t(d)] < pm[size_t(d)]) {
         ++r.accepted;
         const int32_t a1 = sampler.sample(lg.ptr<float>() + V, V);
