@@ -135,6 +135,8 @@ void add_bench(CLI::App& app) {
   mla->add_option("--context", md->context, "tokens per sequence, e.g. 4096,32768")->delimiter(',');
   mla->add_option("--cache", md->caches, "cache forms: bf16, fp8")->delimiter(',');
   mla->add_option("--seed", md->seed, "random seed (0: fresh)");
+  mla->add_flag("--by-length", md->by_length,
+                "split each sequence by its own length (batch invariance, speculative decoding) instead of by the batch");
   auto md_no_check = std::make_shared<bool>(false);
   mla->add_flag("--no-check", *md_no_check, "skip the comparison with the CUDA-core path");
   mla->callback([md, md_no_check] {

@@ -2,7 +2,8 @@
 //   fp8moe generate --checkpoint runs/tiny/checkpoint.safetensors "Once upon a time"
 //   fp8moe generate --hf out/hf --prompt-file prompt.txt --temperature 0.8 --top-p 0.95 --seed 7
 //   echo "Hello" | fp8moe generate --hf out/hf --max-tokens 64
-//   fp8moe generate --checkpoint ckpt.safetensors --temperature 0 --speculative "Hi"   (MTP drafts)
+//   fp8moe generate --checkpoint ckpt.safetensors --speculative "Hi"   (MTP drafts; greedy or sampled)
+//   fp8moe generate --checkpoint ckpt.safetensors --temperature 0 --batch-invariant "Hi"   (its plain text)
 //   fp8moe generate --hf out/hf --linear f32 --cache f32 --logits-out l.json "Hi"   (no generation)
 // The prompt is the argument, else --prompt-file (- = stdin), else stdin. Runs on the GPU when
 // there is one (--backend auto), else on the CPU. Timings go to stderr.
@@ -25,7 +26,7 @@ namespace {
 struct Args {
   std::string prompt, prompt_file, checkpoint, hf, backend = "auto", linear = "auto", cache = "bf16", logits_out;
   int64_t cache_blocks = 0;
-  bool shared_as_routed = false, expanded_decode = false, speculative = false;
+  bool shared_as_routed = false, expanded_decode = false, speculative = false, batch_invariant = false;
   serve::GenerateOptions gen;
 };
 
@@ -54,6 +55,7 @@ void run(const Args& a) {
   eo.absorbed_decode = !a.expanded_decode;
   eo.shared_as_routed = a.shared_as_routed;
   eo.mtp = a.speculative;
+  eo.batch_invariant = a.speculative || a.batch_invariant;
   if (a.speculative) eo.cache_blocks = std::max(eo.cache_blocks, serve::blocks_for(int64_t(prompt.size()) + a.gen.max_tokens + 1));
   serve::Engine engine(w, *be, eo);
   if (!a.logits_out.empty()) {
@@ -107,7 +109,10 @@ void add_generate(CLI::App& app) {
   c->add_flag("--shared-as-routed", a->shared_as_routed, "Run the shared expert as a routed expert every token picks");
   c->add_flag("--expanded-decode", a->expanded_decode, "Decode with the expanded MLA form instead of the absorbed one");
   c->add_option("--logits-out", a->logits_out, "Write the prompt's logits at every position (JSON) and stop");
-  c->add_flag("--speculative", a->speculative, "MTP speculative decoding (greedy: --temperature 0)");
+  c->add_flag("--speculative", a->speculative,
+              "MTP speculative decoding (implies --batch-invariant; rejection sampling at --temperature > 0)");
+  c->add_flag("--batch-invariant", a->batch_invariant,
+              "Decode rows' logits independent of what shares their step (the plain text --speculative equals)");
   c->callback([a] { run(*a); });
 }
 

@@ -88,10 +88,10 @@ int run_mla_decode_bench(const MlaDecodeBenchOptions& opt) {
     copy_gbs = 2.0 * double(copy_bytes) / t_copy * 1e-3;
   }
   const int64_t H = opt.heads, rkv = opt.rkv, dr = opt.dr, W = rkv + dr;
-  std::printf("# bench mla-decode on %s (%d SMs): H=%lld rkv=%lld dr=%lld, one query token per sequence, median of %d "
-              "(warm-up %d), L2 flushed clean; device copy %.0f GB/s (1 GiB, read + write)\n",
-              prop.name, prop.multiProcessorCount, (long long)H, (long long)rkv, (long long)dr, opt.iters, opt.warmup,
-              copy_gbs);
+  std::printf("# bench mla-decode on %s (%d SMs): H=%lld rkv=%lld dr=%lld, one query token per sequence, %s splits, "
+              "median of %d (warm-up %d), L2 flushed clean; device copy %.0f GB/s (1 GiB, read + write)\n",
+              prop.name, prop.multiProcessorCount, (long long)H, (long long)rkv, (long long)dr,
+              opt.by_length ? "by_length" : "fit_batch", opt.iters, opt.warmup, copy_gbs);
   std::printf("# cache MB: the rows the call reads (stored form); GB/s and of copy: those bytes over the time; "
               "TFLOP/s: 2 H (2 rkv + dr) flops per token; flop/B: the same per cache byte\n");
   std::printf("| cache | B | context | path | splits x head tiles | us | cache MB | GB/s | of copy | TFLOP/s | flop/B |\n"
@@ -128,8 +128,9 @@ int run_mla_decode_bench(const MlaDecodeBenchOptions& opt) {
             lv(len.p, DType::i32, {B}, Device::cuda);
         const double scale = 1.0 / std::sqrt(double(192));
         const MlaDecodeShape shape = check_mla_decode(qv, cache.view, tv, lv, ov, Device::cuda);
-        const MlaDecodePlan plan = mla_decode_plan(shape, qv, cache.view, MlaDecodePath::automatic, 0);
-        auto call = [&] { mla_decode_attention_cuda(qv, cache.view, tv, lv, scale, ov, nullptr); };
+        const MlaDecodeSplits rule = opt.by_length ? MlaDecodeSplits::by_length : MlaDecodeSplits::fit_batch;
+        const MlaDecodePlan plan = mla_decode_plan(shape, qv, cache.view, MlaDecodePath::automatic, 0, rule);
+        auto call = [&] { mla_decode_attention_cuda(qv, cache.view, tv, lv, scale, ov, nullptr, MlaDecodePath::automatic, 0, rule); };
         call();
         FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
         std::string note;

@@ -19,6 +19,7 @@ std::string_view op_name(Op op) {
     case Op::gemm_fp8: return "gemm_fp8";
     case Op::gemm_bf16: return "gemm_bf16";
     case Op::gemm: return "gemm";
+    case Op::gemm_batch_invariant: return "gemm_batch_invariant";
     case Op::convert: return "convert";
     case Op::axpy: return "axpy";
     case Op::copy_cols: return "copy_cols";
@@ -78,6 +79,9 @@ void Backend::zero(const TensorView& dst) {
 // Model ops: a backend that does not implement one says so by name.
 #define FP8MOE_UNSUPPORTED(op) FP8MOE_CHECK(false, #op ": unsupported on backend " << name())
 void Backend::gemm(const TensorView&, const TensorView&, const TensorView&, bool, bool, bool) { FP8MOE_UNSUPPORTED(gemm); }
+void Backend::gemm_batch_invariant(const TensorView& a, const TensorView& b, const TensorView& d) {
+  gemm(a, b, d, false, true, false);
+}
 void Backend::convert(const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(convert); }
 void Backend::axpy(double, const TensorView&, double, const TensorView&) { FP8MOE_UNSUPPORTED(axpy); }
 void Backend::copy_cols(const TensorView&, int64_t, const TensorView&, int64_t, int64_t, bool) {
@@ -108,7 +112,7 @@ void Backend::attention_backward(const TensorView&, const TensorView&, const Ten
   FP8MOE_UNSUPPORTED(attention_backward);
 }
 void Backend::mla_decode_attention(const TensorView&, const MlaCacheView&, const TensorView&, const TensorView&, double,
-                                   const TensorView&) {
+                                   const TensorView&, MlaDecodeSplits) {
   FP8MOE_UNSUPPORTED(mla_decode_attention);
 }
 void Backend::swiglu_forward(const TensorView&, const TensorView&, const TensorView&) {

@@ -29,6 +29,7 @@ enum class Op : uint8_t {
   gemm_bf16,
   // Model ops (include/fp8moe/backend.hpp, "Model ops" below).
   gemm,
+  gemm_batch_invariant,
   convert,
   axpy,
   copy_cols,
@@ -160,6 +161,12 @@ class Backend {
   // Also a, b bf16 with d f32: FP32 accumulation of the exact products (the bf16 recipe).
   virtual void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b,
                     bool accumulate);
+  // The Linear form d [M, N] f32 = a [M, K] b [N, K]^T (a, b both f32 or both bf16, FP32
+  // accumulation of the exact products) with every row of d summed in an order set by K alone:
+  // the same bits whatever M and the other rows of a (batch invariance: a decode token's Linear
+  // does not depend on the tokens that share its step). The default is gemm, whose CPU form sums
+  // every element over k in order; a backend whose gemm picks its algorithm by M overrides it.
+  virtual void gemm_batch_invariant(const TensorView& a, const TensorView& b, const TensorView& d);
   // dst = src elementwise between f32, f64 and bf16 (same element count).
   virtual void convert(const TensorView& src, const TensorView& dst);
   // y = alpha * x + beta * y (float, same shape).
@@ -208,8 +215,10 @@ class Backend {
   // lengths[b] tokens of sequence b in one layer's paged cache, keys the whole cached row
   // [latent | rope] and values its latent: o [B * H, rkv] f32 = softmax(scale * q k^T) latent
   // (a sequence of length 0 gives zeros). table [B, max_blocks], lengths [B]: i32 on the device.
+  // `splits`: fit_batch, or by_length for outputs that do not depend on the batch (mla_decode.hpp).
   virtual void mla_decode_attention(const TensorView& q, const MlaCacheView& cache, const TensorView& table,
-                                    const TensorView& lengths, double scale, const TensorView& o);
+                                    const TensorView& lengths, double scale, const TensorView& o,
+                                    MlaDecodeSplits splits = MlaDecodeSplits::fit_batch);
   // out [T, F] = silu(gate) * up.
   virtual void swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out);
   // dgate, dup [T, F] (overwritten) from dout [T, F].

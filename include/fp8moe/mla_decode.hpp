@@ -17,6 +17,15 @@ namespace fp8moe {
 
 constexpr int64_t kMlaBlockTokens = 64;
 
+// How a backend that splits a sequence's context over parallel workers (the GPU's flash-decoding
+// CTAs) picks the splits. fit_batch: the count that fills the device for the whole call, so a
+// sequence's splits, and the rounding of its merged output, depend on the other sequences.
+// by_length: each sequence's splits from its own length alone (those it would get as the only
+// sequence of a call), so its output is the same bits in any batch and beside any other rows of
+// its own sequence (batch invariance: the verification of speculative drafts). The CPU op sums in
+// FP64 per sequence and gives the same bits either way.
+enum class MlaDecodeSplits { fit_batch, by_length };
+
 struct MlaCacheView {
   TensorView rows;                // f32 | bf16 form
   TensorView latent, scale, rope; // fp8 form

@@ -128,8 +128,10 @@ class CpuBackend final : public Backend {
                           const TensorView& dv, int64_t seq_len, double scale, DType compute) override {
     cpu::attention_backward(q, k, v, out, lse, dout, dq, dk, dv, seq_len, scale, compute);
   }
+  // One FP64 sum per sequence and head: the same bits under either split rule.
   void mla_decode_attention(const TensorView& q, const MlaCacheView& cache, const TensorView& table,
-                            const TensorView& lengths, double scale, const TensorView& o) override {
+                            const TensorView& lengths, double scale, const TensorView& o,
+                            MlaDecodeSplits) override {
     cpu::mla_decode_attention(q, cache, table, lengths, scale, o);
   }
   void swiglu_forward(const TensorView& g, const TensorView& u, const TensorView& out) override {

@@ -390,6 +390,10 @@ class CudaBackend final : public Backend {
     FP8MOE_TIMED_GEMM("gemm", a, b, trans_a, trans_b);
     cuda::cuda_gemm(a, b, d, trans_a, trans_b, accumulate, s_);
   }
+  void gemm_batch_invariant(const TensorView& a, const TensorView& b, const TensorView& d) override {
+    FP8MOE_TIMED_GEMM("gemm_batch_invariant", a, b, false, true);
+    cuda::cuda_gemm_batch_invariant(a, b, d, s_);
+  }
   void convert(const TensorView& src, const TensorView& dst) override {
     FP8MOE_TIMED_OP("convert"); cuda::cuda_convert(src, dst, s_); }
   void axpy(double alpha, const TensorView& x, double beta, const TensorView& y) override {
@@ -443,9 +447,10 @@ class CudaBackend final : public Backend {
     cuda::cuda_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, seq_len, scale, compute, s_);
   }
   void mla_decode_attention(const TensorView& q, const MlaCacheView& cache, const TensorView& table,
-                            const TensorView& lengths, double scale, const TensorView& o) override {
+                            const TensorView& lengths, double scale, const TensorView& o,
+                            MlaDecodeSplits splits) override {
     FP8MOE_TIMED_OP("mla_decode_attention");
-    cuda::mla_decode_attention_cuda(q, cache, table, lengths, scale, o, s_);
+    cuda::mla_decode_attention_cuda(q, cache, table, lengths, scale, o, s_, cuda::MlaDecodePath::automatic, 0, splits);
   }
   void swiglu_forward(const TensorView& gate, const TensorView& up, const TensorView& out) override {
     FP8MOE_TIMED_OP("swiglu_forward");

@@ -43,6 +43,7 @@ struct Engine::Impl {
     Linear q_a, q_b, kv_a, kv_b, o;     // q_a empty without q_lora (q_b is then q_proj)
     Tensor q_a_norm, kv_a_norm;         // [rq], [rkv] f32
     Tensor kv_b_f32;                    // [H * (dn + dv), rkv] f32: W_UK_h, W_UV_h for absorption
+    Tensor wuk_t;                       // batch_invariant: [H * rkv, dn] f32, W_UK_h^T (the Linear form)
     bool moe = false;
     Mlp mlp;                            // dense MLP, or the shared expert of a MoE layer
     bool has_shared = false;
@@ -277,6 +278,11 @@ struct Engine::Impl {
           be.convert(b.view(), L.kv_b_f32.view());
         }
       }
+      if (opt.batch_invariant) {
+        L.wuk_t = f32({H * rkv, dn});
+        for (int64_t h = 0; h < H; ++h)
+          be.transpose(rows(L.kv_b_f32.view(), h * (dn + dv), dn), rows(L.wuk_t.view(), h * rkv, rkv));
+      }
       L.o = linear(ws, p + "self_attn.o_proj.weight", prec);
       L.moe = cfg.is_moe_layer(l);
       if (!L.moe) {
@@ -325,6 +331,12 @@ struct Engine::Impl {
     std::copy(v.begin(), v.end(), h.ptr<int32_t>());
     return upload(h);
   }
+  // y [T, N] f32 = x [T, K] w [N, K]^T, x and w f32 or bf16: through gemm_batch_invariant in a
+  // step that EngineOptions::batch_invariant covers (x's rows are at most the step's).
+  void linear_gemm(const TensorView& x, const TensorView& w, const TensorView& y) {
+    if (opt.batch_invariant && x.size(0) <= kBatchInvariantRows) be.gemm_batch_invariant(x, w, y);
+    else be.gemm(x, w, y, false, true, false);
+  }
   // y [T, N] f32 = x [T, K] f32 w^T; `mode`: the scales of x's FP8 tiles.
   Tensor run(const Linear& L, const TensorView& x, ScaleMode mode = ScaleMode::fp32) {
     const int64_t T = x.size(0);
@@ -337,9 +349,9 @@ struct Engine::Impl {
     } else if (L.w.dtype() == DType::bf16) {
       Tensor xb = be.empty(DType::bf16, {T, L.K});
       be.convert(x, xb.view());
-      be.gemm(xb.view(), L.w.view(), y.view(), false, true, false);
+      linear_gemm(xb.view(), L.w.view(), y.view());
     } else {
-      be.gemm(x, L.w.view(), y.view(), false, true, false);
+      linear_gemm(x, L.w.view(), y.view());
     }
     return y;
   }
@@ -388,10 +400,12 @@ struct Engine::Impl {
     std::vector<int64_t> row0;  // first row of each chunk in the step's rows
     Tensor positions;           // [T] i32
     std::vector<int64_t> slots; // [T] cache slot of each row
-    // The absorbed decode's chunks (one token each) and what every layer's call takes: their rows
-    // in the step, block tables [B, max blocks] and lengths [B], and the orders between the
-    // head-major rows h * B + b of the absorption GEMMs and the op's rows b * H + h.
-    std::vector<size_t> decode;
+    // The chunks whose tokens are decode rows, the B decode rows of the step and what every
+    // layer's absorbed form takes: their rows in the step, block tables [B, max blocks] and
+    // lengths [B] (the rows of one chunk share its table), and the orders between the head-major
+    // rows h * B + b of the absorption GEMMs and the op's rows b * H + h.
+    std::vector<bool> decode;
+    int64_t B = 0;
     Tensor dec_rows, dec_table, dec_lengths, dec_to_seq, dec_to_head;
   };
   void attention(int64_t l, const std::vector<SeqChunk>& chunks, const StepRows& sr, const Tensor& x) {
@@ -416,11 +430,18 @@ struct Engine::Impl {
     cache->write(l, entry.view(), sr.slots);
 
     Tensor O = be.zeros(DType::f32, {T, H * dv});  // [T, H * dv] attention output
-    for (size_t c = 0, d = 0; c < chunks.size(); ++c) {
-      if (d < sr.decode.size() && sr.decode[d] == c) ++d;
-      else expanded(L, l, chunks[c], sr.row0[c], q, O);
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const SeqChunk& ch = chunks[c];
+      if (sr.decode[c]) continue;
+      if (!ch.decode) {
+        expanded(L, l, ch, sr.row0[c], q, O);
+        continue;
+      }
+      // Decode rows without the absorbed form: the prefill form one token at a time.
+      for (int64_t i = 0; i < int64_t(ch.tokens.size()); ++i)
+        expanded(L, l, SeqChunk{ch.table, ch.start + i, {ch.tokens[size_t(i)]}}, sr.row0[c] + i, q, O);
     }
-    if (!sr.decode.empty()) absorbed(L, l, sr, q, O);
+    if (sr.B > 0) absorbed(L, l, sr, q, O);
     be.axpy(1.0, run(L.o, attn_out_input(O).view(), ScaleMode::pow2).view(), 1.0, x.view());
   }
 
@@ -453,27 +474,31 @@ struct Engine::Impl {
   // (head-major rows h * B + b), Backend::mla_decode_attention over the layer's cache for all B
   // sequences at once, then o_h = o_lat_h W_UV_h^T.
   void absorbed(Layer& Ly, int64_t l, const StepRows& sr, const Tensor& q, const Tensor& O) {
-    const int64_t B = int64_t(sr.decode.size()), W = rkv + dr;
+    const int64_t B = sr.B, W = rkv + dr;
     Tensor qd = f32({B, H * dqk}), qhm = f32({H * B, dqk});
     be.gather_rows(q.view(), sr.dec_rows.view(), TensorView(), qd.view());
     be.gather_rows(reshape(qd.view(), {B * H, dqk}), sr.dec_to_head.view(), TensorView(), qhm.view());
     const Tensor qn = cols(qhm.view(), 0, dn);  // [H * B, dn]
     Tensor ql = f32({H * B, rkv});              // q_lat_h = q_nope_h W_UK_h
-    for (int64_t h = 0; h < H; ++h)
-      be.gemm(rows(qn.view(), h * B, B), rows(Ly.kv_b_f32.view(), h * (dn + dv), dn), rows(ql.view(), h * B, B), false,
-              false, false);
+    for (int64_t h = 0; h < H; ++h) {
+      if (Ly.wuk_t.defined() && B <= kBatchInvariantRows)
+        linear_gemm(rows(qn.view(), h * B, B), rows(Ly.wuk_t.view(), h * rkv, rkv), rows(ql.view(), h * B, B));
+      else
+        be.gemm(rows(qn.view(), h * B, B), rows(Ly.kv_b_f32.view(), h * (dn + dv), dn), rows(ql.view(), h * B, B),
+                false, false, false);
+    }
     Tensor qa = f32({H * B, W});  // [q_lat | q_pe] against [c_kv | k_pe]
     be.copy_cols(ql.view(), 0, qa.view(), 0, rkv, false);
     be.copy_cols(qhm.view(), dn, qa.view(), rkv, dr, false);
     Tensor qs = f32({B * H, W}), os = f32({B * H, rkv});  // the op's rows b * H + h
     be.gather_rows(qa.view(), sr.dec_to_seq.view(), TensorView(), qs.view());
-    be.mla_decode_attention(qs.view(), cache->view(l), sr.dec_table.view(), sr.dec_lengths.view(), scale, os.view());
+    be.mla_decode_attention(qs.view(), cache->view(l), sr.dec_table.view(), sr.dec_lengths.view(), scale, os.view(),
+                            opt.batch_invariant ? MlaDecodeSplits::by_length : MlaDecodeSplits::fit_batch);
     Tensor olc = f32({H * B, rkv});  // attention-weighted latents, head-major
     be.gather_rows(os.view(), sr.dec_to_head.view(), TensorView(), olc.view());
     Tensor od = f32({B, H * dv}), oh = f32({B, dv});
     for (int64_t h = 0; h < H; ++h) {  // o_h = o_lat_h W_UV_h^T
-      be.gemm(rows(olc.view(), h * B, B), rows(Ly.kv_b_f32.view(), h * (dn + dv) + dn, dv), oh.view(), false, true,
-              false);
+      linear_gemm(rows(olc.view(), h * B, B), rows(Ly.kv_b_f32.view(), h * (dn + dv) + dn, dv), oh.view());
       be.copy_cols(oh.view(), 0, od.view(), h * dv, dv, false);
     }
     be.scatter_add_rows(od.view(), sr.dec_rows.view(), TensorView(), O.view());
@@ -492,7 +517,7 @@ struct Engine::Impl {
     if (L.has_shared) be.axpy(1.0, mlp_forward(L.mlp, h.view(), ScaleMode::pow2).view(), 1.0, x.view());
     Tensor logits = f32({T, E}), scores = f32({T, E}), w = f32({T, k});
     Tensor idx = be.empty(DType::i32, {T, k});
-    be.gemm(h.view(), L.gate_w.view(), logits.view(), false, true, false);
+    linear_gemm(h.view(), L.gate_w.view(), logits.view());
     be.moe_route(logits.view(), L.gate_bias.view(), scores.view(), idx.view(), w.view(), cfg.n_group, cfg.topk_group,
                  cfg.norm_topk_prob, cfg.routed_scaling_factor);
     const Tensor idx_h = be.to_host(idx);
@@ -601,21 +626,27 @@ struct Engine::Impl {
       for (int64_t r = n - c.logits_rows; r < n; ++r) out_rows.push_back(int32_t(sr.row0.back() + r));
     }
     sr.positions = i32(pos);
+    sr.decode.assign(chunks.size(), false);
     if (opt.absorbed_decode) {
       std::vector<int32_t> dec_rows, lengths;
+      std::vector<const std::vector<int32_t>*> tables;
       int64_t nb = 1;
-      for (size_t c = 0; c < chunks.size(); ++c)
-        if (chunks[c].tokens.size() == 1) {
-          sr.decode.push_back(c);
-          dec_rows.push_back(int32_t(sr.row0[c]));
-          lengths.push_back(int32_t(chunks[c].start + 1));
-          nb = std::max(nb, blocks_for(chunks[c].start + 1));
+      for (size_t c = 0; c < chunks.size(); ++c) {
+        const SeqChunk& ch = chunks[c];
+        if (ch.tokens.size() != 1 && !ch.decode) continue;
+        sr.decode[c] = true;
+        for (int64_t i = 0; i < int64_t(ch.tokens.size()); ++i) {
+          dec_rows.push_back(int32_t(sr.row0[c] + i));
+          lengths.push_back(int32_t(ch.start + i + 1));
+          tables.push_back(ch.table);
+          nb = std::max(nb, blocks_for(ch.start + i + 1));
         }
-      const int64_t B = int64_t(sr.decode.size());
+      }
+      const int64_t B = sr.B = int64_t(dec_rows.size());
       if (B > 0) {
         Tensor table = Tensor::host(DType::i32, {B, nb});  // blocks past a sequence's end: 0, never read
         for (int64_t b = 0; b < B; ++b) {
-          const std::vector<int32_t>& t = *chunks[sr.decode[size_t(b)]].table;
+          const std::vector<int32_t>& t = *tables[size_t(b)];
           std::copy(t.begin(), t.begin() + blocks_for(lengths[size_t(b)]), table.ptr<int32_t>() + b * nb);
         }
         std::vector<int32_t> to_seq(size_t(B * H)), to_head(size_t(B * H));

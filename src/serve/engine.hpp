@@ -30,6 +30,10 @@
 
 namespace fp8moe::serve {
 
+// The largest step EngineOptions::batch_invariant holds its promise for: the FP8 GEMM's few-row
+// kernel serves 1..8 rows with one K split.
+constexpr int64_t kBatchInvariantRows = 8;
+
 struct EngineOptions {
   std::string linear = "auto";     // "f32" | "bf16" | "fp8" | "auto": the weights' recipe or format
   CacheDType cache = CacheDType::bf16;
@@ -37,6 +41,15 @@ struct EngineOptions {
   bool absorbed_decode = true;     // false: decode tokens through the prefill (expanded) form
   bool shared_as_routed = false;   // the shared expert as routed expert E that every token picks
   bool mtp = false;                // load the MTP module (mtp_step: speculative decoding's drafts)
+  // Batch invariance: in a step of at most kBatchInvariantRows rows, every decode row's logits are
+  // the bits it would get alone, whatever shares the step (other sequences, prefill chunks, the
+  // other rows of a verified draft). The decode attention splits each sequence's context by its
+  // own length (MlaDecodeSplits::by_length, those it gets alone), and the f32 and bf16 GEMMs (the
+  // Linears, the router, the head, the absorption) run through Backend::gemm_batch_invariant; the
+  // FP8 GEMMs are so up to kBatchInvariantRows (one kernel, one K split, for 1..8 rows), the
+  // masked expert GEMM up to 64 tokens per expert (one layout). Speculative decoding needs it.
+  // Off by default: at large batches by_length runs more splits than a wave needs.
+  bool batch_invariant = false;
   // Redundant experts (report §3.4, fp8moe/placement.hpp) on virtual GPUs: expert_slots > 0 holds
   // that many copies of the routed experts over expert_gpus GPUs of expert_nodes nodes, each
   // token's choice going to one copy of its expert; every rebalance_every steps (0: never) the
@@ -57,6 +70,11 @@ struct SeqChunk {
   int64_t start = 0;
   std::vector<int32_t> tokens;
   int64_t logits_rows = 1;  // logits of the last logits_rows tokens (verification of drafts: > 1)
+  // Every token a decode row (the absorbed form): token i attends to positions [0, start + i]
+  // of the cache as this step writes it, exactly as if the tokens were decoded one per step
+  // (the verification of drafts; bit for bit with EngineOptions::batch_invariant). Without it a
+  // chunk of several tokens runs the prefill form; a single token is a decode row either way.
+  bool decode = false;
 };
 
 class Engine {
@@ -71,7 +89,7 @@ class Engine {
   LinearPrecision linear_precision() const;
   Backend& backend() const;
   LatentCache& cache();
-  // Runs the chunks (any mix of prefill chunks and single decode tokens, distinct sequences) and
+  // Runs the chunks (any mix of prefill chunks and decode tokens, distinct sequences) and
   // returns the logits of every chunk's last logits_rows tokens: [sum of logits_rows, V] f32 on
   // the host, chunk by chunk. With `hidden`, also the trunk output of every token (the MTP
   // module's input): [tokens, D] f32 on the backend.

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
 #include "fp8moe/error.hpp"
 
@@ -43,15 +44,24 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+float log_prob(const float* x, int64_t V, int32_t tok) {
+  const float m = *std::max_element(x, x + V);
+  double s = 0;
+  for (int64_t i = 0; i < V; ++i) s += std::exp(double(x[i]) - m);
+  return float(double(x[tok]) - m - std::log(s));
+}
+
 // The text of the tokens as they come: stop strings withheld until they can no longer match.
 struct Emitter {
   const GenerateOptions& opt;
   const std::function<void(std::string_view)>& on_text;
   GenerateResult& r;
   std::string pending;
-  // Appends a token; true when the text is complete (EOS, a stop string, max_tokens).
-  bool push(int32_t tok) {
+  // Appends token `tok`, chosen from `logits` [V]; true when the text is complete (EOS, a stop
+  // string, max_tokens).
+  bool push(int32_t tok, const float* logits, int64_t V) {
     r.tokens.push_back(tok);
+    r.logprobs.push_back(log_prob(logits, V, tok));
     if (tok == opt.eos) {
       r.finish_reason = "stop";
       return true;
@@ -96,11 +106,6 @@ std::vector<int32_t> prepare(Engine& engine, std::string_view prompt, const Gene
   return p;
 }
 
-int32_t argmax_row(const Tensor& logits, int64_t row, int64_t V) {
-  const float* x = logits.ptr<float>() + row * V;
-  return int32_t(std::max_element(x, x + V) - x);
-}
-
 }  // namespace
 
 GenerateResult generate(Engine& engine, std::string_view prompt, const GenerateOptions& opt,
@@ -123,7 +128,7 @@ GenerateResult generate(Engine& engine, std::string_view prompt, const GenerateO
   for (int64_t i = 0;; ++i) {
     const int32_t tok = sampler.sample(logits.ptr<float>(), V);
     ++r.main_steps;
-    if (out.push(tok)) break;
+    if (out.push(tok, logits.ptr<float>(), V)) break;
     logits = engine.step({{&table, P + i, {tok}}});
   }
   out.flush();
@@ -144,8 +149,10 @@ Tensor prompt_logits(Engine& engine, std::string_view prompt) {
 GenerateResult generate_speculative(Engine& engine, std::string_view prompt, const GenerateOptions& opt,
                                     const std::function<void(std::string_view)>& on_text) {
   FP8MOE_CHECK(engine.options().mtp, "speculative decoding needs the MTP module (EngineOptions::mtp)");
-  FP8MOE_CHECK(opt.sampling.temperature == 0, "speculative decoding is greedy: temperature must be 0, got "
-                                                  << opt.sampling.temperature);
+  FP8MOE_CHECK(engine.options().batch_invariant,
+               "speculative decoding needs EngineOptions::batch_invariant (the verified rows' logits as decoding "
+               "them one by one gives)");
+  Sampler sampler(opt.sampling);
   BlockAllocator alloc(engine.cache().blocks());
   std::vector<int32_t> table;
   // One position past the text: the last step may feed a draft there.
@@ -165,7 +172,7 @@ GenerateResult generate_speculative(Engine& engine, std::string_view prompt, con
     logits = engine.step({{&table, s, std::vector<int32_t>(p.begin() + s, p.begin() + std::min(P, s + opt.prefill_chunk))}}, &h);
     hidden.emplace_back(s, h);
   }
-  int32_t m = argmax_row(logits, 0, V);
+  int32_t m = sampler.sample(logits.ptr<float>(), V);
   Tensor draft;
   for (const auto& [s, h] : hidden) {
     const int64_t e = std::min(P, s + opt.prefill_chunk);
@@ -177,24 +184,36 @@ GenerateResult generate_speculative(Engine& engine, std::string_view prompt, con
   r.prefill_s = std::chrono::duration<double>(t1 - t0).count();
   ++r.main_steps;
   int64_t pos = P;  // where m goes
-  if (!out.push(m)) {
+  if (!out.push(m, logits.ptr<float>(), V)) {
     while (true) {
-      const int32_t d = argmax_row(draft, 0, V);
+      // Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): d drawn from the draft's
+      // distribution q and accepted with probability min(1, p(d) / q(d)) under the main model's p,
+      // else a token drawn from normalize(max(p - q, 0)), is distributed as p. At temperature 0
+      // both are one-hot: d is accepted exactly when it is the main model's argmax.
+      const std::vector<double> q = sampler.distribution(draft.ptr<float>(), V);
+      const int32_t d = sampler.draw(q);
       Tensor h;
-      const Tensor lg = engine.step({{&table, pos, {m, d}, 2}}, &h);  // verifies d, and the token after it
+      // m and d as decode rows (attending to positions <= pos and <= pos + 1): the logits plain
+      // decoding computes at pos and, once d is the token there, at pos + 1.
+      const Tensor lg = engine.step({{&table, pos, {m, d}, 2, true}}, &h);
       ++r.main_steps;
       ++r.drafted;
-      const int32_t a0 = argmax_row(lg, 0, V);
-      if (a0 == d) {
+      std::vector<double> pm = sampler.distribution(lg.ptr<float>(), V);  // then its residual
+      if (sampler.uniform() * q[size_t(d)] < pm[size_t(d)]) {
         ++r.accepted;
-        const int32_t a1 = argmax_row(lg, 1, V);
-        if (out.push(d) || out.push(a1)) break;
-        draft = engine.mtp_step({{&table, pos, {d, a1}}}, h.view());
+        const int32_t a1 = sampler.sample(lg.ptr<float>() + V, V);
+        if (out.push(d, lg.ptr<float>(), V) || out.push(a1, lg.ptr<float>() + V, V)) break;
+        draft = engine.mtp_step({{&table, pos, {d, a1}, 1, true}}, h.view());
         m = a1;
         pos += 2;
       } else {
-        // The draft's latents at pos + 1 are overwritten when a0 is fed there.
-        if (out.push(a0)) break;
+        bool residual = false;
+        for (size_t i = 0; i < pm.size(); ++i) residual |= (pm[i] = std::max(pm[i] - q[i], 0.0)) > 0;
+        // p <= q everywhere leaves no mass (p = q up to rounding, where d is always accepted).
+        const int32_t a0 = residual ? sampler.draw(pm) : sampler.sample(lg.ptr<float>(), V);
+        // The sequence now ends at pos + 1 (a0 not yet fed): the draft's latents there lie past
+        // every length read and are overwritten when a0 is fed; the MTP module never saw d.
+        if (out.push(a0, lg.ptr<float>(), V)) break;
         TensorView h0 = h.view();
         h0.shape[0] = 1;
         draft = engine.mtp_step({{&table, pos, {a0}}}, h0);

@@ -29,6 +29,9 @@ struct GenerateOptions {
 struct GenerateResult {
   std::string text;
   std::vector<int32_t> tokens;
+  // ln p of each token under the logits it was chosen from (the softmax of the raw logits, before
+  // temperature and truncation): equal bit for bit where the logits are.
+  std::vector<float> logprobs;
   std::string finish_reason;  // "length" | "stop"
   double prefill_s = 0, decode_s = 0;
   int64_t drafted = 0, accepted = 0, main_steps = 0;  // speculative decoding
@@ -43,11 +46,15 @@ GenerateResult generate(Engine& engine, std::string_view prompt, const GenerateO
 // step; the comparison with other implementations, tests/serve/hf_compare.py).
 Tensor prompt_logits(Engine& engine, std::string_view prompt);
 
-// Greedy decoding with MTP speculative decoding (EngineOptions::mtp, temperature 0): each main
-// step feeds the last token and the MTP module's draft of the one after; the main model's own
-// choice at the draft's position accepts or replaces it, so the tokens are plain greedy decoding's
-// (up to the rounding of a two-token step against a one-token one) in fewer main steps. Returns
-// the drafts made and accepted (the acceptance rate) besides the text.
+// MTP speculative decoding (EngineOptions::mtp and batch_invariant): each main step feeds the
+// last token and the MTP module's draft of the one after as two decode rows of the sequence
+// (SeqChunk::decode). A verified row's logits are the bits plain decoding computes at its
+// position. Greedy (temperature 0): the main model's own choice at the draft's position accepts or
+// replaces it, so the tokens are plain greedy decoding's on the same engine, in fewer main steps.
+// Sampling: the draft is drawn from the MTP module's distribution and accepted or replaced by
+// rejection sampling, so every token is distributed as plain sampling's (the same distribution,
+// not the same draws as generate() with the seed). Returns the drafts made and accepted (the
+// acceptance rate) besides the text.
 GenerateResult generate_speculative(Engine& engine, std::string_view prompt, const GenerateOptions& opt,
                                     const std::function<void(std::string_view)>& on_text = {});
 

@@ -6,6 +6,8 @@
 #pragma once
 #include <cstdint>
 #include <random>
+#include <string>
+#include <vector>
 
 namespace fp8moe::serve {
 
@@ -23,6 +25,12 @@ class Sampler {
  public:
   explicit Sampler(const SamplingParams& p);
   int32_t sample(const float* logits, int64_t vocab);
+  // The distribution sample() draws from: [vocab] probabilities, zero outside the top-k and top-p
+  // truncation (temperature 0: all mass on the argmax).
+  std::vector<double> distribution(const float* logits, int64_t vocab) const;
+  // A draw from `p` (nonnegative, any positive total), and one of U[0, 1), from the generator.
+  int32_t draw(const std::vector<double>& p);
+  double uniform();
   const SamplingParams& params() const { return p_; }
   // The generator's state as text (std::mt19937_64's stream form), so that another process goes
   // on with the same draws (disaggregation: the first token is drawn on the prefill rank).

@@ -1,7 +1,8 @@
 // The CUDA MLA decode attention (src/cuda/attention/mla_decode.cu) against the CPU op (FP64): f32,
 // bf16 and fp8 caches; DeepSeek-V3's (rkv, dr) = (512, 64) and a small config's (128, 32); 1, 16
 // and 128 heads; lengths 1, 63, 64, 65, 1000 and 4097 in one batch over non-contiguous tables;
-// both paths, with one split, a forced three and the automatic choice; bit-identical reruns.
+// both paths, with one split, a forced three and the automatic choice; bit-identical reruns; the
+// by_length rule's batch invariance.
 // Error measure: max |gpu - cpu| / max |cpu| over the call's output.
 //   cuda_core    FP32 throughout: < 2e-5.
 //   tensor_core  BF16 operands: q is rounded to BF16 here first (so its rounding in the kernel
@@ -114,6 +115,64 @@ TEST_F(CudaMlaDecode, SeveralBatchSizes) {
     for (int64_t b = 0; b < B; ++b) lengths.push_back(len(rng));
     check_case(rng, MlaCase{16, 512, 64, lengths, B % 2 ? DType::e4m3 : DType::bf16});
   }
+}
+
+// Sequence b of a case's inputs as a call of its own: its query rows, its table row cut to its
+// blocks, its length; the same cache.
+MlaInputs one_sequence(const MlaInputs& in, const MlaCase& c, int64_t b) {
+  MlaInputs one = in;
+  const int64_t W = c.rkv + c.dr, len = c.lengths[size_t(b)], nb = std::max<int64_t>(1, (len + 63) / 64);
+  one.q = Tensor::host(DType::f32, {c.H, W});
+  std::memcpy(one.q.ptr<float>(), in.q.ptr<float>() + b * c.H * W, one.q.view().nbytes());
+  one.table = Tensor::host(DType::i32, {1, nb});
+  std::memcpy(one.table.ptr<int32_t>(), in.table.ptr<int32_t>() + b * in.table.size(1), size_t(nb) * 4);
+  one.lengths = Tensor::host(DType::i32, {1});
+  one.lengths.ptr<int32_t>()[0] = int32_t(len);
+  return one;
+}
+
+// MlaDecodeSplits::by_length: every sequence of a batch gets the bits it gets alone (the default
+// rule's plan for one sequence), on both paths, with contexts long enough that the batch's own
+// wave-filling plan would split them differently (fewer splits per sequence at B = 12).
+TEST_F(CudaMlaDecode, ByLengthGivesEverySequenceItsBitsAlone) {
+  auto rng = make_rng();
+  const std::vector<int64_t> lengths = {1, 64, 65, 700, 3000, 8193, 17, 12000, 130, 5000, 4097, 20000};
+  for (const MlaCase& c : {MlaCase{16, 512, 64, lengths, DType::bf16}, MlaCase{128, 512, 64, lengths, DType::e4m3},
+                           MlaCase{2, 128, 32, lengths, DType::f32}}) {
+    MlaInputs in = make_mla_inputs(rng, c);
+    round_to_bf16(in.q);
+    const MlaInputs d = upload(*gpu_, in);
+    const int64_t W = c.rkv;
+    Tensor batch = gpu_->zeros(DType::f32, {c.B() * c.H, c.rkv});
+    gpu_->mla_decode_attention(d.q.view(), d.view(), d.table.view(), d.lengths.view(), c.scale(), batch.view(),
+                               MlaDecodeSplits::by_length);
+    const Tensor bh = gpu_->to_host(batch);
+    for (int64_t b = 0; b < c.B(); ++b) {
+      const MlaInputs one = upload(*gpu_, one_sequence(in, c, b));
+      Tensor o = gpu_->zeros(DType::f32, {c.H, c.rkv});
+      gpu_->mla_decode_attention(one.q.view(), one.view(), one.table.view(), one.lengths.view(), c.scale(), o.view());
+      const Tensor oh = gpu_->to_host(o);
+      EXPECT_EQ(0, std::memcmp(oh.ptr<float>(), bh.ptr<float>() + b * c.H * W, oh.view().nbytes()))
+          << c.str() << ": sequence " << b << " (length " << c.lengths[size_t(b)] << ") differs from its call alone";
+    }
+    const cuda::MlaDecodePlan fit = cuda::mla_decode_plan(
+        check_mla_decode(d.q.view(), d.view(), d.table.view(), d.lengths.view(), batch.view(), Device::cuda), d.q.view(),
+        d.view(), cuda::MlaDecodePath::automatic, 0);
+    const cuda::MlaDecodePlan by = cuda::mla_decode_plan(
+        check_mla_decode(d.q.view(), d.view(), d.table.view(), d.lengths.view(), batch.view(), Device::cuda), d.q.view(),
+        d.view(), cuda::MlaDecodePath::automatic, 0, MlaDecodeSplits::by_length);
+    std::cout << "  " << c.str() << ": fit_batch " << fit.splits << " splits of " << fit.blocks_per_split
+              << " blocks; by_length up to " << by.splits << " splits (target " << by.length_target << ")\n";
+    EXPECT_LT(fit.splits, by.splits) << "the case does not tell the two rules apart";
+  }
+  expect_error([&] {
+    const MlaCase c{2, 128, 32, {100}, DType::f32};
+    const MlaInputs d = upload(*gpu_, make_mla_inputs(rng, c));
+    Tensor o = gpu_->zeros(DType::f32, {c.H, c.rkv});
+    cuda::mla_decode_attention_cuda(d.q.view(), d.view(), d.table.view(), d.lengths.view(), c.scale(), o.view(),
+                                    cuda::native(gpu_->stream()), cuda::MlaDecodePath::automatic, 3,
+                                    MlaDecodeSplits::by_length);
+  }, "needs MlaDecodeSplits::fit_batch");
 }
 
 // A shape only the CUDA-core path takes, and the backend's op (automatic path and splits).

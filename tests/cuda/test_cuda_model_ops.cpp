@@ -108,6 +108,19 @@ void expect_error(F&& f, const std::string& needle) {
   }
 }
 
+// Rows [r0, r0 + n) of a contiguous 2-D tensor: a view of a device tensor, a copy of a host one.
+TensorView row_view(const Tensor& t, int64_t r0, int64_t n) {
+  TensorView v = t.view();
+  v.data = static_cast<char*>(v.data) + r0 * t.size(1) * int64_t(dtype_size(t.dtype()));
+  v.shape[0] = n;
+  return v;
+}
+Tensor host_rows(const Tensor& t, int64_t r0, int64_t n) {
+  Tensor c = Tensor::host(t.dtype(), {n, t.size(1)});
+  std::memcpy(c.view().data, row_view(t, r0, n).data, c.view().nbytes());
+  return c;
+}
+
 class CudaModelOps : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -183,6 +196,38 @@ TEST_F(CudaModelOps, GemmBf16InputsMatchCpuOnRoundedInputs) {
                                   std::string(dtype_name(dd));
         expect_close(host(d), want, dd == DType::bf16 ? 1.0 / 256 : 1e-5, what, 1e-5);
       }
+}
+
+// The batch-invariant Linear GEMM: within FP32 rounding of the CPU GEMM, and every row the same
+// bits computed alone, among other rows, or at another row offset (f32 with 16-byte vectors and
+// an odd K without them; bf16 likewise).
+TEST_F(CudaModelOps, GemmBatchInvariantRowsDoNotDependOnTheOtherRows) {
+  struct Nk {
+    int64_t n, k;
+  };
+  for (DType dt : {DType::f32, DType::bf16})
+    for (const Nk s : {Nk{37, 29}, Nk{256, 1024}, Nk{70, 1000}, Nk{1, 300}, Nk{130, 2048}}) {
+      const int64_t M = 19;
+      const Tensor a = randn({M, s.k}, 1.0f, dt), b = randn({s.n, s.k}, 1.0f, dt);
+      Tensor want = Tensor::host(DType::f32, {M, s.n});
+      cpu_->gemm(as_dtype(a, DType::f32), as_dtype(b, DType::f32), want, false, true, false);
+      const Tensor da = dev(a), db = dev(b);
+      Tensor all = poisoned(DType::f32, {M, s.n});
+      gpu_->gemm_batch_invariant(da, db, all);
+      const std::string what = std::string(dtype_name(dt)) + " N=" + std::to_string(s.n) + " K=" + std::to_string(s.k);
+      expect_close(host(all), want, 1e-5, what, 1e-5);
+      const Tensor all_h = host(all);
+      // Rows [r0, r0 + m) as their own call, for 1..8 rows and more than a CTA's 8.
+      for (const auto [r0, m] : {std::pair<int64_t, int64_t>{0, 1}, {5, 1}, {3, 2}, {11, 8}, {2, 13}, {18, 1}}) {
+        Tensor part = poisoned(DType::f32, {m, s.n});
+        gpu_->gemm_batch_invariant(row_view(da, r0, m), db, part);
+        expect_bits(host(part), host_rows(all_h, r0, m), what + " rows " + std::to_string(r0) + "+" + std::to_string(m));
+      }
+    }
+  Tensor a = dev(randn({3, 64})), b = dev(randn({5, 32})), d = poisoned(DType::f32, {3, 5});
+  expect_error([&] { gpu_->gemm_batch_invariant(a, b, d); }, "b must be [N, 64]");
+  Tensor b2 = dev(randn({5, 64}, 1.0f, DType::bf16));
+  expect_error([&] { gpu_->gemm_batch_invariant(a, b2, d); }, "gemm_batch_invariant: b");
 }
 
 TEST_F(CudaModelOps, ConvertBitExact) {

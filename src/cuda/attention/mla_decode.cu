@@ -23,16 +23,30 @@ constexpr float kNegInf = -INFINITY;
 // and merge.
 constexpr int64_t kMaxSplits = 128;
 
+// The split size in blocks of a context of `blocks` blocks that aims at `want` splits: whole
+// blocks, at least one per split. The host's fit_batch plan and the device's by_length rule both
+// take it, so that a sequence alone in a fit_batch call and the same sequence under by_length in
+// any call get the same ranges.
+__host__ __device__ __forceinline__ int64_t split_blocks(int64_t blocks, int64_t want) {
+  want = want < 1 ? 1 : want > blocks ? blocks : want;
+  want = want > kMaxSplits ? kMaxSplits : want;
+  return (blocks + want - 1) / want;
+}
+
 // The tokens [begin, end) of sequence b that split `sp` covers; a length outside [0, max_blocks *
-// 64] is clamped (mla_decode.hpp: such values are not errors on the device).
+// 64] is clamped (mla_decode.hpp: such values are not errors on the device). blocks_per_split 0:
+// the by_length rule, the split size from the sequence's own blocks and length_target.
 struct SplitRange {
   int begin, end;
 };
 __device__ __forceinline__ SplitRange split_range(const int32_t* lengths, int b, int sp, int blocks_per_split,
-                                                  int max_blocks) {
+                                                  int length_target, int max_blocks) {
   const int len = min(max(lengths[b], 0), max_blocks * int(kMlaBlockTokens));
-  const int begin = sp * blocks_per_split * int(kMlaBlockTokens);
-  return {begin, max(begin, min(len, begin + blocks_per_split * int(kMlaBlockTokens)))};
+  const int bps = blocks_per_split > 0
+                      ? blocks_per_split
+                      : int(split_blocks(max(1, (len + int(kMlaBlockTokens) - 1) / int(kMlaBlockTokens)), length_target));
+  const int begin = sp * bps * int(kMlaBlockTokens);
+  return {begin, max(begin, min(len, begin + bps * int(kMlaBlockTokens)))};
 }
 
 // First slot of token p's block, or -1 when the table's entry is outside the cache.
@@ -114,8 +128,8 @@ __global__ void __launch_bounds__(64 * kMH, 1)
                          const uint8_t* __restrict__ lat, const float* __restrict__ lat_scale,
                          const __nv_bfloat16* __restrict__ rope, const int32_t* __restrict__ table,
                          const int32_t* __restrict__ lengths, int H, int max_blocks, int64_t slots, int head_tiles,
-                         int splits, int blocks_per_split, float scale_log2, float* __restrict__ o,
-                         float* __restrict__ part, float* __restrict__ part_lse) {
+                         int splits, int blocks_per_split, int length_target, float scale_log2,
+                         float* __restrict__ o, float* __restrict__ part, float* __restrict__ part_lse) {
   using C = TcConfig<kRkv, kDr, kMH>;
   constexpr int W = C::W, S = C::kStride, kTok = C::kTok, PS = C::kPStride, NT = C::kThreads, G = C::kG;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -131,7 +145,7 @@ __global__ void __launch_bounds__(64 * kMH, 1)
   const int g = lane >> 2, t4 = lane & 3;
   const int b = blockIdx.y, ht = blockIdx.x % head_tiles, sp = blockIdx.x / head_tiles;
   const int h0 = ht * C::kHeads;
-  const SplitRange range = split_range(lengths, b, sp, blocks_per_split, max_blocks);
+  const SplitRange range = split_range(lengths, b, sp, blocks_per_split, length_target, max_blocks);
   const int ntiles = (range.end - range.begin + kTok - 1) / kTok;
 
   // Q of the tile's heads as BF16 (heads past H: zero rows, their outputs are not stored).
@@ -361,12 +375,13 @@ __global__ void __launch_bounds__(kCcWarps * 32)
     mla_decode_cc_kernel(const float* __restrict__ q, const void* __restrict__ rows, const uint8_t* __restrict__ lat,
                          const float* __restrict__ lat_scale, const __nv_bfloat16* __restrict__ rope,
                          const int32_t* __restrict__ table, const int32_t* __restrict__ lengths, int H, int rkv,
-                         int dr, int max_blocks, int64_t slots, int splits, int blocks_per_split, float scale_log2,
-                         float* __restrict__ o, float* __restrict__ part, float* __restrict__ part_lse) {
+                         int dr, int max_blocks, int64_t slots, int splits, int blocks_per_split, int length_target,
+                         float scale_log2, float* __restrict__ o, float* __restrict__ part,
+                         float* __restrict__ part_lse) {
   extern __shared__ float cc_smem[];  // [kCcWarps][rkv] accumulators, then [kCcWarps] maxima and sums
   const int W = rkv + dr, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int h = blockIdx.x % H, sp = blockIdx.x / H, b = blockIdx.y;
-  const SplitRange range = split_range(lengths, b, sp, blocks_per_split, max_blocks);
+  const SplitRange range = split_range(lengths, b, sp, blocks_per_split, length_target, max_blocks);
   const float* qr = q + (int64_t(b) * H + h) * W;
   float qv[kCcMaxPerLane], acc[kCcMaxPerLane];
 #pragma unroll
@@ -435,7 +450,9 @@ __global__ void mla_decode_combine_kernel(const float* __restrict__ part, const 
   if (M != kNegInf)
     for (int s = 0; s < splits; ++s) L += exp2f(lse[int64_t(s) * H] - M);
   for (int c = threadIdx.x; c < rkv; c += blockDim.x) {
-    float v = 0.f;
+    // -0 is the sum's identity: one nonempty split passes through bit for bit, as when a
+    // sequence of one split writes o directly (by_length's empty splits add nothing either).
+    float v = -0.f;
     if (M != kNegInf)
       for (int s = 0; s < splits; ++s) {
         const float w = exp2f(lse[int64_t(s) * H] - M);
@@ -497,7 +514,7 @@ void launch_tc(const LaunchArgs& a) {
       a.q, kFp8 ? nullptr : c.rows.ptr<const __nv_bfloat16>(), kFp8 ? c.latent.ptr<const uint8_t>() : nullptr,
       kFp8 ? c.scale.ptr<const float>() : nullptr, kFp8 ? c.rope.ptr<const __nv_bfloat16>() : nullptr, a.table,
       a.lengths, int(a.s.H), int(a.s.max_blocks), a.s.slots, int(a.plan.head_tiles), int(a.plan.splits),
-      int(a.plan.blocks_per_split), a.scale_log2, a.o, a.part, a.part_lse);
+      int(a.plan.blocks_per_split), int(a.plan.length_target), a.scale_log2, a.o, a.part, a.part_lse);
   FP8MOE_CUDA_CHECK_LAUNCH("mla_decode_tc_kernel");
 }
 
@@ -527,14 +544,14 @@ void launch_cc(const LaunchArgs& a) {
       a.q, kCache == 2 ? nullptr : c.rows.data, kCache == 2 ? c.latent.ptr<const uint8_t>() : nullptr,
       kCache == 2 ? c.scale.ptr<const float>() : nullptr, kCache == 2 ? c.rope.ptr<const __nv_bfloat16>() : nullptr,
       a.table, a.lengths, int(a.s.H), int(a.s.rkv), int(a.s.dr), int(a.s.max_blocks), a.s.slots, int(a.plan.splits),
-      int(a.plan.blocks_per_split), a.scale_log2, a.o, a.part, a.part_lse);
+      int(a.plan.blocks_per_split), int(a.plan.length_target), a.scale_log2, a.o, a.part, a.part_lse);
   FP8MOE_CUDA_CHECK_LAUNCH("mla_decode_cc_kernel");
 }
 
 }  // namespace
 
 MlaDecodePlan mla_decode_plan(const MlaDecodeShape& s, const TensorView& q, const MlaCacheView& cache,
-                              MlaDecodePath path, int64_t splits) {
+                              MlaDecodePath path, int64_t splits, MlaDecodeSplits rule) {
   MlaDecodePlan p;
   const bool tc_ok = s.cache != DType::f32 && tc_shape(s.rkv, s.dr) && aligned16(q.data) &&
                      (cache.fp8() ? aligned16(cache.latent.data) && aligned16(cache.rope.data)
@@ -556,28 +573,37 @@ MlaDecodePlan mla_decode_plan(const MlaDecodeShape& s, const TensorView& q, cons
     p.head_tiles = s.H;
   }
   const int64_t blocks = std::max<int64_t>(1, s.max_blocks);
-  int64_t want = splits;
-  if (want <= 0) {
+  // The split count nearest to one wave for `batch` sequences: 1.45 waves would run as 2.
+  auto fit = [&](int64_t batch) {
     const int64_t per_sm = path == MlaDecodePath::tensor_core
                                ? tc_ctas_per_sm(s.rkv, int(p.heads_per_cta), s.cache == DType::e4m3)
                                : 8;
-    const int64_t ctas = s.B * p.head_tiles, wave = int64_t(device_props().multiProcessorCount) * per_sm;
-    want = std::max<int64_t>(1, (wave + ctas / 2) / ctas);  // nearest: 1.45 waves would run as 2
+    const int64_t ctas = batch * p.head_tiles, wave = int64_t(device_props().multiProcessorCount) * per_sm;
+    return std::max<int64_t>(1, (wave + ctas / 2) / ctas);
+  };
+  if (rule == MlaDecodeSplits::by_length) {
+    // Every sequence splits as it would alone: the grid covers the most splits any length up to
+    // the table's can take (split_blocks never gives more than min(blocks, target)).
+    p.length_target = std::min(fit(1), kMaxSplits);
+    p.blocks_per_split = 0;
+    p.splits = std::min(blocks, p.length_target);
+    return p;
   }
-  want = std::clamp<int64_t>(want, 1, std::min(blocks, kMaxSplits));
-  p.blocks_per_split = (blocks + want - 1) / want;
+  p.blocks_per_split = split_blocks(blocks, splits > 0 ? splits : fit(s.B));
   p.splits = (blocks + p.blocks_per_split - 1) / p.blocks_per_split;
   return p;
 }
 
 void mla_decode_attention_cuda(const TensorView& q, const MlaCacheView& cache, const TensorView& table,
                                const TensorView& lengths, double scale, const TensorView& o, cudaStream_t stream,
-                               MlaDecodePath path, int64_t splits) {
+                               MlaDecodePath path, int64_t splits, MlaDecodeSplits rule) {
   const MlaDecodeShape s = check_mla_decode(q, cache, table, lengths, o, Device::cuda);
   FP8MOE_CHECK(s.B <= 65535, "mla_decode_attention: B = " << s.B << " exceeds 65535 sequences per call");
   FP8MOE_CHECK(s.max_blocks * kMlaBlockTokens < (int64_t(1) << 30),
                "mla_decode_attention: table of " << s.max_blocks << " blocks is too long");
-  const MlaDecodePlan plan = mla_decode_plan(s, q, cache, path, splits);
+  FP8MOE_CHECK(rule == MlaDecodeSplits::fit_batch || splits == 0,
+               "mla_decode_attention: a forced split count (" << splits << ") needs MlaDecodeSplits::fit_batch");
+  const MlaDecodePlan plan = mla_decode_plan(s, q, cache, path, splits, rule);
   const int64_t rows = s.B * s.H;
   ops::DeviceBuffer part(plan.splits > 1 ? sizeof(float) * size_t(plan.splits * rows * s.rkv) : 0, stream);
   ops::DeviceBuffer part_lse(plan.splits > 1 ? sizeof(float) * size_t(plan.splits * rows) : 0, stream);

@@ -17,18 +17,24 @@ namespace fp8moe::cuda {
 
 enum class MlaDecodePath { automatic, tensor_core, cuda_core };
 
-// The launch a call takes: its path, the number of context splits per sequence and the cache
-// blocks each covers, and the head tiles (CTAs per split and sequence).
+// The launch a call takes: its path, the number of context splits per sequence (the grid's) and
+// the cache blocks each covers, and the head tiles (CTAs per split and sequence). With
+// MlaDecodeSplits::by_length, blocks_per_split is 0 and each CTA derives its sequence's split
+// size on the device from the sequence's length and length_target (the split count a sequence
+// alone in a call gets, before the cap by its blocks); `splits` is then the most any sequence of
+// the table can have, and the splits a sequence does not use are empty.
 struct MlaDecodePlan {
   MlaDecodePath path = MlaDecodePath::cuda_core;
   int64_t splits = 1, blocks_per_split = 1, head_tiles = 1, heads_per_cta = 1;
+  int64_t length_target = 0;
 };
-// `splits` > 0 forces that many splits (capped by the table's blocks), for the tests.
+// `splits` > 0 forces that many splits (capped by the table's blocks; fit_batch only), for the tests.
 MlaDecodePlan mla_decode_plan(const MlaDecodeShape& s, const TensorView& q, const MlaCacheView& cache, MlaDecodePath path,
-                              int64_t splits);
+                              int64_t splits, MlaDecodeSplits rule = MlaDecodeSplits::fit_batch);
 
 void mla_decode_attention_cuda(const TensorView& q, const MlaCacheView& cache, const TensorView& table,
                                const TensorView& lengths, double scale, const TensorView& o, cudaStream_t stream,
-                               MlaDecodePath path = MlaDecodePath::automatic, int64_t splits = 0);
+                               MlaDecodePath path = MlaDecodePath::automatic, int64_t splits = 0,
+                               MlaDecodeSplits rule = MlaDecodeSplits::fit_batch);
 
 }  // namespace fp8moe::cuda
