@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <random>
 
@@ -77,12 +78,19 @@ struct Outcome {
   std::vector<Tensor> grads;  // every parameter's, on the host
 };
 
+// The tiny config: from the source tree the test was built in, or from the working directory (a
+// build run from a copy of the tree at another path).
+std::string tiny_config() {
+  const std::string built = std::string(FP8MOE_SOURCE_DIR) + "/configs/tiny.json";
+  return std::filesystem::exists(built) ? built : "configs/tiny.json";
+}
+
 // One forward and backward of the tiny model (hidden 384: three 1x128 tiles; no MTP) on this
 // rank's tokens, its routed experts expert-parallel over the world with `transport`.
 Outcome run(Backend& be, const std::string& transport, const char* expect) {
   Comm& world = *g_world;
   const int P = world.size(), me = world.rank();
-  ModelConfig cfg = load_config(std::string(FP8MOE_SOURCE_DIR) + "/configs/tiny.json");
+  ModelConfig cfg = load_config(tiny_config());
   cfg.hidden_size = 384;
   cfg.seq_len = 64;
   cfg.num_nextn_predict_layers = 0;
