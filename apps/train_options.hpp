@@ -67,6 +67,10 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--ep", o.parallel.ep,
                   "expert-parallel ranks inside --dp: the routed experts sharded, tokens dispatched in FP8 and "
                   "combined in BF16 (0: the experts in each process)");
+  cmd->add_option("--ep-transport", o.parallel.ep_transport,
+                  "how --ep moves its rows: comm (the communicator's all-to-all) | nvlink (peer-memory kernels: "
+                  "CUDA sm_90 ranks of one host) | auto (nvlink where every rank can, else comm)")
+      ->capture_default_str();
   cmd->add_option("--ranks-per-node", o.parallel.ranks_per_node,
                   "consecutive ranks forming a node, for node-limited routing (0: one node)");
   cmd->add_option("--max-nodes", o.parallel.max_nodes, "nodes a token may be routed to (0: min(4, nodes))");

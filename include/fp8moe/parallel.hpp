@@ -33,6 +33,10 @@ struct ParallelOptions {
   int64_t ranks_per_node = 0;  // 0: every rank of an expert-parallel group on one node
   int64_t max_nodes = 0;       // nodes a token may reach; 0: min(4, nodes), the report's 4
   std::string comm = "auto";   // mpi | nccl | auto (comm.hpp)
+  // How the expert-parallel layer moves its rows: "comm" (the communicator's all_to_all_v, any
+  // backend), "nvlink" (the peer-memory kernels of src/cuda/ep/: CUDA sm_90 ranks of one host,
+  // one node), "auto" (nvlink where every rank of the group can, else comm).
+  std::string ep_transport = "auto";
 };
 
 struct ParallelLayout {
@@ -43,6 +47,7 @@ struct ParallelLayout {
   int64_t nodes = 1;              // nodes of one expert-parallel group (ep / ranks_per_node)
   int64_t max_nodes = 1;
   int64_t experts = 0, experts_per_rank = 0;
+  std::string ep_transport = "comm";  // ParallelOptions::ep_transport, validated
   int64_t pp_rank() const { return rank / dp; }         // pipeline rank
   int64_t dp_rank() const { return rank % dp; }         // place inside the data-parallel group
   int64_t ep_rank() const { return rank % ep; }         // place inside the expert-parallel group
@@ -68,7 +73,9 @@ struct ParallelGroups {
 };
 ParallelGroups make_parallel_groups(Comm& world, const ParallelLayout& layout);
 
-// The expert-parallel routed experts of every MoE layer of `model` over `ep` (layout.ep ranks).
+// The expert-parallel routed experts of every MoE layer of `model` over `ep` (layout.ep ranks),
+// moving their rows as layout.ep_transport says (collective over ep; "nvlink" where it cannot be:
+// an fp8moe::Error on every rank).
 std::shared_ptr<RoutedExperts> make_expert_parallel(Model& model, Comm& ep, const ParallelLayout& layout);
 
 // What this rank's forward dispatches sent since make_expert_parallel, summed over MoE layers:
@@ -80,5 +87,7 @@ struct DispatchTraffic {
 };
 // Of an object made by make_expert_parallel (throws Error otherwise).
 DispatchTraffic dispatch_traffic(const RoutedExperts& expert_parallel);
+// The transport it moves its rows with (layout.ep_transport resolved): "comm" | "nvlink".
+std::string expert_parallel_transport(const RoutedExperts& expert_parallel);
 
 }  // namespace fp8moe

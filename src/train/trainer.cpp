@@ -309,7 +309,9 @@ struct Trainer::Impl {
     ac.weight_decay = opt.weight_decay;
     ac.moments = opt.moments == "bf16" ? MomentPrecision::bf16 : MomentPrecision::f32;
     if (par) par->attach(*model, *backend, refs, ac);
-    else adamw = std::make_unique<AdamW>(*backend, refs, ac);
+    if (par && par->experts && !opt.quiet)
+      std::printf("expert-parallel transport: %s\n", expert_parallel_transport(*par->experts).c_str());
+    if (!par) adamw = std::make_unique<AdamW>(*backend, refs, ac);
     if (par && par->executor) {
       executor = par->executor.get();
     } else {

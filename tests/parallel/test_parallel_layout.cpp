@@ -83,6 +83,13 @@ TEST(ParallelLayout, ImpossibleLayoutsNameTheOption) {
   expect_error(opts(4, 4, 2, 3), 4, experts(8), "--max-nodes 3 is larger than the nodes of an expert-parallel group (2");
   expect_error(opts(4, 4, 0, 2), 4, experts(8), "--max-nodes 2 is larger");
   expect_error(opts(4, 4, 1, 1), 4, experts(8, 3), "cannot hold top-k = 3");
+  ParallelOptions t = opts(2, 2);
+  t.ep_transport = "nccl";
+  expect_error(t, 2, experts(8), "--ep-transport must be comm, nvlink or auto, got 'nccl'");
+  for (const char* ok : {"comm", "nvlink", "auto"}) {
+    t.ep_transport = ok;
+    EXPECT_EQ(make_parallel_layout(t, 2, 1, experts(8)).ep_transport, ok);
+  }
 }
 
 // idx [T, k] distinct experts per token from a seeded generator.

@@ -27,6 +27,7 @@
 #include "fp8moe/zero1.hpp"
 #include "moe_routing.hpp"
 #include "parallel/runtime/dispatch_layout.hpp"
+#include "mpi_test_main.hpp"
 #include "parallel/runtime/ep_exchange.hpp"
 
 namespace fp8moe {
@@ -658,19 +659,4 @@ TEST(Zero1AdamW, OptimizerMemoryPerRankIsTheFormula) {
 }  // namespace
 }  // namespace fp8moe
 
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  std::unique_ptr<fp8moe::Comm> world = fp8moe::make_comm("mpi");
-  fp8moe::g_world = world.get();
-  uint64_t seed = 0;  // rank 0's (FP8MOE_SEED or fresh), printed so a failure can be replayed
-  if (const char* s = std::getenv("FP8MOE_SEED")) seed = std::strtoull(s, nullptr, 10);
-  else seed = (uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
-  const auto seeds = world->exchange(std::string(reinterpret_cast<const char*>(&seed), sizeof seed));
-  std::memcpy(&fp8moe::g_seed, seeds[0].data(), sizeof seed);
-  if (world->rank() == 0) std::cout << "[ seed     ] FP8MOE_SEED=" << fp8moe::g_seed << " on " << world->size() << " ranks\n";
-  else GTEST_FLAG_SET(brief, true);
-  const int rc = RUN_ALL_TESTS();
-  fp8moe::g_world = nullptr;
-  world.reset();
-  return rc;
-}
+int main(int argc, char** argv) { return fp8moe::testing::mpi_test_main(argc, argv, fp8moe::g_world, fp8moe::g_seed); }

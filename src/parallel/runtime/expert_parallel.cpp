@@ -1,5 +1,6 @@
 // The expert-parallel routed experts of the MoE layers (DeepSeek-V3 §3.2.2, §3.3.3), through the
-// communicator's all_to_all_v (any transport; the NVLink kernels are another room):
+// communicator's all_to_all_v (any backend) or the NVLink kernels (ep_nvlink.hpp: --ep-transport),
+// which deliver the same rows in the same order:
 //   forward   the layer's routing (idx, w) -> dispatch layout -> h quantized to 1x128 E4M3 tiles with
 //             power-of-two scales, one row per (token, destination rank) with its expert ids and
 //             weights (ep_exchange.hpp: one hop, or two across nodes) -> on the expert rank, per
@@ -20,6 +21,7 @@
 
 #include "dispatch_layout.hpp"
 #include "ep_exchange.hpp"
+#include "ep_nvlink.hpp"
 #include "fp8moe/model.hpp"
 #include "fp8moe/parallel.hpp"
 #include "model/model_internal.hpp"
@@ -69,6 +71,8 @@ class ExpertParallel final : public RoutedExperts {
       rail_ = ep.split(local, node);
       node_ = ep.split(node, local);
     }
+    if (ep::use_nvlink(m.backend(), ep, l, r.act_dtype))
+      nvlink_ = ep::make_nvlink_transport(ep, l, m.config().hidden_size, m.config().num_experts_per_tok);
   }
 
   struct Source {  // the rows one source rank sent here
@@ -83,6 +87,7 @@ class ExpertParallel final : public RoutedExperts {
     int64_t layer = 0;
     ep::DispatchLayout plan;
     std::unique_ptr<ep::DispatchRoute> route;  // how this micro-batch's tokens reach the experts
+    Tensor idx;          // nvlink: the routing, for the backward's dispatch
     Tensor slot_row;     // [T, k] i32: row of each slot among the returned rows
     std::vector<int64_t> recv_counts, ret_send, ret_recv;  // rows per rank
     Tensor w_recv;       // [received, k] act: the sources' combine weights
@@ -96,14 +101,26 @@ class ExpertParallel final : public RoutedExperts {
     s->layer = layer;
     const Tensor idx_h = c.be.to_host(idx);
     s->plan = ep::dispatch_layout(idx_h.ptr<int32_t>(), T, K, P, El);
-    s->route = std::make_unique<ep::DispatchRoute>(c.be, ep_, rail_.get(), node_.get(), idx_h.ptr<int32_t>(), T, K, El);
-    s->recv_counts = s->route->recv_counts();
-    count_traffic(idx_h.ptr<int32_t>(), T, K, *s->route);
-    const int64_t nr = s->route->received();
     // Dispatch: FP8 rows, their expert ids and weights.
-    const Tensor xr = ep::dispatch_fp8(c.be, *s->route, h, c.recipe.pow2_mode);  // [nr, D]
-    s->w_recv = s->route->carry(c.be, w);                                        // [nr, k]
-    const Tensor ids_h = c.be.to_host(s->route->carry(c.be, idx));              // [nr, k] global ids
+    Tensor xr, ids;  // [nr, D] the rows, dequantized; [nr, k] global ids
+    if (nvlink_) {
+      ep::NvlinkTransport::Dispatched d = nvlink_->dispatch(c.be, h, w, idx, c.recipe.pow2_mode);
+      s->idx = idx;
+      s->recv_counts = d.recv_counts;
+      count_traffic(idx_h.ptr<int32_t>(), T, K, 0, d.sent_rows);
+      xr = d.x;
+      s->w_recv = d.weights;
+      ids = d.ids;
+    } else {
+      s->route = std::make_unique<ep::DispatchRoute>(c.be, ep_, rail_.get(), node_.get(), idx_h.ptr<int32_t>(), T, K, El);
+      s->recv_counts = s->route->recv_counts();
+      count_traffic(idx_h.ptr<int32_t>(), T, K, s->route->cross_node_rows(), s->route->in_node_rows());
+      xr = ep::dispatch_fp8(c.be, *s->route, h, c.recipe.pow2_mode);
+      s->w_recv = s->route->carry(c.be, w);
+      ids = s->route->carry(c.be, idx);
+    }
+    const int64_t nr = xr.size(0);
+    const Tensor ids_h = c.be.to_host(ids);
     std::vector<int32_t> local(size_t(nr * K));  // this rank's local expert of each slot, or -1
     for (int64_t i = 0; i < nr * K; ++i) {
       const int32_t e = ids_h.ptr<int32_t>()[i];
@@ -127,9 +144,13 @@ class ExpertParallel final : public RoutedExperts {
     for (int64_t p = 0; p < P; ++p) s->ret_send[size_t(p)] = s->src[size_t(p)].ret;
     s->ret_recv = s->plan.slots_per_rank;
     // Combine: the expert outputs back in BF16, one row per slot.
-    const Tensor out = return_rows(c, *s, ye, D);
     s->slot_row = i32_tensor(c, s->plan.slot_row, T, K);
-    if (T > 0) c.be.moe_combine(out.view(), s->slot_row.view(), w.view(), y.view(), true);
+    if (nvlink_) {
+      nvlink_->combine(c.be, gather_returned(c, *s, ye, D), w, y);
+    } else {
+      const Tensor out = return_rows(c, *s, ye, D);
+      if (T > 0) c.be.moe_combine(out.view(), s->slot_row.view(), w.view(), y.view(), true);
+    }
     const std::string name = "layers." + std::to_string(layer) + ".moe";
     for (const Source& so : s->src) {
       if (so.n == 0) continue;
@@ -143,7 +164,8 @@ class ExpertParallel final : public RoutedExperts {
                       const Tensor& dw) override {
     auto& s = static_cast<State&>(saved);
     const int64_t T = dy.size(0), D = dy.size(1), K = w.size(1), P = l_.ep;
-    const Tensor dyr = ep::dispatch_fp8(c.be, *s.route, dy, c.recipe.pow2_mode);  // [nr, D]
+    const Tensor dyr = nvlink_ ? nvlink_->dispatch(c.be, dy, w, s.idx, c.recipe.pow2_mode).x
+                               : ep::dispatch_fp8(c.be, *s.route, dy, c.recipe.pow2_mode);  // [nr, D]
     const ScaleMode pow2 = c.recipe.pow2_mode;
     std::vector<Tensor> dxe(static_cast<size_t>(P)), cg(static_cast<size_t>(P));
     for (int64_t p = 0; p < P; ++p) {
@@ -157,10 +179,11 @@ class ExpertParallel final : public RoutedExperts {
       model::mlp_backward_input(c, params(s.layer, so), so.mlp, dye, dxe[size_t(p)], false, pow2, &cg[size_t(p)]);
       cg[size_t(p)] = model::reshaped(cg[size_t(p)], {so.used, 1});
     }
-    const Tensor back = return_rows(c, s, dxe, D);  // [T * k, D] bf16
+    if (nvlink_) nvlink_->combine(c.be, gather_returned(c, s, dxe, D), Tensor(), dh);
+    const Tensor back = nvlink_ ? Tensor() : return_rows(c, s, dxe, D);  // [T * k, D] bf16
     const Tensor cg_back = return_rows(c, s, cg, 1, DType::f32);
     if (T == 0) return;
-    c.be.moe_combine(back.view(), s.slot_row.view(), TensorView(), dh.view(), true);
+    if (!nvlink_) c.be.moe_combine(back.view(), s.slot_row.view(), TensorView(), dh.view(), true);
     // NOTES: w > 0 always (sigmoid affinities, positive scaling factor, validated).
     c.be.moe_combine_weight_grad(flat(cg_back).view(), s.slot_row.view(), w.view(), dw.view());
   }
@@ -174,6 +197,7 @@ class ExpertParallel final : public RoutedExperts {
   }
 
   const DispatchTraffic& traffic() const { return traffic_; }
+  const char* transport() const { return nvlink_ ? "nvlink" : "comm"; }
 
  private:
   // The stacked matrices of this rank's experts of `layer`, grouped over so's layout.
@@ -228,6 +252,11 @@ class ExpertParallel final : public RoutedExperts {
   // sources (dtype: bf16, the combine, or f32); returns what came back [T * k, cols], rank-major.
   Tensor return_rows(Ctx& c, const State& s, const std::vector<Tensor>& per_source, int64_t cols,
                      DType dtype = DType::bf16) {
+    return ep::exchange_rows(c.be, ep_, gather_returned(c, s, per_source, cols), s.ret_send, s.ret_recv, dtype);
+  }
+
+  // The rows of `per_source` named by each source's ret_rows, source-major: what goes back.
+  Tensor gather_returned(Ctx& c, const State& s, const std::vector<Tensor>& per_source, int64_t cols) {
     const int64_t P = l_.ep, n = total(s.ret_send);
     Tensor rows = rows_tensor(c.be, c.act(), n, cols);  // gathered in the activation dtype
     int64_t off = 0;
@@ -237,14 +266,14 @@ class ExpertParallel final : public RoutedExperts {
       c.be.gather_rows(per_source[size_t(p)].view(), so.ret_rows.view(), TensorView(), rows_of(rows, off, so.ret).view());
       off += so.ret;
     }
-    return ep::exchange_rows(c.be, ep_, rows, s.ret_send, s.ret_recv, dtype);
+    return rows;
   }
 
-  void count_traffic(const int32_t* idx, int64_t T, int64_t K, const ep::DispatchRoute& route) {
+  void count_traffic(const int32_t* idx, int64_t T, int64_t K, int64_t cross_node_rows, int64_t in_node_rows) {
     const int64_t G = l_.ranks_per_node, me = l_.ep_rank() / G;
     traffic_.tokens += T;
-    traffic_.cross_node_rows += route.cross_node_rows();
-    traffic_.in_node_rows += route.in_node_rows();
+    traffic_.cross_node_rows += cross_node_rows;
+    traffic_.in_node_rows += in_node_rows;
     std::vector<int64_t> seen_rank(size_t(l_.ep), -1), seen_node(size_t(l_.nodes), -1);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t j = 0; j < K; ++j) {
@@ -263,6 +292,7 @@ class ExpertParallel final : public RoutedExperts {
   Model& model_;
   Comm& ep_;
   std::unique_ptr<Comm> rail_, node_;  // nodes > 1: the ranks with this in-node index; this node's
+  std::unique_ptr<ep::NvlinkTransport> nvlink_;  // --ep-transport: the rows over peer memory
   ParallelLayout l_;
   DispatchTraffic traffic_;
 };
@@ -273,6 +303,12 @@ DispatchTraffic dispatch_traffic(const RoutedExperts& expert_parallel) {
   const auto* ep = dynamic_cast<const ExpertParallel*>(&expert_parallel);
   FP8MOE_CHECK(ep, "dispatch_traffic: the routed experts were not made by make_expert_parallel");
   return ep->traffic();
+}
+
+std::string expert_parallel_transport(const RoutedExperts& expert_parallel) {
+  const auto* ep = dynamic_cast<const ExpertParallel*>(&expert_parallel);
+  FP8MOE_CHECK(ep, "expert_parallel_transport: the routed experts were not made by make_expert_parallel");
+  return ep->transport();
 }
 
 std::shared_ptr<RoutedExperts> make_expert_parallel(Model& model, Comm& ep, const ParallelLayout& layout) {

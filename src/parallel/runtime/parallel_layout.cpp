@@ -43,6 +43,9 @@ ParallelLayout make_parallel_layout(const ParallelOptions& opt, int64_t world, i
   FP8MOE_CHECK(l.experts % l.ep == 0, "--ep " << l.ep << " must divide the routed experts (n_routed_experts = "
                                               << l.experts << " in '" << cfg.name << "')");
   l.experts_per_rank = l.experts / l.ep;
+  FP8MOE_CHECK(opt.ep_transport == "comm" || opt.ep_transport == "nvlink" || opt.ep_transport == "auto",
+               "--ep-transport must be comm, nvlink or auto, got '" << opt.ep_transport << "'");
+  l.ep_transport = opt.ep_transport;
   FP8MOE_CHECK(opt.ranks_per_node >= 0, "--ranks-per-node must be >= 1 (0: one node), got " << opt.ranks_per_node);
   const int64_t rpn = opt.ranks_per_node == 0 ? world : opt.ranks_per_node;
   FP8MOE_CHECK(world % rpn == 0, "--ranks-per-node " << rpn << " must divide the world size " << world);
