@@ -18,6 +18,7 @@
 
 #include "cpu/cpu_backend.hpp"
 #include "cuda_test_util.hpp"
+#include "ep_masked_testing.hpp"
 #include "fp8moe/error.hpp"
 #include "parallel/runtime/ep_reference.hpp"
 #include "serve/two_batch.hpp"
@@ -79,19 +80,9 @@ std::vector<std::vector<float>> reference_moe(const TwoBatchLayer& L, int m) {
   const auto want = ep::reference_low_latency_dispatch(src, k, El, D, G);
   std::vector<std::vector<uint16_t>> expert_rows;
   for (int d = 0; d < P; ++d) {
-    QuantizedTensor a = make_quantized_host(R, D, DType::e4m3, ScaleKind::tile_1x128);
-    std::memset(a.values.ptr<uint8_t>(), 0, size_t(R * D));
-    const int64_t ld = a.scales.size(1);
-    std::fill(a.scales.ptr<float>(), a.scales.ptr<float>() + G * ld, 1.0f);
-    Tensor cnt = Tensor::host(DType::i32, {El});
-    for (int64_t e = 0; e < El; ++e) {
-      const ep::LowLatencyExpert& ref = want[size_t(d)][size_t(e)];
-      const int64_t n = int64_t(ref.src_slot.size());
-      cnt.ptr<int32_t>()[e] = int32_t(n);
-      std::memcpy(a.values.ptr<uint8_t>() + e * M * D, ref.x.data(), ref.x.size());
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t g = 0; g < G; ++g) a.scales.ptr<float>()[g * ld + e * M + i] = ref.scales[size_t(i * G + g)];
-    }
+    const MaskedRows mr = masked_rows(want[size_t(d)], M, D);
+    const QuantizedTensor& a = mr.a;
+    const Tensor& cnt = mr.counts;
     const TwoBatchLayer::Experts w = L.experts(d);
     Tensor g = Tensor::host(DType::f32, {R, F}), u = Tensor::host(DType::f32, {R, F}), act = Tensor::host(DType::f32, {R, F});
     cpu->grouped_gemm_fp8_masked(a, w.gate, cnt.view(), El, g.view(), {});
