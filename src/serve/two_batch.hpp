@@ -7,8 +7,8 @@
 //   communication           DISPATCH(A) MOE(A) COMBINE(A)  DISPATCH(B) MOE(B) COMBINE(B) ...
 // ATTN(m) of a layer waits for m's COMBINE of the layer before; DISPATCH(m) for ATTN(m) and for
 // the other micro-batch's COMBINE (one communication stream's order). The all-to-alls are the
-// low-latency mode (no host read of counts), one EpGroup per micro-batch so that B's dispatch
-// cannot overwrite the rows A's experts are still reading. Only the decode form is here: the
+// low-latency mode (no host read of counts), one EpGroup per micro-batch: each micro-batch's
+// received rows stay valid until its own next dispatch, not the other's, whatever runs between. Only the decode form is here: the
 // normal mode's host read of counts (EpRank::counts()) blocks the one host thread that launches
 // every rank's work on this GPU until the micro-batch's notify has run on all ranks, i.e. until
 // its attention has; every launch behind it, the other micro-batch's included, waits with it.
