@@ -102,8 +102,8 @@ int run_tbo_bench(const TboBenchOptions& opt) {
   std::printf("# overlapped: ATTN(A) ATTN(B) on the compute stream, DISPATCH MOE COMBINE of A during ATTN(B) and of B "
               "during the next layer's ATTN(A); sequential: one chain per rank; compute: attention + experts alone; "
               "comm: dispatch + combine alone\n");
-  std::printf("| shape | ranks | tokens per rank | context | overlapped | sequential | compute | comm | max(compute, comm) "
-              "| sequential / overlapped | overlapped / max | overlapped = sequential |\n"
+  std::printf("| shape | ranks | tokens per rank | context | overlapped | sequential | compute | comm "
+              "| max(compute, comm) | sequential / overlapped | overlapped / max | overlapped = sequential |\n"
               "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);
   cudaStream_t lead;

@@ -84,7 +84,8 @@ struct QBuf {
   QuantizedTensor host() const {
     QuantizedTensor h = make_quantized_host(rows, cols, DType::e4m3, kind);
     FP8MOE_CUDA_CHECK(cudaMemcpy(h.values.ptr<uint8_t>(), values.p, size_t(rows * cols), cudaMemcpyDeviceToHost));
-    FP8MOE_CUDA_CHECK(cudaMemcpy(h.scales.ptr<float>(), scales.p, size_t(h.scales.numel()) * 4, cudaMemcpyDeviceToHost));
+    FP8MOE_CUDA_CHECK(
+        cudaMemcpy(h.scales.ptr<float>(), scales.p, size_t(h.scales.numel()) * 4, cudaMemcpyDeviceToHost));
     return h;
   }
 };
@@ -132,7 +133,9 @@ const char* mode_name(TwoBatchMode m) {
 struct TwoBatchLayer::Weights {
   std::unique_ptr<QBuf> qa, qb, uv, o;
   Buf to_head, to_token, uv_counts;  // i32 [H * Tm], [Tm * H], [H]
-  Weights(size_t n_head, size_t heads) : to_head(n_head * 4), to_token(n_head * 4), uv_counts(heads * 4) {}
+  Buf norm;                          // f32 [D]: the RMSNorms' weights (ones)
+  Weights(size_t n_head, size_t heads, size_t hidden)
+      : to_head(n_head * 4), to_token(n_head * 4), uv_counts(heads * 4), norm(hidden * 4) {}
 };
 
 struct TwoBatchLayer::Rank {
@@ -141,6 +144,7 @@ struct TwoBatchLayer::Rank {
     QBuf xq, caq, ohq, vtq, mq;  // x, q_a out, head-major o_lat, token-major W_UV out, MoE input
     Buf ca, q, o, oh, v, vt;     // f32
     Buf idx, w;                  // the routing, i32 / f32 [Tm, k]
+    Buf rstd;                    // f32 [Tm], the RMSNorms' (not read)
     std::vector<int32_t> idx_h;
     std::vector<float> w_h;
     Micro(const TwoBatchShape& s, int64_t Tm)
@@ -150,7 +154,8 @@ struct TwoBatchLayer::Rank {
           mq(Tm, s.hidden, ScaleKind::tile_1x128), ca(size_t(Tm * s.q_rank) * 4),
           q(size_t(Tm * s.heads * (s.rkv + s.rope)) * 4), o(size_t(Tm * s.heads * s.rkv) * 4),
           oh(size_t(Tm * s.heads * s.rkv) * 4), v(size_t(Tm * s.heads * s.v_head) * 4),
-          vt(size_t(Tm * s.heads * s.v_head) * 4), idx(size_t(Tm * s.topk) * 4), w(size_t(Tm * s.topk) * 4) {}
+          vt(size_t(Tm * s.heads * s.v_head) * 4), idx(size_t(Tm * s.topk) * 4), w(size_t(Tm * s.topk) * 4),
+          rstd(size_t(Tm) * 4) {}
   };
   Micro mb[2];
   Buf x, y;                     // f32 [T, D]: the residual and the last MoE output
@@ -200,7 +205,8 @@ TwoBatchLayer::TwoBatchLayer(const TwoBatchShape& shape) : s_(shape) {
   cfg.low_latency = true;
   for (auto& g : group_) g = EpGroup::local(cfg);
   const int64_t H = s.heads, W = s.rkv + s.rope, El = s.experts / s.ranks, M = s.ranks * N, R = El * M;
-  w_ = std::make_unique<Weights>(size_t(H * Tm), size_t(H));
+  w_ = std::make_unique<Weights>(size_t(H * Tm), size_t(H), size_t(s.hidden));
+  upload(w_->norm, std::vector<float>(size_t(s.hidden), 1.0f));
   w_->qa = random_weight(s.q_rank, s.hidden, s.seed + 1);
   w_->qb = random_weight(H * W, s.q_rank, s.seed + 2);
   w_->uv = random_weight(H * s.v_head, s.rkv, s.seed + 3);
@@ -259,10 +265,13 @@ void TwoBatchLayer::reset_input() {
     upload(r->x, r->x0);
     FP8MOE_CUDA_CHECK(cudaMemset(r->y.p, 0, r->y.bytes));
   }
+  // The copies and memsets run on the legacy stream, which the ranks' non-blocking streams do not
+  // wait for; a pageable copy may also return before its data has landed.
+  FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 // x_m += y_m (the previous layer's MoE output; zero before the first), then the attention stand-in
-// (two_batch.hpp), then the MoE input: x_m quantized with power-of-two scales.
+// (two_batch.hpp), then the MoE input: RMSNorm(x_m) quantized with power-of-two scales.
 void TwoBatchLayer::attention(int p, int m, cudaStream_t st) {
   const TwoBatchShape& s = s_;
   Rank& r = *ranks_[size_t(p)];
@@ -270,26 +279,30 @@ void TwoBatchLayer::attention(int p, int m, cudaStream_t st) {
   const int64_t Tm = s.tokens / 2, H = s.heads, W = s.rkv + s.rope, D = s.hidden;
   const TensorView x = r.x.view(DType::f32, Tm, D, m * Tm), y = r.y.view(DType::f32, Tm, D, m * Tm);
   cuda::cuda_axpy(1.0, y, 1.0, x, st);
-  cuda::quantize_1x128_cuda(x, mb.xq.view(), ScaleMode::pow2, st, false);
+  const TensorView norm(w_->norm.p, DType::f32, {D}, Device::cuda), rstd(mb.rstd.p, DType::f32, {Tm}, Device::cuda);
+  cuda::cuda_rmsnorm_forward_fp8(x, norm, mb.xq.view(), rstd, 1e-6, ScaleMode::pow2, st);
   cuda::gemm_fp8_sm90(mb.xq.view(), w_->qa->view(), mb.ca.view(DType::f32, Tm, s.q_rank), false, st);
   cuda::quantize_1x128_cuda(mb.ca.view(DType::f32, Tm, s.q_rank), mb.caq.view(), ScaleMode::pow2, st, false);
   cuda::gemm_fp8_sm90(mb.caq.view(), w_->qb->view(), mb.q.view(DType::f32, Tm, H * W), false, st);
   MlaCacheView cache;
   cache.rows = mb.cache.view(DType::bf16, Tm * s.context, W);
-  cuda::mla_decode_attention_cuda(mb.q.view(DType::f32, Tm * H, W), cache, mb.table.view(DType::i32, Tm, s.context / 64),
+  cuda::mla_decode_attention_cuda(mb.q.view(DType::f32, Tm * H, W), cache,
+                                  mb.table.view(DType::i32, Tm, s.context / 64),
                                   TensorView(mb.lengths.p, DType::i32, {Tm}, Device::cuda),
                                   1.0 / std::sqrt(double(s.nope + s.rope)), mb.o.view(DType::f32, Tm * H, s.rkv), st);
-  cuda::cuda_gather_rows(mb.o.view(DType::f32, Tm * H, s.rkv), TensorView(w_->to_head.p, DType::i32, {H * Tm}, Device::cuda),
-                         TensorView(), mb.oh.view(DType::f32, H * Tm, s.rkv), st);
+  cuda::cuda_gather_rows(mb.o.view(DType::f32, Tm * H, s.rkv),
+                         TensorView(w_->to_head.p, DType::i32, {H * Tm}, Device::cuda), TensorView(),
+                         mb.oh.view(DType::f32, H * Tm, s.rkv), st);
   cuda::quantize_1x128_cuda(mb.oh.view(DType::f32, H * Tm, s.rkv), mb.ohq.view(), ScaleMode::pow2, st, false);
-  cuda::grouped_gemm_fp8_masked_cuda(mb.ohq.view(), w_->uv->view(), TensorView(w_->uv_counts.p, DType::i32, {H}, Device::cuda),
-                                     H, mb.v.view(DType::f32, H * Tm, s.v_head), false, st);
+  cuda::grouped_gemm_fp8_masked_cuda(mb.ohq.view(), w_->uv->view(),
+                                     TensorView(w_->uv_counts.p, DType::i32, {H}, Device::cuda), H,
+                                     mb.v.view(DType::f32, H * Tm, s.v_head), false, st);
   cuda::cuda_gather_rows(mb.v.view(DType::f32, H * Tm, s.v_head),
                          TensorView(w_->to_token.p, DType::i32, {Tm * H}, Device::cuda), TensorView(),
                          mb.vt.view(DType::f32, Tm * H, s.v_head), st);
   cuda::quantize_1x128_cuda(mb.vt.view(DType::f32, Tm, H * s.v_head), mb.vtq.view(), ScaleMode::pow2, st, false);
   cuda::gemm_fp8_sm90(mb.vtq.view(), w_->o->view(), x, true, st);
-  cuda::quantize_1x128_cuda(x, mb.mq.view(), ScaleMode::pow2, st, false);
+  cuda::cuda_rmsnorm_forward_fp8(x, norm, mb.mq.view(), rstd, 1e-6, ScaleMode::pow2, st);
 }
 
 // Rank p's experts on micro-batch m's received rows: gate and up, SwiGLU + e4m3 on the rows below
@@ -319,8 +332,9 @@ void TwoBatchLayer::run(TwoBatchMode mode, int layers, cudaStream_t lead) {
   const bool moe = mode != TwoBatchMode::comm_only;
   FP8MOE_CHECK(comm || dispatched_, "two-batch layer: compute only runs the experts on the rows of an earlier "
                                     "dispatch; run a mode with communication first");
-  // The gathers' index checks recorded on the device (read by check()) instead of one host
-  // synchronization each, which would hold every later launch of every rank behind that stream.
+  // The gathers' index checks and the norms' NaN/Inf checks recorded on the device (read by
+  // check()) instead of one host synchronization each, which would hold every later launch of
+  // every rank behind that stream.
   struct Deferred {
     bool was = cuda::checks_deferred();
     Deferred() { cuda::set_checks_deferred(true); }

@@ -8,20 +8,22 @@
 // ATTN(m) of a layer waits for m's COMBINE of the layer before; DISPATCH(m) for ATTN(m) and for
 // the other micro-batch's COMBINE (one communication stream's order). The all-to-alls are the
 // low-latency mode (no host read of counts), one EpGroup per micro-batch: each micro-batch's
-// received rows stay valid until its own next dispatch, not the other's, whatever runs between. Only the decode form is here: the
-// normal mode's host read of counts (EpRank::counts()) blocks the one host thread that launches
-// every rank's work on this GPU until the micro-batch's notify has run on all ranks, i.e. until
-// its attention has; every launch behind it, the other micro-batch's included, waits with it.
+// received rows stay valid until its own next dispatch, not the other's, whatever runs between.
+// Only the decode form is here: the normal mode's host read of counts (EpRank::counts()) blocks
+// the one host thread that launches every rank's work on this GPU until the micro-batch's notify
+// has run on all ranks, i.e. until its attention has; every launch behind it, the other
+// micro-batch's included, waits with it.
 //
 // The layer, on real work of DeepSeek-V3's shapes (weights, cache and routing drawn from a seed):
-//   attention  x [T, D] f32 -> e4m3 (1x128) -> q_a [T, q_rank] -> e4m3 -> q_b [T, H * (rkv + dr)]
-//              (W_UK absorbed) -> mla_decode_attention over a bf16 latent cache (T sequences of
-//              `context` tokens) -> o_lat [T * H, rkv] -> head-major -> e4m3 -> W_UV as a masked
-//              grouped GEMM over the H heads -> [H * T, dv] -> token-major -> e4m3 -> x += o_proj.
-//   MoE        x -> e4m3 -> low_latency_dispatch with the fixed routing -> on each rank, its local
-//              experts on the received masked layout: gate and up (masked grouped GEMMs, f32),
-//              SwiGLU, e4m3, down (bf16) -> low_latency_combine -> y [T, D] f32 (the weighted sum)
-//              -> x += y before the next layer's attention.
+//   attention  x [T, D] f32 -> RMSNorm, e4m3 (1x128) -> q_a [T, q_rank] -> e4m3 -> q_b
+//              [T, H * (rkv + dr)] (W_UK absorbed) -> mla_decode_attention over a bf16 latent
+//              cache (T sequences of `context` tokens) -> o_lat [T * H, rkv] -> head-major -> e4m3
+//              -> W_UV as a masked grouped GEMM over the H heads -> [H * T, dv] -> token-major ->
+//              e4m3 -> x += o_proj.
+//   MoE        x -> RMSNorm, e4m3 -> low_latency_dispatch with the fixed routing -> on each rank,
+//              its local experts on the received masked layout: gate and up (masked grouped
+//              GEMMs, f32), SwiGLU, e4m3, down (bf16) -> low_latency_combine -> y [T, D] f32 (the
+//              weighted sum) -> x += y before the next layer's attention.
 // Every kernel's result depends only on its inputs, never on what runs beside it, so the overlapped
 // and sequential steps give the same bits.
 #pragma once

@@ -53,12 +53,6 @@ TwoBatchShape tiny(int ranks) {
   return s;
 }
 
-uint16_t bf16_bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return uint16_t(b >> 16);
-}
-
 // The host reference of micro-batch m's MoE output on every rank, [T / 2, D] each.
 std::vector<std::vector<float>> reference_moe(const TwoBatchLayer& L, int m) {
   const TwoBatchShape& s = L.shape();
@@ -84,17 +78,16 @@ std::vector<std::vector<float>> reference_moe(const TwoBatchLayer& L, int m) {
     const QuantizedTensor& a = mr.a;
     const Tensor& cnt = mr.counts;
     const TwoBatchLayer::Experts w = L.experts(d);
-    Tensor g = Tensor::host(DType::f32, {R, F}), u = Tensor::host(DType::f32, {R, F}), act = Tensor::host(DType::f32, {R, F});
+    Tensor g = Tensor::host(DType::f32, {R, F}), u = Tensor::host(DType::f32, {R, F});
+    Tensor act = Tensor::host(DType::f32, {R, F});
     cpu->grouped_gemm_fp8_masked(a, w.gate, cnt.view(), El, g.view(), {});
     cpu->grouped_gemm_fp8_masked(a, w.up, cnt.view(), El, u.view(), {});
     cpu->swiglu_forward(g.view(), u.view(), act.view());
     QuantizedTensor aq = make_quantized_host(R, F, DType::e4m3, ScaleKind::tile_1x128);
     cpu->quantize_1x128(act.view(), aq, ScaleMode::fp32);
-    Tensor ye = Tensor::host(DType::f32, {R, D});
+    Tensor ye = Tensor::host(DType::bf16, {R, D});
     cpu->grouped_gemm_fp8_masked(aq, w.down, cnt.view(), El, ye.view(), {});
-    std::vector<uint16_t> rows(size_t(R * D));
-    for (size_t i = 0; i < rows.size(); ++i) rows[i] = bf16_bits(ye.ptr<float>()[i]);
-    expert_rows.push_back(std::move(rows));
+    expert_rows.emplace_back(ye.ptr<uint16_t>(), ye.ptr<uint16_t>() + R * D);
   }
   std::vector<std::vector<float>> out;
   for (int p = 0; p < P; ++p) {
@@ -102,9 +95,10 @@ std::vector<std::vector<float>> reference_moe(const TwoBatchLayer& L, int m) {
     std::vector<int32_t> slot_row(size_t(Tm * k));
     for (size_t i = 0; i < slot_row.size(); ++i) slot_row[i] = int32_t(i);
     std::vector<float> ref(size_t(Tm * D));
-    cpu->moe_combine(TensorView(back.data(), DType::bf16, {Tm * k, D}), TensorView(slot_row.data(), DType::i32, {Tm, k}),
-                     TensorView(src[size_t(p)].w.data(), DType::f32, {Tm, k}), TensorView(ref.data(), DType::f32, {Tm, D}),
-                     false);
+    cpu->moe_combine(TensorView(back.data(), DType::bf16, {Tm * k, D}),
+                     TensorView(slot_row.data(), DType::i32, {Tm, k}),
+                     TensorView(src[size_t(p)].w.data(), DType::f32, {Tm, k}),
+                     TensorView(ref.data(), DType::f32, {Tm, D}), false);
     out.push_back(std::move(ref));
   }
   return out;
