@@ -1,4 +1,4 @@
-// `fp8moe bench gemm`, `quant`, `grouped`, `permute`, `attention` and `ep`: our CUDA kernels against
+// `fp8moe bench gemm`, `quant`, `grouped`, `permute`, `attention`, `ep` and `tbo`: our CUDA kernels against
 // cuBLASLt and the copy bandwidth, and the attention's two paths, side by side (bench/bench.hpp).
 // Example:  fp8moe bench gemm --iters 30 --set m4096
 #include <memory>
@@ -170,8 +170,25 @@ void add_bench(CLI::App& app) {
     if (ep->low_latency && epc->count("--tokens") == 0) ep->tokens = 128;
     if (fp8moe::cuda::run_ep_bench(*ep) != 0) throw CLI::RuntimeError("bench ep: bit-exactness check failed", 2);
   });
+  auto tbo = std::make_shared<fp8moe::cuda::TboBenchOptions>();
+  auto* tboc = bench->add_subcommand("tbo", "Two-micro-batch overlap of a decode MoE layer step, P expert-parallel ranks "
+                                            "on this GPU: step time overlapped, sequential, compute and communication alone");
+  tboc->add_option("--iters", tbo->iters, "timed runs per mode (median)");
+  tboc->add_option("--warmup", tbo->warmup, "untimed runs per mode");
+  tboc->add_option("--ranks", tbo->ranks, "rank counts, e.g. 2,4");
+  tboc->add_option("--shapes", tbo->shapes, "layer shapes: v3 (DeepSeek-V3), small, or both, e.g. v3,small");
+  tboc->add_option("--tokens", tbo->tokens, "tokens per rank, split into two micro-batches (0: the shape's)");
+  tboc->add_option("--context", tbo->context, "cached tokens per sequence, a multiple of 64 (0: the shape's)");
+  tboc->add_option("--layers", tbo->layers, "layer steps per timed run");
+  tboc->add_option("--num-sms", tbo->num_sms, "blocks per communication kernel per rank (even)");
+  tboc->add_option("--seed", tbo->seed, "seed of the weights, cache, inputs and routing");
+  tboc->callback([tbo] {
+    require_gpu();
+    if (fp8moe::cuda::run_tbo_bench(*tbo) != 0)
+      throw CLI::RuntimeError("bench tbo: overlapped and sequential results differ", 2);
+  });
 #else
-  for (const char* name : {"gemm", "quant", "grouped", "permute", "attention", "small-m", "mla-decode", "ep"})
+  for (const char* name : {"gemm", "quant", "grouped", "permute", "attention", "small-m", "mla-decode", "ep", "tbo"})
     bench->add_subcommand(name, "needs the CUDA backend")->callback([] {
       throw fp8moe::Error("bench: this build has no CUDA backend");
     });

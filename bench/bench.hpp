@@ -123,6 +123,19 @@ struct EpBenchOptions {
   uint64_t seed = 0;            // 0: fresh random seed (printed)
 };
 
+// The two-micro-batch overlap of a decode MoE layer step (bench_tbo.cpp, src/serve/two_batch.hpp).
+struct TboBenchOptions {
+  int iters = 10;
+  int warmup = 2;
+  std::string ranks = "2,4";      // rank counts, one row each
+  std::string shapes = "v3,small";  // v3: DeepSeek-V3's layer; small: a smaller one
+  int64_t tokens = 0;             // per rank (two micro-batches of half); 0: the shape's
+  int64_t context = 0;            // cached tokens per sequence; 0: the shape's
+  int layers = 4;                 // layer steps per timed run
+  int num_sms = 24;               // blocks per communication kernel per rank
+  uint64_t seed = 1;
+};
+
 // Return 0 when every correctness check passed (calc_diff < 1e-3 and no NaN; bit-exact for the
 // quantizers and the dispatch ops), 1 otherwise.
 int run_gemm_bench(const GemmBenchOptions& opt);
@@ -135,6 +148,8 @@ int run_attention_bench(const AttentionBenchOptions& opt);
 int run_small_m_bench(const SmallMBenchOptions& opt);
 // 0 when the kernels' results are the host reference's, byte for byte.
 int run_ep_bench(const EpBenchOptions& opt);
+// 0 when the overlapped steps' results are the sequential steps', bit for bit.
+int run_tbo_bench(const TboBenchOptions& opt);
 // 0 when the tensor-core path agrees with the CUDA-core path (rel error < 1e-2).
 int run_mla_decode_bench(const MlaDecodeBenchOptions& opt);
 

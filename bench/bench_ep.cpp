@@ -45,13 +45,7 @@ using ep::EpGroup;
 
 std::vector<int> parse_ranks(const std::string& s) {
   std::vector<int> v;
-  size_t pos = 0;
-  while (pos < s.size()) {
-    const size_t end = std::min(s.find(',', pos), s.size());
-    v.push_back(std::stoi(s.substr(pos, end - pos)));
-    pos = end + 1;
-  }
-  FP8MOE_CHECK(!v.empty(), "bench ep --ranks: '" << s << "' names no rank count");
+  for (const std::string& item : comma_list(s, "bench ep --ranks")) v.push_back(std::stoi(item));
   return v;
 }
 

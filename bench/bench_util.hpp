@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cuda/runtime/cuda_check.hpp"
+#include "fp8moe/error.hpp"
 #include "fp8moe/quantize.hpp"
 #include "cuda/gemm/gemm_heuristics.hpp"
 
@@ -49,6 +50,21 @@ struct DeviceQuantized {
     view = {dview(values.p, DType::e4m3, rows, cols), dview(scales.p, DType::f32, ss[0], ss[1]), kind};
   }
 };
+
+// ---- options ----
+// The items of a comma-separated list ("2,4,8" -> {"2", "4", "8"}); `what` names the option in
+// the error for an empty list.
+inline std::vector<std::string> comma_list(const std::string& s, const char* what) {
+  std::vector<std::string> v;
+  size_t pos = 0;
+  while (pos < s.size()) {
+    const size_t end = std::min(s.find(',', pos), s.size());
+    if (end > pos) v.push_back(s.substr(pos, end - pos));
+    pos = end + 1;
+  }
+  FP8MOE_CHECK(!v.empty(), what << ": '" << s << "' names nothing");
+  return v;
+}
 
 // ---- timing ----
 // L2 before each timed launch: `dirty` (a 512 MiB memset: the last ~50 MiB of it stay in L2 as

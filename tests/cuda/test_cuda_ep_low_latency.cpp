@@ -21,6 +21,7 @@
 #include "cpu/cpu_backend.hpp"
 #include "cuda/ep/ep_api.hpp"
 #include "cuda_test_util.hpp"
+#include "ep_masked_testing.hpp"
 #include "fp8moe/error.hpp"
 #include "moe_routing.hpp"
 #include "parallel/runtime/ep_reference.hpp"
@@ -486,21 +487,9 @@ TEST(CudaEpLowLatency, ReceivedLayoutFeedsTheMaskedGroupedGemm) {
   const auto want = ep::reference_low_latency_dispatch(h.src, h.k, epr, D, G);
   for (int d = 0; d < h.P; ++d) {
     SCOPED_TRACE("rank " + std::to_string(d));
-    QuantizedTensor a = make_quantized_host(R, D, DType::e4m3, ScaleKind::tile_1x128);
-    std::memset(a.values.ptr<uint8_t>(), 0, size_t(R * D));
-    const int64_t ld = a.scales.size(1);
-    std::fill(a.scales.ptr<float>(), a.scales.ptr<float>() + G * ld, 1.0f);
-    Tensor cnt = Tensor::host(DType::i32, {epr});
-    for (int64_t e = 0; e < epr; ++e) {
-      const ep::LowLatencyExpert& ref = want[size_t(d)][size_t(e)];
-      const int64_t n = int64_t(ref.src_slot.size());
-      cnt.ptr<int32_t>()[e] = int32_t(n);
-      std::memcpy(a.values.ptr<uint8_t>() + e * M * D, ref.x.data(), ref.x.size());
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t g = 0; g < G; ++g) a.scales.ptr<float>()[g * ld + e * M + i] = ref.scales[size_t(i * G + g)];
-    }
+    const MaskedRows mr = masked_rows(want[size_t(d)], M, D);
     Tensor expect = Tensor::host(DType::f32, {R, F});
-    h.cpu->grouped_gemm_fp8_masked(a, b, cnt, epr, expect, {});
+    h.cpu->grouped_gemm_fp8_masked(mr.a, b, mr.counts, epr, expect, {});
     const auto r = h.group->rank(d).low_latency_received();
     Tensor got = be->zeros(DType::f32, {R, F});
     be->grouped_gemm_fp8_masked(r.x, bd, r.counts, epr, got, {});

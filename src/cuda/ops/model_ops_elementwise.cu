@@ -10,6 +10,7 @@
 #include "cuda/runtime/device_checks.hpp"
 #include "cuda/ops/model_ops.hpp"
 #include "cuda/ops/model_ops_util.cuh"
+#include "cuda/ops/swiglu_device.cuh"
 #include "cuda/quant/quantize_device.cuh"
 
 namespace fp8moe::cuda {
@@ -73,20 +74,6 @@ __global__ void embedding_forward_kernel(const int32_t* __restrict__ ids, const 
     const int64_t t = i / D, j = i - t * D, id = ids[t];
     out[i] = id >= 0 && id < V ? table[id * D + j] : NAN;
   }
-}
-
-// The per-element arithmetic of SwiGLU, shared by the kernels on f32 inputs and the one on the
-// FP8-cached input, which are then bit-identical (expf differs from the CPU's std::exp in the last
-// bits, so all of them are within rounding of the CPU ops, not bit-identical to them).
-__device__ __forceinline__ float swiglu_value(float g, float u) {
-  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
-}
-__device__ __forceinline__ void swiglu_grad(float g, float u, float d, float& dg, float& du) {
-  const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
-  const float silu = __fmul_rn(g, s);
-  du = __fmul_rn(d, silu);
-  // d * u * s * (1 + g * (1 - s)), left to right as in C++.
-  dg = __fmul_rn(__fmul_rn(__fmul_rn(d, u), s), __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s))));
 }
 
 __global__ void swiglu_forward_kernel(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ o,
