@@ -61,6 +61,29 @@ void check_devices(const TensorView& send, const TensorView& recv, const std::st
   check_device(recv, "recv", what);
 }
 
+// A collective started on the communicator's own stream: wait() makes the caller's stream wait
+// for it (the host does not).
+class NcclCollectiveRequest final : public CommRequest::Impl {
+ public:
+  NcclCollectiveRequest(cudaStream_t comm_stream, const Stream& s, std::string what) : s_(s), what_(std::move(what)) {
+    CUDA_OK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), what_);
+    CUDA_OK(cudaEventRecord(done_, comm_stream), what_);
+  }
+  ~NcclCollectiveRequest() override { cudaEventDestroy(done_); }
+  void wait() override { CUDA_OK(cudaStreamWaitEvent(stream_of(s_), done_, 0), what_); }
+  bool test() override {
+    const cudaError_t e = cudaEventQuery(done_);
+    if (e == cudaErrorNotReady) return false;
+    CUDA_OK(e, what_);
+    return true;
+  }
+
+ private:
+  cudaEvent_t done_ = nullptr;
+  Stream s_;
+  std::string what_;
+};
+
 // Done once the transfer enqueued before it on its stream has run.
 class NcclRequest final : public CommRequest::Impl {
  public:
@@ -85,7 +108,11 @@ class NcclRequest final : public CommRequest::Impl {
 class NcclComm final : public Comm {
  public:
   NcclComm(std::unique_ptr<MpiComm> host, ncclComm_t nc) : host_(std::move(host)), nc_(nc) {}
-  ~NcclComm() override { ncclCommDestroy(nc_); }
+  ~NcclComm() override {
+    ncclCommDestroy(nc_);
+    if (async_done_) cudaEventDestroy(async_done_);
+    if (async_) cudaStreamDestroy(async_);
+  }
 
   std::string name() const override { return "nccl"; }
   int rank() const override { return host_->rank(); }
@@ -114,6 +141,7 @@ class NcclComm final : public Comm {
     const std::string what = "nccl all_to_all_v";
     check_devices(send, recv, what);
     host_->agree(describe_all_to_all_v(send, send_counts, recv, recv_counts, size()), "nccl");
+    after_async(s, what);
     const auto rb = size_t(row_bytes(send));
     auto* in = static_cast<const uint8_t*>(send.data);
     auto* out = static_cast<uint8_t*>(recv.data);
@@ -133,6 +161,7 @@ class NcclComm final : public Comm {
     const std::string what = "nccl all_gather";
     check_devices(send, recv, what);
     host_->agree(describe_all_gather(send, recv, size()), "nccl");
+    after_async(s, what);
     if (send.nbytes()) NCCL_OK(ncclAllGather(send.data, recv.data, send.nbytes(), ncclUint8, nc_, stream_of(s)), nc_, what);
   }
 
@@ -140,16 +169,39 @@ class NcclComm final : public Comm {
     const std::string what = "nccl reduce_scatter";
     check_devices(send, recv, what);
     host_->agree(describe_reduce_scatter(send, recv, size()), "nccl");
+    after_async(s, what);
     if (recv.numel()) {
       NCCL_OK(ncclReduceScatter(send.data, recv.data, size_t(recv.numel()), nccl_type(recv.dtype), ncclSum, nc_, stream_of(s)),
               nc_, what);
     }
   }
 
+  CommRequest ireduce_scatter(const TensorView& send, const TensorView& recv, const Stream& s) override {
+    const std::string what = "nccl ireduce_scatter";
+    check_devices(send, recv, what);
+    host_->agree(describe_reduce_scatter(send, recv, size()), "nccl");
+    cudaStream_t cs = async_stream(s, what);
+    if (recv.numel()) {
+      NCCL_OK(ncclReduceScatter(send.data, recv.data, size_t(recv.numel()), nccl_type(recv.dtype), ncclSum, nc_, cs), nc_,
+              what);
+    }
+    return posted(cs, s, what);
+  }
+
+  CommRequest iall_gather(const TensorView& send, const TensorView& recv, const Stream& s) override {
+    const std::string what = "nccl iall_gather";
+    check_devices(send, recv, what);
+    host_->agree(describe_all_gather(send, recv, size()), "nccl");
+    cudaStream_t cs = async_stream(s, what);
+    if (send.nbytes()) NCCL_OK(ncclAllGather(send.data, recv.data, send.nbytes(), ncclUint8, nc_, cs), nc_, what);
+    return posted(cs, s, what);
+  }
+
   void all_reduce(const TensorView& t, const Stream& s) override {
     const std::string what = "nccl all_reduce";
     check_device(t, "t", what);
     host_->agree(describe_all_reduce(t), "nccl");
+    after_async(s, what);
     if (t.numel()) {
       NCCL_OK(ncclAllReduce(t.data, t.data, size_t(t.numel()), nccl_type(t.dtype), ncclSum, nc_, stream_of(s)), nc_, what);
     }
@@ -159,6 +211,7 @@ class NcclComm final : public Comm {
     const std::string what = "nccl broadcast";
     check_device(t, "t", what);
     host_->agree(describe_broadcast(t, root, size()), "nccl");
+    after_async(s, what);
     if (t.nbytes()) NCCL_OK(ncclBroadcast(t.data, t.data, t.nbytes(), ncclUint8, root, nc_, stream_of(s)), nc_, what);
   }
 
@@ -176,12 +229,39 @@ class NcclComm final : public Comm {
                                       << "itself (copy the tensor instead)");
     FP8MOE_CHECK(t.is_contiguous(), what << ": " << t.str() << " must be contiguous");
     if (t.nbytes() == 0) return;
+    after_async(s, what);
     if (is_send) NCCL_OK(ncclSend(t.data, t.nbytes(), ncclUint8, peer, nc_, stream_of(s)), nc_, what);
     else NCCL_OK(ncclRecv(t.data, t.nbytes(), ncclUint8, peer, nc_, stream_of(s)), nc_, what);
   }
 
+  // The communication stream, after the work queued on `s` so far.
+  cudaStream_t async_stream(const Stream& s, const std::string& what) {
+    if (!async_) {
+      CUDA_OK(cudaStreamCreateWithFlags(&async_, cudaStreamNonBlocking), what);
+      CUDA_OK(cudaEventCreateWithFlags(&async_done_, cudaEventDisableTiming), what);
+    }
+    cudaEvent_t ready;
+    CUDA_OK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), what);
+    CUDA_OK(cudaEventRecord(ready, stream_of(s)), what);
+    CUDA_OK(cudaStreamWaitEvent(async_, ready, 0), what);
+    CUDA_OK(cudaEventDestroy(ready), what);  // the wait above keeps what it needs
+    return async_;
+  }
+  CommRequest posted(cudaStream_t cs, const Stream& s, const std::string& what) {
+    CUDA_OK(cudaEventRecord(async_done_, cs), what);
+    return CommRequest(std::make_unique<NcclCollectiveRequest>(cs, s, what));
+  }
+  // NCCL runs one communicator's operations one after the other only in the order their
+  // streams see them: an operation on the caller's stream waits for those started on the
+  // communication stream before it, as it would on every rank.
+  void after_async(const Stream& s, const std::string& what) {
+    if (async_done_) CUDA_OK(cudaStreamWaitEvent(stream_of(s), async_done_, 0), what);
+  }
+
   std::unique_ptr<MpiComm> host_;
   ncclComm_t nc_;
+  cudaStream_t async_ = nullptr;     // ireduce_scatter, iall_gather
+  cudaEvent_t async_done_ = nullptr;  // recorded after the last of them
 };
 
 // "<host> <PCI bus id>" of this rank's current GPU, or "none: <why>".
