@@ -568,30 +568,30 @@ class MpiCollectiveRequest final : public CommRequest::Impl {
 
 }  // namespace
 
-CommRequest MpiComm::ireduce_scatter(const TensorView& send, const TensorView& recv, const Stream& s) {
-  agree(describe_reduce_scatter(send, recv, size_));
-  const std::string what = "mpi ireduce_scatter";
-  const size_t nb = recv.nbytes();
+CommRequest MpiComm::start_collective(const OpDesc& d, const TensorView& send, const TensorView& recv, const Stream& s) {
+  agree(d);
+  const std::string what = std::string("mpi i") + op_name(d.op);
+  const bool sum = d.op == Op::reduce_scatter;  // else all_gather
+  const size_t nb = sum ? recv.nbytes() : send.nbytes();
   auto req = std::make_unique<MpiCollectiveRequest>(*this, what, pinned_.read(send, s, what), pinned_.output(recv, what),
                                                     recv, s);
   MpiCollectiveRequest& r = *req;
-  r.parts().resize(size_ * nb);  // [size, n, ...]: rank j's rows for this rank
-  post_blocks([&](int j) { return Block{r.in() + j * nb, nb}; }, [&](int j) { return Block{r.parts().data() + j * nb, nb}; },
+  if (sum) r.parts().resize(size_ * nb);  // [size, n, ...]: rank j's rows for this rank
+  uint8_t* into = sum ? r.parts().data() : r.out();
+  post_blocks([&](int j) { return Block{r.in() + (sum ? j * nb : 0), nb}; }, [&](int j) { return Block{into + j * nb, nb}; },
               what, r.pending());
-  r.start([&r, dt = recv.dtype, P = size_, n = recv.numel()] { sum_parts(dt, r.parts().data(), P, n, r.out()); });
+  std::function<void()> then;
+  if (sum) then = [&r, dt = recv.dtype, P = size_, n = recv.numel()] { sum_parts(dt, r.parts().data(), P, n, r.out()); };
+  r.start(std::move(then));
   return CommRequest(std::move(req));
 }
 
+CommRequest MpiComm::ireduce_scatter(const TensorView& send, const TensorView& recv, const Stream& s) {
+  return start_collective(describe_reduce_scatter(send, recv, size_), send, recv, s);
+}
+
 CommRequest MpiComm::iall_gather(const TensorView& send, const TensorView& recv, const Stream& s) {
-  agree(describe_all_gather(send, recv, size_));
-  const std::string what = "mpi iall_gather";
-  const size_t nb = send.nbytes();
-  auto req = std::make_unique<MpiCollectiveRequest>(*this, what, pinned_.read(send, s, what), pinned_.output(recv, what),
-                                                    recv, s);
-  MpiCollectiveRequest& r = *req;
-  post_blocks([&](int) { return Block{r.in(), nb}; }, [&](int j) { return Block{r.out() + j * nb, nb}; }, what, r.pending());
-  r.start(nullptr);
-  return CommRequest(std::move(req));
+  return start_collective(describe_all_gather(send, recv, size_), send, recv, s);
 }
 
 void MpiComm::all_reduce(const TensorView& t, const Stream& s) {

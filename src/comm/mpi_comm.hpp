@@ -61,6 +61,8 @@ class MpiComm final : public Comm {
   void swap_blocks(const BlockFn& to, const BlockFn& from, const std::string& what);
   // The same round posted into `p`, to be waited for later.
   void post_blocks(const BlockFn& to, const BlockFn& from, const std::string& what, Pending& p);
+  // ireduce_scatter (d.op reduce_scatter) or iall_gather, described by d.
+  CommRequest start_collective(const OpDesc& d, const TensorView& send, const TensorView& recv, const Stream& s);
 
   MPI_Comm user_ = MPI_COMM_NULL;  // send/recv of the caller
   MPI_Comm coll_ = MPI_COMM_NULL;  // the collectives' own traffic, never matched with a caller's message

@@ -61,38 +61,21 @@ void check_devices(const TensorView& send, const TensorView& recv, const std::st
   check_device(recv, "recv", what);
 }
 
-// A collective started on the communicator's own stream: wait() makes the caller's stream wait
-// for it (the host does not).
-class NcclCollectiveRequest final : public CommRequest::Impl {
- public:
-  NcclCollectiveRequest(cudaStream_t comm_stream, const Stream& s, std::string what) : s_(s), what_(std::move(what)) {
-    CUDA_OK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), what_);
-    CUDA_OK(cudaEventRecord(done_, comm_stream), what_);
-  }
-  ~NcclCollectiveRequest() override { cudaEventDestroy(done_); }
-  void wait() override { CUDA_OK(cudaStreamWaitEvent(stream_of(s_), done_, 0), what_); }
-  bool test() override {
-    const cudaError_t e = cudaEventQuery(done_);
-    if (e == cudaErrorNotReady) return false;
-    CUDA_OK(e, what_);
-    return true;
-  }
-
- private:
-  cudaEvent_t done_ = nullptr;
-  Stream s_;
-  std::string what_;
-};
-
-// Done once the transfer enqueued before it on its stream has run.
+// Done once the work enqueued before it on `recorded_on` has run. wait(): the host waits for
+// that (a transfer), or, given `waiter`, that stream does and the host does not (a collective
+// started on the communicator's own stream).
 class NcclRequest final : public CommRequest::Impl {
  public:
-  NcclRequest(const Stream& s, const std::string& what) : what_(what) {
+  NcclRequest(cudaStream_t recorded_on, const std::string& what, const Stream* waiter = nullptr) : what_(what) {
+    if (waiter) waiter_ = *waiter;
     CUDA_OK(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming), what_);
-    CUDA_OK(cudaEventRecord(ev_, stream_of(s)), what_);
+    CUDA_OK(cudaEventRecord(ev_, recorded_on), what_);
   }
   ~NcclRequest() override { cudaEventDestroy(ev_); }
-  void wait() override { CUDA_OK(cudaEventSynchronize(ev_), what_); }
+  void wait() override {
+    if (waiter_.device() == Device::cuda) CUDA_OK(cudaStreamWaitEvent(stream_of(waiter_), ev_, 0), what_);
+    else CUDA_OK(cudaEventSynchronize(ev_), what_);
+  }
   bool test() override {
     const cudaError_t e = cudaEventQuery(ev_);
     if (e == cudaErrorNotReady) return false;
@@ -102,6 +85,7 @@ class NcclRequest final : public CommRequest::Impl {
 
  private:
   cudaEvent_t ev_ = nullptr;
+  Stream waiter_;
   std::string what_;
 };
 
@@ -129,11 +113,11 @@ class NcclComm final : public Comm {
   void recv(const TensorView& t, int peer, const Stream& s) override { p2p(t, peer, s, false); }
   CommRequest isend(const TensorView& t, int peer, const Stream& s) override {
     p2p(t, peer, s, true);
-    return CommRequest(std::make_unique<NcclRequest>(s, "nccl send"));
+    return CommRequest(std::make_unique<NcclRequest>(stream_of(s), "nccl send"));
   }
   CommRequest irecv(const TensorView& t, int peer, const Stream& s) override {
     p2p(t, peer, s, false);
-    return CommRequest(std::make_unique<NcclRequest>(s, "nccl recv"));
+    return CommRequest(std::make_unique<NcclRequest>(stream_of(s), "nccl recv"));
   }
 
   void all_to_all_v(const TensorView& send, std::span<const int64_t> send_counts, const TensorView& recv,
@@ -249,7 +233,7 @@ class NcclComm final : public Comm {
   }
   CommRequest posted(cudaStream_t cs, const Stream& s, const std::string& what) {
     CUDA_OK(cudaEventRecord(async_done_, cs), what);
-    return CommRequest(std::make_unique<NcclCollectiveRequest>(cs, s, what));
+    return CommRequest(std::make_unique<NcclRequest>(cs, what, &s));
   }
   // NCCL runs one communicator's operations one after the other only in the order their
   // streams see them: an operation on the caller's stream waits for those started on the

@@ -117,28 +117,27 @@ void check_dispatch(int64_t rpn) {
     }
   }
   EXPECT_EQ(row, got.size(0));
-  Tensor sent = Tensor::host(DType::f64, {2});
-  sent.ptr<double>()[0] = double(route.cross_node_rows());
-  sent.ptr<double>()[1] = double(route.in_node_rows());
-  comm.all_reduce(sent.view(), be->stream());
-  EXPECT_EQ(sent.ptr<double>()[0], double(cross)) << "rows across nodes";
-  EXPECT_EQ(sent.ptr<double>()[1], double(inside)) << "rows inside nodes";
-  if (me == 0)
-    std::cout << "[ links    ] " << P << " ranks, " << rpn << " per node: " << double(cross) / double(P * 20 + 7 * P * (P - 1) / 2)
-              << " cross-node and " << double(inside) / double(P * 20 + 7 * P * (P - 1) / 2) << " in-node rows per token\n";
+  // Every rank's rows sent across and inside nodes against the counts from the routing.
+  auto check_links = [&](int64_t sent_cross, int64_t sent_inside, int64_t want_cross, int64_t want_inside,
+                         const std::string& what) {
+    Tensor sent = Tensor::host(DType::f64, {2});
+    sent.ptr<double>()[0] = double(sent_cross);
+    sent.ptr<double>()[1] = double(sent_inside);
+    comm.all_reduce(sent.view(), be->stream());
+    EXPECT_EQ(sent.ptr<double>()[0], double(want_cross)) << what << " rows across nodes";
+    EXPECT_EQ(sent.ptr<double>()[1], double(want_inside)) << what << " rows inside nodes";
+    const double tokens = double(P * 20 + 7 * P * (P - 1) / 2);
+    if (me == 0)
+      std::cout << "[ links    ] " << P << " ranks, " << rpn << " per node, " << what << ": " << double(want_cross) / tokens
+                << " cross-node and " << double(want_inside) / tokens << " in-node rows per token\n";
+  };
+  check_links(route.cross_node_rows(), route.in_node_rows(), cross, inside, "dispatch");
   Tensor r = Tensor::host(DType::f32, {std::max<int64_t>(ep::total(ret_send), 1), 3});
   std::memcpy(r.view().data, ret.data(), ret.size() * sizeof(float));
   r = prefix(r, ep::total(ret_send));
   const ep::CombineRoute combine(*be, comm, rail.get(), node.get(), ret_send, plan.slots_per_rank);
   const Tensor back = combine.carry(*be, r, DType::bf16);
-  sent.ptr<double>()[0] = double(combine.cross_node_rows());
-  sent.ptr<double>()[1] = double(combine.in_node_rows());
-  comm.all_reduce(sent.view(), be->stream());
-  EXPECT_EQ(sent.ptr<double>()[0], double(back_cross)) << "combine rows across nodes";
-  EXPECT_EQ(sent.ptr<double>()[1], double(back_inside)) << "combine rows inside nodes";
-  if (me == 0)
-    std::cout << "[ links    ] the combine: " << double(back_cross) / double(P * 20 + 7 * P * (P - 1) / 2)
-              << " cross-node and " << double(back_inside) / double(P * 20 + 7 * P * (P - 1) / 2) << " in-node rows per token\n";
+  check_links(combine.cross_node_rows(), combine.in_node_rows(), back_cross, back_inside, "combine");
   ASSERT_EQ(back.size(0), T * K);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < K; ++j) {

@@ -251,28 +251,30 @@ CombineRoute::CombineRoute(Backend& be, Comm& ep, Comm* rail, Comm* node, std::v
   hops_.push_back(counted_hop(be, *rail, block_rows(block, order), std::move(send2), std::move(recv2)));
 }
 
+namespace {
+
+// The n rows to send, r converted to `dtype` (r itself when it has it).
+Tensor to_send(Backend& be, const Tensor& r, int64_t n, DType dtype, const char* what) {
+  FP8MOE_CHECK(r.size(0) == n, what << ": " << r.view().str() << " for " << n << " rows to send");
+  if (dtype == r.dtype()) return r;
+  Tensor send = rows_tensor(be, dtype, n, r.size(1));
+  if (n > 0) be.convert(r.view(), send.view());
+  return send;
+}
+
+}  // namespace
+
 Tensor CombineRoute::carry(Backend& be, const Tensor& rows, DType dtype) const {
   if (hops_.empty()) return exchange_rows(be, ep_, rows, send_, recv_, dtype);
-  const int64_t n = total(send_), C = rows.size(1);
-  FP8MOE_CHECK(rows.size(0) == n, "CombineRoute: " << rows.view().str() << " for " << n << " rows to send");
-  Tensor stage = rows;
-  if (dtype != rows.dtype()) {
-    stage = rows_tensor(be, dtype, n, C);
-    if (n > 0) be.convert(rows.view(), stage.view());
-  }
+  Tensor stage = to_send(be, rows, total(send_), dtype, "CombineRoute");
   for (const Hop& h : hops_) stage = hop_carry(be, h, stage);
   return stage;
 }
 
 Tensor exchange_rows(Backend& be, Comm& comm, const Tensor& r, const std::vector<int64_t>& send_counts,
                      const std::vector<int64_t>& recv_counts, DType dtype) {
-  const int64_t n = total(send_counts), C = r.size(1);
-  FP8MOE_CHECK(r.size(0) == n, "exchange_rows: " << r.view().str() << " for " << n << " rows to send");
-  Tensor send = r;
-  if (dtype != r.dtype()) {
-    send = rows_tensor(be, dtype, n, C);
-    if (n > 0) be.convert(r.view(), send.view());
-  }
+  const int64_t C = r.size(1);
+  const Tensor send = to_send(be, r, total(send_counts), dtype, "exchange_rows");
   Tensor back = rows_tensor(be, dtype, total(recv_counts), C);
   comm.all_to_all_v(send.view(), send_counts, back.view(), recv_counts, be.stream());
   return back;
