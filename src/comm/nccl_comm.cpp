@@ -95,7 +95,6 @@ class NcclComm final : public Comm {
   ~NcclComm() override {
     ncclCommDestroy(nc_);
     if (async_done_) cudaEventDestroy(async_done_);
-    if (async_) cudaStreamDestroy(async_);
   }
 
   std::string name() const override { return "nccl"; }
@@ -218,18 +217,23 @@ class NcclComm final : public Comm {
     else NCCL_OK(ncclRecv(t.data, t.nbytes(), ncclUint8, peer, nc_, stream_of(s)), nc_, what);
   }
 
-  // The communication stream, after the work queued on `s` so far.
+  // The process's communication stream, after the work queued on `s` so far. One for every
+  // communicator: started collectives of two communicators (dp and edp) run one after the other
+  // in the order every rank starts them, never side by side on a GPU, where NCCL kernels of
+  // different communicators waiting for each other's peers can deadlock.
   cudaStream_t async_stream(const Stream& s, const std::string& what) {
-    if (!async_) {
-      CUDA_OK(cudaStreamCreateWithFlags(&async_, cudaStreamNonBlocking), what);
-      CUDA_OK(cudaEventCreateWithFlags(&async_done_, cudaEventDisableTiming), what);
-    }
+    static cudaStream_t shared = [&] {
+      cudaStream_t cs = nullptr;
+      CUDA_OK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), what);
+      return cs;  // lives as long as the process: communicators of any lifetime use it
+    }();
+    if (!async_done_) CUDA_OK(cudaEventCreateWithFlags(&async_done_, cudaEventDisableTiming), what);
     cudaEvent_t ready;
     CUDA_OK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), what);
     CUDA_OK(cudaEventRecord(ready, stream_of(s)), what);
-    CUDA_OK(cudaStreamWaitEvent(async_, ready, 0), what);
+    CUDA_OK(cudaStreamWaitEvent(shared, ready, 0), what);
     CUDA_OK(cudaEventDestroy(ready), what);  // the wait above keeps what it needs
-    return async_;
+    return shared;
   }
   CommRequest posted(cudaStream_t cs, const Stream& s, const std::string& what) {
     CUDA_OK(cudaEventRecord(async_done_, cs), what);
@@ -244,8 +248,7 @@ class NcclComm final : public Comm {
 
   std::unique_ptr<MpiComm> host_;
   ncclComm_t nc_;
-  cudaStream_t async_ = nullptr;     // ireduce_scatter, iall_gather
-  cudaEvent_t async_done_ = nullptr;  // recorded after the last of them
+  cudaEvent_t async_done_ = nullptr;  // recorded after the last ireduce_scatter or iall_gather
 };
 
 // "<host> <PCI bus id>" of this rank's current GPU, or "none: <why>".

@@ -6,6 +6,8 @@
 // other bits. (Tried: with all_reduce replaced by MPI_Allreduce(MPI_SUM), AllReduce.RankOrderBits
 // fails at 4 ranks; at 3, Open MPI 4.1 happens to add in rank order for these sizes, and at 1 and
 // 2 ranks every order gives the same bits.)
+// The started collectives (ireduce_scatter, iall_gather) give the blocking calls' bits, several
+// in flight at once (tried: with the parts summed over one rank fewer, Async.* fails at 2 ranks).
 // Tests that expect an error check its message on every rank. Device tests (CUDA build) run the
 // MPI engine on device tensors and NCCL; they skip without a GPU.
 #include <gtest/gtest.h>
