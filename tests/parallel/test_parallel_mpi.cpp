@@ -310,6 +310,7 @@ void check_wire(int64_t rpn) {
   const int64_t D = cfg.hidden_size, G = D / 128, K = cfg.num_experts_per_tok, epr = layout.experts_per_rank;
   ASSERT_GE(rec->calls.size(), 2u);
   int64_t fp8_bytes = 0, bf16_bytes = 0, dispatched = 0, combined = 0, tokens = 0, layers = 0;
+  int64_t combine_link_bytes[4] = {};  // two hops: sent inside, across; counted from the routing: inside, across
   for (const LayerCall& lc : rec->calls) {
     const char* what = lc.backward ? "backward" : "forward";
     const Tensor x = be->to_host(lc.x), idx = be->to_host(lc.idx);
@@ -342,6 +343,22 @@ void check_wire(int64_t rpn) {
       EXPECT_EQ(log->at(wide[h]).row_bytes(), 2 * D) << what << " combine: 2 bytes per element";
     }
     const WireCall& cb = log->at(wide.back());
+    if (rpn < P && !::testing::Test::HasFailure()) {
+      // Two hops: the combine's bytes to the other ranks of this node (hop 1) and to the other
+      // nodes (hop 2, as the relay), against this rank's slots counted from its own routing (the
+      // sums over ranks are the same: every row crosses each link once).
+      const WireCall& c1 = log->at(wide[hops]);
+      const WireCall& c2 = log->at(wide[hops + 1]);
+      for (size_t l = 0; l < c1.send_counts.size(); ++l)
+        if (int64_t(l) != me % rpn) combine_link_bytes[0] += c1.send_counts[l] * c1.row_bytes();
+      for (size_t n = 0; n < c2.send_counts.size(); ++n)
+        if (int64_t(n) != me / rpn) combine_link_bytes[1] += c2.send_counts[n] * c2.row_bytes();
+      for (int64_t i = 0; i < T * K; ++i) {
+        const int64_t d = idx.ptr<int32_t>()[i] / epr;
+        combine_link_bytes[2] += (d % rpn != me % rpn) * 2 * D;
+        combine_link_bytes[3] += (d / rpn != me / rpn) * 2 * D;
+      }
+    }
     if (rpn < P || ::testing::Test::HasFailure()) continue;
     // One hop: the exact rows and bytes the routing implies.
     const ep::DispatchLayout plan = ep::dispatch_layout(idx.ptr<int32_t>(), T, K, P, epr);
@@ -382,7 +399,19 @@ void check_wire(int64_t rpn) {
     else want = {{"e4m3", D}, {"f32", G}, {dtype_name(lc.w.dtype()), K}, {"i32", K}, {"bf16", D}};
     EXPECT_EQ(seen, want) << what << ": the layer's exchanges (dtype, row width)";
   }
-  if (rpn < P) return;
+  if (rpn < P) {
+    Tensor links = Tensor::host(DType::f64, {4});
+    for (int i = 0; i < 4; ++i) links.ptr<double>()[i] = double(combine_link_bytes[i]);
+    world.all_reduce(links.view(), be->stream());
+    const double* a = links.ptr<double>();
+    EXPECT_GT(a[1], 0);
+    EXPECT_EQ(a[0], a[2]) << "combine bytes inside nodes, forward and backward";
+    EXPECT_EQ(a[1], a[3]) << "combine bytes across nodes, forward and backward";
+    if (me == 0)
+      std::cout << "[ wire     ] " << P << " ranks, " << rpn << " per node: the combines sent " << a[1]
+                << " bytes across nodes and " << a[0] << " inside (bf16 rows, forward and backward)\n";
+    return;
+  }
   Tensor sum = Tensor::host(DType::f64, {6});
   const double mine[] = {double(fp8_bytes), double(bf16_bytes), double(dispatched), double(combined), double(tokens),
                          double(layers)};
