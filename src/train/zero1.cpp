@@ -61,6 +61,7 @@ TensorView Zero1AdamW::flat(const Tensor& t, int64_t off, int64_t n) const {
 }
 
 void Zero1AdamW::to_bucket(Bucket& b, bool grads) {
+  wait_reduced(b);  // a reduce_scatter in flight reads the bucket
   for (size_t i : b.order) {
     const TensorView& src = grads ? params_[i].grad : params_[i].value;
     be_.copy(flat(b.flat, offset_[i], src.numel()), TensorView(src.data, src.dtype, {src.numel()}, src.device));
@@ -81,7 +82,6 @@ CommRequest Zero1AdamW::started(CommRequest r) {
 }
 
 void Zero1AdamW::reduce_gradients() {
-  for (Bucket& b : buckets_) wait_reduced(b);  // a previous call's, if nothing waited for it
   for (Bucket& b : buckets_) {
     if (!b.comm) continue;
     to_bucket(b, true);
