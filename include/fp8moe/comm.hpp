@@ -34,8 +34,8 @@
 
 namespace fp8moe {
 
-// A point-to-point transfer in flight (isend, irecv): wait() returns once the tensor may be
-// reused (send) or read (receive, on the stream it was posted on).
+// A transfer in flight (isend, irecv, ireduce_scatter, iall_gather): wait() returns once the
+// tensor may be reused (send) or read (receive, on the stream it was posted on).
 class CommRequest {
  public:
   class Impl {
@@ -84,6 +84,14 @@ class Comm {
   // recv [n, ...] = the sum over ranks r = 0, 1, ... (in that order) of rows [rank * n, (rank + 1) * n)
   // of send [size * n, ...]. f32 | f64 | bf16 | i32 | i64 (bf16 summed in f32, rounded once).
   virtual void reduce_scatter(const TensorView& send, const TensorView& recv, const Stream& s) = 0;
+  // The same two collectives started, returning at once: the data moves while the caller
+  // computes, with the same bits as the blocking call (the MPI engine: a thread per request waits
+  // for the transfers and adds the parts in rank order; NCCL: on a communication stream of its
+  // own, after the work queued on `s` so far). After wait(), work queued on `s` sees recv. Until
+  // then `send` must not be written nor `recv` read. Every rank posts its collectives in one
+  // order, blocking or not; other operations on this Comm may be posted while one is in flight.
+  virtual CommRequest ireduce_scatter(const TensorView& send, const TensorView& recv, const Stream& s) = 0;
+  virtual CommRequest iall_gather(const TensorView& send, const TensorView& recv, const Stream& s) = 0;
   // t = the sum over ranks of t, in place, the same bits on every rank and in every run.
   virtual void all_reduce(const TensorView& t, const Stream& s) = 0;
   virtual void broadcast(const TensorView& t, int root, const Stream& s) = 0;

@@ -81,9 +81,12 @@ std::shared_ptr<RoutedExperts> make_expert_parallel(Model& model, Comm& ep, cons
 // What this rank's forward dispatches sent since make_expert_parallel, summed over MoE layers:
 // its tokens, the nodes they reached (distinct nodes of each token's experts), the rows sent
 // over a link between nodes and inside a node (DispatchRoute), and the rows a one-hop dispatch
-// would have sent across nodes (one per token and rank on another node) for comparison.
+// would have sent across nodes (one per token and rank on another node) for comparison; and the
+// BF16 rows its forward combines sent back across nodes and inside them (CombineRoute: one per
+// slot, so as many across as one hop sends).
 struct DispatchTraffic {
   int64_t tokens = 0, token_nodes = 0, cross_node_rows = 0, in_node_rows = 0, one_hop_cross_rows = 0;
+  int64_t combine_cross_node_rows = 0, combine_in_node_rows = 0;
 };
 // Of an object made by make_expert_parallel (throws Error otherwise).
 DispatchTraffic dispatch_traffic(const RoutedExperts& expert_parallel);

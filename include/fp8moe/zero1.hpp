@@ -7,6 +7,13 @@
 //   the gradients copied into the bucket -> reduce_scatter over its group (summed in rank order:
 //   the same bits on every rank and in every run) -> AdamW on this rank's shard (FP32 master
 //   weights and BF16 moments) -> all_gather of the updated shards into every parameter.
+// The collectives are started (Comm::ireduce_scatter, iall_gather) and waited for only where
+// their result is needed, so that one bucket's communication overlaps the other's computation:
+// the experts' gradients are copied into their bucket while the replicated bucket's
+// reduce_scatter runs, and the replicated shard's squares are summed during the experts'; the
+// experts' AdamW runs during the replicated bucket's all_gather, and the replicated parameters
+// are copied out of their bucket during the experts'. No AdamW can start before both
+// reduce_scatters end: the clipping scale is the whole model's gradient norm.
 // The update is elementwise, so with the same summed gradient it is bit-identical to AdamW on one
 // rank. The gradient norm is the whole model's: the squares of the replicated shards summed over
 // the dp ranks, those of the expert shards (every expert once: the ep ranks hold different
@@ -34,13 +41,17 @@ class Zero1AdamW {
   // no lower pipeline rank holds: each parameter once) summed over the dp group, then over `pp`
   // in rank order. Without this call every parameter counts and the sums stop at dp.
   void count_norm_over(Comm& pp, std::vector<bool> counted);
-  // Sums every rank's gradients; this rank keeps its shards of the sums.
+  // Starts the sums of every rank's gradients; this rank keeps its shards of the sums (grad_norm
+  // and step wait for them). Other collectives may be posted meanwhile (the trainer's loss sums).
   void reduce_gradients();
   // sqrt(sum of squares) of the summed gradients of the whole model (after reduce_gradients), the
   // same on every rank.
   double grad_norm();
   // AdamW on the shards with the summed gradients times grad_scale, then the parameters all-gathered.
   void step(float lr, float grad_scale = 1.0f);
+  // Off: every collective waited for as soon as it is started (one bucket after the other), the
+  // same bits; what the overlap gains is measured against it.
+  void set_overlap(bool on) { overlap_ = on; }
   int64_t steps() const { return t_; }
   void set_steps(int64_t t) { t_ = t; }
   const std::vector<ParamRef>& params() const { return params_; }
@@ -72,9 +83,12 @@ class Zero1AdamW {
     int64_t shard = 0, lo = 0;         // elements per shard; this rank's first
     Tensor flat;                       // [ranks * shard] f32: gradients, then the gathered parameters
     Tensor grad, master, m, v;         // [shard] f32, f32, moments
+    CommRequest reduced;               // the reduce_scatter into grad, until waited for
   };
   TensorView flat(const Tensor& t, int64_t off, int64_t n) const;
   void to_bucket(Bucket& b, bool grads);  // its parameters' gradients (or values) into the bucket
+  CommRequest started(CommRequest r);     // r, or r waited for without overlap
+  void wait_reduced(Bucket& b);
   Backend& be_;
   std::vector<ParamRef> params_;
   AdamWConfig cfg_;
@@ -85,6 +99,7 @@ class Zero1AdamW {
   Comm* pp_ = nullptr;           // count_norm_over
   std::vector<bool> counted_;
   int64_t t_ = 0;
+  bool overlap_ = true;
 };
 
 }  // namespace fp8moe

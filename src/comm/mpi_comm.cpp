@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <sstream>
 #include <thread>
 
@@ -123,6 +124,8 @@ std::string rank_list(const MpiComm& c, std::vector<int> peers) {
   throw Error(os.str());
 }
 
+}  // namespace
+
 // Non-blocking transfers of one operation, each with its peer, waited for with a deadline.
 class Pending {
  public:
@@ -208,6 +211,8 @@ class Pending {
   std::vector<int> idx_;
   std::vector<MPI_Status> st_;
 };
+
+namespace {
 
 // out[i] = ((x_0[i] + x_1[i]) + x_2[i]) + ... for parts = [P, n]: the order of a serial loop over
 // ranks, one rounding per add (Acc = T), or f32 accumulation rounded once for bf16.
@@ -449,8 +454,7 @@ CommRequest MpiComm::irecv(const TensorView& t, int peer, const Stream& s) {
   return CommRequest(std::move(req));
 }
 
-void MpiComm::swap_blocks(const BlockFn& to, const BlockFn& from, const std::string& what) {
-  Pending p;
+void MpiComm::post_blocks(const BlockFn& to, const BlockFn& from, const std::string& what, Pending& p) {
   for (int j = 0; j < size_; ++j) {
     if (j == rank_) continue;
     const Block in = from(j), out = to(j);
@@ -459,6 +463,11 @@ void MpiComm::swap_blocks(const BlockFn& to, const BlockFn& from, const std::str
   }
   const Block in = from(rank_), out = to(rank_);
   if (out.bytes && in.data != out.data) std::memcpy(in.data, out.data, out.bytes);
+}
+
+void MpiComm::swap_blocks(const BlockFn& to, const BlockFn& from, const std::string& what) {
+  Pending p;
+  post_blocks(to, from, what, p);
   p.wait(*this, what);
 }
 
@@ -500,6 +509,89 @@ void MpiComm::reduce_scatter(const TensorView& send, const TensorView& recv, con
   HostBytes out = pinned_.output(recv, what);
   sum_parts(recv.dtype, parts_.data(), size_, recv.numel(), out.data());
   out.write_back(recv, s);
+}
+
+namespace {
+
+// A reduce_scatter or all_gather in flight. The caller posts its transfers in program order, so
+// that they match the peers' as a blocking collective's would; a thread of its own then waits
+// for them (MPI moves large messages only while someone polls) and adds the parts in rank order,
+// while the caller computes; wait() joins it and queues the copy back on the stream.
+class MpiCollectiveRequest final : public CommRequest::Impl {
+ public:
+  MpiCollectiveRequest(const MpiComm& c, std::string what, HostBytes in, HostBytes out, const TensorView& recv,
+                       const Stream& s)
+      : comm_(c), what_(std::move(what)), in_(std::move(in)), out_(std::move(out)), recv_(recv), s_(s) {}
+  ~MpiCollectiveRequest() override {
+    if (thread_.joinable()) thread_.join();  // a destructor does not throw: an error is dropped
+  }
+  Pending& pending() { return pending_; }
+  std::vector<uint8_t>& parts() { return parts_; }
+  uint8_t* in() const { return in_.data(); }
+  uint8_t* out() const { return out_.data(); }
+  // Waits for the transfers on the request's thread, then runs `then` there (the sum).
+  void start(std::function<void()> then) {
+    thread_ = std::thread([this, then = std::move(then)] {
+      try {
+        pending_.wait(comm_, what_);
+        if (then) then();
+      } catch (...) {
+        error_ = std::current_exception();
+      }
+      done_ = true;
+    });
+  }
+  void wait() override {
+    if (!thread_.joinable()) return;
+    thread_.join();
+    if (error_) std::rethrow_exception(error_);
+    out_.write_back(recv_, s_);
+  }
+  bool test() override {
+    if (!done_) return false;
+    wait();
+    return true;
+  }
+
+ private:
+  const MpiComm& comm_;
+  std::string what_;
+  HostBytes in_, out_;
+  TensorView recv_;
+  Stream s_;
+  Pending pending_;
+  std::vector<uint8_t> parts_;
+  std::thread thread_;
+  std::exception_ptr error_;
+  std::atomic<bool> done_{false};
+};
+
+}  // namespace
+
+CommRequest MpiComm::start_collective(const OpDesc& d, const TensorView& send, const TensorView& recv, const Stream& s) {
+  agree(d);
+  const std::string what = std::string("mpi i") + op_name(d.op);
+  const bool sum = d.op == Op::reduce_scatter;  // else all_gather
+  const size_t nb = sum ? recv.nbytes() : send.nbytes();
+  auto req = std::make_unique<MpiCollectiveRequest>(*this, what, pinned_.read(send, s, what), pinned_.output(recv, what),
+                                                    recv, s);
+  MpiCollectiveRequest& r = *req;
+  if (sum) r.parts().resize(size_ * nb);  // [size, n, ...]: rank j's rows for this rank
+  uint8_t* into = sum ? r.parts().data() : r.out();
+  post_blocks([&](int j) { return Block{r.in() + (sum ? j * nb : 0), nb}; }, [&](int j) { return Block{into + j * nb, nb}; },
+              what, r.pending());
+  std::function<void()> then;
+  if (sum) then = [&r, dt = recv.dtype, P = size_, n = recv.numel()] { sum_parts(dt, r.parts().data(), P, n, r.out()); };
+  r.start(std::move(then));
+  return CommRequest(std::move(req));
+}
+
+CommRequest MpiComm::ireduce_scatter(const TensorView& send, const TensorView& recv, const Stream& s) {
+  return start_collective(describe_reduce_scatter(send, recv, size_), send, recv, s);
+}
+
+CommRequest MpiComm::iall_gather(const TensorView& send, const TensorView& recv, const Stream& s) {
+  return start_collective(describe_all_gather(send, recv, size_), send, recv, s);
 }
 
 void MpiComm::all_reduce(const TensorView& t, const Stream& s) {

@@ -13,6 +13,8 @@
 
 namespace fp8moe::comm_detail {
 
+class Pending;  // non-blocking transfers of one operation (mpi_comm.cpp)
+
 class MpiComm final : public Comm {
  public:
   // Takes ownership of `comm` (freed with MPI_Comm_free).
@@ -34,6 +36,8 @@ class MpiComm final : public Comm {
                     std::span<const int64_t> recv_counts, const Stream& s) override;
   void all_gather(const TensorView& send, const TensorView& recv, const Stream& s) override;
   void reduce_scatter(const TensorView& send, const TensorView& recv, const Stream& s) override;
+  CommRequest ireduce_scatter(const TensorView& send, const TensorView& recv, const Stream& s) override;
+  CommRequest iall_gather(const TensorView& send, const TensorView& recv, const Stream& s) override;
   void all_reduce(const TensorView& t, const Stream& s) override;
   void broadcast(const TensorView& t, int root, const Stream& s) override;
   void barrier() override;
@@ -55,6 +59,10 @@ class MpiComm final : public Comm {
   };
   using BlockFn = std::function<Block(int)>;
   void swap_blocks(const BlockFn& to, const BlockFn& from, const std::string& what);
+  // The same round posted into `p`, to be waited for later.
+  void post_blocks(const BlockFn& to, const BlockFn& from, const std::string& what, Pending& p);
+  // ireduce_scatter (d.op reduce_scatter) or iall_gather, described by d.
+  CommRequest start_collective(const OpDesc& d, const TensorView& send, const TensorView& recv, const Stream& s);
 
   MPI_Comm user_ = MPI_COMM_NULL;  // send/recv of the caller
   MPI_Comm coll_ = MPI_COMM_NULL;  // the collectives' own traffic, never matched with a caller's message

@@ -61,15 +61,21 @@ void check_devices(const TensorView& send, const TensorView& recv, const std::st
   check_device(recv, "recv", what);
 }
 
-// Done once the transfer enqueued before it on its stream has run.
+// Done once the work enqueued before it on `recorded_on` has run. wait(): the host waits for
+// that (a transfer), or, given `waiter`, that stream does and the host does not (a collective
+// started on the communicator's own stream).
 class NcclRequest final : public CommRequest::Impl {
  public:
-  NcclRequest(const Stream& s, const std::string& what) : what_(what) {
+  NcclRequest(cudaStream_t recorded_on, const std::string& what, const Stream* waiter = nullptr) : what_(what) {
+    if (waiter) waiter_ = *waiter;
     CUDA_OK(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming), what_);
-    CUDA_OK(cudaEventRecord(ev_, stream_of(s)), what_);
+    CUDA_OK(cudaEventRecord(ev_, recorded_on), what_);
   }
   ~NcclRequest() override { cudaEventDestroy(ev_); }
-  void wait() override { CUDA_OK(cudaEventSynchronize(ev_), what_); }
+  void wait() override {
+    if (waiter_.device() == Device::cuda) CUDA_OK(cudaStreamWaitEvent(stream_of(waiter_), ev_, 0), what_);
+    else CUDA_OK(cudaEventSynchronize(ev_), what_);
+  }
   bool test() override {
     const cudaError_t e = cudaEventQuery(ev_);
     if (e == cudaErrorNotReady) return false;
@@ -79,13 +85,17 @@ class NcclRequest final : public CommRequest::Impl {
 
  private:
   cudaEvent_t ev_ = nullptr;
+  Stream waiter_;
   std::string what_;
 };
 
 class NcclComm final : public Comm {
  public:
   NcclComm(std::unique_ptr<MpiComm> host, ncclComm_t nc) : host_(std::move(host)), nc_(nc) {}
-  ~NcclComm() override { ncclCommDestroy(nc_); }
+  ~NcclComm() override {
+    ncclCommDestroy(nc_);
+    if (async_done_) cudaEventDestroy(async_done_);
+  }
 
   std::string name() const override { return "nccl"; }
   int rank() const override { return host_->rank(); }
@@ -102,11 +112,11 @@ class NcclComm final : public Comm {
   void recv(const TensorView& t, int peer, const Stream& s) override { p2p(t, peer, s, false); }
   CommRequest isend(const TensorView& t, int peer, const Stream& s) override {
     p2p(t, peer, s, true);
-    return CommRequest(std::make_unique<NcclRequest>(s, "nccl send"));
+    return CommRequest(std::make_unique<NcclRequest>(stream_of(s), "nccl send"));
   }
   CommRequest irecv(const TensorView& t, int peer, const Stream& s) override {
     p2p(t, peer, s, false);
-    return CommRequest(std::make_unique<NcclRequest>(s, "nccl recv"));
+    return CommRequest(std::make_unique<NcclRequest>(stream_of(s), "nccl recv"));
   }
 
   void all_to_all_v(const TensorView& send, std::span<const int64_t> send_counts, const TensorView& recv,
@@ -114,6 +124,7 @@ class NcclComm final : public Comm {
     const std::string what = "nccl all_to_all_v";
     check_devices(send, recv, what);
     host_->agree(describe_all_to_all_v(send, send_counts, recv, recv_counts, size()), "nccl");
+    after_async(s, what);
     const auto rb = size_t(row_bytes(send));
     auto* in = static_cast<const uint8_t*>(send.data);
     auto* out = static_cast<uint8_t*>(recv.data);
@@ -133,6 +144,7 @@ class NcclComm final : public Comm {
     const std::string what = "nccl all_gather";
     check_devices(send, recv, what);
     host_->agree(describe_all_gather(send, recv, size()), "nccl");
+    after_async(s, what);
     if (send.nbytes()) NCCL_OK(ncclAllGather(send.data, recv.data, send.nbytes(), ncclUint8, nc_, stream_of(s)), nc_, what);
   }
 
@@ -140,16 +152,39 @@ class NcclComm final : public Comm {
     const std::string what = "nccl reduce_scatter";
     check_devices(send, recv, what);
     host_->agree(describe_reduce_scatter(send, recv, size()), "nccl");
+    after_async(s, what);
     if (recv.numel()) {
       NCCL_OK(ncclReduceScatter(send.data, recv.data, size_t(recv.numel()), nccl_type(recv.dtype), ncclSum, nc_, stream_of(s)),
               nc_, what);
     }
   }
 
+  CommRequest ireduce_scatter(const TensorView& send, const TensorView& recv, const Stream& s) override {
+    const std::string what = "nccl ireduce_scatter";
+    check_devices(send, recv, what);
+    host_->agree(describe_reduce_scatter(send, recv, size()), "nccl");
+    cudaStream_t cs = async_stream(s, what);
+    if (recv.numel()) {
+      NCCL_OK(ncclReduceScatter(send.data, recv.data, size_t(recv.numel()), nccl_type(recv.dtype), ncclSum, nc_, cs), nc_,
+              what);
+    }
+    return posted(cs, s, what);
+  }
+
+  CommRequest iall_gather(const TensorView& send, const TensorView& recv, const Stream& s) override {
+    const std::string what = "nccl iall_gather";
+    check_devices(send, recv, what);
+    host_->agree(describe_all_gather(send, recv, size()), "nccl");
+    cudaStream_t cs = async_stream(s, what);
+    if (send.nbytes()) NCCL_OK(ncclAllGather(send.data, recv.data, send.nbytes(), ncclUint8, nc_, cs), nc_, what);
+    return posted(cs, s, what);
+  }
+
   void all_reduce(const TensorView& t, const Stream& s) override {
     const std::string what = "nccl all_reduce";
     check_device(t, "t", what);
     host_->agree(describe_all_reduce(t), "nccl");
+    after_async(s, what);
     if (t.numel()) {
       NCCL_OK(ncclAllReduce(t.data, t.data, size_t(t.numel()), nccl_type(t.dtype), ncclSum, nc_, stream_of(s)), nc_, what);
     }
@@ -159,6 +194,7 @@ class NcclComm final : public Comm {
     const std::string what = "nccl broadcast";
     check_device(t, "t", what);
     host_->agree(describe_broadcast(t, root, size()), "nccl");
+    after_async(s, what);
     if (t.nbytes()) NCCL_OK(ncclBroadcast(t.data, t.data, t.nbytes(), ncclUint8, root, nc_, stream_of(s)), nc_, what);
   }
 
@@ -176,12 +212,43 @@ class NcclComm final : public Comm {
                                       << "itself (copy the tensor instead)");
     FP8MOE_CHECK(t.is_contiguous(), what << ": " << t.str() << " must be contiguous");
     if (t.nbytes() == 0) return;
+    after_async(s, what);
     if (is_send) NCCL_OK(ncclSend(t.data, t.nbytes(), ncclUint8, peer, nc_, stream_of(s)), nc_, what);
     else NCCL_OK(ncclRecv(t.data, t.nbytes(), ncclUint8, peer, nc_, stream_of(s)), nc_, what);
   }
 
+  // The process's communication stream, after the work queued on `s` so far. One for every
+  // communicator: started collectives of two communicators (dp and edp) run one after the other
+  // in the order every rank starts them, never side by side on a GPU, where NCCL kernels of
+  // different communicators waiting for each other's peers can deadlock.
+  cudaStream_t async_stream(const Stream& s, const std::string& what) {
+    static cudaStream_t shared = [&] {
+      cudaStream_t cs = nullptr;
+      CUDA_OK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), what);
+      return cs;  // lives as long as the process: communicators of any lifetime use it
+    }();
+    if (!async_done_) CUDA_OK(cudaEventCreateWithFlags(&async_done_, cudaEventDisableTiming), what);
+    cudaEvent_t ready;
+    CUDA_OK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), what);
+    CUDA_OK(cudaEventRecord(ready, stream_of(s)), what);
+    CUDA_OK(cudaStreamWaitEvent(shared, ready, 0), what);
+    CUDA_OK(cudaEventDestroy(ready), what);  // the wait above keeps what it needs
+    return shared;
+  }
+  CommRequest posted(cudaStream_t cs, const Stream& s, const std::string& what) {
+    CUDA_OK(cudaEventRecord(async_done_, cs), what);
+    return CommRequest(std::make_unique<NcclRequest>(cs, what, &s));
+  }
+  // NCCL runs one communicator's operations one after the other only in the order their
+  // streams see them: an operation on the caller's stream waits for those started on the
+  // communication stream before it, as it would on every rank.
+  void after_async(const Stream& s, const std::string& what) {
+    if (async_done_) CUDA_OK(cudaStreamWaitEvent(stream_of(s), async_done_, 0), what);
+  }
+
   std::unique_ptr<MpiComm> host_;
   ncclComm_t nc_;
+  cudaEvent_t async_done_ = nullptr;  // recorded after the last ireduce_scatter or iall_gather
 };
 
 // "<host> <PCI bus id>" of this rank's current GPU, or "none: <why>".

@@ -623,12 +623,12 @@ struct Trainer::Impl {
         }
       }
       executor->sum_gradients();
-      if (par) {  // every rank's losses and loads, summed in rank order
+      if (par) {  // the gradients' sums started, then every rank's losses and loads summed in rank order
+        par->zero->reduce_gradients();
         std::vector<double> l{agg.loss, agg.main_loss, agg.mtp_loss, agg.balance_loss};
         par->sum(*backend, l);
         agg.loss = l[0], agg.main_loss = l[1], agg.mtp_loss = l[2], agg.balance_loss = l[3];
         par->sum(*backend, loads);
-        par->zero->reduce_gradients();
       }
       const double norm = par ? par->zero->grad_norm() : global_grad_norm(*backend, refs);
       FP8MOE_CHECK(std::isfinite(agg.loss) && std::isfinite(norm),

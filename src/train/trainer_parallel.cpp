@@ -228,7 +228,7 @@ void TrainerParallel::report_traffic(Backend& be, int64_t hidden, int64_t topk, 
   if (!experts) return;
   const DispatchTraffic t = dispatch_traffic(*experts);
   std::vector<double> v{double(t.tokens), double(t.token_nodes), double(t.cross_node_rows), double(t.in_node_rows),
-                        double(t.one_hop_cross_rows)};
+                        double(t.one_hop_cross_rows), double(t.combine_cross_node_rows), double(t.combine_in_node_rows)};
   sum_over(*world, be, v);  // exact: counts far below 2^53
   if (!print || !rank0() || v[0] == 0) return;
   const double n = v[0], row = double(hidden + hidden / 128 * 4);  // FP8 row and its 1x128 scales
@@ -237,6 +237,9 @@ void TrainerParallel::report_traffic(Backend& be, int64_t hidden, int64_t topk, 
               "hop would send %.2f across. The report: at most 4 nodes, 3.2 experts per node on average\n",
               (long long)n, v[1] / n, double(topk) * n / v[1], v[2] / n, v[3] / n, v[2] / n * row, v[3] / n * row,
               v[4] / n);
+  std::printf("expert-parallel combine (forward, every rank): per token %.2f rows across nodes and %.2f inside (%.0f and "
+              "%.0f bytes of BF16 rows, one per slot)\n",
+              v[5] / n, v[6] / n, v[5] / n * 2 * double(hidden), v[6] / n * 2 * double(hidden));
 }
 
 bool TrainerParallel::any(Backend& be, bool mine) {

@@ -61,6 +61,7 @@ TensorView Zero1AdamW::flat(const Tensor& t, int64_t off, int64_t n) const {
 }
 
 void Zero1AdamW::to_bucket(Bucket& b, bool grads) {
+  wait_reduced(b);  // a reduce_scatter in flight reads the bucket
   for (size_t i : b.order) {
     const TensorView& src = grads ? params_[i].grad : params_[i].value;
     be_.copy(flat(b.flat, offset_[i], src.numel()), TensorView(src.data, src.dtype, {src.numel()}, src.device));
@@ -75,12 +76,22 @@ void Zero1AdamW::reload_master() {
   }
 }
 
+CommRequest Zero1AdamW::started(CommRequest r) {
+  if (!overlap_) r.wait();
+  return r;
+}
+
 void Zero1AdamW::reduce_gradients() {
   for (Bucket& b : buckets_) {
     if (!b.comm) continue;
     to_bucket(b, true);
-    b.comm->reduce_scatter(b.flat.view(), b.grad.view(), be_.stream());
+    b.reduced = started(b.comm->ireduce_scatter(b.flat.view(), b.grad.view(), be_.stream()));
   }
+}
+
+void Zero1AdamW::wait_reduced(Bucket& b) {
+  b.reduced.wait();
+  b.reduced = CommRequest();
 }
 
 void Zero1AdamW::count_norm_over(Comm& pp, std::vector<bool> counted) {
@@ -98,6 +109,7 @@ double Zero1AdamW::grad_norm() {
     double& sum = ss.ptr<double>()[k];
     sum = 0;
     if (!b.comm) continue;
+    wait_reduced(buckets_[k]);
     if (!pp_) {
       sum = be_.sum_squares(b.grad.view());
       continue;
@@ -119,8 +131,11 @@ double Zero1AdamW::grad_norm() {
 }
 
 void Zero1AdamW::step(float lr, float grad_scale) {
+  for (Bucket& b : buckets_) wait_reduced(b);
   ++t_;
-  for (Bucket& b : buckets_) {
+  CommRequest gathered[2];
+  for (int k = 0; k < 2; ++k) {
+    Bucket& b = buckets_[k];
     if (!b.comm) continue;
     // This shard's part of [0, decayed) and of [decayed, numel): one adamw_step each.
     const int64_t lo = b.lo, hi = std::min(b.lo + b.shard, b.numel);
@@ -131,7 +146,12 @@ void Zero1AdamW::step(float lr, float grad_scale) {
       be_.adamw_step(flat(b.master, x - lo, y - x), flat(b.grad, x - lo, y - x), flat(b.m, x - lo, y - x),
                      flat(b.v, x - lo, y - x), s);
     }
-    b.comm->all_gather(b.master.view(), b.flat.view(), be_.stream());
+    gathered[k] = started(b.comm->iall_gather(b.master.view(), b.flat.view(), be_.stream()));
+  }
+  for (int k = 0; k < 2; ++k) {
+    const Bucket& b = buckets_[k];
+    if (!b.comm) continue;
+    gathered[k].wait();
     for (size_t i : b.order) {
       const TensorView& dst = params_[i].value;
       be_.copy(TensorView(dst.data, dst.dtype, {dst.numel()}, dst.device), flat(b.flat, offset_[i], dst.numel()));

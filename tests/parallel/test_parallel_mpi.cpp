@@ -9,6 +9,8 @@
 //   mpirun --oversubscribe -np 4 build/tests/parallel/test_parallel_mpi
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <iostream>
@@ -51,8 +53,9 @@ Tensor prefix(const Tensor& t, int64_t n) {
 }
 
 // Every received row names its source and token, in one hop and, with nodes of `rpn` ranks, in
-// two; the combine's rows back name the rank and the slot that made them; the rows that crossed
-// nodes and stayed inside match a count made from the routing alone.
+// two; the combine's rows back (one hop or two) name the rank and the slot that made them, in the
+// one-hop order; the rows that crossed nodes and stayed inside, both ways, match a count made
+// from the routing alone.
 void check_dispatch(int64_t rpn) {
   Comm& comm = *g_world;
   auto be = make_backend("cpu");
@@ -74,7 +77,7 @@ void check_dispatch(int64_t rpn) {
   const Tensor got = ep::dispatch_fp8(*be, route, x, ScaleMode::pow2);
   const std::vector<int64_t>& recv = route.recv_counts();
   // What each source sent here, from its routing; the combine's rows back: (rank + 1, token, slot).
-  int64_t row = 0, cross = 0, inside = 0;
+  int64_t row = 0, cross = 0, inside = 0, back_cross = 0, back_inside = 0;
   std::vector<int64_t> ret_send(size_t(P), 0);
   std::vector<float> ret;
   for (int s = 0; s < P; ++s) {
@@ -91,6 +94,11 @@ void check_dispatch(int64_t rpn) {
         for (int64_t d : ranks) inside += d % rpn != s % rpn;  // the relay (same in-node index) forwards
       } else {
         inside += int64_t(ranks.size()) - int64_t(ranks.count(s));
+      }
+      for (int64_t j = 0; j < K; ++j) {  // the combine: one row per slot, back from its expert's rank d
+        const int64_t d = sidx[size_t(t * K + j)] / epr;
+        back_cross += d / rpn != s / rpn;
+        back_inside += rpn < P ? d % rpn != s % rpn : d != s;  // two hops: to the relay of the source's index
       }
     }
     ASSERT_EQ(recv[size_t(s)], sp.tokens_per_rank[size_t(me)]) << "rows from rank " << s;
@@ -110,19 +118,27 @@ void check_dispatch(int64_t rpn) {
     }
   }
   EXPECT_EQ(row, got.size(0));
-  Tensor sent = Tensor::host(DType::f64, {2});
-  sent.ptr<double>()[0] = double(route.cross_node_rows());
-  sent.ptr<double>()[1] = double(route.in_node_rows());
-  comm.all_reduce(sent.view(), be->stream());
-  EXPECT_EQ(sent.ptr<double>()[0], double(cross)) << "rows across nodes";
-  EXPECT_EQ(sent.ptr<double>()[1], double(inside)) << "rows inside nodes";
-  if (me == 0)
-    std::cout << "[ links    ] " << P << " ranks, " << rpn << " per node: " << double(cross) / double(P * 20 + 7 * P * (P - 1) / 2)
-              << " cross-node and " << double(inside) / double(P * 20 + 7 * P * (P - 1) / 2) << " in-node rows per token\n";
+  // Every rank's rows sent across and inside nodes against the counts from the routing.
+  auto check_links = [&](int64_t sent_cross, int64_t sent_inside, int64_t want_cross, int64_t want_inside,
+                         const std::string& what) {
+    Tensor sent = Tensor::host(DType::f64, {2});
+    sent.ptr<double>()[0] = double(sent_cross);
+    sent.ptr<double>()[1] = double(sent_inside);
+    comm.all_reduce(sent.view(), be->stream());
+    EXPECT_EQ(sent.ptr<double>()[0], double(want_cross)) << what << " rows across nodes";
+    EXPECT_EQ(sent.ptr<double>()[1], double(want_inside)) << what << " rows inside nodes";
+    const double tokens = double(P * 20 + 7 * P * (P - 1) / 2);
+    if (me == 0)
+      std::cout << "[ links    ] " << P << " ranks, " << rpn << " per node, " << what << ": " << double(want_cross) / tokens
+                << " cross-node and " << double(want_inside) / tokens << " in-node rows per token\n";
+  };
+  check_links(route.cross_node_rows(), route.in_node_rows(), cross, inside, "dispatch");
   Tensor r = Tensor::host(DType::f32, {std::max<int64_t>(ep::total(ret_send), 1), 3});
   std::memcpy(r.view().data, ret.data(), ret.size() * sizeof(float));
   r = prefix(r, ep::total(ret_send));
-  const Tensor back = ep::exchange_rows(*be, comm, r, ret_send, plan.slots_per_rank, DType::bf16);
+  const ep::CombineRoute combine(*be, comm, rail.get(), node.get(), ret_send, plan.slots_per_rank);
+  const Tensor back = combine.carry(*be, r, DType::bf16);
+  check_links(combine.cross_node_rows(), combine.in_node_rows(), back_cross, back_inside, "combine");
   ASSERT_EQ(back.size(0), T * K);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < K; ++j) {
@@ -181,6 +197,12 @@ class RecordingComm final : public Comm {
   }
   void all_gather(const TensorView& a, const TensorView& b, const Stream& s) override { inner_.all_gather(a, b, s); }
   void reduce_scatter(const TensorView& a, const TensorView& b, const Stream& s) override { inner_.reduce_scatter(a, b, s); }
+  CommRequest ireduce_scatter(const TensorView& a, const TensorView& b, const Stream& s) override {
+    return inner_.ireduce_scatter(a, b, s);
+  }
+  CommRequest iall_gather(const TensorView& a, const TensorView& b, const Stream& s) override {
+    return inner_.iall_gather(a, b, s);
+  }
   void all_reduce(const TensorView& t, const Stream& s) override { inner_.all_reduce(t, s); }
   void broadcast(const TensorView& t, int root, const Stream& s) override { inner_.broadcast(t, root, s); }
   void barrier() override { inner_.barrier(); }
@@ -289,6 +311,7 @@ void check_wire(int64_t rpn) {
   const int64_t D = cfg.hidden_size, G = D / 128, K = cfg.num_experts_per_tok, epr = layout.experts_per_rank;
   ASSERT_GE(rec->calls.size(), 2u);
   int64_t fp8_bytes = 0, bf16_bytes = 0, dispatched = 0, combined = 0, tokens = 0, layers = 0;
+  int64_t combine_link_bytes[4] = {};  // two hops: sent inside, across; counted from the routing: inside, across
   for (const LayerCall& lc : rec->calls) {
     const char* what = lc.backward ? "backward" : "forward";
     const Tensor x = be->to_host(lc.x), idx = be->to_host(lc.idx);
@@ -300,7 +323,7 @@ void check_wire(int64_t rpn) {
       if (log->at(i).cols == G && log->at(i).dtype == DType::f32) scales.push_back(i);
     }
     const size_t hops = rpn < P ? 2 : 1;
-    ASSERT_EQ(wide.size(), hops + 1) << what << ": exchanges of " << D << "-wide rows";
+    ASSERT_EQ(wide.size(), 2 * hops) << what << ": exchanges of " << D << "-wide rows (dispatch, combine)";
     // The dispatch (one call per hop), then its scales hop by hop.
     for (size_t h = 0; h < hops; ++h) {
       EXPECT_EQ(dtype_name(log->at(wide[h]).dtype), "e4m3") << what << " dispatch hop " << h;
@@ -316,9 +339,27 @@ void check_wire(int64_t rpn) {
       for (size_t i = 0; i < sc.send.size() / 4; ++i) bad += !is_pow2(s[i]);
       EXPECT_EQ(bad, 0) << what << ": dispatch scales not powers of two, of " << sc.send.size() / 4;
     }
-    const WireCall& cb = log->at(wide.back());  // the combine (forward) or its gradient (backward)
-    EXPECT_EQ(dtype_name(cb.dtype), "bf16") << what << " combine";
-    EXPECT_EQ(cb.row_bytes(), 2 * D) << what << " combine: 2 bytes per element";
+    for (size_t h = hops; h < 2 * hops; ++h) {  // the combine (forward) or its gradient (backward), hop by hop
+      EXPECT_EQ(dtype_name(log->at(wide[h]).dtype), "bf16") << what << " combine hop " << h - hops;
+      EXPECT_EQ(log->at(wide[h]).row_bytes(), 2 * D) << what << " combine: 2 bytes per element";
+    }
+    const WireCall& cb = log->at(wide.back());
+    if (rpn < P && !::testing::Test::HasFailure()) {
+      // Two hops: the combine's bytes to the other ranks of this node (hop 1) and to the other
+      // nodes (hop 2, as the relay), against this rank's slots counted from its own routing (the
+      // sums over ranks are the same: every row crosses each link once).
+      const WireCall& c1 = log->at(wide[hops]);
+      const WireCall& c2 = log->at(wide[hops + 1]);
+      for (size_t l = 0; l < c1.send_counts.size(); ++l)
+        if (int64_t(l) != me % rpn) combine_link_bytes[0] += c1.send_counts[l] * c1.row_bytes();
+      for (size_t n = 0; n < c2.send_counts.size(); ++n)
+        if (int64_t(n) != me / rpn) combine_link_bytes[1] += c2.send_counts[n] * c2.row_bytes();
+      for (int64_t i = 0; i < T * K; ++i) {
+        const int64_t d = idx.ptr<int32_t>()[i] / epr;
+        combine_link_bytes[2] += (d % rpn != me % rpn) * 2 * D;
+        combine_link_bytes[3] += (d / rpn != me / rpn) * 2 * D;
+      }
+    }
     if (rpn < P || ::testing::Test::HasFailure()) continue;
     // One hop: the exact rows and bytes the routing implies.
     const ep::DispatchLayout plan = ep::dispatch_layout(idx.ptr<int32_t>(), T, K, P, epr);
@@ -359,7 +400,19 @@ void check_wire(int64_t rpn) {
     else want = {{"e4m3", D}, {"f32", G}, {dtype_name(lc.w.dtype()), K}, {"i32", K}, {"bf16", D}};
     EXPECT_EQ(seen, want) << what << ": the layer's exchanges (dtype, row width)";
   }
-  if (rpn < P) return;
+  if (rpn < P) {
+    Tensor links = Tensor::host(DType::f64, {4});
+    for (int i = 0; i < 4; ++i) links.ptr<double>()[i] = double(combine_link_bytes[i]);
+    world.all_reduce(links.view(), be->stream());
+    const double* a = links.ptr<double>();
+    EXPECT_GT(a[1], 0);
+    EXPECT_EQ(a[0], a[2]) << "combine bytes inside nodes, forward and backward";
+    EXPECT_EQ(a[1], a[3]) << "combine bytes across nodes, forward and backward";
+    if (me == 0)
+      std::cout << "[ wire     ] " << P << " ranks, " << rpn << " per node: the combines sent " << a[1]
+                << " bytes across nodes and " << a[0] << " inside (bf16 rows, forward and backward)\n";
+    return;
+  }
   Tensor sum = Tensor::host(DType::f64, {6});
   const double mine[] = {double(fp8_bytes), double(bf16_bytes), double(dispatched), double(combined), double(tokens),
                          double(layers)};
@@ -636,6 +689,71 @@ TEST(ExpertShard, PerRankParameterAndOptimizerBytesAreTheFormula) {
     const double optimizer = 8.0 * double(n_all) / double(P);  // master and moments, as without experts
     EXPECT_LE(std::abs(double(mem.master + mem.moments) - optimizer), 0.1 * optimizer);
   }
+}
+
+// The step with its collectives overlapped (the default) against the one that waits for each at
+// once: the same bits, on the tiny model's parameters at --dp P --ep 2 (P even; the experts'
+// bucket over P / 2 ranks). Prints the optimizer's time per step both ways (reduce_gradients +
+// grad_norm + step, the median of 20 steps, the ranks started together):
+//   OMP_NUM_THREADS=1 mpirun --oversubscribe -np 4 build/tests/parallel/test_parallel_mpi --gtest_filter='Zero1AdamW.Overlap*'
+TEST(Zero1AdamW, OverlapGivesTheBitsOfOneBucketAfterTheOther) {
+  Comm& world = *g_world;
+  auto be = make_backend("cpu");
+  const int P = world.size(), me = world.rank();
+  const ModelConfig cfg = load_config(std::string(FP8MOE_SOURCE_DIR) + "/configs/tiny.json");
+  ParallelOptions opt;
+  opt.dp = P;
+  opt.ep = P % 2 == 0 ? 2 : 1;
+  const ParallelLayout layout = make_parallel_layout(opt, P, me, cfg);
+  ParallelGroups groups = make_parallel_groups(world, layout);
+  struct Run {
+    std::unique_ptr<Model> model;
+    std::vector<ParamRef> refs;
+    std::unique_ptr<Zero1AdamW> zero;
+    std::vector<double> seconds;
+  } runs[2];
+  for (int k = 0; k < 2; ++k) {
+    Run& r = runs[k];
+    r.model = std::make_unique<Model>(cfg, Recipe::from_name("fp8"), *be, 5,
+                                      ExpertShard{layout.first_expert(), layout.experts_per_rank});
+    std::vector<bool> expert;
+    for (Parameter& p : r.model->parameters()) {
+      if (!p.trainable) continue;
+      r.refs.push_back({p.name, p.weight.view(), p.grad.view(), p.decay});
+      expert.push_back(p.name.find(".mlp.experts.") != std::string::npos);
+    }
+    r.zero = std::make_unique<Zero1AdamW>(*be, *groups.dp, r.refs, AdamWConfig{}, groups.edp.get(), expert);
+    r.zero->set_overlap(k == 0);
+  }
+  for (int step = 0; step < 20; ++step) {
+    std::mt19937_64 rng(g_seed ^ (uint64_t(me) << 20) ^ uint64_t(step));
+    std::normal_distribution<float> nd(0.f, 1e-2f);
+    for (size_t i = 0; i < runs[0].refs.size(); ++i) {
+      float* g = static_cast<float*>(runs[0].refs[i].grad.data);
+      for (int64_t j = 0; j < runs[0].refs[i].grad.numel(); ++j) g[j] = nd(rng);
+      std::memcpy(runs[1].refs[i].grad.data, g, runs[0].refs[i].grad.nbytes());
+    }
+    for (int k : {step % 2, 1 - step % 2}) {  // each first every other step
+      Run& r = runs[k];
+      world.barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      r.zero->reduce_gradients();
+      const double norm = r.zero->grad_norm();
+      r.zero->step(1e-3f, clip_scale(norm, 1.0f));
+      r.seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    for (size_t i = 0; i < runs[0].refs.size(); ++i)
+      ASSERT_EQ(std::memcmp(runs[0].refs[i].value.data, runs[1].refs[i].value.data, runs[0].refs[i].value.nbytes()), 0)
+          << runs[0].refs[i].name << " after step " << step;
+  }
+  auto median_ms = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return 1e3 * v[v.size() / 2];
+  };
+  if (me == 0)
+    std::cout << "[ overlap  ] D = " << P << ", E = " << opt.ep << ", " << runs[0].zero->numel()
+              << " parameters per rank: optimizer step " << median_ms(runs[0].seconds) << " ms overlapped, "
+              << median_ms(runs[1].seconds) << " ms one bucket after the other (median of 20, rank 0)\n";
 }
 
 TEST(Zero1AdamW, OptimizerMemoryPerRankIsTheFormula) {

@@ -11,6 +11,14 @@
 
 namespace fp8moe::ep {
 
+// One all_to_all_v of a route: the rows of the previous stage gathered in send order, exchanged.
+struct Hop {
+  Comm* comm = nullptr;
+  std::vector<int32_t> gather;        // rows of the previous stage, in send order
+  std::vector<int64_t> send, recv;    // rows per peer
+  Tensor gather_dev;                  // [gather] i32 on the backend
+};
+
 // How per-token rows travel from their source to the ranks that hold the token's experts, one
 // copy per destination rank, arriving ordered by source rank and then token (the dispatch
 // layout's order) either way:
@@ -35,12 +43,6 @@ class DispatchRoute {
   int64_t in_node_rows() const { return in_rows_; }
 
  private:
-  struct Hop {
-    Comm* comm = nullptr;
-    std::vector<int32_t> gather;        // rows of the previous stage, in send order
-    std::vector<int64_t> send, recv;    // rows per peer
-    Tensor gather_dev;                  // [gather] i32 on the backend
-  };
   static Hop make_hop(Backend& be, Comm& comm, int64_t rows, const int32_t* ids, int64_t stride, int64_t topk,
                       const std::function<int64_t(int32_t)>& peer_of, int64_t& other);
   std::vector<Hop> hops_;
@@ -48,6 +50,35 @@ class DispatchRoute {
   Tensor order_dev_;
   std::vector<int64_t> recv_counts_;
   int64_t received_ = 0, cross_rows_ = 0, in_rows_ = 0;
+};
+
+// How the combine's rows travel back from the expert ranks to their sources, mirroring the
+// dispatch (§3.2.2), arriving at the source ordered by expert rank (the one-hop order) either way:
+//   one hop   all_to_all_v over the expert-parallel group;
+//   two hops  first inside the expert's node to the rank with the source's in-node index (over
+//             `node`: NVLink), which forwards them across nodes to the source (over `rail`: the
+//             cross-node link).
+// The rows travel one per (token, expert) slot, unsummed: the source adds a token's k rows in
+// slot order with moe_combine's roundings, so partial sums at the relay (one row per token and
+// node) would change the bits.
+class CombineRoute {
+ public:
+  // send[s]: rows this rank returns to source s (the rows given to carry are source-major);
+  // recv[d]: rows this rank gets back from expert rank d. rail and node null: one hop.
+  // Collective over the expert-parallel group (rail and node too).
+  CombineRoute(Backend& be, Comm& ep, Comm* rail, Comm* node, std::vector<int64_t> send, std::vector<int64_t> recv);
+  // rows [sum send, C] converted to `dtype` -> [sum recv, C] of `dtype`, expert-rank-major.
+  Tensor carry(Backend& be, const Tensor& rows, DType dtype) const;
+  // Rows this rank sends per carry over a link between nodes (the second hop, as the relay) and
+  // within a node (the first hop, to another rank); one hop: all to other ranks counted as within.
+  int64_t cross_node_rows() const { return cross_rows_; }
+  int64_t in_node_rows() const { return in_rows_; }
+
+ private:
+  Comm& ep_;
+  std::vector<int64_t> send_, recv_;
+  std::vector<Hop> hops_;  // two hops only
+  int64_t cross_rows_ = 0, in_rows_ = 0;
 };
 
 // recv_counts[q] = the send_counts[me] of rank q (host exchange of the counts).

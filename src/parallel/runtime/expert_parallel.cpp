@@ -6,8 +6,8 @@
 //             weights (ep_exchange.hpp: one hop, or two across nodes) -> on the expert rank, per
 //             source rank: the rows dequantized (exact) and requantized into the expert-sorted
 //             layout (the same values), the grouped FP8 MLP of the model (mlp_forward) -> one
-//             BF16 row per (token, expert) back to the source -> moe_combine there, weighted, in
-//             slot order.
+//             BF16 row per (token, expert) back to the source (one hop, or two across nodes:
+//             inside the expert's node, then across) -> moe_combine there, weighted, in slot order.
 //   backward  dy the same way in FP8 (the activation gradient before the down projection is
 //             w * dequantized dy on the expert rank), the input gradients back in BF16 and the
 //             combine weights' gradients (rows_dot) in FP32.
@@ -87,6 +87,7 @@ class ExpertParallel final : public RoutedExperts {
     int64_t layer = 0;
     ep::DispatchLayout plan;
     std::unique_ptr<ep::DispatchRoute> route;  // how this micro-batch's tokens reach the experts
+    std::unique_ptr<ep::CombineRoute> back;    // how the expert rows return to their sources
     Tensor idx;          // nvlink: the routing, for the backward's dispatch
     Tensor slot_row;     // [T, k] i32: row of each slot among the returned rows
     std::vector<int64_t> recv_counts, ret_send, ret_recv;  // rows per rank
@@ -143,6 +144,9 @@ class ExpertParallel final : public RoutedExperts {
     s->ret_send.assign(size_t(P), 0);
     for (int64_t p = 0; p < P; ++p) s->ret_send[size_t(p)] = s->src[size_t(p)].ret;
     s->ret_recv = s->plan.slots_per_rank;
+    s->back = std::make_unique<ep::CombineRoute>(c.be, ep_, rail_.get(), node_.get(), s->ret_send, s->ret_recv);
+    traffic_.combine_cross_node_rows += s->back->cross_node_rows();
+    traffic_.combine_in_node_rows += s->back->in_node_rows();
     // Combine: the expert outputs back in BF16, one row per slot.
     s->slot_row = i32_tensor(c, s->plan.slot_row, T, K);
     if (nvlink_) {
@@ -252,7 +256,7 @@ class ExpertParallel final : public RoutedExperts {
   // sources (dtype: bf16, the combine, or f32); returns what came back [T * k, cols], rank-major.
   Tensor return_rows(Ctx& c, const State& s, const std::vector<Tensor>& per_source, int64_t cols,
                      DType dtype = DType::bf16) {
-    return ep::exchange_rows(c.be, ep_, gather_returned(c, s, per_source, cols), s.ret_send, s.ret_recv, dtype);
+    return s.back->carry(c.be, gather_returned(c, s, per_source, cols), dtype);
   }
 
   // The rows of `per_source` named by each source's ret_rows, source-major: what goes back.
