@@ -3,8 +3,9 @@
 //   fp8moe serve --hf out/hf --cache fp8 --cache-blocks 1024
 //   fp8moe serve --dummy configs/tiny.json --port 0     (random weights: load tests)
 //   curl -N localhost:8000/v1/completions -d '{"model": "fp8moe", "prompt": "Hi", "stream": true}'
-//   mpirun -np 2 fp8moe serve --dummy configs/tiny.json --disaggregate
-//                       (rank 0: HTTP and prefill; rank 1: decode; the cache handed over by Comm)
+//   mpirun -np 3 fp8moe serve --dummy configs/tiny.json --disaggregate
+//                       (rank 0: HTTP and prefill; ranks 1..: decode, each request on the one with
+//                       the fewest in flight; the cache handed over by Comm)
 // Prints "fp8moe serve: listening on http://HOST:PORT" once it accepts connections; SIGINT or
 // SIGTERM stops it (in-flight requests are cancelled) with exit status 0.
 #ifdef FP8MOE_HAVE_SERVER
@@ -64,15 +65,20 @@ void run(Args& a) {
   std::unique_ptr<serve::DisaggregatedFront> front;
   if (a.disaggregate) {
     comm = make_comm("mpi");
-    require_world(*comm, 2, "fp8moe serve --disaggregate (rank 0 prefills and serves HTTP, rank 1 decodes)");
-    if (comm->rank() == 1) {  // stopped by the front's end message, not by signals
+    FP8MOE_CHECK(comm->size() >= 2, "fp8moe serve --disaggregate runs on 2 or more ranks (rank 0 prefills and "
+                                    "serves HTTP, the others decode), the "
+                                        << comm->name() << " communicator has " << comm->size()
+                                        << "; start it with mpirun -np 2 or more");
+    if (comm->rank() > 0) {  // stopped by the front's end message, not by signals
       std::signal(SIGINT, SIG_IGN);
       std::signal(SIGTERM, SIG_IGN);
       serve::Scheduler decode(engine, a.server.scheduler);
       serve::serve_decode_rank(decode, engine, *comm, 0);
       return;
     }
-    front = std::make_unique<serve::DisaggregatedFront>(engine, *comm, 1, a.server.scheduler.max_step_tokens);
+    std::vector<int> decode_ranks;
+    for (int r = 1; r < comm->size(); ++r) decode_ranks.push_back(r);
+    front = std::make_unique<serve::DisaggregatedFront>(engine, *comm, decode_ranks, a.server.scheduler.max_step_tokens);
   }
   serve::Server server = front ? serve::Server(engine, *front, a.server) : serve::Server(engine, a.server);
   std::signal(SIGINT, on_signal);
@@ -136,7 +142,7 @@ void add_serve(CLI::App& app) {
   c->add_option("--max-running", a->server.scheduler.max_running, "Requests in the running batch")
       ->check(CLI::PositiveNumber);
   c->add_flag("--disaggregate", a->disaggregate,
-              "Under mpirun -np 2: prefill on rank 0 (with the HTTP front), decode on rank 1");
+              "Under mpirun -np N >= 2: prefill on rank 0 (with the HTTP front), decode on ranks 1..N-1");
   c->add_flag("--shared-as-routed", a->shared_as_routed, "Run the shared expert as a routed expert every token picks");
   c->callback([a] { run(*a); });
 }

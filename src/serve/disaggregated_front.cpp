@@ -88,11 +88,19 @@ struct Outbox {
 struct DisaggregatedFront::Impl {
   Engine& engine;
   Comm& comm;
-  int peer;
   int64_t max_chunk;
   BlockAllocator alloc;
   Stream st;
-  int64_t decode_blocks = 0;
+  struct Peer {  // a decode rank
+    int rank = 0;
+    int64_t blocks = 0;  // its cache
+    int64_t live = 0;    // requests handed to it and not done
+    int64_t handed = 0;  // requests handed to it
+    Tensor event = i64s(std::vector<int64_t>(kEventHeader, 0));
+    CommRequest event_req;
+  };
+  std::vector<Peer> peers;
+  int64_t decode_blocks = 0;  // the smallest of the decode ranks' caches
   mutable std::mutex mu;  // waiting, cancels, next_id, stats
   std::deque<std::pair<uint64_t, Request>> waiting;
   std::map<uint64_t, Clock::time_point> arrival;
@@ -103,27 +111,47 @@ struct DisaggregatedFront::Impl {
     Request req;
     Clock::time_point arrival, last;
     bool any_text = false;
+    size_t peer = 0;  // index into peers
   };
   std::map<uint64_t, Live> live;  // handed over; the engine thread's
-  Tensor event = i64s(std::vector<int64_t>(kEventHeader, 0));
-  CommRequest event_req;
   HandoverStats handover;
   bool finished = false;
 
-  Impl(Engine& e, Comm& c, int p, int64_t chunk)
-      : engine(e), comm(c), peer(p), max_chunk(chunk), alloc(e.cache().blocks()), st(e.backend().stream()) {
-    FP8MOE_CHECK(p >= 0 && p < c.size() && p != c.rank(),
-                 "DisaggregatedFront: decode rank " << p << " is not another rank of the " << c.size()
-                                                    << "-rank communicator");
+  Impl(Engine& e, Comm& c, const std::vector<int>& decode_ranks, int64_t chunk)
+      : engine(e), comm(c), max_chunk(chunk), alloc(e.cache().blocks()), st(e.backend().stream()) {
+    FP8MOE_CHECK(!decode_ranks.empty(), "DisaggregatedFront: no decode rank");
+    std::set<int> seen;
+    for (int p : decode_ranks) {
+      FP8MOE_CHECK(p >= 0 && p < c.size() && p != c.rank(),
+                   "DisaggregatedFront: decode rank " << p << " is not another rank of the " << c.size()
+                                                      << "-rank communicator");
+      FP8MOE_CHECK(seen.insert(p).second, "DisaggregatedFront: decode rank " << p << " is listed twice");
+    }
     FP8MOE_CHECK(chunk >= 1, "DisaggregatedFront: max_chunk must be >= 1, got " << chunk);
-    Tensor b = i64s({0});
-    comm.recv(b.view(), peer, st);
-    decode_blocks = b.ptr<int64_t>()[0];
-    event_req = comm.irecv(event.view(), peer, st);
+    peers.resize(decode_ranks.size());
+    for (size_t i = 0; i < peers.size(); ++i) {
+      Peer& q = peers[i];
+      q.rank = decode_ranks[i];
+      Tensor b = i64s({0});
+      comm.recv(b.view(), q.rank, st);
+      q.blocks = b.ptr<int64_t>()[0];
+      decode_blocks = i == 0 ? q.blocks : std::min(decode_blocks, q.blocks);
+      q.event_req = comm.irecv(q.event.view(), q.rank, st);
+    }
   }
 
-  void on_event() {
-    const int64_t* v = event.ptr<int64_t>();
+  // The decode rank with the fewest requests in flight (the first of those tied): each rank's
+  // cache and batch are the same size, so this spreads both.
+  size_t pick_peer() const {
+    size_t best = 0;
+    for (size_t i = 1; i < peers.size(); ++i)
+      if (peers[i].live < peers[best].live) best = i;
+    return best;
+  }
+
+  void on_event(Peer& q) {
+    const int peer = q.rank;
+    const int64_t* v = q.event.ptr<int64_t>();
     const int64_t kind = v[0], n = v[2], tokens = v[3];
     const uint64_t id = uint64_t(v[1]);
     const auto it = live.find(id);
@@ -152,6 +180,7 @@ struct DisaggregatedFront::Impl {
     }
     Request req = std::move(L.req);
     live.erase(it);
+    --q.live;
     {
       std::lock_guard<std::mutex> l(mu);
       --stats.running;
@@ -177,6 +206,8 @@ struct DisaggregatedFront::Impl {
     }
     const std::string stops = pack_stops(r.stop);
     const int64_t P = int64_t(r.prompt.size());
+    const size_t to = pick_peer();
+    const int peer = peers[to].rank;
     const auto t0 = Clock::now();
     comm.send(i64s({kRequest, int64_t(id), P, pre.first, r.max_tokens, pre.blocks, r.eos, r.sampling.top_k,
                     int64_t(r.sampling.seed), bits_of(r.sampling.temperature), bits_of(r.sampling.top_p),
@@ -197,17 +228,20 @@ struct DisaggregatedFront::Impl {
       arrived = arrival[id];
       arrival.erase(id);
     }
-    live.emplace(id, Live{std::move(r), arrived, arrived, false});
+    live.emplace(id, Live{std::move(r), arrived, arrived, false, to});
+    ++peers[to].live;
+    ++peers[to].handed;
   }
 
   bool step() {
     FP8MOE_CHECK(!finished, "DisaggregatedFront::step: the front has finished");
     bool worked = false;
-    while (event_req.test()) {
-      worked = true;
-      on_event();
-      event_req = comm.irecv(event.view(), peer, st);
-    }
+    for (Peer& q : peers)
+      while (q.event_req.test()) {
+        worked = true;
+        on_event(q);
+        q.event_req = comm.irecv(q.event.view(), q.rank, st);
+      }
     std::set<uint64_t> cs;
     {
       std::lock_guard<std::mutex> l(mu);
@@ -230,11 +264,11 @@ struct DisaggregatedFront::Impl {
       if (gone) {
         if (gone->on_done) gone->on_done("cancelled", {});
         worked = true;
-      } else if (live.count(id)) {  // the decode rank answers with the request's end
+      } else if (const auto it = live.find(id); it != live.end()) {  // its decode rank answers with its end
         std::vector<int64_t> h(kRequestHeader, 0);
         h[0] = kCancel;
         h[1] = int64_t(id);
-        comm.send(i64s(h).view(), peer, st);
+        comm.send(i64s(h).view(), peers[it->second.peer].rank, st);
         worked = true;
       }
     }
@@ -262,12 +296,12 @@ struct DisaggregatedFront::Impl {
     finished = true;
     std::vector<int64_t> h(kRequestHeader, 0);
     h[0] = kEnd;
-    comm.send(i64s(h).view(), peer, st);
+    for (const Peer& q : peers) comm.send(i64s(h).view(), q.rank, st);
   }
 };
 
-DisaggregatedFront::DisaggregatedFront(Engine& e, Comm& comm, int decode_rank, int64_t max_chunk)
-    : impl_(std::make_unique<Impl>(e, comm, decode_rank, max_chunk)) {}
+DisaggregatedFront::DisaggregatedFront(Engine& e, Comm& comm, const std::vector<int>& decode_ranks, int64_t max_chunk)
+    : impl_(std::make_unique<Impl>(e, comm, decode_ranks, max_chunk)) {}
 
 DisaggregatedFront::~DisaggregatedFront() {
   try {
@@ -301,7 +335,8 @@ bool DisaggregatedFront::step() { return impl_->step(); }
 SchedulerStats DisaggregatedFront::stats() const {
   std::lock_guard<std::mutex> l(impl_->mu);
   SchedulerStats s = impl_->stats;
-  s.blocks_total = impl_->decode_blocks;  // the decode rank's cache; its use is not reported back
+  s.blocks_total = 0;  // the decode ranks' caches; their use is not reported back
+  for (const auto& q : impl_->peers) s.blocks_total += q.blocks;
   return s;
 }
 
@@ -313,6 +348,12 @@ bool DisaggregatedFront::idle() const {
 void DisaggregatedFront::finish() { impl_->finish(); }
 
 const HandoverStats& DisaggregatedFront::handover() const { return impl_->handover; }
+
+std::vector<int64_t> DisaggregatedFront::handovers_per_rank() const {
+  std::vector<int64_t> n;
+  for (const auto& q : impl_->peers) n.push_back(q.handed);
+  return n;
+}
 
 void serve_decode_rank(Scheduler& scheduler, Engine& engine, Comm& comm, int front) {
   FP8MOE_CHECK(front >= 0 && front < comm.size() && front != comm.rank(),

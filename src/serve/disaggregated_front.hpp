@@ -1,10 +1,11 @@
 // The server front of a prefill/decode disaggregated deployment (DeepSeek-V3 §3.4): on the
 // prefill rank, DisaggregatedFront is the Batcher the HTTP server drives (server.hpp): each
 // submitted request is prefilled by the front's engine and handed over with its cache blocks to
-// the decode rank (disaggregation.hpp), and the text the decode rank makes comes back to the
-// request's callbacks; serve_decode_rank is the decode rank's loop.
-//   rank 0: DisaggregatedFront front(engine, comm, 1); Server(engine, front, opt).run(); front.finish();
-//   rank 1: serve_decode_rank(scheduler, engine, comm, 0);
+// one of the decode ranks (disaggregation.hpp), the one with the fewest requests in flight, and
+// the text that rank makes comes back to the request's callbacks; serve_decode_rank is a decode
+// rank's loop.
+//   rank 0: DisaggregatedFront front(engine, comm, {1, 2}); Server(engine, front, opt).run(); front.finish();
+//   ranks 1, 2: serve_decode_rank(scheduler, engine, comm, 0);
 // On the wire, front to decode rank: a header i64 [13] {kind (1 request, 2 cancel, 0 end), id,
 // prompt tokens, first token, max_tokens, blocks, eos, top_k, seed, temperature and top_p as
 // their bits, bytes of stop strings, bytes of the sampler's state}, then the prompt, the stop
@@ -13,6 +14,7 @@
 // decode rank only posts non-blocking sends, so neither rank can wait on the other's send.
 #pragma once
 #include <memory>
+#include <vector>
 
 #include "fp8moe/comm.hpp"
 #include "serve/disaggregation.hpp"
@@ -22,8 +24,10 @@ namespace fp8moe::serve {
 
 class DisaggregatedFront : public Batcher {
  public:
-  // Receives the decode rank's cache size (requests are validated against it and the context).
-  DisaggregatedFront(Engine& prefill_engine, Comm& comm, int decode_rank, int64_t max_chunk = 256);
+  // Receives each decode rank's cache size (requests are validated against the smallest and the
+  // context).
+  DisaggregatedFront(Engine& prefill_engine, Comm& comm, const std::vector<int>& decode_ranks,
+                     int64_t max_chunk = 256);
   ~DisaggregatedFront() override;
   uint64_t submit(Request r) override;
   void cancel(uint64_t id) override;
@@ -31,9 +35,10 @@ class DisaggregatedFront : public Batcher {
   // waiting request.
   bool step() override;
   SchedulerStats stats() const override;
-  bool idle() const;    // nothing waiting and nothing on the decode rank
-  void finish();        // the decode rank's loop returns; requests still there are dropped
+  bool idle() const;    // nothing waiting and nothing on the decode ranks
+  void finish();        // the decode ranks' loops return; requests still there are dropped
   const HandoverStats& handover() const;
+  std::vector<int64_t> handovers_per_rank() const;  // requests handed to each decode rank, in their order
 
  private:
   struct Impl;
