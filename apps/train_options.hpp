@@ -75,6 +75,14 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
                   "consecutive ranks forming a node, for node-limited routing (0: one node)");
   cmd->add_option("--max-nodes", o.parallel.max_nodes, "nodes a token may be routed to (0: min(4, nodes))");
   cmd->add_option("--comm", o.parallel.comm, "communicator: mpi | nccl | auto")->capture_default_str();
+  cmd->add_option("--fb", o.parallel.fb,
+                  "DualPipe's paired F&B chunks: overlap (forward and backward halves on two streams) | serial (one "
+                  "stream, the same order and bits) | compare (alternating by step; with --trace, both timed)")
+      ->capture_default_str();
+  cmd->add_option("--comm-sms", o.parallel.comm_sms,
+                  "SMs given to communication kernels: NCCL's CTAs and the NVLink expert-parallel kernels' num_sms "
+                  "(even; 0: the transport's default; not with the mpi engine)")
+      ->capture_default_str();
 }
 
 }  // namespace fp8moe::cli

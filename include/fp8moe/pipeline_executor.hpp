@@ -23,6 +23,7 @@
 
 #include "fp8moe/comm.hpp"
 #include "fp8moe/model.hpp"
+#include "fp8moe/paired_chunk.hpp"
 #include "fp8moe/schedule.hpp"
 
 namespace fp8moe::pipeline {
@@ -98,6 +99,15 @@ class Executor {
 
   // Test hook: the rank throws Error when it reaches op `op_index` of its list (-1: never).
   void fail_at(int op_index);
+
+  // How the paired F&B chunks run (paired_chunk.hpp): overlap (the default) on two streams, or
+  // serial on one, in the same order and with the same bits.
+  void set_fb_mode(FbMode mode);
+  FbMode fb_mode() const;
+  // Off by default. On: the device is synchronized at the end of every compute op and of every
+  // component outside an overlapped chunk, so that the recorded times are the device's (the
+  // serial chunk's components then time each half on its own); costs the overlap between ops.
+  void set_device_times(bool on);
 
  private:
   struct Impl;

@@ -17,14 +17,20 @@ namespace fp8moe {
 std::unique_ptr<TrainerParallel> TrainerParallel::make(const ParallelOptions& opt, ModelConfig& cfg,
                                                        int64_t micro_batches) {
   const LaunchInfo launch = launch_info();
-  if (launch.size == 1 && opt.ep == 0 && opt.dp <= 1 && opt.pp <= 1 && opt.ranks_per_node == 0 && opt.max_nodes == 0)
+  // DualPipeV runs two stages per rank: at --pp 1 both on one rank, its F&B chunks included.
+  const bool one_rank_v = opt.schedule == "dualpipev";
+  if (launch.size == 1 && opt.ep == 0 && opt.dp <= 1 && opt.pp <= 1 && !one_rank_v && opt.ranks_per_node == 0 &&
+      opt.max_nodes == 0 && opt.comm_sms == 0)
     return nullptr;
   auto p = std::make_unique<TrainerParallel>();
   p->launch = launch;
   // The layout and the schedule are functions of the options, the launch and the model: every
   // rank raises the same error before any rank makes a communicator.
   p->layout = make_parallel_layout(opt, launch.size, launch.rank, cfg);
-  if (p->layout.pp > 1) {
+  FP8MOE_CHECK(opt.fb == "overlap" || opt.fb == "serial" || opt.fb == "compare",
+               "--fb: expected overlap, serial or compare, got '" << opt.fb << "'");
+  p->fb = opt.fb;
+  if (p->layout.pp > 1 || one_rank_v) {
     try {
       const pipeline::Method method = pipeline::parse_method(opt.schedule);
       const int stages = pipeline::stages_for(method, int(p->layout.pp));
@@ -39,7 +45,15 @@ std::unique_ptr<TrainerParallel> TrainerParallel::make(const ParallelOptions& op
   }
   apply_node_limited_routing(p->layout, cfg);
   select_local_gpu(launch);
+  if (opt.comm_sms > 0) {  // NCCL reads them when the communicator is made
+    const std::string n = std::to_string(opt.comm_sms);
+    setenv("NCCL_MIN_CTAS", n.c_str(), 1);
+    setenv("NCCL_MAX_CTAS", n.c_str(), 1);
+  }
   p->world = make_comm(opt.comm);
+  FP8MOE_CHECK(opt.comm_sms == 0 || p->world->name() != "mpi",
+               "--comm-sms " << opt.comm_sms << ": the mpi engine stages messages through the host and runs no "
+                             "kernels to give SMs to (use --comm nccl, one GPU per rank)");
   p->groups = make_parallel_groups(*p->world, p->layout);
   return p;
 }
@@ -68,6 +82,7 @@ void TrainerParallel::attach(Model& model, Backend& be, const std::vector<ParamR
   }
   if (schedule) {
     executor = std::make_unique<pipeline::Executor>(model, *schedule, split, groups.pp.get());
+    executor->set_fb_mode(fb == "overlap" ? pipeline::FbMode::overlap : pipeline::FbMode::serial);
     // FP8MOE_PIPELINE_FAIL_AT=R:K makes world rank R fail at op K of every step: how the tests
     // check that the other ranks stop with an error instead of waiting.
     if (const char* at = std::getenv("FP8MOE_PIPELINE_FAIL_AT")) {
@@ -305,6 +320,15 @@ void TrainerParallel::report_memory(nlohmann::json& memory, bool print) const {
 
 namespace fp8moe {
 
+void TrainerParallel::begin_step(int64_t step) {
+  if (executor && fb == "compare") executor->set_fb_mode(step % 2 == 0 ? pipeline::FbMode::serial : pipeline::FbMode::overlap);
+}
+
+void TrainerParallel::end_step() {
+  if (!executor || fb != "compare") return;
+  (executor->fb_mode() == pipeline::FbMode::serial ? fb_serial : fb_overlap) = pipeline::summarize(executor->executed());
+}
+
 void TrainerParallel::write_trace(const std::string& path, bool print) const {
   if (!executor) return;
   const std::filesystem::path p(path);
@@ -315,11 +339,16 @@ void TrainerParallel::write_trace(const std::string& path, bool print) const {
     out << pipeline::chrome_trace(*schedule, executor->rank(), executor->executed());
     if (!out) throw IoError("--trace: writing '" + mine.string() + "' failed");
   }
-  const pipeline::RankSummary s = pipeline::summarize(executor->executed());
-  const auto all = world->exchange(std::string(reinterpret_cast<const char*>(&s), sizeof s));
+  // This step's, and with --fb compare the last serial and overlapped steps'.
+  const pipeline::RankSummary mine_s[3] = {pipeline::summarize(executor->executed()), fb_serial, fb_overlap};
+  const auto all = world->exchange(std::string(reinterpret_cast<const char*>(mine_s), sizeof mine_s));
   if (!print) return;
-  std::vector<pipeline::RankSummary> ranks;
-  for (const std::string& b : all) std::memcpy(&ranks.emplace_back(), b.data(), sizeof s);
+  std::vector<pipeline::RankSummary> ranks, serial, overlapped;
+  for (const std::string& b : all) {
+    pipeline::RankSummary x[3];
+    std::memcpy(x, b.data(), sizeof x);
+    ranks.push_back(x[0]), serial.push_back(x[1]), overlapped.push_back(x[2]);
+  }
   std::printf("pipeline %s, %lld ranks x dp %lld, %d micro-batches, stages %s; the last step, ms:\n",
               std::string(pipeline::method_name(schedule->method)).c_str(), (long long)layout.pp, (long long)layout.dp,
               schedule->num_micro_batches, split.str().c_str());
@@ -340,6 +369,27 @@ void TrainerParallel::write_trace(const std::string& path, bool print) const {
               (p.parent_path() / (p.stem().string() + ".rank*" + (p.has_extension() ? p.extension().string() : ".json")))
                   .string()
                   .c_str());
+  // The paired chunks: each rank's mean chunk time against its halves' (serial with device times:
+  // each half's own device time).
+  auto per_chunk = [](double t, const pipeline::RankSummary& x) { return 1e3 * t / x.forward_backwards; };
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const auto& x = ranks[r];
+    if (x.forward_backwards == 0) continue;
+    if (fb != "compare") {
+      std::printf("F&B chunks, rank %zu (%s): %d, %.3f ms each; their halves' components: forward %.3f + backward %.3f ms\n",
+                  r, fb.c_str(), x.forward_backwards, per_chunk(x.forward_backward, x), per_chunk(x.fb_forward_half, x),
+                  per_chunk(x.fb_backward_half, x));
+      continue;
+    }
+    const auto &a = serial[r], &o = overlapped[r];
+    if (a.forward_backwards == 0 || o.forward_backwards == 0) continue;
+    const double halves = per_chunk(a.fb_forward_half + a.fb_backward_half, a);
+    std::printf("F&B chunks, rank %zu: %d per step; serial %.3f ms (its halves run alone: forward %.3f + backward %.3f = "
+                "%.3f ms), overlapped %.3f ms: %.3fx the halves' sum\n",
+                r, o.forward_backwards, per_chunk(a.forward_backward, a), per_chunk(a.fb_forward_half, a),
+                per_chunk(a.fb_backward_half, a), halves, per_chunk(o.forward_backward, o),
+                per_chunk(o.forward_backward, o) / halves);
+  }
 }
 
 }  // namespace fp8moe

@@ -13,6 +13,7 @@
 #include "fp8moe/model.hpp"
 #include "fp8moe/parallel.hpp"
 #include "fp8moe/pipeline_executor.hpp"
+#include "fp8moe/pipeline_trace.hpp"
 #include "fp8moe/zero1.hpp"
 
 namespace fp8moe {
@@ -32,6 +33,9 @@ struct TrainerParallel {
   std::vector<int64_t> held_per_stage_rank;
   int64_t whole_trainable = 0;
   ModelConfig model_cfg;  // the model's (attach)
+  // --fb, and with compare the summaries of the last serial and the last overlapped step.
+  std::string fb = "overlap";
+  pipeline::RankSummary fb_serial, fb_overlap;
 
   // nullptr for one process without --ep or --pp; otherwise validates the layout and the
   // pipeline schedule of `micro_batches` per data-parallel rank against the world and the model
@@ -71,6 +75,10 @@ struct TrainerParallel {
   // extension; rank 0 gathers every rank's summary and prints it beside the simulator's bubble
   // for the measured op costs and Table 2's formula (when `print`).
   void write_trace(const std::string& path, bool print) const;
+  // Around each step's executor run: with --fb compare the F&B chunks of even steps run serial,
+  // of odd ones overlapped, and each step's summary is kept by mode.
+  void begin_step(int64_t step);
+  void end_step();
   // --ep: the forward dispatches' traffic per token over every rank (DispatchTraffic), printed by
   // rank 0 beside the report's figures (when `print`). Collective over the world.
   void report_traffic(Backend& be, int64_t hidden, int64_t topk, bool print) const;
