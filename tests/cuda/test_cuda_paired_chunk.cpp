@@ -1,0 +1,156 @@
+// The paired F&B chunk on two CUDA streams (include/fp8moe/paired_chunk.hpp): each dependency the
+// chunk keeps is tested where leaving it out races. Slow work (tens of passes over 256 MiB) sits
+// ahead of the read or write a dependency orders, so that without it the other stream runs first
+// and the values show it:
+//   - the second stream's work starts after the current stream's work issued before the chunk;
+//   - the current stream's work after the chunk sees the second stream's;
+//   - steps of the two halves naming one resource run in the host's order;
+//   - a tensor of the current stream dropped by the backward half while its stream still reads it
+//     keeps its bytes (the freed memory is held until the streams join).
+// Then the executor itself: DualPipeV on one rank, overlapped against serial, bitwise.
+//   build/tests/cuda/test_cuda_paired_chunk
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "cuda_test_util.hpp"
+#include "fp8moe/config.hpp"
+#include "fp8moe/model.hpp"
+#include "fp8moe/paired_chunk.hpp"
+#include "fp8moe/pipeline_executor.hpp"
+
+namespace fp8moe {
+namespace {
+
+constexpr int64_t kN = int64_t(1) << 26;  // floats: 256 MiB per tensor
+constexpr int kSlow = 40;                 // passes of the slow work
+
+struct Fixture {
+  std::unique_ptr<Backend> be = make_cuda_backend();
+  Tensor ones;
+  Fixture() {
+    Tensor h = Tensor::host(DType::f32, {kN});
+    for (int64_t i = 0; i < kN; ++i) h.ptr<float>()[i] = 1.0f;
+    ones = testing::to_device(*be, h);
+    be->synchronize();
+  }
+  // t += 1, kSlow times, on the current stream.
+  void slow_add(const Tensor& t) {
+    for (int i = 0; i < kSlow; ++i) be->axpy(1.0, ones.view(), 1.0, t.view());
+  }
+  // How many elements of t differ from v.
+  int64_t unequal(const Tensor& t, float v) {
+    const Tensor h = be->to_host(t);
+    int64_t n = 0;
+    for (int64_t i = 0; i < h.numel(); ++i) n += h.ptr<float>()[i] != v;
+    return n;
+  }
+};
+
+TEST(PairedChunkCuda, SecondStreamWaitsForTheWorkBefore) {
+  FP8MOE_REQUIRE_GPU();
+  Fixture f;
+  Backend& be = *f.be;
+  pipeline::PairedChunk pair(be);
+  Tensor x = be.zeros(DType::f32, {kN}), y = be.zeros(DType::f32, {kN});
+  be.synchronize();
+  f.slow_add(x);  // before the chunk, on the current stream
+  pair.run({{[] {}, {}}}, {{[&] { be.copy(y.view(), x.view()); }, {}}}, pipeline::FbMode::overlap);
+  EXPECT_EQ(f.unequal(y, float(kSlow)), 0) << "the backward half read x before the work ahead of the chunk wrote it";
+}
+
+TEST(PairedChunkCuda, CurrentStreamWaitsForTheSecondAfter) {
+  FP8MOE_REQUIRE_GPU();
+  Fixture f;
+  Backend& be = *f.be;
+  pipeline::PairedChunk pair(be);
+  Tensor z = be.zeros(DType::f32, {kN});
+  be.synchronize();
+  pair.run({{[] {}, {}}}, {{[&] { f.slow_add(z); }, {}}}, pipeline::FbMode::overlap);
+  Tensor w = be.zeros(DType::f32, {kN});
+  be.copy(w.view(), z.view());  // on the current stream, after the chunk
+  EXPECT_EQ(f.unequal(w, float(kSlow)), 0) << "the work after the chunk read z before the backward half wrote it";
+}
+
+TEST(PairedChunkCuda, SharedResourceKeepsTheHostOrder) {
+  FP8MOE_REQUIRE_GPU();
+  Fixture f;
+  Backend& be = *f.be;
+  pipeline::PairedChunk pair(be);
+  Tensor w = be.zeros(DType::f32, {kN});
+  be.synchronize();
+  // Forward: w += 1, kSlow times; then the backward: w *= 2. In order: 2 kSlow.
+  pair.run({{[&] { f.slow_add(w); }, {7}}}, {{[&] { be.axpy(0.0, f.ones.view(), 2.0, w.view()); }, {7}}},
+           pipeline::FbMode::overlap);
+  EXPECT_EQ(pair.shared_waits(), 1);
+  EXPECT_EQ(f.unequal(w, float(2 * kSlow)), 0) << "the halves' steps on one resource ran out of order";
+}
+
+TEST(PairedChunkCuda, DroppedTensorKeepsItsBytesUntilTheJoin) {
+  FP8MOE_REQUIRE_GPU();
+  Fixture f;
+  Backend& be = *f.be;
+  pipeline::PairedChunk pair(be);
+  auto t = std::make_shared<Tensor>(be.zeros(DType::f32, {kN}));  // the current stream's
+  be.axpy(7.0, f.ones.view(), 0.0, t->view());
+  Tensor busy = be.zeros(DType::f32, {kN}), v = be.zeros(DType::f32, {kN});
+  be.synchronize();
+  // The backward half queues its read of t behind slow work and drops t; the forward half's next
+  // step takes a tensor of t's size on the current stream and zeroes it at once.
+  pair.run({{[] {}, {}}, {[&] { be.zero(be.empty(DType::f32, {kN}).view()); }, {}}},
+           {{[&] {
+              f.slow_add(busy);
+              be.copy(v.view(), t->view());
+              t.reset();
+            },
+             {}}},
+           pipeline::FbMode::overlap);
+  EXPECT_EQ(f.unequal(v, 7.0f), 0) << "t's bytes were reused on the current stream before the backward half read them";
+}
+
+// The executor's F&B chunks on two streams against one stream: DualPipeV's two stages on one rank
+// (five chunks in four micro-batches, the head's MTP module and stage 0's backward both adding to
+// the embedding's gradient), the same losses and gradients bit for bit, over several steps.
+TEST(PairedChunkCuda, ExecutorOverlappedEqualsSerial) {
+  FP8MOE_REQUIRE_SM90();
+  auto be = make_cuda_backend();
+  ModelConfig cfg = load_config(std::string(FP8MOE_SOURCE_DIR) + "/configs/tiny.json");
+  cfg.seq_len = 64;
+  cfg.batch_size = 2;
+  const int M = 4;
+  const pipeline::Schedule schedule = pipeline::make_schedule(pipeline::Method::DualPipeV, 2, M);
+  const pipeline::StageSplit split = pipeline::balanced_split(cfg, 2);
+  std::mt19937_64 rng(5);
+  std::vector<Tensor> tok, tgt;
+  for (int m = 0; m < M; ++m) {
+    tok.push_back(Tensor::host(DType::i32, {cfg.batch_size, cfg.seq_len}));
+    tgt.push_back(Tensor::host(DType::i32, {cfg.batch_size, cfg.seq_len}));
+    for (int64_t i = 0; i < tok.back().numel(); ++i) tok.back().ptr<int32_t>()[i] = int32_t(rng() % 256);
+    for (int64_t i = 0; i < tgt.back().numel(); ++i) tgt.back().ptr<int32_t>()[i] = int32_t(rng() % 256);
+  }
+  Model overlapped(cfg, Recipe::from_name("fp8"), *be, 3), serial(cfg, Recipe::from_name("fp8"), *be, 3);
+  pipeline::Executor a(overlapped, schedule, split, nullptr), b(serial, schedule, split, nullptr);
+  b.set_fb_mode(pipeline::FbMode::serial);
+  int chunks = 0;
+  for (const pipeline::Op& op : schedule.rank_ops[0]) chunks += op.kind == pipeline::OpKind::ForwardBackward;
+  ASSERT_GT(chunks, 0);
+  for (int step = 0; step < 3; ++step) {
+    overlapped.zero_grad();
+    serial.zero_grad();
+    const std::vector<StepStats> sa = a.run(tok, tgt, 1.0 / M), sb = b.run(tok, tgt, 1.0 / M);
+    be->synchronize();
+    for (int m = 0; m < M; ++m) {
+      EXPECT_EQ(sa[size_t(m)].loss, sb[size_t(m)].loss) << "step " << step << " micro-batch " << m;
+      EXPECT_EQ(sa[size_t(m)].expert_loads, sb[size_t(m)].expert_loads) << "step " << step << " micro-batch " << m;
+    }
+    for (const Parameter& p : overlapped.parameters()) {
+      if (!p.trainable) continue;
+      const Tensor ga = be->to_host(p.grad), gb = be->to_host(serial.parameter(p.name).grad);
+      EXPECT_EQ(std::memcmp(ga.view().data, gb.view().data, ga.view().nbytes()), 0) << "step " << step << ": " << p.name;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fp8moe
