@@ -55,8 +55,8 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
                   "pipeline ranks: the trunk's layers split into stages, run by --schedule (world = pp x dp)")
       ->capture_default_str();
   cmd->add_option("--schedule", o.parallel.schedule,
-                  "pipeline schedule with --pp: 1f1b | zb1p | dualpipe | dualpipev (2 x pp stages, two per rank); "
-                  "--grad-accum gives its micro-batches")
+                  "pipeline schedule with --pp: 1f1b | zb1p | dualpipe | dualpipev (2 x pp stages, two per rank; "
+                  "also at --pp 1); --grad-accum gives its micro-batches")
       ->capture_default_str();
   cmd->add_option("--pp-split", o.parallel.pp_split,
                   "trunk sublayers (attention, MLP/MoE) per stage, e.g. 3,2,3 (default: balanced by a cost model)");

@@ -24,7 +24,8 @@ class RoutedExperts;
 
 struct ParallelOptions {
   int64_t pp = 1;              // pipeline ranks (DualPipeV: 2 x pp stages, two per rank)
-  std::string schedule = "1f1b";  // 1f1b | zb1p | dualpipe | dualpipev (fp8moe/schedule.hpp)
+  std::string schedule = "1f1b";  // 1f1b | zb1p | dualpipe | dualpipev (fp8moe/schedule.hpp);
+                                  // dualpipev also at pp 1 (its two stages on one rank)
   std::string pp_split;        // trunk sublayers per stage, "3,2,..."; empty: balanced by cost
   int64_t dp = 0;              // data-parallel ranks; 0: the world size / pp
   int64_t ep = 0;              // expert-parallel ranks; 0: the routed experts run in each process

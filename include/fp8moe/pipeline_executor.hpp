@@ -2,8 +2,10 @@
 // model. The trunk's sublayers (Model::trunk(): attention and MLP/MoE halves) are split into
 // stages; stage 0 also runs the embedding, the last stage the final norm, the head and the MTP
 // module (their backward at the end of the forward, so a B of the last stage starts from the
-// head's gradient). Activations and gradients go between ranks through Comm's isend/irecv, posted
-// where the schedule posts them and waited for before the next compute op.
+// head's gradient). Activations and gradients go between ranks through Comm's isend/irecv on a
+// communication stream, posted where the schedule posts them and waited for before the next
+// compute op. The paired F&B chunks run their forward and backward halves on two streams
+// (paired_chunk.hpp), or serial on one (set_fb_mode), with the same bits.
 //
 // A rank's model holds the parameters of its stages only (stage_shard below: Model's StageShard),
 // or the whole model; a rank computes, and accumulates gradients for, its stages only, and
