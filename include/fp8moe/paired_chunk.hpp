@@ -41,8 +41,8 @@ class PairedChunk {
   // that (free_hold.hpp). Returns once the work is issued (the host waits only where a step does).
   void run(const std::vector<ChunkStep>& forward, const std::vector<ChunkStep>& backward, FbMode mode);
 
-  // The cross-stream waits of the last overlapped run for shared resources (0 when none was named
-  // by both halves).
+  // The cross-stream waits of the last run for shared resources (0 when none was named by both
+  // halves, and in serial mode).
   int shared_waits() const { return shared_waits_; }
 
  private:

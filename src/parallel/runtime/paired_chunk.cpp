@@ -22,6 +22,7 @@ PairedChunk::PairedChunk(Backend& be)
 
 void PairedChunk::run(const std::vector<ChunkStep>& forward, const std::vector<ChunkStep>& backward, FbMode mode) {
   const size_t n = std::max(forward.size(), backward.size());
+  shared_waits_ = 0;
   if (mode == FbMode::serial) {
     for (size_t i = 0; i < n; ++i) {
       if (i < forward.size()) forward[i].run();
@@ -38,7 +39,6 @@ void PairedChunk::run(const std::vector<ChunkStep>& forward, const std::vector<C
   to_second_.record(first);
   to_second_.wait(second_);
   std::set<int> touched[2];  // resources named so far by each half
-  shared_waits_ = 0;
   auto issue = [&](const ChunkStep& step, int half) {
     const Stream& mine = half == 0 ? first : second_;
     const Stream& other = half == 0 ? second_ : first;
