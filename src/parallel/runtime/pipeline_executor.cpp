@@ -6,9 +6,9 @@
 // by (micro-batch, stage): the input activation of F(m, s), the output-gradient of B(m, s), and
 // what is waiting to be sent. A compute op first waits for all communication posted before it,
 // as the simulator assumes; the rank ends with a wait. Sends and receives are posted on a
-// communication stream: a send after an event at the end of the compute so far, and the compute
-// stream waits for the communication stream once the receives are in (the copy of a staged
-// message back to the device runs there).
+// communication stream after an event at the end of the compute so far, and the compute stream
+// waits for the communication stream once the receives are in (the copy of a staged message back
+// to the device runs there).
 #include <algorithm>
 #include <bit>
 #include <chrono>
@@ -316,38 +316,24 @@ struct Executor::Impl {
 
   void post(const Op& op) {
     Backend& be = model.backend();
-    const Stream& s = comm_stream;
-    if (op.kind == OpKind::SendActivation || op.kind == OpKind::SendGradient) {  // after its producer
-      compute_done.record(be.stream());
-      compute_done.wait(s);
-    }
-    auto message = [&](const Pass& p) {
-      const Batch& b = batches[size_t(p.micro_batch)];
-      return be.empty(model.recipe().act_dtype, {b.tokens_count(), model.config().hidden_size});
-    };
+    const bool send = op.kind == OpKind::SendActivation || op.kind == OpKind::SendGradient;
+    const bool activation = op.kind == OpKind::SendActivation || op.kind == OpKind::RecvActivation;
     Posted posted;
-    switch (op.kind) {
-      case OpKind::SendActivation:
-        posted.keep = take(act_out, key(op.pass), "activation to send");
-        posted.request = comm->isend(posted.keep.view(), op.peer, s);
-        break;
-      case OpKind::SendGradient:
-        posted.keep = take(grad_out, key(op.pass), "gradient to send");
-        posted.request = comm->isend(posted.keep.view(), op.peer, s);
-        break;
-      case OpKind::RecvActivation:
-        posted.keep = message(op.pass);
-        posted.request = comm->irecv(posted.keep.view(), op.peer, s);
-        act_in[{op.pass.micro_batch, op.pass.stage + 1}] = posted.keep;
-        break;
-      case OpKind::RecvGradient:
-        posted.keep = message(op.pass);
-        posted.request = comm->irecv(posted.keep.view(), op.peer, s);
-        grad_in[{op.pass.micro_batch, op.pass.stage - 1}] = posted.keep;
-        break;
-      default:
-        break;
+    if (send) {
+      posted.keep = take(activation ? act_out : grad_out, key(op.pass), activation ? "activation to send" : "gradient to send");
+    } else {
+      const Batch& b = batches[size_t(op.pass.micro_batch)];
+      posted.keep = be.empty(model.recipe().act_dtype, {b.tokens_count(), model.config().hidden_size});
+      // The stage that reads it: the next one for an activation, the one before for a gradient.
+      (activation ? act_in : grad_in)[{op.pass.micro_batch, op.pass.stage + (activation ? 1 : -1)}] = posted.keep;
     }
+    // On the communication stream after the compute so far: a send's producer, and for a
+    // receive its buffer's allocation and the earlier users of that memory (the compute
+    // stream's, whose kernels may still be queued).
+    compute_done.record(be.stream());
+    compute_done.wait(comm_stream);
+    posted.request = send ? comm->isend(posted.keep.view(), op.peer, comm_stream)
+                          : comm->irecv(posted.keep.view(), op.peer, comm_stream);
     pending.push_back(std::move(posted));
   }
 
