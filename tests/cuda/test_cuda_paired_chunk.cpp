@@ -12,13 +12,13 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
-#include <random>
 
 #include "cuda_test_util.hpp"
 #include "fp8moe/config.hpp"
 #include "fp8moe/model.hpp"
 #include "fp8moe/paired_chunk.hpp"
 #include "fp8moe/pipeline_executor.hpp"
+#include "micro_batches.hpp"
 
 namespace fp8moe {
 namespace {
@@ -28,12 +28,18 @@ constexpr int kSlow = 40;                 // passes of the slow work
 
 struct Fixture {
   std::unique_ptr<Backend> be = make_cuda_backend();
+  pipeline::PairedChunk pair{*be};
   Tensor ones;
-  Fixture() {
+  // Each of `zeros` made kN zeros, and the device idle.
+  explicit Fixture(std::vector<Tensor*> zeros) {
     Tensor h = Tensor::host(DType::f32, {kN});
     for (int64_t i = 0; i < kN; ++i) h.ptr<float>()[i] = 1.0f;
     ones = testing::to_device(*be, h);
+    for (Tensor* t : zeros) *t = be->zeros(DType::f32, {kN});
     be->synchronize();
+  }
+  void overlap(const std::vector<pipeline::ChunkStep>& forward, const std::vector<pipeline::ChunkStep>& backward) {
+    pair.run(forward, backward, pipeline::FbMode::overlap);
   }
   // t += 1, kSlow times, on the current stream.
   void slow_add(const Tensor& t) {
@@ -50,62 +56,50 @@ struct Fixture {
 
 TEST(PairedChunkCuda, SecondStreamWaitsForTheWorkBefore) {
   FP8MOE_REQUIRE_GPU();
-  Fixture f;
-  Backend& be = *f.be;
-  pipeline::PairedChunk pair(be);
-  Tensor x = be.zeros(DType::f32, {kN}), y = be.zeros(DType::f32, {kN});
-  be.synchronize();
+  Tensor x, y;
+  Fixture f({&x, &y});
   f.slow_add(x);  // before the chunk, on the current stream
-  pair.run({{[] {}, {}}}, {{[&] { be.copy(y.view(), x.view()); }, {}}}, pipeline::FbMode::overlap);
+  f.overlap({{[] {}, {}}}, {{[&] { f.be->copy(y.view(), x.view()); }, {}}});
   EXPECT_EQ(f.unequal(y, float(kSlow)), 0) << "the backward half read x before the work ahead of the chunk wrote it";
 }
 
 TEST(PairedChunkCuda, CurrentStreamWaitsForTheSecondAfter) {
   FP8MOE_REQUIRE_GPU();
-  Fixture f;
-  Backend& be = *f.be;
-  pipeline::PairedChunk pair(be);
-  Tensor z = be.zeros(DType::f32, {kN});
-  be.synchronize();
-  pair.run({{[] {}, {}}}, {{[&] { f.slow_add(z); }, {}}}, pipeline::FbMode::overlap);
-  Tensor w = be.zeros(DType::f32, {kN});
-  be.copy(w.view(), z.view());  // on the current stream, after the chunk
+  Tensor z;
+  Fixture f({&z});
+  f.overlap({{[] {}, {}}}, {{[&] { f.slow_add(z); }, {}}});
+  Tensor w = f.be->zeros(DType::f32, {kN});
+  f.be->copy(w.view(), z.view());  // on the current stream, after the chunk
   EXPECT_EQ(f.unequal(w, float(kSlow)), 0) << "the work after the chunk read z before the backward half wrote it";
 }
 
 TEST(PairedChunkCuda, SharedResourceKeepsTheHostOrder) {
   FP8MOE_REQUIRE_GPU();
-  Fixture f;
-  Backend& be = *f.be;
-  pipeline::PairedChunk pair(be);
-  Tensor w = be.zeros(DType::f32, {kN});
-  be.synchronize();
+  Tensor w;
+  Fixture f({&w});
   // Forward: w += 1, kSlow times; then the backward: w *= 2. In order: 2 kSlow.
-  pair.run({{[&] { f.slow_add(w); }, {7}}}, {{[&] { be.axpy(0.0, f.ones.view(), 2.0, w.view()); }, {7}}},
-           pipeline::FbMode::overlap);
-  EXPECT_EQ(pair.shared_waits(), 1);
+  f.overlap({{[&] { f.slow_add(w); }, {7}}}, {{[&] { f.be->axpy(0.0, f.ones.view(), 2.0, w.view()); }, {7}}});
+  EXPECT_EQ(f.pair.shared_waits(), 1);
   EXPECT_EQ(f.unequal(w, float(2 * kSlow)), 0) << "the halves' steps on one resource ran out of order";
 }
 
 TEST(PairedChunkCuda, DroppedTensorKeepsItsBytesUntilTheJoin) {
   FP8MOE_REQUIRE_GPU();
-  Fixture f;
+  auto t = std::make_shared<Tensor>();  // the current stream's
+  Tensor busy, v;
+  Fixture f({t.get(), &busy, &v});
   Backend& be = *f.be;
-  pipeline::PairedChunk pair(be);
-  auto t = std::make_shared<Tensor>(be.zeros(DType::f32, {kN}));  // the current stream's
   be.axpy(7.0, f.ones.view(), 0.0, t->view());
-  Tensor busy = be.zeros(DType::f32, {kN}), v = be.zeros(DType::f32, {kN});
   be.synchronize();
   // The backward half queues its read of t behind slow work and drops t; the forward half's next
   // step takes a tensor of t's size on the current stream and zeroes it at once.
-  pair.run({{[] {}, {}}, {[&] { be.zero(be.empty(DType::f32, {kN}).view()); }, {}}},
-           {{[&] {
-              f.slow_add(busy);
-              be.copy(v.view(), t->view());
-              t.reset();
-            },
-             {}}},
-           pipeline::FbMode::overlap);
+  const auto read_and_drop = [&] {
+    f.slow_add(busy);
+    be.copy(v.view(), t->view());
+    t.reset();
+  };
+  const auto reuse = [&] { be.zero(be.empty(DType::f32, {kN}).view()); };
+  f.overlap({{[] {}, {}}, {reuse, {}}}, {{read_and_drop, {}}});
   EXPECT_EQ(f.unequal(v, 7.0f), 0) << "t's bytes were reused on the current stream before the backward half read them";
 }
 
@@ -121,14 +115,8 @@ TEST(PairedChunkCuda, ExecutorOverlappedEqualsSerial) {
   const int M = 4;
   const pipeline::Schedule schedule = pipeline::make_schedule(pipeline::Method::DualPipeV, 2, M);
   const pipeline::StageSplit split = pipeline::balanced_split(cfg, 2);
-  std::mt19937_64 rng(5);
   std::vector<Tensor> tok, tgt;
-  for (int m = 0; m < M; ++m) {
-    tok.push_back(Tensor::host(DType::i32, {cfg.batch_size, cfg.seq_len}));
-    tgt.push_back(Tensor::host(DType::i32, {cfg.batch_size, cfg.seq_len}));
-    for (int64_t i = 0; i < tok.back().numel(); ++i) tok.back().ptr<int32_t>()[i] = int32_t(rng() % 256);
-    for (int64_t i = 0; i < tgt.back().numel(); ++i) tgt.back().ptr<int32_t>()[i] = int32_t(rng() % 256);
-  }
+  testing::seeded_micro_batches(cfg, M, 5, tok, tgt);
   Model overlapped(cfg, Recipe::from_name("fp8"), *be, 3), serial(cfg, Recipe::from_name("fp8"), *be, 3);
   pipeline::Executor a(overlapped, schedule, split, nullptr), b(serial, schedule, split, nullptr);
   b.set_fb_mode(pipeline::FbMode::serial);

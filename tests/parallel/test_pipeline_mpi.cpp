@@ -30,6 +30,7 @@
 #include "fp8moe/config.hpp"
 #include "fp8moe/model.hpp"
 #include "fp8moe/pipeline_executor.hpp"
+#include "micro_batches.hpp"
 #include "mpi_main.hpp"
 
 namespace fp8moe {
@@ -83,14 +84,8 @@ void check_method(pipeline::Method method) {
   // The pipelined model holds its stages' parameters only.
   Model piped(cfg, Recipe::from_name("fp8"), *be, 3, {}, pipeline::stage_shard(schedule, split, me)),
       serial(cfg, Recipe::from_name("fp8"), *be, 3);
-  std::mt19937_64 rng(17);  // the same micro-batches on every rank
   std::vector<Tensor> tok, tgt;
-  for (int m = 0; m < M; ++m) {
-    tok.push_back(Tensor::host(DType::i32, {cfg.batch_size, cfg.seq_len}));
-    tgt.push_back(Tensor::host(DType::i32, {cfg.batch_size, cfg.seq_len}));
-    for (int64_t i = 0; i < tok.back().numel(); ++i) tok.back().ptr<int32_t>()[i] = int32_t(rng() % 256);
-    for (int64_t i = 0; i < tgt.back().numel(); ++i) tgt.back().ptr<int32_t>()[i] = int32_t(rng() % 256);
-  }
+  testing::seeded_micro_batches(cfg, M, 17, tok, tgt);  // the same micro-batches on every rank
   const StepResult overlapped = run_step(piped, *be, schedule, split, pipeline::FbMode::overlap, tok, tgt);
   const StepResult one_stream = run_step(piped, *be, schedule, split, pipeline::FbMode::serial, tok, tgt);
   const std::vector<StepStats>& got = overlapped.stats;
