@@ -77,7 +77,8 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--comm", o.parallel.comm, "communicator: mpi | nccl | auto")->capture_default_str();
   cmd->add_option("--fb", o.parallel.fb,
                   "DualPipe's paired F&B chunks: overlap (forward and backward halves on two streams) | serial (one "
-                  "stream, the same order and bits) | compare (alternating by step; with --trace, both timed)")
+                  "stream, the same order and bits) | compare (with --trace: steps in turn serial with each half timed, serial, "
+                  "overlapped, and the chunk times printed)")
       ->capture_default_str();
   cmd->add_option("--comm-sms", o.parallel.comm_sms,
                   "SMs given to communication kernels: NCCL's CTAs and the NVLink expert-parallel kernels' num_sms "

@@ -39,8 +39,8 @@ struct ParallelOptions {
   // one node), "auto" (nvlink where every rank of the group can, else comm).
   std::string ep_transport = "auto";
   // The paired F&B chunks of DualPipe and DualPipeV (paired_chunk.hpp): overlap (two streams),
-  // serial (one), or compare (serial on even steps, overlapped on odd ones, the same bits; the
-  // trace summary prints both chunk times against the serial halves).
+  // serial (one), or compare (steps in turn serial with each half timed alone, serial, and
+  // overlapped, the same bits; the trace summary prints the chunk times).
   std::string fb = "overlap";
   // SMs given to communication kernels; 0: each transport's default. Even, 2..256. It reaches
   // ParallelLayout::comm_sms, which sets the CTAs of NCCL's kernels (NCCL_MIN_CTAS =

@@ -65,6 +65,8 @@ struct ExecutedOp {
   std::vector<Component> components;
 };
 
+enum class DeviceTimes { off, ops, components };
+
 class Executor {
  public:
   // `comm`: the pipeline ranks, rank r running schedule.rank_ops[r] (nullptr: one rank). Throws
@@ -106,10 +108,11 @@ class Executor {
   // serial on one, in the same order and with the same bits.
   void set_fb_mode(FbMode mode);
   FbMode fb_mode() const;
-  // Off by default. On: the device is synchronized at the end of every compute op and of every
-  // component outside an overlapped chunk, so that the recorded times are the device's (the
-  // serial chunk's components then time each half on its own); costs the overlap between ops.
-  void set_device_times(bool on);
+  // Off by default. ops: the device is synchronized at the end of every compute op, so that the
+  // recorded op times are the device's; components: also at the end of every component outside
+  // an overlapped chunk (the serial chunk's components then time each half on its own). Costs
+  // the overlap between ops (and between components).
+  void set_device_times(DeviceTimes times);
 
  private:
   struct Impl;

@@ -319,7 +319,7 @@ struct Trainer::Impl {
       executor = par->executor.get();
       // The trace's times are the device's: each op (each component outside an overlapped F&B
       // chunk) waits for the device before its end is taken.
-      if (!opt.trace.empty()) executor->set_device_times(true);
+      if (!opt.trace.empty()) executor->set_device_times(pipeline::DeviceTimes::components);
     } else {
       serial = std::make_unique<pipeline::Executor>(*model, pipeline::one_f_one_b_schedule(1, int(opt.grad_accum)),
                                                      pipeline::balanced_split(cfg, 1), nullptr);

@@ -33,9 +33,10 @@ struct TrainerParallel {
   std::vector<int64_t> held_per_stage_rank;
   int64_t whole_trainable = 0;
   ModelConfig model_cfg;  // the model's (attach)
-  // --fb, and with compare the summaries of the last serial and the last overlapped step.
+  // --fb; with compare, the summary of the last step of each kind (begin_step) and this step's kind.
   std::string fb = "overlap";
-  pipeline::RankSummary fb_serial, fb_overlap;
+  pipeline::RankSummary fb_compare[3];
+  int compare_kind = 0;
 
   // nullptr for one process without --ep or --pp; otherwise validates the layout and the
   // pipeline schedule of `micro_batches` per data-parallel rank against the world and the model
@@ -75,8 +76,10 @@ struct TrainerParallel {
   // extension; rank 0 gathers every rank's summary and prints it beside the simulator's bubble
   // for the measured op costs and Table 2's formula (when `print`).
   void write_trace(const std::string& path, bool print) const;
-  // Around each step's executor run: with --fb compare the F&B chunks of even steps run serial,
-  // of odd ones overlapped, and each step's summary is kept by mode.
+  // Around each step's executor run: with --fb compare the steps cycle through three kinds, each
+  // with the device synchronized at every op's end: the F&B chunks serial with every component
+  // synchronized too (each half's own time), serial, and overlapped; each kind's last summary is
+  // kept.
   void begin_step(int64_t step);
   void end_step();
   // --ep: the forward dispatches' traffic per token over every rank (DispatchTraffic), printed by

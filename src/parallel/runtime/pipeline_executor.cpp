@@ -80,7 +80,7 @@ struct Executor::Impl {
   std::vector<ExecutedOp> executed;
   int fail_at = -1;
   FbMode fb_mode = FbMode::overlap;
-  bool device_times = false;
+  DeviceTimes device_times = DeviceTimes::off;
   PairedChunk pair;
   Stream comm_stream;
   Event compute_done, comm_done;
@@ -145,7 +145,7 @@ struct Executor::Impl {
   void component(std::string name, F&& f) {
     const double a = now();
     f();
-    if (device_times && !in_pair) model.backend().synchronize();
+    if (device_times == DeviceTimes::components && !in_pair) model.backend().synchronize();
     current->components.push_back({std::move(name), a, now()});
   }
 
@@ -386,7 +386,7 @@ struct Executor::Impl {
       if (is_compute(ops[i].kind)) {
         wait_posted();
         execute(ops[i]);
-        if (device_times) model.backend().synchronize();
+        if (device_times != DeviceTimes::off) model.backend().synchronize();
       } else {
         post(ops[i]);
       }
@@ -598,6 +598,6 @@ int64_t Executor::peak_saved_bytes() const { return impl_->peak_bytes; }
 void Executor::fail_at(int op_index) { impl_->fail_at = op_index; }
 void Executor::set_fb_mode(FbMode mode) { impl_->fb_mode = mode; }
 FbMode Executor::fb_mode() const { return impl_->fb_mode; }
-void Executor::set_device_times(bool on) { impl_->device_times = on; }
+void Executor::set_device_times(DeviceTimes times) { impl_->device_times = times; }
 
 }  // namespace fp8moe::pipeline
