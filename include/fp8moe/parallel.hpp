@@ -46,8 +46,8 @@ struct ParallelOptions {
   // ParallelLayout::comm_sms, which sets the CTAs of NCCL's kernels (NCCL_MIN_CTAS =
   // NCCL_MAX_CTAS = n, one CTA per SM, before the communicator is made) and is the num_sms
   // (blocks of each kernel, num_sms / 2 channels) of the NVLink expert-parallel kernels
-  // (src/cuda/ep, EpConfig::num_sms). The MPI engine stages through the host and runs no kernel:
-  // refused there.
+  // (src/cuda/ep, EpConfig::num_sms). Refused where neither runs: the MPI engine (it stages
+  // through the host) without the NVLink transport.
   int64_t comm_sms = 0;
 };
 

@@ -51,9 +51,6 @@ std::unique_ptr<TrainerParallel> TrainerParallel::make(const ParallelOptions& op
     setenv("NCCL_MAX_CTAS", n.c_str(), 1);
   }
   p->world = make_comm(opt.comm);
-  FP8MOE_CHECK(opt.comm_sms == 0 || p->world->name() != "mpi",
-               "--comm-sms " << opt.comm_sms << ": the mpi engine stages messages through the host and runs no "
-                             "kernels to give SMs to (use --comm nccl, one GPU per rank)");
   p->groups = make_parallel_groups(*p->world, p->layout);
   return p;
 }
@@ -80,6 +77,11 @@ void TrainerParallel::attach(Model& model, Backend& be, const std::vector<ParamR
     experts = make_expert_parallel(model, *groups.ep, layout);
     model.set_routed_experts(experts);
   }
+  // Something must run kernels to take the SMs: NCCL, or the NVLink expert-parallel kernels.
+  FP8MOE_CHECK(layout.comm_sms == 0 || world->name() != "mpi" || (experts && expert_parallel_transport(*experts) == "nvlink"),
+               "--comm-sms " << layout.comm_sms << ": the mpi engine stages messages through the host and runs no "
+                             "kernels to give SMs to, and the expert-parallel layer does not run on the NVLink "
+                             "transport (use --comm nccl, one GPU per rank, or --ep-transport nvlink)");
   if (schedule) {
     executor = std::make_unique<pipeline::Executor>(model, *schedule, split, groups.pp.get());
     executor->set_fb_mode(fb == "overlap" ? pipeline::FbMode::overlap : pipeline::FbMode::serial);
