@@ -55,8 +55,8 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
                   "pipeline ranks: the trunk's layers split into stages, run by --schedule (world = pp x dp)")
       ->capture_default_str();
   cmd->add_option("--schedule", o.parallel.schedule,
-                  "pipeline schedule with --pp: 1f1b | zb1p | dualpipe | dualpipev (2 x pp stages, two per rank); "
-                  "--grad-accum gives its micro-batches")
+                  "pipeline schedule with --pp: 1f1b | zb1p | dualpipe | dualpipev (2 x pp stages, two per rank; "
+                  "also at --pp 1); --grad-accum gives its micro-batches")
       ->capture_default_str();
   cmd->add_option("--pp-split", o.parallel.pp_split,
                   "trunk sublayers (attention, MLP/MoE) per stage, e.g. 3,2,3 (default: balanced by a cost model)");
@@ -75,6 +75,15 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
                   "consecutive ranks forming a node, for node-limited routing (0: one node)");
   cmd->add_option("--max-nodes", o.parallel.max_nodes, "nodes a token may be routed to (0: min(4, nodes))");
   cmd->add_option("--comm", o.parallel.comm, "communicator: mpi | nccl | auto")->capture_default_str();
+  cmd->add_option("--fb", o.parallel.fb,
+                  "DualPipe's paired F&B chunks: overlap (forward and backward halves on two streams) | serial (one "
+                  "stream, the same order and bits) | compare (with --trace: steps in turn serial with each half timed, serial, "
+                  "overlapped, and the chunk times printed)")
+      ->capture_default_str();
+  cmd->add_option("--comm-sms", o.parallel.comm_sms,
+                  "SMs given to communication kernels: NCCL's CTAs and the NVLink expert-parallel kernels' num_sms "
+                  "(even; 0: the transport's default; not with the mpi engine)")
+      ->capture_default_str();
 }
 
 }  // namespace fp8moe::cli

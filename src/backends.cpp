@@ -1,6 +1,7 @@
 // Backend registry: builds a backend by name, and the shared helpers of the Backend class.
 #include "cpu/cpu_backend.hpp"
 #include "fp8moe/backend.hpp"
+#include "fp8moe/free_hold.hpp"
 #ifdef FP8MOE_HAVE_CUDA
 #include "cuda/cuda_backend.hpp"
 #endif
@@ -55,6 +56,14 @@ std::string_view op_name(Op op) {
     case Op::sum_squares: return "sum_squares";
   }
   return "?";
+}
+
+std::shared_ptr<void> hold_frees(const Backend& be) {
+#ifdef FP8MOE_HAVE_CUDA
+  if (be.device() == Device::cuda) return hold_cuda_frees();
+#endif
+  (void)be;
+  return nullptr;
 }
 
 QuantizedTensor Backend::empty_quantized(int64_t rows, int64_t cols, DType dtype, ScaleKind kind) {

@@ -24,7 +24,8 @@ class RoutedExperts;
 
 struct ParallelOptions {
   int64_t pp = 1;              // pipeline ranks (DualPipeV: 2 x pp stages, two per rank)
-  std::string schedule = "1f1b";  // 1f1b | zb1p | dualpipe | dualpipev (fp8moe/schedule.hpp)
+  std::string schedule = "1f1b";  // 1f1b | zb1p | dualpipe | dualpipev (fp8moe/schedule.hpp);
+                                  // dualpipev also at pp 1 (its two stages on one rank)
   std::string pp_split;        // trunk sublayers per stage, "3,2,..."; empty: balanced by cost
   int64_t dp = 0;              // data-parallel ranks; 0: the world size / pp
   int64_t ep = 0;              // expert-parallel ranks; 0: the routed experts run in each process
@@ -37,6 +38,17 @@ struct ParallelOptions {
   // backend), "nvlink" (the peer-memory kernels of src/cuda/ep/: CUDA sm_90 ranks of one host,
   // one node), "auto" (nvlink where every rank of the group can, else comm).
   std::string ep_transport = "auto";
+  // The paired F&B chunks of DualPipe and DualPipeV (paired_chunk.hpp): overlap (two streams),
+  // serial (one), or compare (steps in turn serial with each half timed alone, serial, and
+  // overlapped, the same bits; the trace summary prints the chunk times).
+  std::string fb = "overlap";
+  // SMs given to communication kernels; 0: each transport's default. Even, 2..256. It reaches
+  // ParallelLayout::comm_sms, which sets the CTAs of NCCL's kernels (NCCL_MIN_CTAS =
+  // NCCL_MAX_CTAS = n, one CTA per SM, before the communicator is made) and is the num_sms
+  // (blocks of each kernel, num_sms / 2 channels) of the NVLink expert-parallel kernels
+  // (src/cuda/ep, EpConfig::num_sms). Refused where neither runs: the MPI engine (it stages
+  // through the host) without the NVLink transport.
+  int64_t comm_sms = 0;
 };
 
 struct ParallelLayout {
@@ -48,6 +60,7 @@ struct ParallelLayout {
   int64_t max_nodes = 1;
   int64_t experts = 0, experts_per_rank = 0;
   std::string ep_transport = "comm";  // ParallelOptions::ep_transport, validated
+  int64_t comm_sms = 0;           // ParallelOptions::comm_sms
   int64_t pp_rank() const { return rank / dp; }         // pipeline rank
   int64_t dp_rank() const { return rank % dp; }         // place inside the data-parallel group
   int64_t ep_rank() const { return rank % ep; }         // place inside the expert-parallel group

@@ -2,8 +2,10 @@
 // model. The trunk's sublayers (Model::trunk(): attention and MLP/MoE halves) are split into
 // stages; stage 0 also runs the embedding, the last stage the final norm, the head and the MTP
 // module (their backward at the end of the forward, so a B of the last stage starts from the
-// head's gradient). Activations and gradients go between ranks through Comm's isend/irecv, posted
-// where the schedule posts them and waited for before the next compute op.
+// head's gradient). Activations and gradients go between ranks through Comm's isend/irecv on a
+// communication stream, posted where the schedule posts them and waited for before the next
+// compute op. The paired F&B chunks run their forward and backward halves on two streams
+// (paired_chunk.hpp), or serial on one (set_fb_mode), with the same bits.
 //
 // A rank's model holds the parameters of its stages only (stage_shard below: Model's StageShard),
 // or the whole model; a rank computes, and accumulates gradients for, its stages only, and
@@ -23,6 +25,7 @@
 
 #include "fp8moe/comm.hpp"
 #include "fp8moe/model.hpp"
+#include "fp8moe/paired_chunk.hpp"
 #include "fp8moe/schedule.hpp"
 
 namespace fp8moe::pipeline {
@@ -62,6 +65,8 @@ struct ExecutedOp {
   std::vector<Component> components;
 };
 
+enum class DeviceTimes { off, ops, components };
+
 class Executor {
  public:
   // `comm`: the pipeline ranks, rank r running schedule.rank_ops[r] (nullptr: one rank). Throws
@@ -98,6 +103,16 @@ class Executor {
 
   // Test hook: the rank throws Error when it reaches op `op_index` of its list (-1: never).
   void fail_at(int op_index);
+
+  // How the paired F&B chunks run (paired_chunk.hpp): overlap (the default) on two streams, or
+  // serial on one, in the same order and with the same bits.
+  void set_fb_mode(FbMode mode);
+  FbMode fb_mode() const;
+  // Off by default. ops: the device is synchronized at the end of every compute op, so that the
+  // recorded op times are the device's; components: also at the end of every component outside
+  // an overlapped chunk (the serial chunk's components then time each half on its own). Costs
+  // the overlap between ops (and between components).
+  void set_device_times(DeviceTimes times);
 
  private:
   struct Impl;

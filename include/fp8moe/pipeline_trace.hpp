@@ -18,6 +18,10 @@ struct RankSummary {
   // Measured seconds per op kind, summed, and how many ran (input-only B apart from full ones).
   double forward = 0, backward = 0, backward_input = 0, weight = 0, forward_backward = 0;
   int forwards = 0, backwards = 0, backward_inputs = 0, weights = 0, forward_backwards = 0;
+  // The F&B chunks' components, summed by half: the forward's ("F ...") and the backward's ("B ...",
+  // "W ..."). Each half's own device time when the chunks ran serial with device times
+  // (Executor::set_device_times); the host's issue time in an overlapped chunk.
+  double fb_forward_half = 0, fb_backward_half = 0;
 };
 RankSummary summarize(const std::vector<ExecutedOp>& ops);
 

@@ -604,5 +604,10 @@ class CudaBackend final : public Backend {
 
 std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(false); }
 std::unique_ptr<Backend> make_cublaslt_backend() { return std::make_unique<CudaBackend>(true); }
+std::shared_ptr<void> hold_cuda_frees() {
+  cuda::hold_frees();
+  // A null pointer with a deleter: the deleter still runs when the last copy goes.
+  return std::shared_ptr<void>(nullptr, [](void*) { cuda::release_frees(); });
+}
 
 }  // namespace fp8moe

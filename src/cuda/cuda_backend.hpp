@@ -18,5 +18,7 @@ bool cuda_device_available();
 std::unique_ptr<Backend> make_cuda_backend();
 // gemm_fp8 through cuBLASLt (everything else as make_cuda_backend()).
 std::unique_ptr<Backend> make_cublaslt_backend();
+// fp8moe/free_hold.hpp on the caching allocator: hold_frees() until the handle goes.
+std::shared_ptr<void> hold_cuda_frees();
 
 }  // namespace fp8moe

@@ -280,7 +280,10 @@ struct Trainer::Impl {
     if (par && !par->rank0()) opt.quiet = true;  // output, metrics and checkpoints: rank 0
     if (par && !opt.quiet) std::printf("parallel layout: %s\n", par->layout.str().c_str());
     FP8MOE_CHECK(opt.trace.empty() || (par && par->schedule), "train: --trace '" << opt.trace
-                                                                                << "' records pipeline steps: it needs --pp >= 2");
+                                                                                << "' records pipeline steps: it needs --pp >= 2 "
+                                                                                   "(or --schedule dualpipev)");
+    FP8MOE_CHECK(opt.parallel.fb != "compare" || !opt.trace.empty(),
+                 "train: --fb compare times the F&B chunks for the trace summary: it needs --trace FILE");
     validate_config(cfg, recipe);
     if (resume_from) check_same_model(config_from_json(metadata(*resume_from, ckpt_path, "model_config")));
     corpus = std::make_unique<TextCorpus>(opt.data);
@@ -314,6 +317,9 @@ struct Trainer::Impl {
     if (!par) adamw = std::make_unique<AdamW>(*backend, refs, ac);
     if (par && par->executor) {
       executor = par->executor.get();
+      // The trace's times are the device's: each op (each component outside an overlapped F&B
+      // chunk) waits for the device before its end is taken.
+      if (!opt.trace.empty()) executor->set_device_times(pipeline::DeviceTimes::components);
     } else {
       serial = std::make_unique<pipeline::Executor>(*model, pipeline::one_f_one_b_schedule(1, int(opt.grad_accum)),
                                                      pipeline::balanced_split(cfg, 1), nullptr);
@@ -597,8 +603,10 @@ struct Trainer::Impl {
       }
       std::vector<StepStats> sts;
       try {
+        if (par) par->begin_step(step);
         sts = executor->run(toks, tgts, 1.0 / double(micro));
         backend->synchronize();
+        if (par) par->end_step();
       } catch (const Error& e) {
         const std::string bad = first_non_finite();
         // A NaN/Inf reaching a quantizer is reported as what it is: a diverged step. With stages,

@@ -17,14 +17,20 @@ namespace fp8moe {
 std::unique_ptr<TrainerParallel> TrainerParallel::make(const ParallelOptions& opt, ModelConfig& cfg,
                                                        int64_t micro_batches) {
   const LaunchInfo launch = launch_info();
-  if (launch.size == 1 && opt.ep == 0 && opt.dp <= 1 && opt.pp <= 1 && opt.ranks_per_node == 0 && opt.max_nodes == 0)
+  // DualPipeV runs two stages per rank: at --pp 1 both on one rank, its F&B chunks included.
+  const bool one_rank_v = opt.schedule == "dualpipev";
+  if (launch.size == 1 && opt.ep == 0 && opt.dp <= 1 && opt.pp <= 1 && !one_rank_v && opt.ranks_per_node == 0 &&
+      opt.max_nodes == 0 && opt.comm_sms == 0)
     return nullptr;
   auto p = std::make_unique<TrainerParallel>();
   p->launch = launch;
   // The layout and the schedule are functions of the options, the launch and the model: every
   // rank raises the same error before any rank makes a communicator.
   p->layout = make_parallel_layout(opt, launch.size, launch.rank, cfg);
-  if (p->layout.pp > 1) {
+  FP8MOE_CHECK(opt.fb == "overlap" || opt.fb == "serial" || opt.fb == "compare",
+               "--fb: expected overlap, serial or compare, got '" << opt.fb << "'");
+  p->fb = opt.fb;
+  if (p->layout.pp > 1 || one_rank_v) {
     try {
       const pipeline::Method method = pipeline::parse_method(opt.schedule);
       const int stages = pipeline::stages_for(method, int(p->layout.pp));
@@ -39,6 +45,11 @@ std::unique_ptr<TrainerParallel> TrainerParallel::make(const ParallelOptions& op
   }
   apply_node_limited_routing(p->layout, cfg);
   select_local_gpu(launch);
+  if (opt.comm_sms > 0) {  // NCCL reads them when the communicator is made
+    const std::string n = std::to_string(opt.comm_sms);
+    setenv("NCCL_MIN_CTAS", n.c_str(), 1);
+    setenv("NCCL_MAX_CTAS", n.c_str(), 1);
+  }
   p->world = make_comm(opt.comm);
   p->groups = make_parallel_groups(*p->world, p->layout);
   return p;
@@ -66,8 +77,14 @@ void TrainerParallel::attach(Model& model, Backend& be, const std::vector<ParamR
     experts = make_expert_parallel(model, *groups.ep, layout);
     model.set_routed_experts(experts);
   }
+  // Something must run kernels to take the SMs: NCCL, or the NVLink expert-parallel kernels.
+  FP8MOE_CHECK(layout.comm_sms == 0 || world->name() != "mpi" || (experts && expert_parallel_transport(*experts) == "nvlink"),
+               "--comm-sms " << layout.comm_sms << ": the mpi engine stages messages through the host and runs no "
+                             "kernels to give SMs to, and the expert-parallel layer does not run on the NVLink "
+                             "transport (use --comm nccl, one GPU per rank, or --ep-transport nvlink)");
   if (schedule) {
     executor = std::make_unique<pipeline::Executor>(model, *schedule, split, groups.pp.get());
+    executor->set_fb_mode(fb == "overlap" ? pipeline::FbMode::overlap : pipeline::FbMode::serial);
     // FP8MOE_PIPELINE_FAIL_AT=R:K makes world rank R fail at op K of every step: how the tests
     // check that the other ranks stop with an error instead of waiting.
     if (const char* at = std::getenv("FP8MOE_PIPELINE_FAIL_AT")) {
@@ -308,6 +325,17 @@ void TrainerParallel::report_memory(nlohmann::json& memory, bool print) const {
 
 namespace fp8moe {
 
+void TrainerParallel::begin_step(int64_t step) {
+  if (!executor || fb != "compare") return;
+  compare_kind = int(step % 3);
+  executor->set_fb_mode(compare_kind == 2 ? pipeline::FbMode::overlap : pipeline::FbMode::serial);
+  executor->set_device_times(compare_kind == 0 ? pipeline::DeviceTimes::components : pipeline::DeviceTimes::ops);
+}
+
+void TrainerParallel::end_step() {
+  if (executor && fb == "compare") fb_compare[compare_kind] = pipeline::summarize(executor->executed());
+}
+
 void TrainerParallel::write_trace(const std::string& path, bool print) const {
   if (!executor) return;
   const std::filesystem::path p(path);
@@ -318,11 +346,17 @@ void TrainerParallel::write_trace(const std::string& path, bool print) const {
     out << pipeline::chrome_trace(*schedule, executor->rank(), executor->executed());
     if (!out) throw IoError("--trace: writing '" + mine.string() + "' failed");
   }
-  const pipeline::RankSummary s = pipeline::summarize(executor->executed());
-  const auto all = world->exchange(std::string(reinterpret_cast<const char*>(&s), sizeof s));
+  // This step's, and with --fb compare the last step's of each kind.
+  const pipeline::RankSummary mine_s[4] = {pipeline::summarize(executor->executed()), fb_compare[0], fb_compare[1],
+                                           fb_compare[2]};
+  const auto all = world->exchange(std::string(reinterpret_cast<const char*>(mine_s), sizeof mine_s));
   if (!print) return;
-  std::vector<pipeline::RankSummary> ranks;
-  for (const std::string& b : all) std::memcpy(&ranks.emplace_back(), b.data(), sizeof s);
+  std::vector<pipeline::RankSummary> ranks, halves, serial, overlapped;
+  for (const std::string& b : all) {
+    pipeline::RankSummary x[4];
+    std::memcpy(x, b.data(), sizeof x);
+    ranks.push_back(x[0]), halves.push_back(x[1]), serial.push_back(x[2]), overlapped.push_back(x[3]);
+  }
   std::printf("pipeline %s, %lld ranks x dp %lld, %d micro-batches, stages %s; the last step, ms:\n",
               std::string(pipeline::method_name(schedule->method)).c_str(), (long long)layout.pp, (long long)layout.dp,
               schedule->num_micro_batches, split.str().c_str());
@@ -334,15 +368,42 @@ void TrainerParallel::write_trace(const std::string& path, bool print) const {
     bubble = std::max(bubble, x.bubble);
   }
   const pipeline::OpCosts c = pipeline::measured_costs(ranks);
-  const double sim = pipeline::simulate(*schedule, c).bubble;
-  const double formula = pipeline::table2_row(schedule->method, schedule->num_stages, c).bubble;
   std::printf("measured op costs, ms: F %.3f, B %.3f, W %.3f, F&B %.3f\n", 1e3 * c.forward, 1e3 * c.backward,
               1e3 * c.weight, 1e3 * c.forward_backward);
-  std::printf("bubble, ms: measured %.2f (the largest over ranks), simulated %.2f, Table 2 %.2f; traces %s\n",
-              1e3 * bubble, 1e3 * sim, 1e3 * formula,
-              (p.parent_path() / (p.stem().string() + ".rank*" + (p.has_extension() ? p.extension().string() : ".json")))
-                  .string()
-                  .c_str());
+  const std::string traces =
+      (p.parent_path() / (p.stem().string() + ".rank*" + (p.has_extension() ? p.extension().string() : ".json"))).string();
+  // The mean costs can fall outside the simulator's domain (B <= W where the stages differ: a
+  // full B of a short stage against the W of a long one): then the comparison is left out.
+  try {
+    const double sim = pipeline::simulate(*schedule, c).bubble;
+    const double formula = pipeline::table2_row(schedule->method, schedule->num_stages, c).bubble;
+    std::printf("bubble, ms: measured %.2f (the largest over ranks), simulated %.2f, Table 2 %.2f; traces %s\n",
+                1e3 * bubble, 1e3 * sim, 1e3 * formula, traces.c_str());
+  } catch (const Error& e) {
+    std::printf("bubble, ms: measured %.2f (the largest over ranks); not simulated: %s; traces %s\n", 1e3 * bubble,
+                e.what(), traces.c_str());
+  }
+  // The paired chunks: each rank's mean chunk time against its halves' (serial with device times:
+  // each half's own device time).
+  auto per_chunk = [](double t, const pipeline::RankSummary& x) { return 1e3 * t / x.forward_backwards; };
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const auto& x = ranks[r];
+    if (x.forward_backwards == 0) continue;
+    if (fb != "compare") {
+      std::printf("F&B chunks, rank %zu (%s): %d, %.3f ms each; their halves' components: forward %.3f + backward %.3f ms\n",
+                  r, fb.c_str(), x.forward_backwards, per_chunk(x.forward_backward, x), per_chunk(x.fb_forward_half, x),
+                  per_chunk(x.fb_backward_half, x));
+      continue;
+    }
+    const auto &h = halves[r], &a = serial[r], &o = overlapped[r];
+    if (h.forward_backwards == 0 || a.forward_backwards == 0 || o.forward_backwards == 0) continue;
+    const double sum = per_chunk(h.fb_forward_half + h.fb_backward_half, h), one = per_chunk(a.forward_backward, a),
+                 two = per_chunk(o.forward_backward, o);
+    std::printf("F&B chunks, rank %zu: %d per step; overlapped %.3f ms against serial %.3f ms (%.3fx) and against its "
+                "halves run alone, forward %.3f + backward %.3f = %.3f ms (%.3fx)\n",
+                r, o.forward_backwards, two, one, two / one, per_chunk(h.fb_forward_half, h), per_chunk(h.fb_backward_half, h),
+                sum, two / sum);
+  }
 }
 
 }  // namespace fp8moe

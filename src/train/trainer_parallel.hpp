@@ -13,6 +13,7 @@
 #include "fp8moe/model.hpp"
 #include "fp8moe/parallel.hpp"
 #include "fp8moe/pipeline_executor.hpp"
+#include "fp8moe/pipeline_trace.hpp"
 #include "fp8moe/zero1.hpp"
 
 namespace fp8moe {
@@ -32,6 +33,10 @@ struct TrainerParallel {
   std::vector<int64_t> held_per_stage_rank;
   int64_t whole_trainable = 0;
   ModelConfig model_cfg;  // the model's (attach)
+  // --fb; with compare, the summary of the last step of each kind (begin_step) and this step's kind.
+  std::string fb = "overlap";
+  pipeline::RankSummary fb_compare[3];
+  int compare_kind = 0;
 
   // nullptr for one process without --ep or --pp; otherwise validates the layout and the
   // pipeline schedule of `micro_batches` per data-parallel rank against the world and the model
@@ -71,6 +76,12 @@ struct TrainerParallel {
   // extension; rank 0 gathers every rank's summary and prints it beside the simulator's bubble
   // for the measured op costs and Table 2's formula (when `print`).
   void write_trace(const std::string& path, bool print) const;
+  // Around each step's executor run: with --fb compare the steps cycle through three kinds, each
+  // with the device synchronized at every op's end: the F&B chunks serial with every component
+  // synchronized too (each half's own time), serial, and overlapped; each kind's last summary is
+  // kept.
+  void begin_step(int64_t step);
+  void end_step();
   // --ep: the forward dispatches' traffic per token over every rank (DispatchTraffic), printed by
   // rank 0 beside the report's figures (when `print`). Collective over the world.
   void report_traffic(Backend& be, int64_t hidden, int64_t topk, bool print) const;

@@ -6,7 +6,10 @@
 //   - every micro-batch's losses and expert loads are bitwise those of the sequential loop;
 //   - after sum_gradients (over the ranks holding each parameter) the gradients are the
 //     sequential loop's, bitwise where every stage's parameters sit on one rank (DualPipe's two copies of a stage add up in another order:
-//     there within a relative 1e-5 of the gradient's norm).
+//     there within a relative 1e-5 of the gradient's norm);
+//   - the F&B chunks overlapped on two streams (the default) and serial on one give the same op
+//     order, the same losses and the same gradients, bit for bit.
+// At one rank DualPipeV runs both its stages there, F&B chunks included.
 // Removals tried once on a scratch copy of the executor, each failing here at 2 ranks: a B always
 // computing its weight gradients (ZB1P, DualPipe, DualPipeV: W finds no pass), DualPipeV's turn
 // on the last rank sent instead of handed over (nothing sends it), and the losses and loads not
@@ -14,6 +17,7 @@
 //   mpirun --oversubscribe -np 4 build/tests/parallel/test_pipeline_mpi
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -26,6 +30,7 @@
 #include "fp8moe/config.hpp"
 #include "fp8moe/model.hpp"
 #include "fp8moe/pipeline_executor.hpp"
+#include "micro_batches.hpp"
 #include "mpi_main.hpp"
 
 namespace fp8moe {
@@ -41,15 +46,36 @@ ModelConfig deep_config() {
 }
 
 int micro_batches_for(pipeline::Method m, int ranks) {
-  return m == pipeline::Method::DualPipe || m == pipeline::Method::DualPipeV ? 2 * ranks : ranks;
+  if (m == pipeline::Method::DualPipeV) return 2 * std::max(ranks, 2);  // at one rank: 4, for F&B chunks
+  return m == pipeline::Method::DualPipe ? 2 * ranks : ranks;
+}
+
+// One executor step: each micro-batch's StepStats, and the summed gradients of `model` on the host.
+struct StepResult {
+  std::vector<StepStats> stats;
+  std::map<std::string, Tensor> grads;
+  std::vector<pipeline::ExecutedOp> executed;
+};
+StepResult run_step(Model& model, Backend& be, const pipeline::Schedule& schedule, const pipeline::StageSplit& split,
+                    pipeline::FbMode mode, const std::vector<Tensor>& tok, const std::vector<Tensor>& tgt) {
+  pipeline::Executor ex(model, schedule, split, g_world);
+  ex.set_fb_mode(mode);
+  model.zero_grad();
+  StepResult r;
+  r.stats = ex.run(tok, tgt, 1.0 / double(tok.size()));
+  ex.sum_gradients();
+  be.synchronize();
+  for (const Parameter& p : model.parameters())
+    if (p.trainable) r.grads[p.name] = be.to_host(p.grad);
+  r.executed = ex.executed();
+  return r;
 }
 
 void check_method(pipeline::Method method) {
   Comm& world = *g_world;
   const int P = world.size(), me = world.rank();
   const ModelConfig cfg = deep_config();
-  if (P == 1 && (method == pipeline::Method::DualPipe || method == pipeline::Method::DualPipeV))
-    GTEST_SKIP() << "two stages per rank need an even number of them";
+  if (P == 1 && method == pipeline::Method::DualPipe) GTEST_SKIP() << "DualPipe pairs rank r with rank P - 1 - r";
   const int M = micro_batches_for(method, P), stages = pipeline::stages_for(method, P);
   const pipeline::Schedule schedule =
       pipeline::make_schedule(method, method == pipeline::Method::DualPipeV ? stages : P, M);
@@ -58,27 +84,30 @@ void check_method(pipeline::Method method) {
   // The pipelined model holds its stages' parameters only.
   Model piped(cfg, Recipe::from_name("fp8"), *be, 3, {}, pipeline::stage_shard(schedule, split, me)),
       serial(cfg, Recipe::from_name("fp8"), *be, 3);
-  std::mt19937_64 rng(17);  // the same micro-batches on every rank
   std::vector<Tensor> tok, tgt;
-  for (int m = 0; m < M; ++m) {
-    tok.push_back(Tensor::host(DType::i32, {cfg.batch_size, cfg.seq_len}));
-    tgt.push_back(Tensor::host(DType::i32, {cfg.batch_size, cfg.seq_len}));
-    for (int64_t i = 0; i < tok.back().numel(); ++i) tok.back().ptr<int32_t>()[i] = int32_t(rng() % 256);
-    for (int64_t i = 0; i < tgt.back().numel(); ++i) tgt.back().ptr<int32_t>()[i] = int32_t(rng() % 256);
+  testing::seeded_micro_batches(cfg, M, 17, tok, tgt);  // the same micro-batches on every rank
+  const StepResult overlapped = run_step(piped, *be, schedule, split, pipeline::FbMode::overlap, tok, tgt);
+  const StepResult one_stream = run_step(piped, *be, schedule, split, pipeline::FbMode::serial, tok, tgt);
+  const std::vector<StepStats>& got = overlapped.stats;
+  ASSERT_EQ(one_stream.stats.size(), got.size());
+  for (size_t m = 0; m < got.size(); ++m) {
+    EXPECT_EQ(one_stream.stats[m].loss, got[m].loss) << "micro-batch " << m << ": serial F&B against overlapped";
+    EXPECT_EQ(one_stream.stats[m].expert_loads, got[m].expert_loads) << "micro-batch " << m;
   }
-  pipeline::Executor ex(piped, schedule, split, &world);
-  piped.zero_grad();
-  const std::vector<StepStats> got = ex.run(tok, tgt, 1.0 / M);
-  ex.sum_gradients();
-  be->synchronize();
+  for (const auto& [name, g] : overlapped.grads) {
+    const Tensor& h = one_stream.grads.at(name);
+    EXPECT_EQ(std::memcmp(g.view().data, h.view().data, g.view().nbytes()), 0) << name << ": serial F&B against overlapped";
+  }
 
   const std::vector<pipeline::Op>& want = schedule.rank_ops[size_t(me)];
-  ASSERT_EQ(ex.executed().size(), want.size()) << "rank " << me;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const pipeline::Op &a = ex.executed()[i].op, &b = want[i];
-    EXPECT_TRUE(a.kind == b.kind && a.pass == b.pass && a.backward_pass == b.backward_pass &&
-                a.defers_weights == b.defers_weights && a.peer == b.peer)
-        << "rank " << me << " op " << i << ": ran " << op_label(schedule, a) << ", the schedule has " << op_label(schedule, b);
+  for (const StepResult* run : {&overlapped, &one_stream}) {
+    ASSERT_EQ(run->executed.size(), want.size()) << "rank " << me;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const pipeline::Op &a = run->executed[i].op, &b = want[i];
+      EXPECT_TRUE(a.kind == b.kind && a.pass == b.pass && a.backward_pass == b.backward_pass &&
+                  a.defers_weights == b.defers_weights && a.peer == b.peer)
+          << "rank " << me << " op " << i << ": ran " << op_label(schedule, a) << ", the schedule has " << op_label(schedule, b);
+    }
   }
 
   serial.zero_grad();
@@ -95,7 +124,7 @@ void check_method(pipeline::Method method) {
   for (const Parameter& a : piped.parameters()) {
     const Parameter& b = serial.parameter(a.name);
     if (!a.trainable) continue;
-    const Tensor ha = be->to_host(a.grad), hb = be->to_host(b.grad);
+    const Tensor &ha = overlapped.grads.at(a.name), hb = be->to_host(b.grad);
     double diff = 0, norm = 0;
     int64_t unequal = 0;
     for (int64_t j = 0; j < ha.numel(); ++j) {

@@ -82,8 +82,26 @@ class Cache {
     if (it == live_.end()) return;
     const Block b = it->second;
     live_.erase(it);
+    if (holds_ > 0) {
+      held_.emplace_back(p, b);  // still counted as allocated: it is not reusable yet
+      return;
+    }
     stat(b.device).allocated -= int64_t(b.size);
     free_[Key{b.device, b.stream, b.size}].push_back(p);
+  }
+
+  void hold() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++holds_;
+  }
+  void release_held() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (holds_ > 0 && --holds_ > 0) return;
+    for (const auto& [p, b] : held_) {
+      stat(b.device).allocated -= int64_t(b.size);
+      free_[Key{b.device, b.stream, b.size}].push_back(p);
+    }
+    held_.clear();
   }
 
   void release(int device) {
@@ -147,6 +165,8 @@ class Cache {
   std::mutex mu_, pool_mu_;
   std::unordered_map<void*, Block> live_;
   std::unordered_map<Key, std::vector<void*>, KeyHash> free_;
+  int holds_ = 0;
+  std::vector<std::pair<void*, Block>> held_;  // freed while held
   std::vector<AllocatorStats> stats_;  // per device
   std::vector<cudaMemPool_t> pools_;
 };
@@ -170,6 +190,8 @@ void* cached_malloc(size_t bytes, cudaStream_t stream) { return bytes == 0 ? nul
 void cached_free(void* p) {
   if (p) cache().free(p);
 }
+void hold_frees() { cache().hold(); }
+void release_frees() { cache().release_held(); }
 AllocatorStats allocator_stats() { return cache().stats(current_device()); }
 void reset_peak_stats() { cache().reset_peak(current_device()); }
 void release_cached() { cache().release(current_device()); }

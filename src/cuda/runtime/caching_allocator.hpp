@@ -32,8 +32,15 @@ size_t allocator_size_class(size_t bytes);
 
 // Thread-safe; one per device, for the device current at the call.
 void* cached_malloc(size_t bytes, cudaStream_t stream);
-// `p` from cached_malloc (nullptr is ignored); its block becomes free on its own stream.
+// `p` from cached_malloc (nullptr is ignored); its block becomes free on its own stream, or, while
+// frees are held, at the end of the hold.
 void cached_free(void* p);
+// While held (nested holds count), freed blocks are set aside and return to their streams' free
+// lists only at release_frees(): for work on two streams whose tensors cross between them, where
+// the host drops a tensor of one stream while the other may still use it. The caller makes the
+// owning streams wait for the other stream before it releases (the allocator does not track uses).
+void hold_frees();
+void release_frees();
 AllocatorStats allocator_stats();
 void reset_peak_stats();
 // Returns the cached free blocks to the pool (stream-ordered) and the pool's unused memory to the

@@ -94,6 +94,7 @@ class CudaNvlink final : public NvlinkTransport {
     cfg_.hidden = hidden;
     cfg_.topk = topk;
     cfg_.experts = l.experts;
+    if (l.comm_sms > 0) cfg_.num_sms = int(l.comm_sms);  // --comm-sms; else the kernels' default
     // A peer late by a checkpoint write or a slow first step is not a dead one: the kernels wait
     // as long as the communicator's blocking calls do.
     cfg_.timeout_s = comm_detail::timeout_s();

@@ -60,6 +60,10 @@ ParallelLayout make_parallel_layout(const ParallelOptions& opt, int64_t world, i
     l.ranks_per_node = l.ep;
     l.nodes = 1;
   }
+  FP8MOE_CHECK(opt.comm_sms == 0 || (opt.comm_sms >= 2 && opt.comm_sms <= 256 && opt.comm_sms % 2 == 0),
+               "--comm-sms must be even in 2..256 (the NVLink kernels run num_sms / 2 channels; 0: the transport's "
+               "default), got " << opt.comm_sms);
+  l.comm_sms = opt.comm_sms;
   FP8MOE_CHECK(opt.max_nodes >= 0, "--max-nodes must be >= 1 (0: min(4, nodes)), got " << opt.max_nodes);
   l.max_nodes = opt.max_nodes == 0 ? std::min<int64_t>(4, l.nodes) : opt.max_nodes;
   FP8MOE_CHECK(l.max_nodes <= l.nodes, "--max-nodes " << l.max_nodes << " is larger than the nodes of an expert-parallel group ("

@@ -5,7 +5,10 @@
 // A message is named by the pass that produced it (schedule.hpp), so every tensor here is keyed
 // by (micro-batch, stage): the input activation of F(m, s), the output-gradient of B(m, s), and
 // what is waiting to be sent. A compute op first waits for all communication posted before it,
-// as the simulator assumes; the rank ends with a wait.
+// as the simulator assumes; the rank ends with a wait. Sends and receives are posted on a
+// communication stream after an event at the end of the compute so far, and the compute stream
+// waits for the communication stream once the receives are in (the copy of a staged message back
+// to the device runs there).
 #include <algorithm>
 #include <bit>
 #include <chrono>
@@ -14,6 +17,7 @@
 #include <map>
 
 #include "fp8moe/error.hpp"
+#include "fp8moe/paired_chunk.hpp"
 #include "fp8moe/pipeline_executor.hpp"
 
 namespace fp8moe::pipeline {
@@ -75,6 +79,12 @@ struct Executor::Impl {
   StatsLayout stats;
   std::vector<ExecutedOp> executed;
   int fail_at = -1;
+  FbMode fb_mode = FbMode::overlap;
+  DeviceTimes device_times = DeviceTimes::off;
+  PairedChunk pair;
+  Stream comm_stream;
+  Event compute_done, comm_done;
+  bool in_pair = false;  // issuing an overlapped F&B chunk: no synchronization per component
 
   // One run's state.
   struct Posted {
@@ -101,7 +111,9 @@ struct Executor::Impl {
     pass_bytes.erase(k);
   }
 
-  Impl(Model& m, Schedule s, StageSplit sp, Comm* c) : model(m), schedule(std::move(s)), split(std::move(sp)), comm(c) {
+  Impl(Model& m, Schedule s, StageSplit sp, Comm* c)
+      : model(m), schedule(std::move(s)), split(std::move(sp)), comm(c), pair(m.backend()),
+        comm_stream(m.backend().new_stream()), compute_done(m.backend().new_event()), comm_done(m.backend().new_event()) {
     me = comm ? comm->rank() : 0;
     trunk = model.trunk();
     FP8MOE_CHECK((comm ? comm->size() : 1) == schedule.num_ranks,
@@ -126,11 +138,14 @@ struct Executor::Impl {
 
   double now() const { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-  // Runs `f` as a component of the current op.
+  // Runs `f` as a component of the current op. With device times the device has run it when
+  // its end is taken, except inside an overlapped chunk (a synchronization there would
+  // serialize the two streams): there the times are the host's issue of the work.
   template <class F>
   void component(std::string name, F&& f) {
     const double a = now();
     f();
+    if (device_times == DeviceTimes::components && !in_pair) model.backend().synchronize();
     current->components.push_back({std::move(name), a, now()});
   }
 
@@ -138,6 +153,8 @@ struct Executor::Impl {
     if (pending.empty()) return;
     component("wait", [&] {
       for (Posted& p : pending) p.request.wait();
+      comm_done.record(comm_stream);
+      comm_done.wait(model.backend().stream());
     });
     current->wait += current->components.back().end - current->components.back().start;
     pending.clear();
@@ -266,46 +283,57 @@ struct Executor::Impl {
 
   // DualPipe's F&B chunk (report Figure 4): the forward's and the backward's sublayers taken in
   // turn, forward attention first, then the backward's last sublayer (the MLP or MoE, its
-  // combine and dispatch inside), so that the exchanges of one half meet the computation of the
-  // other. Both are of different micro-batches: no data passes between them.
+  // combine and dispatch inside), on two streams (paired_chunk.hpp), so that the exchanges and
+  // host reads of one half meet the computation of the other. Both are of different
+  // micro-batches: no activation passes between them. What they may share: a trunk sublayer's
+  // parameters and gradients (a pair of one stage) and the embedding (read by stage 0's forward
+  // and the MTP module in the head, its gradient added by both and by stage 0's backward).
   void forward_backward(const Pass& f, const Pass& b) {
     const Steps fs = forward_steps(f), bs = backward_steps(b, false);
-    for (size_t i = 0; i < std::max(fs.size(), bs.size()); ++i) {
-      if (i < fs.size()) fs[i]();
-      if (i < bs.size()) bs[i]();
+    std::vector<ChunkStep> fc, bc;
+    const int nf = split.size(f.stage), nb = split.size(b.stage);
+    for (int k = 0; k < int(fs.size()); ++k) {
+      std::vector<int> shared;
+      if (k == 0 && f.stage == 0) shared.push_back(kEmbedding);
+      if (k > 0 && k <= nf) shared.push_back(split.first[size_t(f.stage)] + k - 1);
+      if (k == nf + 1 && last_stage(f.stage)) shared.push_back(kEmbedding);
+      fc.push_back({fs[size_t(k)], std::move(shared)});
     }
+    for (int k = 0; k < int(bs.size()); ++k) {  // sublayers from the last down
+      std::vector<int> shared;
+      if (k > 0 && k <= nb) shared.push_back(split.first[size_t(b.stage) + 1] - k);
+      if (k == nb + 1 && b.stage == 0) shared.push_back(kEmbedding);
+      bc.push_back({bs[size_t(k)], std::move(shared)});
+    }
+    in_pair = fb_mode == FbMode::overlap;
+    struct Done {
+      bool& flag;
+      ~Done() { flag = false; }
+    } done{in_pair};
+    pair.run(fc, bc, fb_mode);
   }
+  static constexpr int kEmbedding = -1;  // a resource id beside the trunk sublayers' indices
 
   void post(const Op& op) {
     Backend& be = model.backend();
-    const Stream s = be.stream();
-    auto message = [&](const Pass& p) {
-      const Batch& b = batches[size_t(p.micro_batch)];
-      return be.empty(model.recipe().act_dtype, {b.tokens_count(), model.config().hidden_size});
-    };
+    const bool send = op.kind == OpKind::SendActivation || op.kind == OpKind::SendGradient;
+    const bool activation = op.kind == OpKind::SendActivation || op.kind == OpKind::RecvActivation;
     Posted posted;
-    switch (op.kind) {
-      case OpKind::SendActivation:
-        posted.keep = take(act_out, key(op.pass), "activation to send");
-        posted.request = comm->isend(posted.keep.view(), op.peer, s);
-        break;
-      case OpKind::SendGradient:
-        posted.keep = take(grad_out, key(op.pass), "gradient to send");
-        posted.request = comm->isend(posted.keep.view(), op.peer, s);
-        break;
-      case OpKind::RecvActivation:
-        posted.keep = message(op.pass);
-        posted.request = comm->irecv(posted.keep.view(), op.peer, s);
-        act_in[{op.pass.micro_batch, op.pass.stage + 1}] = posted.keep;
-        break;
-      case OpKind::RecvGradient:
-        posted.keep = message(op.pass);
-        posted.request = comm->irecv(posted.keep.view(), op.peer, s);
-        grad_in[{op.pass.micro_batch, op.pass.stage - 1}] = posted.keep;
-        break;
-      default:
-        break;
+    if (send) {
+      posted.keep = take(activation ? act_out : grad_out, key(op.pass), activation ? "activation to send" : "gradient to send");
+    } else {
+      const Batch& b = batches[size_t(op.pass.micro_batch)];
+      posted.keep = be.empty(model.recipe().act_dtype, {b.tokens_count(), model.config().hidden_size});
+      // The stage that reads it: the next one for an activation, the one before for a gradient.
+      (activation ? act_in : grad_in)[{op.pass.micro_batch, op.pass.stage + (activation ? 1 : -1)}] = posted.keep;
     }
+    // On the communication stream after the compute so far: a send's producer, and for a
+    // receive its buffer's allocation and the earlier users of that memory (the compute
+    // stream's, whose kernels may still be queued).
+    compute_done.record(be.stream());
+    compute_done.wait(comm_stream);
+    posted.request = send ? comm->isend(posted.keep.view(), op.peer, comm_stream)
+                          : comm->irecv(posted.keep.view(), op.peer, comm_stream);
     pending.push_back(std::move(posted));
   }
 
@@ -358,6 +386,7 @@ struct Executor::Impl {
       if (is_compute(ops[i].kind)) {
         wait_posted();
         execute(ops[i]);
+        if (device_times != DeviceTimes::off) model.backend().synchronize();
       } else {
         post(ops[i]);
       }
@@ -567,5 +596,8 @@ StepStats Executor::forward(const Tensor& tokens, const Tensor& targets) { retur
 const std::vector<ExecutedOp>& Executor::executed() const { return impl_->executed; }
 int64_t Executor::peak_saved_bytes() const { return impl_->peak_bytes; }
 void Executor::fail_at(int op_index) { impl_->fail_at = op_index; }
+void Executor::set_fb_mode(FbMode mode) { impl_->fb_mode = mode; }
+FbMode Executor::fb_mode() const { return impl_->fb_mode; }
+void Executor::set_device_times(DeviceTimes times) { impl_->device_times = times; }
 
 }  // namespace fp8moe::pipeline

@@ -31,6 +31,10 @@ RankSummary summarize(const std::vector<ExecutedOp>& ops) {
         break;
       default:
         s.forward_backward += t, ++s.forward_backwards;
+        for (const Component& c : e.components) {  // the wait before the chunk is neither half's
+          if (c.name.starts_with("F ")) s.fb_forward_half += c.end - c.start;
+          if (c.name.starts_with("B ") || c.name.starts_with("W ")) s.fb_backward_half += c.end - c.start;
+        }
         break;
     }
   }
