@@ -31,10 +31,13 @@ bool sm90_available();
 // gemm_fp8_sm90's contract for M <= kSmallMMaxRows and a 128x128-scaled B (Fprop and Dgrad of
 // decode-sized batches): B streamed once through a TMA-fed shared-memory ring, mma.sync with the
 // operands' roles swapped; D is deterministic, and a row of D does not depend on M or on the launch
-// (only k_split sets the summation order, chosen from N and K). gemm_fp8_sm90 takes it where
-// use_small_m_kernel says so unless a tile is forced. `want`: the launch (SmallMConfig, 0 fields
-// chosen), for the benchmark and the tests; a configuration that does not fit is an Error.
+// (only k_split sets the summation order, chosen from N and K). gemm_fp8_sm90 takes it up to
+// kSmallMDispatchRows unless a tile is forced: with more tokens, the mma.sync math and A's rows in
+// every stage bound it (M = 32: 0.50-1.00x the WGMMA kernel's speed; `fp8moe bench small-m`).
+// `want`: the launch (SmallMConfig, 0 fields chosen), for the benchmark and the tests; a
+// configuration that does not fit is an Error.
 constexpr int64_t kSmallMMaxRows = 64;
+constexpr int64_t kSmallMDispatchRows = 8;
 void gemm_fp8_small_m(const QuantizedView& a, const QuantizedView& b, const TensorView& d, bool accumulate,
                       cudaStream_t stream, const SmallMConfig& want = {});
 // The launch gemm_fp8_small_m runs for this shape and `want`, every field resolved.

@@ -423,8 +423,8 @@ TEST_F(CudaGemm, SmallMExactForEveryTokenCountAndKSplit) {
         EXPECT_TRUE(pads_ok) << "write past N, M=" << c.M << " N=" << c.N;
       }
     }
-    // D += A B^T from small integers, through the backend (which takes this kernel up to the
-    // rows use_small_m_kernel gives it) and through the kernel itself.
+    // D += A B^T from small integers, through the backend (which takes this kernel up to
+    // kSmallMDispatchRows) and through the kernel itself.
     const auto [c0, ref] = accumulate_case(rng, o, c);
     GemmOptions acc_opt;
     acc_opt.accumulate = true;
@@ -505,7 +505,7 @@ TEST_F(CudaGemm, SmallMRowsIndependentOfMAndLaunch) {
     }
     const int ks = cuda::gemm_fp8_small_m_config(1, c.N, c.K).k_split;
     const QuantizedTensor a8 = to_device(*be_, quantize_rows(o.a32, 0, 8));
-    for (const cuda::SmallMConfig& l : {cuda::SmallMConfig{ks, 1, 1, 1}, cuda::SmallMConfig{ks, 2, 2, 3},
+    for (const cuda::SmallMConfig& l : {cuda::SmallMConfig{ks, 1, 1, 1}, cuda::SmallMConfig{ks, 2, 2, 2},
                                         cuda::SmallMConfig{ks, 16 / ks, 1, 0}}) {
       Tensor d = be_->empty(DType::f32, {8, c.N});
       cuda::gemm_fp8_small_m(a8.view(), bd.view(), d.view(), false, nullptr, l);

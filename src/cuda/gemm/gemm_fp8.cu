@@ -140,7 +140,7 @@ void gemm_fp8_sm90(const QuantizedView& a, const QuantizedView& b, const TensorV
   if (M == 0 || N == 0) return;
 
   const bool b_1x128 = b.kind == ScaleKind::tile_1x128;
-  if (!tile && !b_1x128 && use_small_m_kernel(M, N, K)) return gemm_fp8_small_m(a, b, d, accumulate, stream);
+  if (!tile && !b_1x128 && M <= kSmallMDispatchRows) return gemm_fp8_small_m(a, b, d, accumulate, stream);
   const GemmTile t = tile_for_d(tile ? *tile : gemm_fp8_sm90_tile(M, N, K, b_1x128, d.dtype == DType::f32), b_1x128, d);
 
   GemmMaps maps{};
