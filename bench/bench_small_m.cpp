@@ -41,7 +41,8 @@ std::vector<SmallMConfig> configs_from_env() {
     std::string f;
     while (std::getline(fields, f, '/')) {
       FP8MOE_CHECK(f.size() >= 2 && f.find_first_not_of("0123456789", 1) == std::string::npos,
-                   "FP8MOE_SMALL_M_CONFIGS: expected fields like s4, r2, c2, p6, got '" << f << "' in '" << item << "'");
+                   "FP8MOE_SMALL_M_CONFIGS: expected fields like s4, r2, c2, p6, got '" << f << "' in '" << item
+                                                                                          << "'");
       const int v = std::stoi(f.substr(1));
       if (f[0] == 's') c.k_split = v;
       else if (f[0] == 'r') c.row_warps = v;
@@ -139,7 +140,8 @@ int run_small_m_bench(const SmallMBenchOptions& opt) {
                   tile_name(tile).c_str(), t_wg, t_lt, t_wg / t_ours, t_lt / t_ours, err);
       if (!tries.empty()) {
         char cell[96];
-        std::snprintf(cell, sizeof cell, "| %lld | %lld | %lld | %.2f |", (long long)M, (long long)N, (long long)K, t_ours);
+        std::snprintf(cell, sizeof cell, "| %lld | %lld | %lld | %.2f |", (long long)M, (long long)N, (long long)K,
+                      t_ours);
         tries_table += cell;
         for (size_t i = 0; i < tries.size(); ++i) {
           if (tried_fn[i] == 0) std::snprintf(cell, sizeof cell, " n/a |");

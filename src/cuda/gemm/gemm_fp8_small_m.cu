@@ -124,7 +124,8 @@ __global__ void __launch_bounds__(32 * (max_consumer_warps(NT) + 1), 1)
     // Consumer: rows pi(g) and pi(g) + 8 of slice rs, 16 bytes at chunks t and 4 + t of each row
     // (the swizzle XORs the 16-byte chunk index with the row's index mod 8, which is pi(g)).
     const uint32_t o0 = uint32_t(pg * 128 + ((t ^ pg) << 4)), o1 = uint32_t(pg * 128 + (((t | 4) ^ pg) << 4));
-    const uint32_t b_off = uint32_t(ck) * chunk_bytes + uint32_t(rs) * 2048u, a_off = uint32_t(ck) * chunk_bytes + uint32_t(BN) * 128u;
+    const uint32_t b_off = uint32_t(ck) * chunk_bytes + uint32_t(rs) * 2048u;
+    const uint32_t a_off = uint32_t(ck) * chunk_bytes + uint32_t(BN) * 128u;
     const int row0 = n0 + rs * 16;
     const float* sb_row = row0 < p.N ? p.sb + int64_t(row0 / 128) * KB : nullptr;
     int s = 0;

@@ -406,10 +406,11 @@ inline int small_m_k_split(int64_t N, int64_t K, int num_sms) {
 // memory a CTA gets). CTAs per SM (the share of shared memory each CTA's ring takes): as many as
 // the grid needs for one wave (at most 4), and up to 8 tokens at least 3.
 // NOTES: on an H100 (`bench small-m` with FP8MOE_SMALL_M_CONFIGS=c1,c2,c3,c4), M = 1 and 8 on 12
-// decode shapes: the share of 3 CTAs (rings of 3-4 stages) was 2-6% faster than the one-wave count
+// decode shapes: the share of 3 CTAs (rings of 2-4 stages) was 2-6% faster than the one-wave count
 // (2: 6 stages) on 24576x1536, 4096x7168 and 7168x2048, within 4% either way elsewhere; that of 1
-// was 10-35% slower than 3's where the grid needs two CTAs per SM. From 16 tokens on, A's rows enlarge the
-// stages and 3 CTAs' share holds one or two: up to 1.54x slower at M = 32.
+// was 10-35% slower than 3's where the grid needs two CTAs per SM. (The kernel's 74 registers let
+// two CTAs reside per SM: the share sets the depth of the rings.) Above 8 tokens A's rows enlarge
+// the stages and 3 CTAs' share holds one or two: up to 1.54x slower at M = 32.
 inline SmallMConfig small_m_config(int64_t M, int64_t N, int64_t K, int num_sms, SmallMConfig want) {
   if (want.k_split == 0) want.k_split = small_m_k_split(N, K, num_sms);
   if (want.row_warps == 0) want.row_warps = small_m_base_row_warps(N, num_sms);
