@@ -83,13 +83,23 @@ struct AttentionBenchOptions {
 };
 
 // The FP8 GEMM at decode sizes (bench_small_m.cpp): M tokens x the (N, K) weight shapes.
+// FP8MOE_SMALL_M_CONFIGS (read by the bench only): launches of the few-rows kernel to time beside
+// the chosen one, comma-separated, each "s4/r2/c2/p6" with any fields left out (chosen):
+// k_split, row_warps, ctas_per_sm, stages (SmallMConfig).
 struct SmallMBenchOptions {
   int iters = 30;
   int warmup = 5;
   std::vector<int64_t> rows{1, 2, 4, 8, 16, 32, 64};
-  // DeepSeek-V3's Linears at decode: kv_a+q_a fused (2112 x 7168), q_b (24576 x 1536), o (7168 x
-  // 16384), an expert's gate/up (2048 x 7168 as two 2048-row halves: 4096 x 7168), down (7168 x 2048).
-  std::vector<std::pair<int64_t, int64_t>> shapes{{2112, 7168}, {24576, 1536}, {7168, 16384}, {4096, 7168}, {7168, 2048}};
+  // DeepSeek-V3's Linears at decode: kv_a+q_a fused (2112 x 7168), q_a (1536 x 7168), kv_a (576 x
+  // 7168), q_b (24576 x 1536), kv_b (32768 x 512), o (7168 x 16384), an expert's gate and up (2048
+  // x 7168, fused 4096 x 7168) and down (7168 x 2048); configs/gemm.json's as the serving engine
+  // runs them: q_a (1536 x 4096), kv_a (576 x 4096), q_b (6144 x 1536), o (4096 x 4096), the dense
+  // MLP's gate or up (16384 x 4096) and down (4096 x 16384), the shared expert's gate or up (2048 x
+  // 4096) and down (4096 x 2048).
+  std::vector<std::pair<int64_t, int64_t>> shapes{
+      {2112, 7168}, {1536, 7168}, {576, 7168},   {24576, 1536}, {32768, 512}, {7168, 16384},
+      {2048, 7168}, {4096, 7168}, {7168, 2048},  {1536, 4096},  {576, 4096},  {6144, 1536},
+      {4096, 4096}, {16384, 4096}, {4096, 16384}, {2048, 4096},  {4096, 2048}};
 };
 
 // The MLA decode attention over the paged latent cache (bench_mla_decode.cpp): every batch size x

@@ -29,15 +29,19 @@ bool sm90_available();
 
 // ---- FP8 GEMM for few rows (gemm_fp8_small_m.cu) ----
 // gemm_fp8_sm90's contract for M <= kSmallMMaxRows and a 128x128-scaled B (Fprop and Dgrad of
-// decode-sized batches), on mma.sync with the operands' roles swapped, streaming B once; D is
-// deterministic. gemm_fp8_sm90 takes it up to kSmallMDispatchRows unless a tile is forced: from
-// 16 tokens on, its mma.sync math and the reloads of A are the bound and the WGMMA kernel is as
-// fast or faster on most shapes (`fp8moe bench small-m`). `k_split`: warps sharing one 16-row
-// slice of B along K (1, 2, 4, 8; 0: chosen), for the benchmark.
+// decode-sized batches): B streamed once through a TMA-fed shared-memory ring, mma.sync with the
+// operands' roles swapped; D is deterministic, and a row of D does not depend on M or on the launch
+// (only k_split sets the summation order, chosen from N and K). gemm_fp8_sm90 takes it up to
+// kSmallMDispatchRows unless a tile is forced: with more tokens, the mma.sync math and A's rows in
+// every stage bound it (M = 32: 0.50-1.00x the WGMMA kernel's speed; `fp8moe bench small-m`).
+// `want`: the launch (SmallMConfig, 0 fields chosen), for the benchmark and the tests; a
+// configuration that does not fit is an Error.
 constexpr int64_t kSmallMMaxRows = 64;
 constexpr int64_t kSmallMDispatchRows = 8;
 void gemm_fp8_small_m(const QuantizedView& a, const QuantizedView& b, const TensorView& d, bool accumulate,
-                      cudaStream_t stream, int k_split = 0);
+                      cudaStream_t stream, const SmallMConfig& want = {});
+// The launch gemm_fp8_small_m runs for this shape and `want`, every field resolved.
+SmallMConfig gemm_fp8_small_m_config(int64_t M, int64_t N, int64_t K, const SmallMConfig& want = {});
 
 // ---- FP8 GEMMs with emulated Tensor Core accumulation (gemm_fp8_emulated.cu) ----
 // gemm_fp8_ref's AccumMode::tensor_core arithmetic, bit for bit (its mantissa_bits and

@@ -8,6 +8,7 @@
 //      Hopper GPU;
 //   4. the tile heuristic (host only, runs without a GPU): f32 D gets the FP32-staged variants.
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -388,33 +389,42 @@ TEST_F(CudaGemm, Bf16MatchesReference) {
 
 // The few-rows kernel (decode batches, M <= 64): exact small integers for every token count
 // class (1, 2, 4, 8 n tiles of 8 tokens, with tails), N tails inside a 16-row slice and a 128
-// scale block, K of one to 16 blocks, every K split (the warps' sums added in shared memory),
+// scale block, K of one to 16 blocks, every K split (the chunks' sums added in shared memory) and
+// launches of one stage (the ring wraps every step), several slices per CTA and CTAs per SM,
 // f32 and bf16 D, D += into f32; a padded row stride whose sentinels must survive. It is what
 // gemm_fp8_sm90 (and so the backend) runs for these shapes.
-// NOTES: with promotion left out (s_a * s_b applied once at the end) or one of the swapped
-// operand fragments paired with the wrong k, these mismatch at the first element.
+// NOTES: with promotion left out (s_a * s_b applied once at the end), one of the swapped operand
+// fragments paired with the wrong k or a row or token of the bank-conflict permutation stored to
+// the wrong place, these mismatch at the first element.
 TEST_F(CudaGemm, SmallMExactForEveryTokenCountAndKSplit) {
   auto rng = make_rng();
   const Case cases[] = {{1, 16, 128}, {3, 40, 384}, {8, 136, 256}, {9, 200, 1024}, {17, 264, 640}, {33, 130, 512},
                         {64, 1000, 2048}, {2, 7000, 1536}};
+  std::vector<cuda::SmallMConfig> launches;
+  for (int ks : {0, 1, 2, 4, 8}) launches.push_back({ks, 0, 0, 0});
+  launches.push_back({0, 1, 0, 1});
+  launches.push_back({2, 2, 2, 1});
+  launches.push_back({2, 4, 1, 3});
   for (const Case& c : cases) {
     const SmallIntOperands o = small_int_operands(*be_, rng, c, false);
     for (DType dt : {DType::f32, DType::bf16}) {
       Tensor ref = Tensor::host(dt, {c.M, c.N});
       gemm_fp8_ref(o.a.view(), o.b.view(), ref.view());
-      for (int ks : {0, 1, 2, 4, 8}) {
+      for (const cuda::SmallMConfig& l : launches) {
         PaddedD d(*be_, dt, c.M, c.N, 8);
-        cuda::gemm_fp8_small_m(o.ad.view(), o.bd.view(), d.view, false, nullptr, ks);
+        cuda::gemm_fp8_small_m(o.ad.view(), o.bd.view(), d.view, false, nullptr, l);
         bool pads_ok = false;
         const Tensor got = d.fetch(*be_, pads_ok);
         const int64_t mis = first_mismatch(got, ref);
-        EXPECT_EQ(mis, -1) << "M=" << c.M << " N=" << c.N << " K=" << c.K << " " << dtype_name(dt) << " k_split " << ks
+        EXPECT_EQ(mis, -1) << "M=" << c.M << " N=" << c.N << " K=" << c.K << " " << dtype_name(dt) << " launch "
+                           << cuda::small_m_config_name(cuda::gemm_fp8_small_m_config(c.M, c.N, c.K, l))
                            << ": first mismatch at [" << (mis >= 0 ? mis / c.N : 0) << ", "
                            << (mis >= 0 ? mis % c.N : 0) << "]";
         EXPECT_TRUE(pads_ok) << "write past N, M=" << c.M << " N=" << c.N;
       }
     }
-    // D += A B^T from small integers, through the backend (which takes this kernel).
+    // D += A B^T from small integers, through the backend (which takes this kernel up to
+    // kSmallMDispatchRows) and through the kernel itself.
     const auto [c0, ref] = accumulate_case(rng, o, c);
     GemmOptions acc_opt;
     acc_opt.accumulate = true;
@@ -423,6 +433,84 @@ TEST_F(CudaGemm, SmallMExactForEveryTokenCountAndKSplit) {
     bool pads_ok = false;
     EXPECT_EQ(first_mismatch(d.fetch(*be_, pads_ok), ref), -1) << "D +=, M=" << c.M << " N=" << c.N;
     EXPECT_TRUE(pads_ok);
+    PaddedD dk(*be_, DType::f32, c.M, c.N, 4, &c0);
+    cuda::gemm_fp8_small_m(o.ad.view(), o.bd.view(), dk.view, true, nullptr);
+    EXPECT_EQ(first_mismatch(dk.fetch(*be_, pads_ok), ref), -1) << "D += (kernel), M=" << c.M << " N=" << c.N;
+    EXPECT_TRUE(pads_ok);
+  }
+}
+
+// Every token count the kernel takes, 1..64, exact on small integers (N with a slice tail, K of
+// five blocks: chunks of unequal length).
+TEST_F(CudaGemm, SmallMExactForEveryM) {
+  auto rng = make_rng();
+  const int64_t N = 136, K = 640;
+  const SmallIntOperands o = small_int_operands(*be_, rng, {cuda::kSmallMMaxRows, N, K}, false);
+  for (int64_t M = 1; M <= cuda::kSmallMMaxRows; ++M) {
+    QuantizedTensor a = small_int_quantized(rng, M, K, ScaleKind::tile_1x128);
+    Tensor ref = Tensor::host(DType::f32, {M, N});
+    gemm_fp8_ref(a.view(), o.b.view(), ref.view());
+    PaddedD d(*be_, DType::f32, M, N, 8);
+    cuda::gemm_fp8_small_m(to_device(*be_, a).view(), o.bd.view(), d.view, false, nullptr);
+    bool pads_ok = false;
+    const int64_t mis = first_mismatch(d.fetch(*be_, pads_ok), ref);
+    EXPECT_EQ(mis, -1) << "M=" << M << ": first mismatch at [" << (mis >= 0 ? mis / N : 0) << ", "
+                       << (mis >= 0 ? mis % N : 0) << "]";
+    EXPECT_TRUE(pads_ok) << "write past N, M=" << M;
+  }
+}
+
+// Rows [r0, r0 + rows) of a32 quantized 1x128 on their own (each row's scales depend on that row
+// only, so these are the same values and scales as in the whole matrix's quantization).
+QuantizedTensor quantize_rows(const Tensor& a32, int64_t r0, int64_t rows) {
+  const int64_t K = a32.size(1);
+  Tensor part = Tensor::host(DType::f32, {rows, K});
+  std::memcpy(part.ptr<float>(), a32.ptr<float>() + r0 * K, size_t(rows * K) * 4);
+  QuantizedTensor q = make_quantized_host(rows, K, DType::e4m3, ScaleKind::tile_1x128);
+  quantize_1x128(part.view(), q.view());
+  return q;
+}
+
+// Batch invariance: on random operands (where the summation order shows in the bits), row i of
+// D from M rows equals, bit for bit, D of that row alone, for every M of 1..64, and for other
+// launches (slices per CTA, CTAs per SM, stages) of the same k_split. Decode relies on it: a
+// token's logits do not depend on the other tokens of its batch.
+// NOTES: it guards small_m_k_split taking N and K only: a k_split that followed M (as the WGMMA
+// kernel's tiles do) or the launch would change the order of the chunks' sums.
+TEST_F(CudaGemm, SmallMRowsIndependentOfMAndLaunch) {
+  auto rng = make_rng();
+  const Case cases[] = {{cuda::kSmallMMaxRows, 7168, 2048}, {cuda::kSmallMMaxRows, 2112, 7168}};
+  for (const Case& c : cases) {
+    const RandomOperands o = random_operands(rng, c, false);
+    const QuantizedTensor bd = to_device(*be_, o.b);
+    std::vector<Tensor> single;  // D of row i alone
+    for (int64_t i = 0; i < c.M; ++i) {
+      Tensor d = be_->empty(DType::f32, {1, c.N});
+      cuda::gemm_fp8_small_m(to_device(*be_, quantize_rows(o.a32, i, 1)).view(), bd.view(), d.view(), false, nullptr);
+      single.push_back(be_->to_host(d));
+    }
+    auto expect_rows_match = [&](const Tensor& got, int64_t M, const std::string& what) {
+      for (int64_t i = 0; i < M; ++i) {
+        Tensor row = Tensor::host(DType::f32, {1, c.N});
+        std::memcpy(row.ptr<float>(), got.ptr<float>() + i * c.N, size_t(c.N) * 4);
+        const int64_t mis = first_mismatch(row, single[size_t(i)]);
+        ASSERT_EQ(mis, -1) << what << ": N=" << c.N << " K=" << c.K << " M=" << M << ", row " << i
+                           << " differs from the M = 1 call at column " << mis;
+      }
+    };
+    for (int64_t M = 2; M <= c.M; ++M) {
+      Tensor d = be_->empty(DType::f32, {M, c.N});
+      cuda::gemm_fp8_small_m(to_device(*be_, quantize_rows(o.a32, 0, M)).view(), bd.view(), d.view(), false, nullptr);
+      expect_rows_match(be_->to_host(d), M, "default launch");
+    }
+    const int ks = cuda::gemm_fp8_small_m_config(1, c.N, c.K).k_split;
+    const QuantizedTensor a8 = to_device(*be_, quantize_rows(o.a32, 0, 8));
+    for (const cuda::SmallMConfig& l : {cuda::SmallMConfig{ks, 1, 1, 1}, cuda::SmallMConfig{ks, 2, 2, 2},
+                                        cuda::SmallMConfig{ks, 16 / ks, 1, 0}}) {
+      Tensor d = be_->empty(DType::f32, {8, c.N});
+      cuda::gemm_fp8_small_m(a8.view(), bd.view(), d.view(), false, nullptr, l);
+      expect_rows_match(be_->to_host(d), 8, cuda::small_m_config_name(cuda::gemm_fp8_small_m_config(8, c.N, c.K, l)));
+    }
   }
 }
 
@@ -465,7 +553,10 @@ TEST_F(CudaGemm, SmallMRejectsBadArguments) {
   Tensor d = be_->zeros(DType::f32, {65, 128}), d8 = be_->zeros(DType::f32, {8, 128});
   EXPECT_THROW(cuda::gemm_fp8_small_m(a.view(), b.view(), d.view(), false, nullptr), Error);   // M > 64
   EXPECT_THROW(cuda::gemm_fp8_small_m(a8.view(), b1.view(), d8.view(), false, nullptr), Error);  // 1x128 B
-  EXPECT_THROW(cuda::gemm_fp8_small_m(a8.view(), b.view(), d8.view(), false, nullptr, 3), Error);  // k_split
+  EXPECT_THROW(cuda::gemm_fp8_small_m(a8.view(), b.view(), d8.view(), false, nullptr, {3}), Error);  // k_split
+  EXPECT_THROW(cuda::gemm_fp8_small_m(a8.view(), b.view(), d8.view(), false, nullptr, {8, 4}), Error);  // 32 warps
+  // 32 stages of 33 KiB do not fit a CTA's shared memory.
+  EXPECT_THROW(cuda::gemm_fp8_small_m(a8.view(), b.view(), d8.view(), false, nullptr, {1, 16, 1, 32}), Error);
 }
 
 TEST_F(CudaGemm, RejectsBadArguments) {

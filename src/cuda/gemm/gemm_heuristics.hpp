@@ -368,4 +368,58 @@ inline GemmTile choose_gemm_tile(int64_t M, int64_t N, int64_t K, bool b_1x128, 
   return best;
 }
 
+// ---- The few-rows kernel (gemm_fp8_small_m.cu) ----
+// Its launch: k_split K chunks per 16-row slice of B (chunk c holds the K blocks kb = c mod
+// k_split; its warp folds them in order, and the chunks are added in chunk order, so k_split alone
+// sets the rounding), row_warps 16-row slices per CTA (rows per CTA 16 * row_warps), ctas_per_sm
+// CTAs sharing an SM's shared memory, stages the depth of each CTA's ring. 0: chosen.
+struct SmallMConfig {
+  int k_split = 0;
+  int row_warps = 0;
+  int ctas_per_sm = 0;
+  int stages = 0;
+};
+
+// "s4/r2/c2/p6" (k_split, row_warps, ctas_per_sm, stages).
+inline std::string small_m_config_name(const SmallMConfig& c) {
+  return "s" + std::to_string(c.k_split) + "/r" + std::to_string(c.row_warps) + "/c" + std::to_string(c.ctas_per_sm) +
+         "/p" + std::to_string(c.stages);
+}
+
+// The slices per CTA that still give every SM a CTA (N = 2112: one; 7168: two; 24576: eight).
+inline int small_m_base_row_warps(int64_t N, int num_sms) {
+  int rw = 8;
+  while (rw > 1 && (N + 16 * rw - 1) / (16 * rw) < num_sms) rw /= 2;
+  return rw;
+}
+
+// The K chunks, from N and K only (never M or the launch), so that a row of D is the same bits
+// whatever the number of tokens and the launch: eight consumer warps at the base slices per CTA,
+// at most one chunk per K block.
+inline int small_m_k_split(int64_t N, int64_t K, int num_sms) {
+  int s = 8 / small_m_base_row_warps(N, num_sms);
+  while (s > 1 && s > K / 128) s /= 2;
+  return s;
+}
+
+// Launch defaults for what `want` leaves at 0 (stages: chosen by the launch, from the shared
+// memory a CTA gets). CTAs per SM (the share of shared memory each CTA's ring takes): as many as
+// the grid needs for one wave (at most 4), and up to 8 tokens at least 3.
+// NOTES: on an H100 (`bench small-m` with FP8MOE_SMALL_M_CONFIGS=c1,c2,c3,c4), M = 1 and 8 on 12
+// decode shapes: the share of 3 CTAs (rings of 2-4 stages) was 2-6% faster than the one-wave count
+// (2: 6 stages) on 24576x1536, 4096x7168 and 7168x2048, within 4% either way elsewhere; that of 1
+// was 10-35% slower than 3's where the grid needs two CTAs per SM. (The kernel's 74 registers let
+// two CTAs reside per SM: the share sets the depth of the rings.) Above 8 tokens A's rows enlarge
+// the stages and 3 CTAs' share holds one or two: up to 1.54x slower at M = 32.
+inline SmallMConfig small_m_config(int64_t M, int64_t N, int64_t K, int num_sms, SmallMConfig want) {
+  if (want.k_split == 0) want.k_split = small_m_k_split(N, K, num_sms);
+  if (want.row_warps == 0) want.row_warps = small_m_base_row_warps(N, num_sms);
+  if (want.ctas_per_sm == 0) {
+    const int64_t ctas = (N + 16 * want.row_warps - 1) / (16 * want.row_warps);
+    const int64_t waves = std::min<int64_t>(4, std::max<int64_t>(1, (ctas + num_sms - 1) / num_sms));
+    want.ctas_per_sm = int(M <= 8 ? std::max<int64_t>(3, waves) : waves);
+  }
+  return want;
+}
+
 }  // namespace fp8moe::cuda
