@@ -3,13 +3,13 @@
 // (source-major, tokens ascending: the Comm path's order), so that no copy follows on arrival.
 //   grid   num_sms blocks; block b serves channel b / 2 (a contiguous range of this rank's tokens)
 //          for the ranks d with d % 2 == b % 2.
-//   send   14 warps (8 in the two-blocks-per-SM variant), one team per destination rank d. Each
-//          warp of a team takes a contiguous range of the channel's tokens, counts its rows and
-//          slots to d, and after the team's barrier starts from the sums of the warps before it:
-//          it then writes its tokens' slot_row (the combine's map: row of slot (t, j) among the
-//          rows that come back, rank-major) and copies its rows, all of a row's loads issued
-//          before its stores. Then a system-scope fence, the team's barrier, and one release of
-//          the (source, channel) flag in d's buffer.
+//   send   14 warps, one team per destination rank. Every warp of a team walks the channel's
+//          tokens 32 at a time (ballot: which go to d, and their order), so the team agrees on
+//          each row's position without communicating; row i of the channel is copied by warp
+//          i % team, all of its loads issued before its stores. The team's first warp also
+//          writes the source's slot_row (the combine's map: row of slot (t, j) among the rows
+//          that come back, rank-major). Then a system-scope fence, the team's barrier, and one
+//          release of the (source, channel) flag in d's buffer.
 //   receive 2 warps wait for the flags of the sources p with p % 2 == b % 2 on this channel, so that
 //          the step ends on this rank only once its rows are all here; block 0 writes the scale
 //          padding rows.
@@ -21,14 +21,7 @@ namespace fp8moe::cuda::ep {
 
 namespace {
 
-// The block's shape per variant. NOTES: two blocks per SM share its registers; fewer send warps,
-// each with more of its row in flight (kUnroll 16-byte loads per lane), keep more bytes in flight
-// per SM than 14 warps of 4 loads each.
-template <int kBlocksPerSm>
-struct Shape {
-  static constexpr int send = kBlocksPerSm == 1 ? 14 : 8, recv = 2, threads = 32 * (send + recv);
-  static constexpr int unroll = kBlocksPerSm == 1 ? 16 : 12;
-};
+constexpr int kSendWarps = 14, kRecvWarps = 2, kThreads = 32 * (kSendWarps + kRecvWarps);
 
 // Expert e on rank d (ids out of range, which notify reports, on none).
 __device__ __forceinline__ bool on_rank(int32_t e, int d, int epr) { return e >= 0 && e / epr == d; }
@@ -38,12 +31,10 @@ __device__ __forceinline__ int64_t scale_ld_dev(int64_t rows) { return (rows + 3
 // kBlocksPerSm 2 where the ranks of one GPU need two blocks per SM to be resident together (fewer
 // registers, fewer loads in flight), else 1.
 template <int kBlocksPerSm>
-__global__ void __launch_bounds__(Shape<kBlocksPerSm>::threads, kBlocksPerSm)
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     dispatch_kernel(StepArgs a, const uint8_t* __restrict__ x, const float* __restrict__ x_scales, int64_t x_ld,
                     const float* __restrict__ weights, const int32_t* __restrict__ idx, int32_t* __restrict__ slot_row) {
-  constexpr int kSendWarps = Shape<kBlocksPerSm>::send, kRecvWarps = Shape<kBlocksPerSm>::recv;
   __shared__ RankSums sums;
-  __shared__ int2 warp_counts[kSendWarps];  // rows and slots to its destination of each send warp
   const int P = a.ranks, C = a.channels, me = a.me;
   const int c = blockIdx.x / 2, half = blockIdx.x % 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -89,43 +80,13 @@ __global__ void __launch_bounds__(Shape<kBlocksPerSm>::threads, kBlocksPerSm)
   int32_t* di = region<int32_t>(dst, a.layout.ids);
   if (lane == 0) wait_ready(a, d, Step::dispatch);
   __syncwarp();
-  // Each warp of the team takes a contiguous range of the channel's tokens: it counts its rows
-  // and slots to d first, the team adds the counts of the warps before it, and then the warp
-  // copies its rows with no further agreement.
-  // NOTES: a warp then reads the ids of a group of 32 tokens once for all their rows, instead of
-  // every warp reading every group's ids for the few rows it copies of it.
-  const int c0 = int(channel_begin(Ti, c, C)), n_tok = int(channel_begin(Ti, c + 1, C)) - c0;
-  const int w0 = c0 + int(int64_t(n_tok) * wit / team_warps), w1 = c0 + int(int64_t(n_tok) * (wit + 1) / team_warps);
-  auto slots_to_d = [&](int t) {
-    int n = 0;
-    if (t < w1)
-      for (int j = 0; j < ki; ++j) n += on_rank(idx[t * ki + j], d, epri);
-    return n;
-  };
-  {
-    int my_rows = 0, my_slots = 0;
-    for (int t = w0 + lane; t < w1; t += 32) {
-      const int h = slots_to_d(t);
-      my_rows += h > 0;
-      my_slots += h;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      my_rows += __shfl_xor_sync(~0u, my_rows, o);
-      my_slots += __shfl_xor_sync(~0u, my_slots, o);
-    }
-    if (lane == 0) warp_counts[warp] = make_int2(my_rows, my_slots);
-    named_sync(1 + team, 32 * team_warps);
-    for (int w = 0; w < wit; ++w) {
-      const int2 v = warp_counts[team + dests * w];
-      row += v.x;
-      slot += v.y;
-    }
-  }
-  int ordinal = 0;  // rows of this warp to d so far
-  for (int t0 = w0; t0 < w1; t0 += 32) {
+  const int t_end = int(channel_begin(Ti, c + 1, C));
+  int ordinal = 0;  // rows of this channel to d so far
+  for (int t0 = int(channel_begin(Ti, c, C)); t0 < t_end; t0 += 32) {
     const int t = t0 + lane;
-    const int here = slots_to_d(t);
+    int here = 0;
+    if (t < t_end)
+      for (int j = 0; j < ki; ++j) here += on_rank(idx[t * ki + j], d, epri);
     const uint32_t goes = __ballot_sync(~0u, here > 0);
     int incl = here;  // inclusive scan of the slots to d over the lanes
 #pragma unroll
@@ -133,17 +94,18 @@ __global__ void __launch_bounds__(Shape<kBlocksPerSm>::threads, kBlocksPerSm)
       const int v = __shfl_up_sync(~0u, incl, o);
       if (lane >= o) incl += v;
     }
-    if (here > 0) {
+    if (wit == 0 && here > 0) {
       int32_t s = int32_t(slot + incl - here);
       for (int j = 0; j < ki; ++j)
         if (on_rank(idx[t * ki + j], d, epri)) slot_row[t * ki + j] = s++;
     }
     slot += __shfl_sync(~0u, incl, 31);
     for (uint32_t m = goes; m != 0; m &= m - 1, ++ordinal) {
+      if (ordinal % team_warps != wit) continue;
       const int src = t0 + __ffs(m) - 1, r = row + ordinal;
       // NOTES: every load of the row (its values' first round, two scales, its weight and id per
       // lane) is issued before the first store: one DRAM round trip per row instead of three.
-      constexpr int kUnroll = Shape<kBlocksPerSm>::unroll;
+      constexpr int kUnroll = kBlocksPerSm == 1 ? 16 : 4;
       const int4* xs = reinterpret_cast<const int4*>(x + int64_t(src) * D) + lane;
       int4* xd = reinterpret_cast<int4*>(dx + int64_t(r) * D) + lane;
       const int words = int(D / 16);
@@ -173,7 +135,7 @@ __global__ void __launch_bounds__(Shape<kBlocksPerSm>::threads, kBlocksPerSm)
 
 }  // namespace
 
-int dispatch_threads(int blocks_per_sm) { return blocks_per_sm == 1 ? Shape<1>::threads : Shape<2>::threads; }
+int dispatch_threads() { return kThreads; }
 
 const void* dispatch_kernel_ptr(int blocks_per_sm) {
   return blocks_per_sm == 1 ? reinterpret_cast<const void*>(&dispatch_kernel<1>)
@@ -183,7 +145,7 @@ const void* dispatch_kernel_ptr(int blocks_per_sm) {
 void launch_dispatch(const StepArgs& a, const uint8_t* x, const float* x_scales, int64_t x_ld, const float* weights,
                      const int32_t* idx, int32_t* slot_row, cudaStream_t stream) {
   auto* k = a.blocks_per_sm == 1 ? &dispatch_kernel<1> : &dispatch_kernel<2>;
-  k<<<2 * a.channels, dispatch_threads(a.blocks_per_sm), 0, stream>>>(a, x, x_scales, x_ld, weights, idx, slot_row);
+  k<<<2 * a.channels, kThreads, 0, stream>>>(a, x, x_scales, x_ld, weights, idx, slot_row);
   FP8MOE_CUDA_CHECK_LAUNCH("ep dispatch_kernel");
 }
 

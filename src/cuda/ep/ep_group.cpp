@@ -197,7 +197,7 @@ std::unique_ptr<EpGroup> EpGroup::local(const EpConfig& cfg) {
     FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_c, ll_combine_kernel_ptr(), ll_threads(), 0));
   } else {
     FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm_d, dispatch_kernel_ptr(g->blocks_per_sm_), dispatch_threads(g->blocks_per_sm_), 0));
+        &per_sm_d, dispatch_kernel_ptr(g->blocks_per_sm_), dispatch_threads(), 0));
     FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &per_sm_c, combine_kernel_ptr(g->blocks_per_sm_), combine_threads(), 0));
   }

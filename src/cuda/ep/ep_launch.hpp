@@ -14,7 +14,7 @@ void launch_dispatch(const StepArgs& a, const uint8_t* x, const float* x_scales,
 void launch_combine(const StepArgs& a, const void* rows, const int32_t* slot_row, const float* weights, float* out,
                     bool accumulate, cudaStream_t stream);
 // For the residency check: the kernels' block sizes and entry points.
-int dispatch_threads(int blocks_per_sm);
+int dispatch_threads();
 int combine_threads();
 const void* dispatch_kernel_ptr(int blocks_per_sm);
 const void* combine_kernel_ptr(int blocks_per_sm);
