@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -294,6 +295,31 @@ struct LlHarness {
     for (int p = 0; p < P; ++p) group->rank(p).check();
   }
 
+  // `step(p)` (a dispatch and a weighted combine of rank p) captured in one graph per rank, then
+  // replayed twice with new inputs, every result checked.
+  void graph_steps(const std::function<void(int)>& step) {
+    std::vector<cudaGraphExec_t> exec(static_cast<size_t>(P));
+    for (int p = 0; p < P; ++p) {
+      cudaStream_t s = group->rank(p).stream();
+      ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed), cudaSuccess);
+      step(p);
+      cudaGraph_t graph;
+      ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+      ASSERT_EQ(cudaGraphInstantiate(&exec[size_t(p)], graph, 0), cudaSuccess);
+      ASSERT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+    }
+    for (int replay = 0; replay < 2; ++replay) {
+      SCOPED_TRACE("replay " + std::to_string(replay));
+      new_inputs(true);
+      poison(false);
+      for (int p = 0; p < P; ++p) ASSERT_EQ(cudaGraphLaunch(exec[size_t(p)], group->rank(p).stream()), cudaSuccess);
+      check_all();
+      expect_dispatched();
+      expect_combined(true, false);
+    }
+    for (auto e : exec) ASSERT_EQ(cudaGraphExecDestroy(e), cudaSuccess);
+  }
+
   // One eager step: new inputs, dispatch (checked), then a weighted combine and an unweighted one
   // accumulated onto random values.
   void eager_step() {
@@ -375,27 +401,10 @@ TEST(CudaEpLowLatency, CapturedGraphReplaysWithNewData) {
   LlHarness h(c);
   h.eager_step();
   ASSERT_FALSE(::testing::Test::HasFailure());
-  std::vector<cudaGraphExec_t> exec(size_t(h.P));
-  for (int p = 0; p < h.P; ++p) {
-    cudaStream_t s = h.group->rank(p).stream();
-    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  h.graph_steps([&](int p) {
     h.dispatch(p);
     h.combine(p, true, false);
-    cudaGraph_t graph;
-    ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
-    ASSERT_EQ(cudaGraphInstantiate(&exec[size_t(p)], graph, 0), cudaSuccess);
-    ASSERT_EQ(cudaGraphDestroy(graph), cudaSuccess);
-  }
-  for (int replay = 0; replay < 2; ++replay) {
-    SCOPED_TRACE("replay " + std::to_string(replay));
-    h.new_inputs(true);
-    h.poison(false);
-    for (int p = 0; p < h.P; ++p) ASSERT_EQ(cudaGraphLaunch(exec[size_t(p)], h.group->rank(p).stream()), cudaSuccess);
-    h.check_all();
-    h.expect_dispatched();
-    h.expect_combined(true, false);
-  }
-  for (auto e : exec) ASSERT_EQ(cudaGraphExecDestroy(e), cudaSuccess);
+  });
   h.eager_step();
 }
 
@@ -431,31 +440,14 @@ TEST(CudaEpLowLatency, ReceiveHookCompletesTheStepLater) {
     ASSERT_FALSE(::testing::Test::HasFailure());
   }
   h.eager_step();  // one-launch steps after hooked ones
-  std::vector<cudaGraphExec_t> exec(size_t(h.P));
-  for (int p = 0; p < h.P; ++p) {
-    cudaStream_t s = h.group->rank(p).stream();
-    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  h.graph_steps([&](int p) {
     h.dispatch(p, true);
     other_work(p);
     h.group->rank(p).low_latency_receive();
     h.combine(p, true, false, true);
     other_work(p);
     h.group->rank(p).low_latency_receive();
-    cudaGraph_t graph;
-    ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
-    ASSERT_EQ(cudaGraphInstantiate(&exec[size_t(p)], graph, 0), cudaSuccess);
-    ASSERT_EQ(cudaGraphDestroy(graph), cudaSuccess);
-  }
-  for (int replay = 0; replay < 2; ++replay) {
-    SCOPED_TRACE("replay " + std::to_string(replay));
-    h.new_inputs(true);
-    h.poison(false);
-    for (int p = 0; p < h.P; ++p) ASSERT_EQ(cudaGraphLaunch(exec[size_t(p)], h.group->rank(p).stream()), cudaSuccess);
-    h.check_all();
-    h.expect_dispatched();
-    h.expect_combined(true, false);
-  }
-  for (auto e : exec) ASSERT_EQ(cudaGraphExecDestroy(e), cudaSuccess);
+  });
   // While a receive is pending, the rank refuses every other low-latency call, and loses nothing.
   h.new_inputs(false);
   h.poison(false);
