@@ -66,10 +66,7 @@ void upload(void* dst, const std::vector<T>& h) {
   FP8MOE_CUDA_CHECK(cudaMemcpy(dst, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? NAN : v[v.size() / 2];
-}
+using bench::median;
 
 // Times `steps` (one launch per rank each) across all ranks' streams.
 struct MultiTimer {

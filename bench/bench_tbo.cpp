@@ -44,10 +44,7 @@ TwoBatchShape shape_named(const std::string& name) {
   return s;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using bench::median;
 
 // Microseconds per layer of `mode`, median of iters.
 double time_mode(TwoBatchLayer& L, TwoBatchMode mode, const TboBenchOptions& opt, cudaStream_t lead) {

@@ -67,6 +67,12 @@ inline std::vector<std::string> comma_list(const std::string& s, const char* wha
 }
 
 // ---- timing ----
+// The median of a run's times (NaN for none).
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? NAN : v[v.size() / 2];
+}
+
 // L2 before each timed launch: `dirty` (a 512 MiB memset: the last ~50 MiB of it stay in L2 as
 // dirty lines, written back while the timed kernel runs, as after any kernel that wrote its output)
 // or `clean` (the memset, then a read-only sweep of another 512 MiB: L2 holds clean lines only, and

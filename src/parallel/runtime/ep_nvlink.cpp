@@ -26,12 +26,9 @@ namespace {
 std::string why_not_here(Backend& be) {
 #ifdef FP8MOE_HAVE_CUDA
   if (be.device() != Device::cuda) return "the backend is " + be.name() + ", not cuda";
-  int dev = 0, major = 0, minor = 0;
-  FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
-  FP8MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  FP8MOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  if (major != 9 || minor != 0)
-    return "GPU " + std::to_string(dev) + " is sm_" + std::to_string(major) + std::to_string(minor) + ", not sm_90";
+  const cudaDeviceProp& p = cuda::device_props();
+  if (p.major != 9 || p.minor != 0)
+    return std::string(p.name) + " is sm_" + std::to_string(p.major) + std::to_string(p.minor) + ", not sm_90";
   return "";
 #else
   (void)be;
