@@ -8,6 +8,7 @@
 #ifdef FP8MOE_HAVE_CUDA
 #include "bench/bench.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/ep/ep_api.hpp"
 #endif
 
 namespace fp8moe::cli {
@@ -165,6 +166,7 @@ void add_bench(CLI::App& app) {
                 "the low-latency mode (decode): no notify, no host read, CUDA-graph capturable; 128 tokens per rank "
                 "unless --tokens");
   epc->callback([ep, ep_no_check, epc] {
+    fp8moe::cuda::ep::prepare_local_ranks();  // before require_gpu's first CUDA call
     require_gpu();
     ep->check = !*ep_no_check;
     if (ep->low_latency && epc->count("--tokens") == 0) ep->tokens = 128;
@@ -183,6 +185,7 @@ void add_bench(CLI::App& app) {
   tboc->add_option("--num-sms", tbo->num_sms, "blocks per communication kernel per rank (even)");
   tboc->add_option("--seed", tbo->seed, "seed of the weights, cache, inputs and routing");
   tboc->callback([tbo] {
+    fp8moe::cuda::ep::prepare_local_ranks();
     require_gpu();
     if (fp8moe::cuda::run_tbo_bench(*tbo) != 0)
       throw CLI::RuntimeError("bench tbo: overlapped and sequential results differ", 2);

@@ -319,10 +319,6 @@ int run_ep_low_latency_bench(const EpBenchOptions& opt, double copy) {
 }  // namespace
 
 int run_ep_bench(const EpBenchOptions& opt) {
-  // One hardware queue per stream (P ranks, the lead, the GEMM's): effective only before the
-  // process's first CUDA context, which the command creates after this (cmd_bench.cpp's check only
-  // counts devices); EpGroup::local refuses too few queues for its ranks.
-  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   const int64_t T = opt.tokens, D = opt.hidden, k = opt.topk, E = opt.experts, G = D / 128;
   const uint64_t seed = opt.seed ? opt.seed : std::random_device{}();
   std::mt19937_64 rng(seed);

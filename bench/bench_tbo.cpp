@@ -85,8 +85,6 @@ std::vector<float> results(TwoBatchLayer& L, TwoBatchMode mode, int layers, cuda
 }  // namespace
 
 int run_tbo_bench(const TboBenchOptions& opt) {
-  // One hardware queue per stream (3 per rank and the lead), set before the first CUDA context.
-  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   FP8MOE_CHECK(opt.iters >= 1 && opt.layers >= 1, "bench tbo: --iters and --layers must be >= 1");
   cudaDeviceProp prop;
   int dev = 0;

@@ -25,9 +25,8 @@ namespace {
 using cuda::ep::EpConfig;
 using cuda::ep::EpGroup;
 
-// One hardware queue per stream (the ranks', and the default stream's copies), set before the
-// first CUDA call: ranks sharing a queue could wait for each other in it (ep_group.cpp).
-const bool kQueues = [] { return setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0; }();
+// Several ranks in this process: set before the first CUDA call (ep_api.hpp).
+const bool kLocalRanks = (cuda::ep::prepare_local_ranks(), true);
 
 // A device allocation of n elements of T, filled from the host or with a byte.
 template <class T>

@@ -33,8 +33,8 @@ namespace {
 using cuda::ep::EpConfig;
 using cuda::ep::EpGroup;
 
-// One hardware queue per stream, set before the first CUDA call (ep_group.cpp).
-const bool kQueues = [] { return setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0; }();
+// Several ranks in this process: set before the first CUDA call (ep_api.hpp).
+const bool kLocalRanks = (cuda::ep::prepare_local_ranks(), true);
 
 template <class T>
 struct Dev {

@@ -30,8 +30,8 @@ using serve::TwoBatchLayer;
 using serve::TwoBatchMode;
 using serve::TwoBatchShape;
 
-// One hardware queue per stream, set before the first CUDA call (ep_group.cpp).
-const bool kQueues = [] { return setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0; }();
+// Several ranks in this process: set before the first CUDA call (ep_api.hpp).
+const bool kLocalRanks = (cuda::ep::prepare_local_ranks(), true);
 
 TwoBatchShape tiny(int ranks) {
   TwoBatchShape s;

@@ -88,6 +88,14 @@ class EpCounts {
   std::vector<int32_t> raw_;  // [P][length]
 };
 
+// Ranks driven from one process (EpGroup::local) spin on one GPU until their peers have written,
+// so nothing a rank queues may wait behind a peer's spinning kernel: one hardware queue per stream
+// (CUDA_DEVICE_MAX_CONNECTIONS=32), and every kernel loaded before the first step
+// (CUDA_MODULE_LOADING=EAGER): under lazy loading a kernel's first launch may wait for the device
+// to go idle, which it never does while a peer spins waiting for that kernel's rank. Sets each
+// where unset; effective only before the process's first CUDA call. EpGroup::local checks both.
+void prepare_local_ranks();
+
 class EpGroup;
 
 // One rank: its buffer, its peers' buffers, its stream and its step counter.

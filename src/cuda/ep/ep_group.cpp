@@ -1,6 +1,7 @@
 // The host side of the expert-parallel kernels (ep_api.hpp): the buffer layout for the worst case,
 // the groups of ranks (several buffers on one GPU, or one process per GPU with CUDA IPC), the
 // argument checks of each step and the errors the kernels leave in a rank's error word.
+#include <cuda.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -173,7 +174,25 @@ char* new_buffer(const BufferLayout& l) {
   return static_cast<char*>(p);
 }
 
+// The driver's module loading mode, fetched through the runtime (tensor_map.hpp says why).
+bool eager_loading() {
+  using GetModeFn = CUresult (*)(CUmoduleLoadingMode*);
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  FP8MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &p, 12000, cudaEnableDefault, &q));
+  FP8MOE_CHECK(q == cudaDriverEntryPointSuccess && p != nullptr,
+               "cudaGetDriverEntryPointByVersion(cuModuleGetLoadingMode): symbol not found");
+  CUmoduleLoadingMode mode{};
+  FP8MOE_CHECK(reinterpret_cast<GetModeFn>(p)(&mode) == CUDA_SUCCESS, "cuModuleGetLoadingMode failed");
+  return mode == CU_MODULE_EAGER_LOADING;
+}
+
 }  // namespace
+
+void prepare_local_ranks() {
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+}
 
 std::unique_ptr<EpGroup> EpGroup::local(const EpConfig& cfg) {
   std::unique_ptr<EpGroup> g(new EpGroup(cfg));
@@ -190,7 +209,11 @@ std::unique_ptr<EpGroup> EpGroup::local(const EpConfig& cfg) {
   const int queues = conn ? std::atoi(conn) : 8;
   FP8MOE_CHECK(P <= queues, "ep: " << P << " ranks in one process need as many hardware queues; "
                                    << "CUDA_DEVICE_MAX_CONNECTIONS is " << queues
-                                   << " (set it to 32 before the first CUDA call)");
+                                   << " (prepare_local_ranks() or the variable set to 32 before the first CUDA call)");
+  FP8MOE_CHECK(P == 1 || eager_loading(), "ep: " << P << " ranks in one process need every kernel loaded before "
+                                                    "the first step, and this process loads them lazily "
+                                                    "(prepare_local_ranks() or CUDA_MODULE_LOADING=EAGER before "
+                                                    "the first CUDA call)");
   int per_sm_d = 0, per_sm_c = 0;
   if (cfg.low_latency) {
     FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_d, ll_dispatch_kernel_ptr(), ll_threads(), 0));
