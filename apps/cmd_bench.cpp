@@ -173,14 +173,16 @@ void add_bench(CLI::App& app) {
     if (fp8moe::cuda::run_ep_bench(*ep) != 0) throw CLI::RuntimeError("bench ep: bit-exactness check failed", 2);
   });
   auto tbo = std::make_shared<fp8moe::cuda::TboBenchOptions>();
-  auto* tboc = bench->add_subcommand("tbo", "Two-micro-batch overlap of a decode MoE layer step, P expert-parallel ranks "
+  auto* tboc = bench->add_subcommand("tbo", "Two-micro-batch overlap of decode and prefill MoE layer steps, P expert-parallel ranks "
                                             "on this GPU: step time overlapped, sequential, compute and communication alone");
   tboc->add_option("--iters", tbo->iters, "timed runs per mode (median)");
   tboc->add_option("--warmup", tbo->warmup, "untimed runs per mode");
+  tboc->add_option("--phases", tbo->phases, "decode, prefill or both, e.g. decode,prefill");
   tboc->add_option("--ranks", tbo->ranks, "rank counts, e.g. 2,4");
   tboc->add_option("--shapes", tbo->shapes, "layer shapes: v3 (DeepSeek-V3), small, or both, e.g. v3,small");
   tboc->add_option("--tokens", tbo->tokens, "tokens per rank, split into two micro-batches (0: the shape's)");
-  tboc->add_option("--context", tbo->context, "cached tokens per sequence, a multiple of 64 (0: the shape's)");
+  tboc->add_option("--context", tbo->context, "decode: cached tokens per sequence, a multiple of 64 (0: the shape's)");
+  tboc->add_option("--seq-len", tbo->seq_len, "prefill: tokens per sequence (0: the shape's)");
   tboc->add_option("--layers", tbo->layers, "layer steps per timed run");
   tboc->add_option("--num-sms", tbo->num_sms, "blocks per communication kernel per rank (even)");
   tboc->add_option("--seed", tbo->seed, "seed of the weights, cache, inputs and routing");

@@ -133,14 +133,17 @@ struct EpBenchOptions {
   uint64_t seed = 0;            // 0: fresh random seed (printed)
 };
 
-// The two-micro-batch overlap of a decode MoE layer step (bench_tbo.cpp, src/serve/two_batch.hpp).
+// The two-micro-batch overlap of decode and prefill MoE layer steps (bench_tbo.cpp,
+// src/serve/two_batch.hpp, src/serve/two_batch_prefill.hpp).
 struct TboBenchOptions {
   int iters = 10;
   int warmup = 2;
+  std::string phases = "decode,prefill";
   std::string ranks = "2,4";      // rank counts, one row each
   std::string shapes = "v3,small";  // v3: DeepSeek-V3's layer; small: a smaller one
   int64_t tokens = 0;             // per rank (two micro-batches of half); 0: the shape's
-  int64_t context = 0;            // cached tokens per sequence; 0: the shape's
+  int64_t context = 0;            // decode: cached tokens per sequence; 0: the shape's
+  int64_t seq_len = 0;            // prefill: tokens per sequence; 0: the shape's
   int layers = 4;                 // layer steps per timed run
   int num_sms = 24;               // blocks per communication kernel per rank
   uint64_t seed = 1;

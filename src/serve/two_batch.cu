@@ -3,120 +3,27 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <random>
 
 #include "cuda/attention/mla_decode.hpp"
 #include "cuda/kernel_api.hpp"
 #include "cuda/moe/moe_api.hpp"
 #include "cuda/ops/model_ops.hpp"
-#include "cuda/ops/swiglu_device.cuh"
-#include "cuda/quant/quantize_device.cuh"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_checks.hpp"
 #include "fp8moe/error.hpp"
+#include "serve/two_batch_device.hpp"
 
 namespace fp8moe::serve {
 
 using cuda::ep::EpConfig;
 using cuda::ep::EpGroup;
 
-namespace {
-
-constexpr float kE4m3Max = 448.0f;
-
-// a = SwiGLU(g, u) quantized to e4m3 with 1x128 fp32 scales (quantize_1x128's rounding) for the
-// rows of the masked layout below each group's count only: the received layout has room for every
-// source's tokens per expert (M = P * N rows) and holds a small share of that, which a dense pass
-// over all rows would read and write. One warp per (row, 128-column tile), four columns a lane.
-__global__ void masked_swiglu_quantize_kernel(const float* __restrict__ g, const float* __restrict__ u,
-                                              const int32_t* __restrict__ counts, int64_t rows_per_group,
-                                              int64_t groups, int64_t F, uint8_t* __restrict__ q,
-                                              float* __restrict__ s, int64_t ld) {
-  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = int(threadIdx.x % 32);
-  const int64_t tiles = F / 128, row = warp / tiles, tile = warp % tiles;
-  if (row >= groups * rows_per_group || row % rows_per_group >= counts[row / rows_per_group]) return;  // whole warps
-  const int64_t c0 = row * F + tile * 128 + lane * 4;
-  const float4 gv = *reinterpret_cast<const float4*>(g + c0), uv = *reinterpret_cast<const float4*>(u + c0);
-  const float a[4] = {cuda::swiglu_value(gv.x, uv.x), cuda::swiglu_value(gv.y, uv.y), cuda::swiglu_value(gv.z, uv.z),
-                      cuda::swiglu_value(gv.w, uv.w)};
-  float amax = 0.0f;
-  for (float v : a) amax = cuda::amax_nan(amax, v);
-  amax = cuda::lanes_amax<32>(amax);
-  const float sc = cuda::scale_of(amax, kE4m3Max, false);
-  *reinterpret_cast<uint32_t*>(q + c0) = cuda::quantize4<false>(a, cuda::inv_scale(sc));
-  if (lane == 0) s[tile * ld + row] = sc;
-}
-
-struct Buf {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit Buf(size_t n) : bytes(n) {
-    FP8MOE_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 16)));
-    FP8MOE_CUDA_CHECK(cudaMemset(p, 0, std::max<size_t>(n, 16)));
-  }
-  ~Buf() { cudaFree(p); }
-  Buf(const Buf&) = delete;
-  Buf& operator=(const Buf&) = delete;
-  TensorView view(DType t, int64_t r, int64_t c, int64_t row0 = 0) const {
-    return TensorView(static_cast<char*>(p) + row0 * c * int64_t(dtype_size(t)), t, {r, c}, Device::cuda);
-  }
-};
-
-// An FP8 tensor on the device, e4m3 values with `kind` scales.
-struct QBuf {
-  int64_t rows, cols;
-  ScaleKind kind;
-  Buf values, scales;
-  QBuf(int64_t r, int64_t c, ScaleKind k)
-      : rows(r), cols(c), kind(k), values(size_t(r * c)),
-        scales(size_t(scale_shape(k, r, c)[0] * scale_shape(k, r, c)[1]) * 4) {}
-  QuantizedView view() const {
-    const auto ss = scale_shape(kind, rows, cols);
-    return {values.view(DType::e4m3, rows, cols), scales.view(DType::f32, ss[0], ss[1]), kind};
-  }
-  // Rows [r0, r0 + n) of a 128x128-scaled tensor (r0, n multiples of 128).
-  QuantizedView block_rows(int64_t r0, int64_t n) const {
-    const int64_t sc = scale_shape(kind, rows, cols)[1];
-    return {values.view(DType::e4m3, n, cols, r0), scales.view(DType::f32, n / 128, sc, r0 / 128), kind};
-  }
-  QuantizedTensor host() const {
-    QuantizedTensor h = make_quantized_host(rows, cols, DType::e4m3, kind);
-    FP8MOE_CUDA_CHECK(cudaMemcpy(h.values.ptr<uint8_t>(), values.p, size_t(rows * cols), cudaMemcpyDeviceToHost));
-    FP8MOE_CUDA_CHECK(
-        cudaMemcpy(h.scales.ptr<float>(), scales.p, size_t(h.scales.numel()) * 4, cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
-
-// A [rows, cols] weight of N(0, 1 / cols) draws quantized 128x128, in slices through one bf16
-// temporary.
-std::unique_ptr<QBuf> random_weight(int64_t rows, int64_t cols, uint64_t seed) {
-  auto w = std::make_unique<QBuf>(rows, cols, ScaleKind::block_128x128);
-  const int64_t step = std::max<int64_t>(128, ((int64_t(64) << 20) / (cols * 2)) / 128 * 128);
-  Buf tmp(size_t(std::min(step, rows) * cols) * 2);
-  for (int64_t r0 = 0; r0 < rows; r0 += step) {
-    const int64_t n = std::min(step, rows - r0);
-    cuda::fill_normal_bf16(tmp.p, n * cols, seed * 1000003 + uint64_t(r0), float(1.0 / std::sqrt(double(cols))));
-    cuda::quantize_128x128_cuda(tmp.view(DType::bf16, n, cols), w->block_rows(r0, n), ScaleMode::fp32, nullptr, false);
-  }
-  return w;
-}
-
-template <class T>
-void upload(const Buf& b, const std::vector<T>& h) {
-  FP8MOE_CUDA_CHECK(cudaMemcpy(b.p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-}
-
-template <class T>
-std::vector<T> download(const void* p, size_t n) {
-  std::vector<T> h(n);
-  FP8MOE_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
-
-}  // namespace
+using detail::Buf;
+using detail::download;
+using detail::QBuf;
+using detail::random_weight;
+using detail::upload;
 
 const char* mode_name(TwoBatchMode m) {
   switch (m) {
@@ -222,8 +129,6 @@ TwoBatchLayer::TwoBatchLayer(const TwoBatchShape& shape) : s_(shape) {
   upload(w_->uv_counts, std::vector<int32_t>(size_t(H), int32_t(Tm)));
   std::mt19937_64 rng(s.seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_int_distribution<int32_t> pick(0, int32_t(s.experts) - 1);
-  std::uniform_real_distribution<float> weight(0.01f, 1.0f);
   for (int p = 0; p < s.ranks; ++p) {
     auto r = std::make_unique<Rank>(s, Tm, R);
     const uint64_t rs = s.seed * 7919 + uint64_t(p) * 101;
@@ -240,15 +145,7 @@ TwoBatchLayer::TwoBatchLayer(const TwoBatchShape& shape) : s_(shape) {
       for (size_t i = 0; i < table.size(); ++i) table[i] = int32_t(i);
       upload(mb.table, table);
       upload(mb.lengths, std::vector<int32_t>(size_t(Tm), int32_t(s.context)));
-      // Each token's k distinct experts drawn uniformly.
-      for (int64_t t = 0; t < Tm; ++t)
-        for (int64_t j = 0; j < s.topk; ++j) {
-          int32_t e;
-          do e = pick(rng);
-          while (std::find(mb.idx_h.end() - j, mb.idx_h.end(), e) != mb.idx_h.end());
-          mb.idx_h.push_back(e);
-          mb.w_h.push_back(weight(rng));
-        }
+      detail::draw_routing(rng, Tm, s.topk, s.experts, mb.idx_h, mb.w_h);
       upload(mb.idx, mb.idx_h);
       upload(mb.w, mb.w_h);
     }
@@ -314,12 +211,9 @@ void TwoBatchLayer::experts_step(int p, int m, cudaStream_t st) {
   const int64_t El = s.experts / s.ranks, R = rv.x.rows(), F = s.expert_inter;
   cuda::grouped_gemm_fp8_masked_cuda(rv.x, r.gate->view(), rv.counts, El, r.g.view(DType::f32, R, F), false, st);
   cuda::grouped_gemm_fp8_masked_cuda(rv.x, r.up->view(), rv.counts, El, r.u.view(DType::f32, R, F), false, st);
-  const int64_t warps = R * (F / 128);
-  masked_swiglu_quantize_kernel<<<unsigned((warps * 32 + 255) / 256), 256, 0, st>>>(
-      static_cast<const float*>(r.g.p), static_cast<const float*>(r.u.p), rv.counts.ptr<const int32_t>(),
-      rv.rows_per_expert, El, F, static_cast<uint8_t*>(r.aq.values.p), static_cast<float*>(r.aq.scales.p),
-      scale_ld(R));
-  FP8MOE_CUDA_CHECK_LAUNCH("masked_swiglu_quantize_kernel");
+  detail::swiglu_quantize_rows(static_cast<const float*>(r.g.p), static_cast<const float*>(r.u.p), R, F,
+                               rv.counts.ptr<const int32_t>(), rv.rows_per_expert, nullptr,
+                               static_cast<uint8_t*>(r.aq.values.p), static_cast<float*>(r.aq.scales.p), st);
   cuda::grouped_gemm_fp8_masked_cuda(r.aq.view(), r.down->view(), rv.counts, El, r.ye.view(DType::bf16, R, s.hidden),
                                      false, st);
 }
@@ -398,16 +292,7 @@ std::vector<float> TwoBatchLayer::moe_out(int rank) const {
 
 TwoBatchLayer::MoeInput TwoBatchLayer::moe_input(int rank, int micro) const {
   const Rank::Micro& mb = ranks_.at(size_t(rank))->mb[micro];
-  const int64_t Tm = s_.tokens / 2, D = s_.hidden, G = D / 128, ld = scale_ld(Tm);
-  MoeInput in;
-  in.x = download<uint8_t>(mb.mq.values.p, size_t(Tm * D));
-  const std::vector<float> sc = download<float>(mb.mq.scales.p, size_t(G * ld));
-  in.scales.resize(size_t(Tm * G));
-  for (int64_t t = 0; t < Tm; ++t)
-    for (int64_t g = 0; g < G; ++g) in.scales[size_t(t * G + g)] = sc[size_t(g * ld + t)];
-  in.idx = mb.idx_h;
-  in.w = mb.w_h;
-  return in;
+  return detail::moe_input_of(mb.mq, mb.idx_h, mb.w_h);
 }
 
 TwoBatchLayer::Experts TwoBatchLayer::experts(int rank) const {

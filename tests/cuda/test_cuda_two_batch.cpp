@@ -1,13 +1,14 @@
-// The two-micro-batch decode layer step (src/serve/two_batch.hpp): P ranks as P buffers on one
-// GPU, 2 and 4 ranks, two layers. The overlapped step's residuals and MoE outputs are the
-// sequential step's bit for bit, and the last layer's MoE output is the host reference's: the
-// low-latency dispatch of each micro-batch's FP8 MoE input by the Comm path's reference
-// (ep_reference.hpp), each rank's experts by the CPU backend (masked grouped GEMMs, SwiGLU,
+// The two-micro-batch layer steps, decode (src/serve/two_batch.hpp) and prefill
+// (src/serve/two_batch_prefill.hpp): P ranks as P buffers on one GPU, 2 and 4 ranks, two layers.
+// The overlapped step's residuals and MoE outputs are the sequential step's bit for bit, and the
+// last layer's MoE output is the host reference's: each micro-batch's FP8 MoE input routed by the
+// Comm path's reference (ep_reference.hpp; the rows each expert gets do not depend on the
+// dispatch's mode), each rank's experts by the CPU backend (masked grouped GEMMs, SwiGLU,
 // quantize_1x128) and the weighted sum by its moe_combine. Within rounding only: the CUDA SwiGLU's
 // expf is not the CPU's std::exp in the last bits, and a flipped FP8 code of the activation moves
 // its row by a rounding step. Bad input (an odd token count, micro-batches above the groups'
-// max_tokens, compute alone before any dispatch) fails with fp8moe::Error; the shape checks run
-// before any CUDA call, so that test runs without a GPU too.
+// max_tokens, micro-batches of partial sequences, compute alone before any dispatch) fails with
+// fp8moe::Error; the shape checks run before any CUDA call, so those tests run without a GPU too.
 // Run: build/tests/cuda/test_cuda_two_batch
 #include <cuda_runtime.h>
 
@@ -22,11 +23,14 @@
 #include "fp8moe/error.hpp"
 #include "parallel/runtime/ep_reference.hpp"
 #include "serve/two_batch.hpp"
+#include "serve/two_batch_prefill.hpp"
 
 namespace fp8moe::testing {
 namespace {
 
+using serve::PrefillShape;
 using serve::TwoBatchLayer;
+using serve::TwoBatchPrefill;
 using serve::TwoBatchMode;
 using serve::TwoBatchShape;
 
@@ -53,9 +57,30 @@ TwoBatchShape tiny(int ranks) {
   return s;
 }
 
+PrefillShape tiny_prefill(int ranks) {
+  PrefillShape s;
+  s.ranks = ranks;
+  s.tokens = 32;
+  s.seq_len = 8;  // two sequences per micro-batch
+  s.hidden = 256;
+  s.q_rank = 128;
+  s.heads = 2;
+  s.rkv = 128;
+  s.rope = 32;
+  s.v_head = 64;
+  s.nope = 32;
+  s.experts = 32;
+  s.topk = 4;
+  s.expert_inter = 256;
+  s.num_sms = 8;
+  s.seed = 7;
+  return s;
+}
+
 // The host reference of micro-batch m's MoE output on every rank, [T / 2, D] each.
-std::vector<std::vector<float>> reference_moe(const TwoBatchLayer& L, int m) {
-  const TwoBatchShape& s = L.shape();
+template <class Layer>
+std::vector<std::vector<float>> reference_moe(const Layer& L, int m) {
+  const auto& s = L.shape();
   const int P = s.ranks;
   const int64_t Tm = s.tokens / 2, D = s.hidden, G = D / 128, k = s.topk, El = s.experts / P, M = P * Tm, R = El * M,
                 F = s.expert_inter;
@@ -114,21 +139,18 @@ double rel_rms(const float* got, const std::vector<float>& want) {
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
-void overlapped_matches_sequential_and_reference(int ranks) {
-  FP8MOE_REQUIRE_SM90();
-  const TwoBatchShape s = tiny(ranks);
-  TwoBatchLayer L(s);
-  cudaStream_t lead;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&lead, cudaStreamNonBlocking), cudaSuccess);
-  EXPECT_THROW(L.run(TwoBatchMode::compute_only, 1, lead), Error);  // no dispatched rows yet
+// run(mode, layers) runs the layer steps and waits for them.
+template <class Layer, class Run>
+void overlapped_matches_sequential_and_reference(Layer& L, Run run) {
+  const auto& s = L.shape();
+  const int ranks = s.ranks;
+  EXPECT_THROW(run(TwoBatchMode::compute_only, 1), Error);  // no dispatched rows yet
   const int layers = 2;
   std::vector<std::vector<float>> xs, ys;
-  L.run(TwoBatchMode::sequential, layers, lead);
-  L.check();
+  run(TwoBatchMode::sequential, layers);
   for (int p = 0; p < ranks; ++p) xs.push_back(L.residual(p)), ys.push_back(L.moe_out(p));
   L.reset_input();
-  L.run(TwoBatchMode::overlapped, layers, lead);
-  L.check();
+  run(TwoBatchMode::overlapped, layers);
   const int64_t Tm = s.tokens / 2, D = s.hidden;
   bool any_nonzero = false;
   for (int p = 0; p < ranks; ++p) {
@@ -149,11 +171,30 @@ void overlapped_matches_sequential_and_reference(int ranks) {
       EXPECT_LT(rel_rms(y.data() + m * Tm * D, want[size_t(p)]), 1e-2) << "rank " << p << ", micro-batch " << m;
     }
   }
+}
+
+void decode_matches(int ranks) {
+  FP8MOE_REQUIRE_SM90();
+  TwoBatchLayer L(tiny(ranks));
+  cudaStream_t lead;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&lead, cudaStreamNonBlocking), cudaSuccess);
+  overlapped_matches_sequential_and_reference(L, [&](TwoBatchMode mode, int layers) {
+    L.run(mode, layers, lead);
+    L.check();
+  });
   cudaStreamDestroy(lead);
 }
 
-TEST(CudaTwoBatch, TwoRanksOverlappedIsSequentialAndTheReference) { overlapped_matches_sequential_and_reference(2); }
-TEST(CudaTwoBatch, FourRanksOverlappedIsSequentialAndTheReference) { overlapped_matches_sequential_and_reference(4); }
+void prefill_matches(int ranks) {
+  FP8MOE_REQUIRE_SM90();
+  TwoBatchPrefill L(tiny_prefill(ranks));
+  overlapped_matches_sequential_and_reference(L, [&](TwoBatchMode mode, int layers) { L.run(mode, layers); });
+}
+
+TEST(CudaTwoBatch, TwoRanksOverlappedIsSequentialAndTheReference) { decode_matches(2); }
+TEST(CudaTwoBatch, FourRanksOverlappedIsSequentialAndTheReference) { decode_matches(4); }
+TEST(CudaTwoBatchPrefill, TwoRanksOverlappedIsSequentialAndTheReference) { prefill_matches(2); }
+TEST(CudaTwoBatchPrefill, FourRanksOverlappedIsSequentialAndTheReference) { prefill_matches(4); }
 
 // Checked before anything reaches the device.
 TEST(CudaTwoBatch, BadShapeIsRefused) {
@@ -175,6 +216,29 @@ TEST(CudaTwoBatch, BadShapeIsRefused) {
   ctx.context = 100;
   refused(ctx, "context must be a positive multiple of 64");
   TwoBatchShape ex = tiny(4);
+  ex.experts = 30;
+  refused(ex, "experts do not split over 4 ranks");
+}
+
+TEST(CudaTwoBatchPrefill, BadShapeIsRefused) {
+  auto refused = [](PrefillShape s, const char* what) {
+    try {
+      TwoBatchPrefill L(s);
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  PrefillShape partial = tiny_prefill(2);
+  partial.seq_len = 12;  // micro-batches of 16 tokens
+  refused(partial, "do not split into two micro-batches of whole 12-token sequences");
+  PrefillShape heads = tiny_prefill(2);
+  heads.v_head = 48;
+  refused(heads, "heads * v_head must be multiples of 128");
+  PrefillShape rope = tiny_prefill(2);
+  rope.rope = 0;
+  refused(rope, "rope must be in [1, 128]");
+  PrefillShape ex = tiny_prefill(4);
   ex.experts = 30;
   refused(ex, "experts do not split over 4 ranks");
 }
