@@ -10,7 +10,6 @@
 #include "cuda/moe/moe_api.hpp"
 #include "cuda/ops/model_ops.hpp"
 #include "cuda/runtime/cuda_check.hpp"
-#include "cuda/runtime/device_checks.hpp"
 #include "fp8moe/error.hpp"
 #include "serve/two_batch_device.hpp"
 
@@ -226,14 +225,7 @@ void TwoBatchLayer::run(TwoBatchMode mode, int layers, cudaStream_t lead) {
   const bool moe = mode != TwoBatchMode::comm_only;
   FP8MOE_CHECK(comm || dispatched_, "two-batch layer: compute only runs the experts on the rows of an earlier "
                                     "dispatch; run a mode with communication first");
-  // The gathers' index checks and the norms' NaN/Inf checks recorded on the device (read by
-  // check()) instead of one host synchronization each, which would hold every later launch of
-  // every rank behind that stream.
-  struct Deferred {
-    bool was = cuda::checks_deferred();
-    Deferred() { cuda::set_checks_deferred(true); }
-    ~Deferred() { cuda::set_checks_deferred(was); }
-  } deferred;
+  detail::DeferredChecks deferred;
   cudaEvent_t start;
   FP8MOE_CUDA_CHECK(cudaEventCreateWithFlags(&start, cudaEventDisableTiming));
   FP8MOE_CUDA_CHECK(cudaEventRecord(start, lead));

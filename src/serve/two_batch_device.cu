@@ -40,7 +40,7 @@ __global__ void swiglu_quantize_rows_kernel(const float* __restrict__ g, const f
 
 QuantizedView QBuf::block_rows(int64_t r0, int64_t n) const {
   const int64_t sc = scale_shape(kind, rows, cols)[1];
-  return {values.view(DType::e4m3, n, cols, r0), scales.view(DType::f32, n / 128, sc, r0 / 128), kind};
+  return {values.view(DType::e4m3, n, cols, r0), scales.view(DType::f32, (n + 127) / 128, sc, r0 / 128), kind};
 }
 
 QuantizedTensor QBuf::host() const {

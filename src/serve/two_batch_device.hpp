@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cuda/runtime/cuda_check.hpp"
+#include "cuda/runtime/device_checks.hpp"
 #include "fp8moe/quantize.hpp"
 #include "serve/two_batch.hpp"
 
@@ -45,7 +46,7 @@ struct QBuf {
     const auto ss = scale_shape(kind, rows, cols);
     return {values.view(DType::e4m3, rows, cols), scales.view(DType::f32, ss[0], ss[1]), kind};
   }
-  // Rows [r0, r0 + n) of a 128x128-scaled tensor (r0, n multiples of 128).
+  // Rows [r0, r0 + n) of a 128x128-scaled tensor (r0 a multiple of 128).
   QuantizedView block_rows(int64_t r0, int64_t n) const;
   QuantizedTensor host() const;
 };
@@ -72,6 +73,18 @@ std::vector<T> download(const void* p, size_t n) {
 // The other rows are left as they are (no later step reads them).
 void swiglu_quantize_rows(const float* g, const float* u, int64_t R, int64_t F, const int32_t* counts,
                           int64_t rows_per_group, const int32_t* row_group, uint8_t* q, float* s, cudaStream_t st);
+
+// The device-recorded checks (device_checks.hpp) for a run's launches: the index checks and the
+// norms' NaN/Inf checks are recorded on the device instead of one host synchronization each, which
+// would hold every later launch of every rank behind that stream. Leaving the scope restores the
+// mode, which raises what was recorded (after a device synchronization).
+struct DeferredChecks {
+  bool was = cuda::checks_deferred();
+  DeferredChecks() { cuda::set_checks_deferred(true); }
+  ~DeferredChecks() noexcept(false) { cuda::set_checks_deferred(was); }
+  DeferredChecks(const DeferredChecks&) = delete;
+  DeferredChecks& operator=(const DeferredChecks&) = delete;
+};
 
 // A micro-batch's MoE input on the host: mq's rows [T, D] and their scales token-major [T, D / 128],
 // with the routing it was dispatched with.

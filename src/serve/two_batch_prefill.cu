@@ -14,7 +14,6 @@
 #include "cuda/moe/moe_api.hpp"
 #include "cuda/ops/model_ops.hpp"
 #include "cuda/runtime/cuda_check.hpp"
-#include "cuda/runtime/device_checks.hpp"
 #include "fp8moe/backend.hpp"
 #include "fp8moe/error.hpp"
 #include "serve/two_batch_device.hpp"
@@ -403,12 +402,7 @@ void TwoBatchPrefill::run(TwoBatchMode mode, int layers) {
   FP8MOE_CHECK(mode != TwoBatchMode::compute_only || dispatched_,
                "two-batch prefill: compute only runs the experts on the rows of an earlier dispatch; run a mode with "
                "communication first");
-  // Device-recorded checks (two_batch.cu says why), raised after every rank has finished.
-  struct Deferred {
-    bool was = cuda::checks_deferred();
-    Deferred() { cuda::set_checks_deferred(true); }
-    ~Deferred() { cuda::set_checks_deferred(was); }
-  } deferred;
+  detail::DeferredChecks deferred;  // raised below, after every rank has finished
   std::mutex mu;
   std::string failure;
   std::vector<std::thread> threads;
