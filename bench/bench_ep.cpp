@@ -32,6 +32,7 @@
 #include "bench/bench_util.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cuda/ep/ep_api.hpp"
+#include "cuda/ep/ep_launch.hpp"
 #include "cuda/kernel_api.hpp"
 #include "fp8moe/error.hpp"
 #include "parallel/runtime/ep_reference.hpp"
@@ -107,8 +108,9 @@ struct MultiTimer {
   }
 };
 
-// Copy bandwidth, bytes copied per second (counted once), of `bytes` D2D.
-double copy_gbs(size_t bytes, int warmup, int iters) {
+// Copy bandwidth, bytes copied per second (counted once), of `bytes` D2D: cudaMemcpyAsync, or with
+// `blocks` > 0 block_copy on that many blocks of `threads` (the SM budget of the kernels).
+double copy_gbs(size_t bytes, int warmup, int iters, int blocks = 0, int threads = 0) {
   DeviceBuffer a(bytes), b(bytes), flush(size_t(512) << 20);
   cudaEvent_t e0, e1;
   FP8MOE_CUDA_CHECK(cudaEventCreate(&e0));
@@ -117,7 +119,8 @@ double copy_gbs(size_t bytes, int warmup, int iters) {
   for (int i = 0; i < warmup + iters; ++i) {
     FP8MOE_CUDA_CHECK(cudaMemsetAsync(flush.p, 0, flush.bytes, nullptr));
     FP8MOE_CUDA_CHECK(cudaEventRecord(e0, nullptr));
-    FP8MOE_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, nullptr));
+    if (blocks > 0) block_copy(a.p, b.p, bytes, blocks, threads, nullptr);
+    else FP8MOE_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, nullptr));
     FP8MOE_CUDA_CHECK(cudaEventRecord(e1, nullptr));
     FP8MOE_CUDA_CHECK(cudaEventSynchronize(e1));
     float ms = 0;
@@ -341,8 +344,11 @@ int run_ep_bench(const EpBenchOptions& opt) {
               "(token, other rank); combine: BF16 row per slot computed elsewhere); device copy: %.0f GB/s (1 GiB "
               "cudaMemcpyAsync D2D, bytes copied counted once)\n",
               copy);
-  std::printf("| ranks | step | us | MiB leaving | GB/s leaving | %% of copy | GB/s all rows | %% of copy | bit-exact |\n"
-              "|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("# same-SM copy: the same 1 GiB copied by a plain kernel on the step's blocks (P x num_sms, its "
+              "threads per block): what the SM budget allows, so that the last column is the kernels' own overhead\n");
+  std::printf("| ranks | step | us | MiB leaving | GB/s leaving | %% of copy | GB/s all rows | %% of copy | same-SM copy "
+              "GB/s | %% of same-SM copy | bit-exact |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);
   int failures = 0;
   auto cpu = make_cpu_backend();
@@ -471,14 +477,18 @@ int run_ep_bench(const EpBenchOptions& opt) {
       failures += !ok_d + !ok_c;
     }
     const double us_n = median(tn), us_d = median(td), us_c = median(tc);
-    std::printf("| %d | notify | %.1f | - | - | - | - | - | - |\n", P, us_n);
-    std::printf("| %d | dispatch | %.1f | %.1f | %.0f | %.0f%% | %.0f | %.0f%% | %s |\n", P, us_d, disp_out / (1 << 20),
-                disp_out / (us_d * 1e3), 100 * disp_out / (us_d * 1e3) / copy, disp_all / (us_d * 1e3),
-                100 * disp_all / (us_d * 1e3) / copy, exact_d.c_str());
-    std::printf("| %d | combine%s | %.1f | %.1f | %.0f | %.0f%% | %.0f | %.0f%% | %s |\n", P, opt.pull ? " (pull)" : "",
-                us_c, comb_out / (1 << 20),
-                comb_out / (us_c * 1e3), 100 * comb_out / (us_c * 1e3) / copy, comb_all / (us_c * 1e3),
-                100 * comb_all / (us_c * 1e3) / copy, exact_c.c_str());
+    const int blocks = P * opt.num_sms;
+    const double copy_d = copy_gbs(size_t(1) << 30, opt.warmup, opt.iters, blocks, ep::dispatch_threads());
+    const double copy_c = copy_gbs(size_t(1) << 30, opt.warmup, opt.iters, blocks, ep::combine_threads());
+    std::printf("| %d | notify | %.1f | - | - | - | - | - | - | - | - |\n", P, us_n);
+    std::printf("| %d | dispatch | %.1f | %.1f | %.0f | %.0f%% | %.0f | %.0f%% | %.0f | %.0f%% | %s |\n", P, us_d,
+                disp_out / (1 << 20), disp_out / (us_d * 1e3), 100 * disp_out / (us_d * 1e3) / copy,
+                disp_all / (us_d * 1e3), 100 * disp_all / (us_d * 1e3) / copy, copy_d,
+                100 * disp_all / (us_d * 1e3) / copy_d, exact_d.c_str());
+    std::printf("| %d | combine%s | %.1f | %.1f | %.0f | %.0f%% | %.0f | %.0f%% | %.0f | %.0f%% | %s |\n", P,
+                opt.pull ? " (pull)" : "", us_c, comb_out / (1 << 20), comb_out / (us_c * 1e3),
+                100 * comb_out / (us_c * 1e3) / copy, comb_all / (us_c * 1e3), 100 * comb_all / (us_c * 1e3) / copy,
+                copy_c, 100 * comb_all / (us_c * 1e3) / copy_c, exact_c.c_str());
     std::fflush(stdout);
 
     if (opt.gemm) {

@@ -91,6 +91,9 @@ struct TileCopyShape {
 };
 void tma_tile_copy(const void* x, void* q, int64_t T, int64_t C, const TileCopyShape& shape, cudaStream_t stream);
 
+// A copy of bytes (a multiple of 16) by `blocks` blocks of `threads` threads (bench_block_copy.cu).
+void block_copy(const void* src, void* dst, size_t bytes, int blocks, int threads, cudaStream_t stream);
+
 // SM clock probe (bench_clock.cu): a stamp per block of a one-block-per-SM launch.
 struct ClockStamp {
   uint32_t sm;
