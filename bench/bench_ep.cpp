@@ -132,21 +132,6 @@ double copy_gbs(size_t bytes, int warmup, int iters, int blocks = 0, int threads
   return double(bytes) / (median(us) * 1e3);
 }
 
-// T tokens' k distinct experts of E drawn uniformly, each with a weight in [0.01, 1).
-template <class Rng>
-void route_uniformly(Rng& rng, ::fp8moe::ep::RankTokens& tok, int64_t T, int64_t k, int64_t E) {
-  std::uniform_int_distribution<int> pick(0, int(E) - 1);
-  std::uniform_real_distribution<float> u(0.01f, 1.0f);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < k; ++j) {
-      int32_t e;
-      do e = pick(rng);
-      while (std::find(tok.idx.end() - j, tok.idx.end(), e) != tok.idx.end());
-      tok.idx.push_back(e);
-      tok.w.push_back(u(rng));
-    }
-}
-
 struct RankData {
   ::fp8moe::ep::RankTokens tok;
   std::unique_ptr<DeviceBuffer> idx, w, x, scales, slot_row, rows, out;
@@ -182,7 +167,7 @@ int run_ep_low_latency_bench(const EpBenchOptions& opt, double copy) {
     for (int p = 0; p < P; ++p) {
       RankData& r = rd[size_t(p)];
       r.tok.tokens = T;
-      route_uniformly(rng, r.tok, T, k, E);
+      ::fp8moe::ep::route_uniformly(rng, T, k, E, r.tok.idx, r.tok.w);
       for (const int32_t e : r.tok.idx) {
         ++count[size_t(e)];
         if (e / epr != p) disp_out += double(D + G * 4 + 4), comb_out += double(D) * 2;
@@ -363,7 +348,7 @@ int run_ep_bench(const EpBenchOptions& opt) {
     for (int p = 0; p < P; ++p) {
       RankData& r = rd[size_t(p)];
       r.tok.tokens = T;
-      route_uniformly(rng, r.tok, T, k, E);
+      ::fp8moe::ep::route_uniformly(rng, T, k, E, r.tok.idx, r.tok.w);
       r.tok.x.resize(size_t(T * D));
       for (size_t i = 0; i < r.tok.x.size(); i += 8) {  // random codes, no NaN
         const uint64_t v = rng() & 0x7777777777777777ull;

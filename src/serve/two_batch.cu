@@ -11,6 +11,7 @@
 #include "cuda/ops/model_ops.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "fp8moe/error.hpp"
+#include "parallel/runtime/ep_reference.hpp"
 #include "serve/two_batch_device.hpp"
 
 namespace fp8moe::serve {
@@ -144,7 +145,7 @@ TwoBatchLayer::TwoBatchLayer(const TwoBatchShape& shape) : s_(shape) {
       for (size_t i = 0; i < table.size(); ++i) table[i] = int32_t(i);
       upload(mb.table, table);
       upload(mb.lengths, std::vector<int32_t>(size_t(Tm), int32_t(s.context)));
-      detail::draw_routing(rng, Tm, s.topk, s.experts, mb.idx_h, mb.w_h);
+      ep::route_uniformly(rng, Tm, s.topk, s.experts, mb.idx_h, mb.w_h);
       upload(mb.idx, mb.idx_h);
       upload(mb.w, mb.w_h);
     }

@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
-#include <random>
 #include <vector>
 
 #include "cuda/runtime/cuda_check.hpp"
@@ -89,21 +88,5 @@ struct DeferredChecks {
 // A micro-batch's MoE input on the host: mq's rows [T, D] and their scales token-major [T, D / 128],
 // with the routing it was dispatched with.
 TwoBatchLayer::MoeInput moe_input_of(const QBuf& mq, const std::vector<int32_t>& idx, const std::vector<float>& w);
-
-// The routing of a micro-batch drawn from rng: each of T tokens picks k distinct experts of E
-// uniformly, with weights in [0.01, 1).
-template <class Rng>
-void draw_routing(Rng& rng, int64_t T, int64_t k, int64_t E, std::vector<int32_t>& idx, std::vector<float>& w) {
-  std::uniform_int_distribution<int32_t> pick(0, int32_t(E) - 1);
-  std::uniform_real_distribution<float> weight(0.01f, 1.0f);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < k; ++j) {
-      int32_t e;
-      do e = pick(rng);
-      while (std::find(idx.end() - j, idx.end(), e) != idx.end());
-      idx.push_back(e);
-      w.push_back(weight(rng));
-    }
-}
 
 }  // namespace fp8moe::serve::detail

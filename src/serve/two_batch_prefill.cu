@@ -16,6 +16,7 @@
 #include "cuda/runtime/cuda_check.hpp"
 #include "fp8moe/backend.hpp"
 #include "fp8moe/error.hpp"
+#include "parallel/runtime/ep_reference.hpp"
 #include "serve/two_batch_device.hpp"
 
 namespace fp8moe::serve {
@@ -208,7 +209,7 @@ TwoBatchPrefill::TwoBatchPrefill(const PrefillShape& shape) : s_(shape) {
     r->x0.resize(size_t(2 * Tm * s.hidden));
     for (auto& v : r->x0) v = normal(rng);
     for (auto& mb : r->mb) {
-      detail::draw_routing(rng, Tm, s.topk, s.experts, mb.idx_h, mb.w_h);
+      ep::route_uniformly(rng, Tm, s.topk, s.experts, mb.idx_h, mb.w_h);
       upload(mb.idx, mb.idx_h);
       upload(mb.w, mb.w_h);
     }

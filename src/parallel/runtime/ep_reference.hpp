@@ -3,7 +3,9 @@
 // kernels (src/cuda/ep/) are compared with byte for byte, and a statement of what they must
 // produce. Rank d holds experts [d * epr, (d + 1) * epr).
 #pragma once
+#include <algorithm>
 #include <cstdint>
+#include <random>
 #include <vector>
 
 #include "dispatch_layout.hpp"
@@ -62,5 +64,21 @@ std::vector<uint16_t> reference_low_latency_combine_rows(const std::vector<RankT
                                                          const std::vector<std::vector<uint16_t>>& expert_rows, int p,
                                                          int64_t topk, int64_t experts_per_rank,
                                                          int64_t rows_per_expert, int64_t cols);
+
+// Routing drawn from rng: each of T tokens picks k distinct experts of E uniformly, with weights in
+// [0.01, 1), appended to idx and w [T, k].
+template <class Rng>
+void route_uniformly(Rng& rng, int64_t T, int64_t k, int64_t E, std::vector<int32_t>& idx, std::vector<float>& w) {
+  std::uniform_int_distribution<int32_t> pick(0, int32_t(E) - 1);
+  std::uniform_real_distribution<float> weight(0.01f, 1.0f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      int32_t e;
+      do e = pick(rng);
+      while (std::find(idx.end() - j, idx.end(), e) != idx.end());
+      idx.push_back(e);
+      w.push_back(weight(rng));
+    }
+}
 
 }  // namespace fp8moe::ep
