@@ -3,6 +3,7 @@
 // splits by log-sum-exp in split order. Scores are kept in the log2 domain (scale * log2(e)
 // folded into the scale) so that every exponential is one exp2f.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -95,12 +96,46 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// The same with FP16 operands: the fp8 cache's path. Its e4m3 codes are exact in FP16, so the
+// dequantization is one conversion and one multiply by the scale per two values (FP16 keeps more
+// of the product than BF16 would), against five through FP32 for BF16 operands.
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The operands of the tensor-core path: BF16 for a bf16 cache, FP16 for an fp8 one.
+template <bool kFp8>
+struct TcOperand {
+  using T = __nv_bfloat16;
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return pack_bf16(lo, hi); }
+  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    mma_bf16(d, a, b0, b1);
+  }
+};
+template <>
+struct TcOperand<true> {
+  using T = __half;
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return pack_f16(lo, hi); }
+  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    mma_f16(d, a, b0, b1);
+  }
+};
+
 // The CTA: kMH warp pairs, pair i owning heads [16 i, 16 i + 16) of the CTA's tile. Per tile of
 // kTok = 32 tokens (half a cache block, so its slots are consecutive) warp j of a pair scores
 // tokens [16 j, 16 j + 16) of the tile for its 16 heads; the pair shares its row maxima and sums
-// through shared memory (both warps then hold the same running max and sum), writes the BF16
+// through shared memory (both warps then hold the same running max and sum), writes the
 // probabilities to shared memory, and warp j accumulates output columns [j rkv / 2, (j + 1) rkv / 2)
-// over all kTok tokens. Rows in shared memory are padded by 8 BF16 so that the eight rows an
+// over all kTok tokens. Rows in shared memory are padded by 8 operands so that the eight rows an
 // ldmatrix reads fall in distinct 16-byte bank groups (row stride an odd number of 16 bytes).
 template <int kRkv, int kDr, int kMH>
 struct TcConfig {
@@ -131,13 +166,14 @@ __global__ void __launch_bounds__(64 * kMH, 1)
                          int splits, int blocks_per_split, int length_target, float scale_log2,
                          float* __restrict__ o, float* __restrict__ part, float* __restrict__ part_lse) {
   using C = TcConfig<kRkv, kDr, kMH>;
+  using Op = TcOperand<kFp8>;
+  using E = typename Op::T;
   constexpr int W = C::W, S = C::kStride, kTok = C::kTok, PS = C::kPStride, NT = C::kThreads, G = C::kG;
   extern __shared__ __align__(16) unsigned char smem[];
-  __nv_bfloat16* sQ = reinterpret_cast<__nv_bfloat16*>(smem);
-  __nv_bfloat16* sRows = reinterpret_cast<__nv_bfloat16*>(smem + C::kQBytes);
+  E* sQ = reinterpret_cast<E*>(smem);
+  E* sRows = reinterpret_cast<E*>(smem + C::kQBytes);
   unsigned char* sRaw = smem + C::kQBytes + (kFp8 ? 1 : 2) * C::kRowsBytes;  // fp8 only
-  __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + C::kQBytes + (kFp8 ? C::kRowsBytes + 2 * C::kRawBytes
-                                                                                 : 2 * C::kRowsBytes));
+  E* sP = reinterpret_cast<E*>(smem + C::kQBytes + (kFp8 ? C::kRowsBytes + 2 * C::kRawBytes : 2 * C::kRowsBytes));
   float* sMax = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sP) + C::kPBytes);  // [2][kHeads]
   float* sSum = sMax + 2 * C::kHeads;                                                         // [2][kHeads]
 
@@ -148,12 +184,12 @@ __global__ void __launch_bounds__(64 * kMH, 1)
   const SplitRange range = split_range(lengths, b, sp, blocks_per_split, length_target, max_blocks);
   const int ntiles = (range.end - range.begin + kTok - 1) / kTok;
 
-  // Q of the tile's heads as BF16 (heads past H: zero rows, their outputs are not stored).
+  // Q of the tile's heads as operands (heads past H: zero rows, their outputs are not stored).
   for (int i = tid; i < C::kHeads * (W / 4); i += NT) {
     const int r = i / (W / 4), c = (i % (W / 4)) * 4, h = h0 + r;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
     if (h < H) v = *reinterpret_cast<const float4*>(q + (int64_t(b) * H + h) * W + c);
-    uint2 packed = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+    uint2 packed = make_uint2(Op::pack(v.x, v.y), Op::pack(v.z, v.w));
     *reinterpret_cast<uint2*>(sQ + r * S + c) = packed;
   }
 
@@ -164,7 +200,7 @@ __global__ void __launch_bounds__(64 * kMH, 1)
     const int64_t base = block_slot(table, b, max_blocks, t0, slots);
     const int64_t slot0 = base + t0 % int(kMlaBlockTokens);
     if constexpr (!kFp8) {
-      __nv_bfloat16* dst = sRows + buf * kTok * S;
+      E* dst = sRows + buf * kTok * S;
       for (int i = tid; i < kTok * (W / 8); i += NT) {
         const int r = i / (W / 8), c = (i % (W / 8)) * 8;
         if (base >= 0 && t0 + r < range.end)
@@ -217,46 +253,45 @@ __global__ void __launch_bounds__(64 * kMH, 1)
       cp_async_wait<0>();
     }
     __syncthreads();
-    const __nv_bfloat16* K = sRows + (kFp8 ? 0 : buf * kTok * S);
-    if constexpr (kFp8) {  // e4m3 x scale -> BF16 rows; the RoPE key copied
+    const E* K = sRows + (kFp8 ? 0 : buf * kTok * S);
+    if constexpr (kFp8) {  // e4m3 x scale -> FP16 rows; the BF16 RoPE key converted
       const unsigned char* raw = sRaw + buf * C::kRawBytes;
       const float* rs = reinterpret_cast<const float*>(raw + C::kRawLat);
       const __nv_bfloat16* rr = reinterpret_cast<const __nv_bfloat16*>(raw + C::kRawLat + C::kRawScale);
-      __nv_bfloat16* dst = sRows;
+      E* dst = sRows;
       for (int i = tid; i < kTok * (kRkv / 8); i += NT) {
         const int r = i / (kRkv / 8), c = (i % (kRkv / 8)) * 8;
         const uint2 v = *reinterpret_cast<const uint2*>(raw + r * kRkv + c);
-        const float sc = rs[r * G + c / 128];
+        const __half2 sc = __float2half2_rn(rs[r * G + c / 128]);
         const uint32_t w[2] = {v.x, v.y};
-        uint32_t out[4];
+        __half2 out[4];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          __nv_fp8x2_storage_t lo = __nv_fp8x2_storage_t(w[j] & 0xffff), hi = __nv_fp8x2_storage_t(w[j] >> 16);
-          const float2 flo = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(lo, __NV_E4M3)));
-          const float2 fhi = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(hi, __NV_E4M3)));
-          out[2 * j] = pack_bf16(flo.x * sc, flo.y * sc);
-          out[2 * j + 1] = pack_bf16(fhi.x * sc, fhi.y * sc);
+          const __nv_fp8x2_storage_t lo = __nv_fp8x2_storage_t(w[j] & 0xffff), hi = __nv_fp8x2_storage_t(w[j] >> 16);
+          out[2 * j] = __hmul2(__half2(__nv_cvt_fp8x2_to_halfraw2(lo, __NV_E4M3)), sc);
+          out[2 * j + 1] = __hmul2(__half2(__nv_cvt_fp8x2_to_halfraw2(hi, __NV_E4M3)), sc);
         }
-        *reinterpret_cast<uint4*>(dst + r * S + c) = make_uint4(out[0], out[1], out[2], out[3]);
+        *reinterpret_cast<uint4*>(dst + r * S + c) = *reinterpret_cast<const uint4*>(out);
       }
-      for (int i = tid; i < kTok * (kDr / 8); i += NT) {
-        const int r = i / (kDr / 8), c = (i % (kDr / 8)) * 8;
-        *reinterpret_cast<uint4*>(dst + r * S + kRkv + c) = *reinterpret_cast<const uint4*>(rr + r * kDr + c);
+      for (int i = tid; i < kTok * (kDr / 2); i += NT) {
+        const int r = i / (kDr / 2), c = (i % (kDr / 2)) * 2;
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(rr + r * kDr + c));
+        *reinterpret_cast<__half2*>(dst + r * S + kRkv + c) = __floats2half2_rn(f.x, f.y);
       }
       __syncthreads();
     }
 
     // Scores of 16 heads x 16 tokens: s[j] is tokens 16 nw + 8 j + [0, 8).
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    const __nv_bfloat16* qa = sQ + (mh * 16 + (lane & 15)) * S + (lane >> 4) * 8;
-    const __nv_bfloat16* kb = K + (nw * 16 + ((lane >> 4) & 1) * 8 + (lane & 7)) * S + ((lane >> 3) & 1) * 8;
+    const E* qa = sQ + (mh * 16 + (lane & 15)) * S + (lane >> 4) * 8;
+    const E* kb = K + (nw * 16 + ((lane >> 4) & 1) * 8 + (lane & 7)) * S + ((lane >> 3) & 1) * 8;
 #pragma unroll 4
     for (int k0 = 0; k0 < W; k0 += 16) {
       uint32_t a[4], bb[4];
       ldmatrix_x4(a, qa + k0);
       ldmatrix_x4(bb, kb + k0);
-      mma_bf16(s[0], a, bb[0], bb[1]);
-      mma_bf16(s[1], a, bb[2], bb[3]);
+      Op::mma(s[0], a, bb[0], bb[1]);
+      Op::mma(s[1], a, bb[2], bb[3]);
     }
     const int t0 = range.begin + it * kTok;
     const bool tile_ok = block_slot(table, b, max_blocks, t0, slots) >= 0;
@@ -292,11 +327,10 @@ __global__ void __launch_bounds__(64 * kMH, 1)
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const __nv_bfloat162 p =
-            __floats2bfloat162_rn(exp2f(s[j][2 * r] - m_use[r]), exp2f(s[j][2 * r + 1] - m_use[r]));
-        const float2 pf = __bfloat1622float2(p);  // the sum of the probabilities the products use
-        sum[r] += pf.x + pf.y;
-        *reinterpret_cast<__nv_bfloat162*>(sP + (row0 + 8 * r) * PS + nw * 16 + j * 8 + 2 * t4) = p;
+        const uint32_t p = Op::pack(exp2f(s[j][2 * r] - m_use[r]), exp2f(s[j][2 * r + 1] - m_use[r]));
+        const E* pe = reinterpret_cast<const E*>(&p);  // the sum of the probabilities the products use
+        sum[r] += float(pe[0]) + float(pe[1]);
+        *reinterpret_cast<uint32_t*>(sP + (row0 + 8 * r) * PS + nw * 16 + j * 8 + 2 * t4) = p;
       }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -319,8 +353,8 @@ __global__ void __launch_bounds__(64 * kMH, 1)
       acc[n][3] *= alpha[1];
     }
     // o[16 heads, the warp's columns] += P [16, kTok] V [kTok, columns].
-    const __nv_bfloat16* pa = sP + (mh * 16 + (lane & 15)) * PS + (lane >> 4) * 8;
-    const __nv_bfloat16* vb = K + (((lane >> 3) & 1) * 8 + (lane & 7)) * S + nw * C::kVCols + (lane >> 4) * 8;
+    const E* pa = sP + (mh * 16 + (lane & 15)) * PS + (lane >> 4) * 8;
+    const E* vb = K + (((lane >> 3) & 1) * 8 + (lane & 7)) * S + nw * C::kVCols + (lane >> 4) * 8;
 #pragma unroll
     for (int kk = 0; kk < kTok; kk += 16) {
       uint32_t a[4];
@@ -329,8 +363,8 @@ __global__ void __launch_bounds__(64 * kMH, 1)
       for (int np = 0; np < C::kNTiles / 2; ++np) {
         uint32_t bb[4];
         ldmatrix_x4_trans(bb, vb + kk * S + np * 16);
-        mma_bf16(acc[2 * np], a, bb[0], bb[1]);
-        mma_bf16(acc[2 * np + 1], a, bb[2], bb[3]);
+        Op::mma(acc[2 * np], a, bb[0], bb[1]);
+        Op::mma(acc[2 * np + 1], a, bb[2], bb[3]);
       }
     }
     __syncthreads();  // the buffers, P and the statistics are rewritten by the next tile
