@@ -38,6 +38,7 @@ void deploy_sim_command(DeploySimArgs a) {
     if (!a.attention_given) a.rates.attention_tflops = a.rates.gemm_tflops;
     a.rates.attention_full_square = false;
     a.rates.decode_attention_fraction = 1.0;
+    a.rates.decode_attention_tflops = a.rates.attention_tflops;
   }
   std::vector<serve::DeployUnit> units;
   for (const auto& [name, make] : {std::pair{"report-prefill", &serve::report_prefill_unit},
@@ -49,10 +50,11 @@ void deploy_sim_command(DeploySimArgs a) {
                                                    << "' (expected all, report-prefill, report-decode, production-prefill "
                                                       "or production-decode)");
   std::printf("%s on %s (kernel rates: fp8 GEMM %.0f, grouped %.0f, attention %.0f TFLOPS%s; weights %.2f, copy %.2f TB/s "
-              "x %.2f; decode attention at %.1f%% of the cache read), NVLink %.0f GB/s, IB %.0f GB/s + %.1f us\n\n",
+              "x %.2f; decode attention at %.1f%% of the cache read, %.0f TFLOPS), NVLink %.0f GB/s, IB %.0f GB/s + %.1f us\n\n",
               cfg.name.c_str(), a.gpu.c_str(), a.rates.gemm_tflops, a.rates.grouped_tflops, a.rates.attention_tflops,
               a.rates.attention_full_square ? " whole square" : " causal half", a.rates.weight_stream_tbps,
-              a.rates.copy_tbps, a.rates.memory_scale, 100 * a.rates.decode_attention_fraction, a.links.nvlink_gbps,
+              a.rates.copy_tbps, a.rates.memory_scale, 100 * a.rates.decode_attention_fraction,
+              a.rates.decode_attention_tflops, a.links.nvlink_gbps,
               a.links.ib_gbps, a.links.ib_latency_us);
   std::printf("%-38s %5s %7s %7s | %8s %8s %8s %8s %8s %8s %8s | %8s %8s | %10s %10s | %s\n", "unit", "GPUs", "batch",
               "context", "proj", "attn", "experts", "sh+dense", "TP", "IB", "NVLink", "overlap", "serial",
@@ -99,6 +101,8 @@ void add_deploy_sim(CLI::App& app) {
   cmd->add_option("--copy-tbps", a->rates.copy_tbps, "device copy")->capture_default_str();
   cmd->add_option("--decode-attention-fraction", a->rates.decode_attention_fraction,
                   "decode attention's share of the cache read at copy rate")
+      ->capture_default_str();
+  cmd->add_option("--decode-attention-tflops", a->rates.decode_attention_tflops, "decode attention's math")
       ->capture_default_str();
   cmd->add_flag("--roofline-attention", a->roofline_attention,
                 "attention at the GEMM rate (or --attention-tflops; causal half), decode attention at the copy rate");

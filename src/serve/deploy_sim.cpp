@@ -100,7 +100,7 @@ DeployResult simulate_deploy(const ModelConfig& cfg, const DeployUnit& u, const 
   FP8MOE_CHECK(u.tokens_per_gpu >= 1 && u.batch_per_gpu >= 1 && u.context >= 1,
                "deploy-sim: " << u.name << ": tokens, batch and context must be >= 1");
   FP8MOE_CHECK(r.gemm_tflops > 0 && r.grouped_tflops > 0 && r.weight_stream_tbps > 0 && r.copy_tbps > 0 &&
-                   r.attention_tflops > 0 && r.decode_attention_fraction > 0 && r.memory_scale > 0,
+                   r.attention_tflops > 0 && r.decode_attention_tflops > 0 && r.decode_attention_fraction > 0 && r.memory_scale > 0,
                "deploy-sim: kernel rates must be > 0");
   FP8MOE_CHECK(links.nvlink_gbps > 0 && links.ib_gbps > 0, "deploy-sim: link bandwidths must be > 0");
   const double D = double(cfg.hidden_size), H = double(cfg.num_attention_heads), dn = double(cfg.qk_nope_head_dim),
@@ -146,7 +146,7 @@ DeployResult simulate_deploy(const ModelConfig& cfg, const DeployUnit& u, const 
     const double cache_bytes = rkv + 4 * rkv / 128 + 2 * dr;  // the FP8 latent cache, per token
     const double ctx = double(u.context);
     a_core = std::max(tokens * ctx * cache_bytes / (copy * r.decode_attention_fraction),
-                      tokens * 2 * ctx * H * (2 * rkv + dr) / attn);  // absorbed: scores and output
+                      tokens * 2 * ctx * H * (2 * rkv + dr) / (r.decode_attention_tflops * 1e12));  // absorbed
     const double routed_tokens = tokens * k * o.expert_imbalance;
     experts = std::max(per_gpu_slots * p_expert / stream, routed_tokens * 2 * p_expert / grouped);
     shared = shared_n > 0 ? std::max(shared_n * p_expert / stream, tokens * shared_n * 2 * p_expert / gemm) : 0;

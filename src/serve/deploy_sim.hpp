@@ -26,8 +26,11 @@ struct KernelRates {
   double copy_tbps = 3.85;               // device copy, read + written (3.8-3.9 measured)
   double attention_tflops = 32;          // causal attention, the GEMM path (whole S x S square)
   bool attention_full_square = true;     // the GEMM path computes the masked half too
-  double decode_attention_fraction = 0.036;  // of the cache read at copy rate: the decode step's
-                                             // 3.6% of its roofline (no decode-attention kernel)
+  // mla_decode_attention at 128 heads: over the FP8 latent cache it reads the cache at 8% of the
+  // copy rate (the FP8 codes widened to FP16 before mma.sync), and its mma.sync bounds the BF16
+  // cache at 174-181 TFLOP/s.
+  double decode_attention_fraction = 0.08;
+  double decode_attention_tflops = 178;
   double memory_scale = 1.0;             // memory-bound rates x this (H800 / H200 HBM: 3.35 / 4.8)
 };
 

@@ -35,6 +35,8 @@ TEST(DeploySim, OverlapAndScaling) {
     EXPECT_NEAR(simulate_deploy(cfg, u, {}, fast).ib, simulate_deploy(cfg, u, {}, lat0).ib / 2, 1e-9) << u.name;
     KernelRates faster;
     faster.attention_tflops *= 4;
+    faster.decode_attention_tflops *= 4;
+    faster.decode_attention_fraction *= 4;
     EXPECT_LT(simulate_deploy(cfg, u, faster, LinkModel::h800()).attn_core, r.attn_core) << u.name;
     EXPECT_GE(r.expert_imbalance, 1.0);
   }
