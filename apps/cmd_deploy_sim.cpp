@@ -40,6 +40,7 @@ void deploy_sim_command(DeploySimArgs a) {
     a.rates.decode_attention_fraction = 1.0;
     a.rates.decode_attention_tflops = a.rates.attention_tflops;
   }
+  serve::check_rates(a.rates, a.links);
   std::vector<serve::DeployUnit> units;
   for (const auto& [name, make] : {std::pair{"report-prefill", &serve::report_prefill_unit},
                                    std::pair{"report-decode", &serve::report_decode_unit},

@@ -90,6 +90,15 @@ double remote_nodes(const ModelConfig& cfg, const DeployUnit& u, double picks) {
 
 }  // namespace
 
+void check_rates(const KernelRates& r, const LinkModel& links) {
+  FP8MOE_CHECK(r.gemm_tflops > 0 && r.grouped_tflops > 0 && r.weight_stream_tbps > 0 && r.copy_tbps > 0 &&
+                   r.attention_tflops > 0 && r.decode_attention_tflops > 0 && r.decode_attention_fraction > 0 &&
+                   r.memory_scale > 0,
+               "deploy-sim: kernel rates must be > 0");
+  FP8MOE_CHECK(links.nvlink_gbps > 0 && links.ib_gbps > 0 && links.nvlink_latency_us >= 0 && links.ib_latency_us >= 0,
+               "deploy-sim: link bandwidths must be > 0 and latencies >= 0");
+}
+
 DeployResult simulate_deploy(const ModelConfig& cfg, const DeployUnit& u, const KernelRates& r, const LinkModel& links) {
   const int64_t G = u.nodes * u.gpus_per_node;
   FP8MOE_CHECK(u.nodes >= 1 && u.gpus_per_node >= 1 && u.attention_tp >= 1 && G % u.attention_tp == 0,
@@ -99,10 +108,7 @@ DeployResult simulate_deploy(const ModelConfig& cfg, const DeployUnit& u, const 
                                                 << G << " GPUs");
   FP8MOE_CHECK(u.tokens_per_gpu >= 1 && u.batch_per_gpu >= 1 && u.context >= 1,
                "deploy-sim: " << u.name << ": tokens, batch and context must be >= 1");
-  FP8MOE_CHECK(r.gemm_tflops > 0 && r.grouped_tflops > 0 && r.weight_stream_tbps > 0 && r.copy_tbps > 0 &&
-                   r.attention_tflops > 0 && r.decode_attention_tflops > 0 && r.decode_attention_fraction > 0 && r.memory_scale > 0,
-               "deploy-sim: kernel rates must be > 0");
-  FP8MOE_CHECK(links.nvlink_gbps > 0 && links.ib_gbps > 0, "deploy-sim: link bandwidths must be > 0");
+  check_rates(r, links);
   const double D = double(cfg.hidden_size), H = double(cfg.num_attention_heads), dn = double(cfg.qk_nope_head_dim),
                dr = double(cfg.qk_rope_head_dim), dv = double(cfg.v_head_dim), rq = double(cfg.q_lora_rank),
                rkv = double(cfg.kv_lora_rank), F = double(cfg.moe_intermediate_size), I = double(cfg.intermediate_size),

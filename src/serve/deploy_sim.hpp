@@ -77,6 +77,8 @@ struct DeployResult {
   double tokens_per_user_s = 0;          // decode: 1 / step time
 };
 
+// Throws fp8moe::Error unless every rate and bandwidth is > 0 and every latency >= 0.
+void check_rates(const KernelRates& rates, const LinkModel& links);
 DeployResult simulate_deploy(const ModelConfig& cfg, const DeployUnit& unit, const KernelRates& rates,
                              const LinkModel& links);
 

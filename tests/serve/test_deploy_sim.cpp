@@ -67,6 +67,12 @@ TEST(DeploySim, BadInput) {
   KernelRates r;
   r.gemm_tflops = 0;
   testing::expect_error([&] { simulate_deploy(cfg, report_decode_unit(), r, LinkModel::h800()); }, "rates must be > 0");
+  r = KernelRates{};
+  r.decode_attention_tflops = 0;
+  testing::expect_error([&] { check_rates(r, LinkModel::h800()); }, "rates must be > 0");
+  LinkModel l = LinkModel::h800();
+  l.ib_latency_us = -1;
+  testing::expect_error([&] { check_rates({}, l); }, "latencies >= 0");
 }
 
 }  // namespace
