@@ -45,6 +45,7 @@ std::string_view op_name(Op op) {
     case Op::scatter_add_rows: return "scatter_add_rows";
     case Op::rows_dot: return "rows_dot";
     case Op::moe_layout: return "moe_layout";
+    case Op::moe_masked_layout: return "moe_masked_layout";
     case Op::moe_permute: return "moe_permute";
     case Op::moe_permute_quantize: return "moe_permute_quantize";
     case Op::moe_combine: return "moe_combine";
@@ -188,6 +189,10 @@ void Backend::moe_layout(const TensorView&, int64_t, const TensorView&, const Te
                          const TensorView&) {
   FP8MOE_UNSUPPORTED(moe_layout);
 }
+void Backend::moe_masked_layout(const TensorView&, int64_t, int64_t, const TensorView&, const TensorView&,
+                                const TensorView&, const TensorView&) {
+  FP8MOE_UNSUPPORTED(moe_masked_layout);
+}
 void Backend::moe_permute(const TensorView&, const TensorView&, int64_t, const TensorView&, const TensorView&) {
   FP8MOE_UNSUPPORTED(moe_permute);
 }
@@ -229,6 +234,7 @@ double Backend::sum_squares_all(const std::vector<TensorView>& xs) {
 }
 
 Tensor Backend::to_host(const Tensor& t) {
+  ++host_reads_;
   if (t.device() == Device::cpu) return t;
   // copy() into host memory waits for the current stream only: no device-wide synchronization.
   Tensor h = Tensor::host_like(t.view());

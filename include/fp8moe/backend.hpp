@@ -55,6 +55,7 @@ enum class Op : uint8_t {
   rows_dot,
   // MoE dispatch and grouped GEMMs (moe_grouped.hpp).
   moe_layout,
+  moe_masked_layout,
   moe_permute,
   moe_permute_quantize,
   moe_combine,
@@ -136,6 +137,9 @@ class Backend {
   virtual void wait_copies() {}
   // A host copy of `t` (or `t` itself when it is already on the host).
   Tensor to_host(const Tensor& t);
+  // The to_host calls made on this backend so far, host tensors included: each is where a GPU
+  // backend makes the host wait for the device, so a caller counts its steps' synchronizations.
+  int64_t host_reads() const { return host_reads_; }
 
   virtual void quantize_1x128(const TensorView& x, const QuantizedView& out, ScaleMode mode) = 0;
   virtual void quantize_128x128(const TensorView& w, const QuantizedView& out, ScaleMode mode) = 0;
@@ -273,6 +277,16 @@ class Backend {
   // each a multiple of align; offsets[G] = rows used). Tokens ascending inside a segment.
   virtual void moe_layout(const TensorView& expert_ids, int64_t align, const TensorView& row_slot,
                           const TensorView& row_group, const TensorView& slot_row, const TensorView& offsets);
+  // The masked layout of grouped_gemm_fp8_masked from the routing, on the device (a decode step
+  // reads nothing back): slot s = t * K + j of expert_ids [T, k] i32 (K = k, or k + 1 with
+  // every_token_group >= 0: every token's slot j = k in that group, the shared expert run as a
+  // routed one) goes to row g * M_max + i, i its rank among group g's slots in slot order, M_max =
+  // rows / G. row_slot [G * M_max] i32 (-1 where no slot), slot_row [T, K] i32 (-1: dropped),
+  // counts [G] i32; loads [G] i64 (or undefined) += counts. Ids outside [0, G) and slots past M_max
+  // in their group are dropped (CPU: an error, as for moe_layout's ids).
+  virtual void moe_masked_layout(const TensorView& expert_ids, int64_t groups, int64_t every_token_group,
+                                 const TensorView& row_slot, const TensorView& slot_row, const TensorView& counts,
+                                 const TensorView& loads);
   // out [R, D] = w[slot] * x[slot / k] for slot = row_slot[r] (zero rows where slot < 0); x [T, D]
   // f32 | bf16, w [T, k] f32 or undefined (1), out f32 | bf16.
   virtual void moe_permute(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
@@ -319,6 +333,9 @@ class Backend {
   virtual double sum_squares(const TensorView& x);
   // The sum over all of xs (in order), with one host synchronization where the backend can.
   virtual double sum_squares_all(const std::vector<TensorView>& xs);
+
+ private:
+  int64_t host_reads_ = 0;
 };
 
 // Runs the ops of a scope on another stream: { StreamScope on_comm(be, comm); be.copy(...); }

@@ -169,6 +169,11 @@ class CpuBackend final : public Backend {
                   const TensorView& slot_row, const TensorView& offsets) override {
     cpu::moe_layout(expert_ids, align, row_slot, row_group, slot_row, offsets);
   }
+  void moe_masked_layout(const TensorView& expert_ids, int64_t groups, int64_t every_token_group,
+                         const TensorView& row_slot, const TensorView& slot_row, const TensorView& counts,
+                         const TensorView& loads) override {
+    cpu::moe_masked_layout(expert_ids, groups, every_token_group, row_slot, slot_row, counts, loads);
+  }
   void moe_permute(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
                    const TensorView& out) override {
     cpu::moe_permute(x, row_slot, topk, w, out);

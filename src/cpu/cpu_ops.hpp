@@ -73,6 +73,9 @@ void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out);
 // MoE dispatch (ops_moe_dispatch.cpp) and grouped GEMMs (ops_grouped_gemm.cpp).
 void moe_layout(const TensorView& expert_ids, int64_t align, const TensorView& row_slot, const TensorView& row_group,
                 const TensorView& slot_row, const TensorView& offsets);
+void moe_masked_layout(const TensorView& expert_ids, int64_t groups, int64_t every_token_group,
+                       const TensorView& row_slot, const TensorView& slot_row, const TensorView& counts,
+                       const TensorView& loads);
 void moe_permute(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
                  const TensorView& out);
 void moe_permute_quantize(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,

@@ -506,6 +506,12 @@ class CudaBackend final : public Backend {
     FP8MOE_TIMED_OP("moe_layout");
     cuda::moe_layout_cuda(expert_ids, align, row_slot, row_group, slot_row, offsets, s_);
   }
+  void moe_masked_layout(const TensorView& expert_ids, int64_t groups, int64_t every_token_group,
+                         const TensorView& row_slot, const TensorView& slot_row, const TensorView& counts,
+                         const TensorView& loads) override {
+    FP8MOE_TIMED_OP("moe_masked_layout");
+    cuda::moe_masked_layout_cuda(expert_ids, groups, every_token_group, row_slot, slot_row, counts, loads, s_);
+  }
   void moe_permute(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
                    const TensorView& out) override {
     FP8MOE_TIMED_OP("moe_permute");

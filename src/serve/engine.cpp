@@ -1,8 +1,8 @@
 // The inference engine (engine.hpp): weights uploaded once in the GEMMs' format, then per step the
 // embedding, the layers (MLA over the paged latent cache; dense MLP or MoE) and the head of the
 // last token of every chunk. Everything runs through the Backend; the host only builds index
-// tables (positions, cache slots, the expert layout after one read-back of the routing per MoE
-// layer) and receives the logits.
+// tables (positions, cache slots; the expert layout where the device does not build it, after a
+// read-back of the routing) and receives the logits.
 #include "serve/engine.hpp"
 
 #include <algorithm>
@@ -22,6 +22,11 @@ struct Linear {
   Tensor w;           // [N, K] f32 (full) | bf16 (bf16)
   QuantizedTensor q;  // [N, K] e4m3, 128x128 blocks (fp8)
 };
+
+// The most rows (G * M) a MoE layout built on the device may take: its M covers an expert getting
+// every token, so past this the rows it pads out (written, and zeroed by the grouped GEMMs) cost
+// more than the host's read of the routing saves.
+constexpr int64_t kDeviceLayoutRows = 16384;
 
 }  // namespace
 
@@ -67,6 +72,9 @@ struct Engine::Impl {
   // [moe layer][expert] the copy the expert's next token goes to: kept across steps, since a
   // decode step brings an expert a token or two and a per-step turn would always pick copy 0.
   std::vector<std::vector<int64_t>> turn;
+  // [moe layer] tokens per group [E (+1)] i64 of the layouts built on the device, not yet folded
+  // into window and gpu_tokens (fold_device_loads).
+  std::vector<Tensor> device_loads;
   int64_t steps = 0;
 
   Impl(const WeightSet& ws, Backend& b, const EngineOptions& o) : cfg(ws.cfg), opt(o), be(b) {
@@ -114,6 +122,7 @@ struct Engine::Impl {
     window.assign(size_t(n), std::vector<double>(size_t(E), 0.0));
     gpu_tokens.assign(size_t(n), std::vector<int64_t>(size_t(opt.expert_gpus), 0));
     redundant = opt.expert_slots > 0 && n > 0;
+    for (int64_t i = 0; i < n && !redundant; ++i) device_loads.push_back(be.zeros(DType::i64, {E + (layers_extra() ? 1 : 0)}));
     if (!redundant) {
       if (n > 0) placement = identity_placement(n, E, opt.expert_nodes, opt.expert_gpus);
       return;
@@ -520,7 +529,6 @@ struct Engine::Impl {
     linear_gemm(h.view(), L.gate_w.view(), logits.view());
     be.moe_route(logits.view(), L.gate_bias.view(), scores.view(), idx.view(), w.view(), cfg.n_group, cfg.topk_group,
                  cfg.norm_topk_prob, cfg.routed_scaling_factor);
-    const Tensor idx_h = be.to_host(idx);
     const bool extra = layers_extra();
     // With redundant experts the groups are the physical slots, each token's choice sent to one
     // copy of its expert in turn (the copies of an expert split its tokens evenly).
@@ -536,7 +544,58 @@ struct Engine::Impl {
       be.copy_cols(w.view(), 0, wk.view(), 0, k, false);
       be.copy_cols(upload(ones).view(), 0, wk.view(), k, 1, false);
     }
-    // The masked layout: expert g's rows at g * M_max + [0, count[g]), M_max a multiple of 64.
+    // The masked layout: expert g's rows at g * M + [0, count[g]), M a multiple of 64. The FP8
+    // experts take it from the device (M for the most tokens an expert can get, T), so that the step
+    // waits for nothing before its logits; where that bound would cost too many rows, and for the
+    // copies' turns and the per-expert GEMMs of the other precisions, the host reads the routing.
+    const bool on_device = prec == LinearPrecision::fp8 && !phys && G * round_up(T, 64) <= kDeviceLayoutRows;
+    const MaskedLayout lay = on_device ? device_layout(idx, G, extra ? E : -1, ml) : host_layout(idx, G, routed, K, ml);
+    const int64_t M = lay.M, R = G * M;
+    Tensor ye;  // [R, D] expert outputs
+    if (prec == LinearPrecision::fp8) {
+      const int64_t F = L.eg.values.size(0) / (E + (extra ? 1 : 0));
+      const QuantizedTensor& eg = phys ? L.pg : L.eg;
+      const QuantizedTensor& eu = phys ? L.pu : L.eu;
+      const QuantizedTensor& ed = phys ? L.pd : L.ed;
+      QuantizedTensor xq = be.empty_quantized(R, D, DType::e4m3, ScaleKind::tile_1x128);
+      be.moe_permute_quantize(h.view(), lay.row_slot.view(), K, TensorView(), xq, ScaleMode::pow2);
+      Tensor g = f32({R, F}), u = f32({R, F}), a = f32({R, F});
+      be.grouped_gemm_fp8_masked(xq, eg, lay.counts.view(), G, g.view(), GemmOptions{});
+      be.grouped_gemm_fp8_masked(xq, eu, lay.counts.view(), G, u.view(), GemmOptions{});
+      be.swiglu_forward(g.view(), u.view(), a.view());
+      QuantizedTensor aq = be.empty_quantized(R, F, DType::e4m3, ScaleKind::tile_1x128);
+      be.quantize_1x128(a.view(), aq, ScaleMode::fp32);
+      ye = f32({R, D});
+      be.grouped_gemm_fp8_masked(aq, ed, lay.counts.view(), G, ye.view(), GemmOptions{});
+    } else {
+      Tensor xe = f32({R, D});
+      be.moe_permute(h.view(), lay.row_slot.view(), K, TensorView(), xe.view());
+      ye = be.zeros(DType::f32, {R, D});
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t n = lay.host_counts[size_t(g)];
+        if (n == 0) continue;
+        const int64_t e = phys && g < routed ? placement.phy_to_log[size_t(ml)][size_t(g)] : g < routed ? g : E;
+        const Tensor y = mlp_forward(L.experts[size_t(e)], rows(xe.view(), g * M, n), ScaleMode::pow2);
+        be.copy(rows(ye.view(), g * M, n), y.view());
+      }
+    }
+    be.moe_combine(ye.view(), lay.slot_row.view(), wk.view(), x.view(), true);
+  }
+
+  // The masked layout of a MoE layer's G groups: row_slot [G * M], slot_row [T, K], counts [G] on
+  // the device; host_counts where the host built it.
+  struct MaskedLayout {
+    int64_t M = 0;
+    Tensor row_slot, slot_row, counts;
+    std::vector<int32_t> host_counts;
+  };
+  // From the routing idx [T, k] read back: the copies' turns, the loads and the virtual GPUs' tokens
+  // counted here, M the most slots of a group rounded up to 64. Groups [0, routed) are the routed
+  // experts (or their copies), slot k of K = k + 1 goes to group `routed`.
+  MaskedLayout host_layout(const Tensor& idx, int64_t G, int64_t routed, int64_t K, int64_t ml) {
+    const Tensor idx_h = be.to_host(idx);
+    const int64_t T = idx.size(0), k = idx.size(1);
+    const bool phys = redundant && ml >= 0;
     std::vector<int32_t> count(size_t(G), 0), expert(size_t(T * K));
     for (int64_t t = 0; t < T; ++t)
       for (int64_t j = 0; j < K; ++j) {
@@ -556,46 +615,48 @@ struct Engine::Impl {
         expert[size_t(t * K + j)] = g;
         ++count[size_t(g)];
       }
-    const int64_t M = round_up(std::max<int64_t>(1, *std::max_element(count.begin(), count.end())), 64), R = G * M;
-    std::vector<int32_t> row_slot(size_t(R), -1), slot_row(size_t(T * K)), fill(size_t(G), 0);
+    MaskedLayout m;
+    m.M = round_up(std::max<int64_t>(1, *std::max_element(count.begin(), count.end())), 64);
+    std::vector<int32_t> row_slot(size_t(G * m.M), -1), slot_row(size_t(T * K)), fill(size_t(G), 0);
     for (int64_t s = 0; s < T * K; ++s) {
       const int32_t g = expert[size_t(s)];
-      const int64_t r = g * M + fill[size_t(g)]++;
+      const int64_t r = g * m.M + fill[size_t(g)]++;
       row_slot[size_t(r)] = int32_t(s);
       slot_row[size_t(s)] = int32_t(r);
     }
-    const Tensor rs = i32(row_slot);
-    Tensor sr = be.empty(DType::i32, {T, K});  // [T, K] row of each slot
-    be.copy(sr.view(), reshape(i32(slot_row).view(), {T, K}));
-    Tensor ye;  // [R, D] expert outputs
-    if (prec == LinearPrecision::fp8) {
-      const int64_t F = L.eg.values.size(0) / (E + (extra ? 1 : 0));
-      const QuantizedTensor& eg = phys ? L.pg : L.eg;
-      const QuantizedTensor& eu = phys ? L.pu : L.eu;
-      const QuantizedTensor& ed = phys ? L.pd : L.ed;
-      QuantizedTensor xq = be.empty_quantized(R, D, DType::e4m3, ScaleKind::tile_1x128);
-      be.moe_permute_quantize(h.view(), rs.view(), K, TensorView(), xq, ScaleMode::pow2);
-      const Tensor counts = i32(count);
-      Tensor g = f32({R, F}), u = f32({R, F}), a = f32({R, F});
-      be.grouped_gemm_fp8_masked(xq, eg, counts.view(), G, g.view(), GemmOptions{});
-      be.grouped_gemm_fp8_masked(xq, eu, counts.view(), G, u.view(), GemmOptions{});
-      be.swiglu_forward(g.view(), u.view(), a.view());
-      QuantizedTensor aq = be.empty_quantized(R, F, DType::e4m3, ScaleKind::tile_1x128);
-      be.quantize_1x128(a.view(), aq, ScaleMode::fp32);
-      ye = f32({R, D});
-      be.grouped_gemm_fp8_masked(aq, ed, counts.view(), G, ye.view(), GemmOptions{});
-    } else {
-      Tensor xe = f32({R, D});
-      be.moe_permute(h.view(), rs.view(), K, TensorView(), xe.view());
-      ye = be.zeros(DType::f32, {R, D});
-      for (int64_t g = 0; g < G; ++g) {
-        if (count[size_t(g)] == 0) continue;
-        const int64_t e = phys && g < routed ? placement.phy_to_log[size_t(ml)][size_t(g)] : g < routed ? g : E;
-        const Tensor y = mlp_forward(L.experts[size_t(e)], rows(xe.view(), g * M, count[size_t(g)]), ScaleMode::pow2);
-        be.copy(rows(ye.view(), g * M, count[size_t(g)]), y.view());
+    m.row_slot = i32(row_slot);
+    m.slot_row = be.empty(DType::i32, {T, K});
+    be.copy(m.slot_row.view(), reshape(i32(slot_row).view(), {T, K}));
+    m.counts = i32(count);
+    m.host_counts = std::move(count);
+    return m;
+  }
+  // On the device (Backend::moe_masked_layout), M = round_up(T, 64): no expert gets a token twice.
+  // The trunk's layers add their counts to device_loads, folded into the host's counts when read.
+  MaskedLayout device_layout(const Tensor& idx, int64_t G, int64_t every_token_group, int64_t ml) {
+    const int64_t T = idx.size(0), K = idx.size(1) + (every_token_group >= 0 ? 1 : 0);
+    MaskedLayout m;
+    m.M = round_up(T, 64);
+    m.row_slot = be.empty(DType::i32, {G * m.M});
+    m.slot_row = be.empty(DType::i32, {T, K});
+    m.counts = be.empty(DType::i32, {G});
+    be.moe_masked_layout(idx.view(), G, every_token_group, m.row_slot.view(), m.slot_row.view(), m.counts.view(),
+                         ml >= 0 ? device_loads[size_t(ml)].view() : TensorView());
+    return m;
+  }
+  // The tokens the device layouts routed since the last fold, added to the loads and the virtual
+  // GPUs' counts (without redundant experts expert e is on GPU e * gpus / E).
+  void fold_device_loads() {
+    const int64_t E = cfg.n_routed_experts;
+    for (size_t ml = 0; ml < device_loads.size(); ++ml) {
+      const Tensor h = be.to_host(device_loads[ml]);
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t n = h.ptr<int64_t>()[e];
+        window[ml][size_t(e)] += double(n);
+        gpu_tokens[ml][size_t(e * opt.expert_gpus / E)] += n;
       }
+      be.zero(device_loads[ml].view());
     }
-    be.moe_combine(ye.view(), sr.view(), wk.view(), x.view(), true);
   }
 
   // The step's rows: tokens, positions, cache slots, and the rows whose logits are asked for.
@@ -760,9 +821,16 @@ Backend& Engine::backend() const { return impl_->be; }
 LatentCache& Engine::cache() { return *impl_->cache; }
 Tensor Engine::step(const std::vector<SeqChunk>& chunks, Tensor* hidden) { return impl_->step(chunks, hidden); }
 const ExpertPlacement& Engine::placement() const { return impl_->placement; }
-const ExpertLoads& Engine::expert_loads() const { return impl_->window; }
-const std::vector<std::vector<int64_t>>& Engine::gpu_tokens() const { return impl_->gpu_tokens; }
+const ExpertLoads& Engine::expert_loads() const {
+  impl_->fold_device_loads();
+  return impl_->window;
+}
+const std::vector<std::vector<int64_t>>& Engine::gpu_tokens() const {
+  impl_->fold_device_loads();
+  return impl_->gpu_tokens;
+}
 void Engine::reset_gpu_tokens() {
+  impl_->fold_device_loads();
   for (auto& row : impl_->gpu_tokens) std::fill(row.begin(), row.end(), 0);
 }
 void Engine::set_placement(const ExpertPlacement& p) { impl_->set_placement(p); }
