@@ -2,6 +2,8 @@
 #include "cpu/cpu_backend.hpp"
 #include "fp8moe/backend.hpp"
 #include "fp8moe/free_hold.hpp"
+
+#include <utility>
 #ifdef FP8MOE_HAVE_CUDA
 #include "cuda/cuda_backend.hpp"
 #endif
@@ -21,6 +23,7 @@ std::string_view op_name(Op op) {
     case Op::gemm_bf16: return "gemm_bf16";
     case Op::gemm: return "gemm";
     case Op::gemm_batch_invariant: return "gemm_batch_invariant";
+    case Op::gemm_strided_batched: return "gemm_strided_batched";
     case Op::convert: return "convert";
     case Op::axpy: return "axpy";
     case Op::copy_cols: return "copy_cols";
@@ -91,6 +94,9 @@ void Backend::zero(const TensorView& dst) {
 void Backend::gemm(const TensorView&, const TensorView&, const TensorView&, bool, bool, bool) { FP8MOE_UNSUPPORTED(gemm); }
 void Backend::gemm_batch_invariant(const TensorView& a, const TensorView& b, const TensorView& d) {
   gemm(a, b, d, false, true, false);
+}
+void Backend::gemm_strided_batched(const TensorView&, const TensorView&, const TensorView&, bool, bool) {
+  FP8MOE_UNSUPPORTED(gemm_strided_batched);
 }
 void Backend::convert(const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(convert); }
 void Backend::axpy(double, const TensorView&, double, const TensorView&) { FP8MOE_UNSUPPORTED(axpy); }
@@ -231,6 +237,23 @@ double Backend::sum_squares_all(const std::vector<TensorView>& xs) {
   double s = 0;
   for (const TensorView& x : xs) s += sum_squares(x);
   return s;
+}
+
+BatchedGemmDims check_gemm_strided_batched(Device device, const TensorView& a, const TensorView& b,
+                                           const TensorView& d, bool trans_b) {
+  for (const auto& [t, arg] : {std::pair<const TensorView&, const char*>{a, "a"}, {b, "b"}, {d, "d"}}) {
+    FP8MOE_CHECK(t.defined() && t.device == device && t.dtype == DType::f32 && t.ndim == 3 && t.strides[2] == 1,
+                 "gemm_strided_batched: " << arg << " must be a 3-D f32 view on the backend's device with unit column "
+                                                    "stride, got "
+                                          << t.str());
+  }
+  BatchedGemmDims g{d.size(0), d.size(1), d.size(2), a.size(2)};
+  FP8MOE_CHECK(a.size(0) == g.G && b.size(0) == g.G && a.size(1) == g.M,
+               "gemm_strided_batched: a " << a.str() << " and b " << b.str() << " do not match d " << d.str());
+  FP8MOE_CHECK((trans_b ? b.size(2) : b.size(1)) == g.K && (trans_b ? b.size(1) : b.size(2)) == g.N,
+               "gemm_strided_batched: b " << b.str() << " does not match K = " << g.K << ", N = " << g.N
+                                          << (trans_b ? " (transposed)" : ""));
+  return g;
 }
 
 Tensor Backend::to_host(const Tensor& t) {

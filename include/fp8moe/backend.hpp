@@ -30,6 +30,7 @@ enum class Op : uint8_t {
   // Model ops (include/fp8moe/backend.hpp, "Model ops" below).
   gemm,
   gemm_batch_invariant,
+  gemm_strided_batched,
   convert,
   axpy,
   copy_cols,
@@ -171,6 +172,13 @@ class Backend {
   // does not depend on the tokens that share its step). The default is gemm, whose CPU form sums
   // every element over k in order; a backend whose gemm picks its algorithm by M overrides it.
   virtual void gemm_batch_invariant(const TensorView& a, const TensorView& b, const TensorView& d);
+  // G GEMMs in one call: d[g] [M, N] (+)= a[g] [M, K] op(b[g]) for g < G, f32; a, b, d 3-D views
+  // [G, rows, cols] with any batch and row strides and unit column strides (e.g. the heads side by
+  // side in the columns of one matrix); op(b) = b [G, K, N] or, with trans_b, b^T for b [G, N, K].
+  // Every d[g] has the bits gemm gives for the three matrices alone (CPU); CUDA: one strided
+  // batched cuBLASLt matmul (FP32, the same accuracy as gemm).
+  virtual void gemm_strided_batched(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_b,
+                                    bool accumulate);
   // dst = src elementwise between f32, f64 and bf16 (same element count).
   virtual void convert(const TensorView& src, const TensorView& dst);
   // y = alpha * x + beta * y (float, same shape).
@@ -355,6 +363,14 @@ class StreamScope {
 inline int64_t moe_layout_rows(int64_t slots, int64_t groups, int64_t align) {
   return (slots + groups * (align - 1) + align - 1) / align * align;
 }
+
+// Backend::gemm_strided_batched's arguments on `device` (f32, 3-D, unit column strides, the
+// shapes agreeing): G, M, N, K, or an error naming the argument.
+struct BatchedGemmDims {
+  int64_t G = 0, M = 0, N = 0, K = 0;
+};
+BatchedGemmDims check_gemm_strided_batched(Device device, const TensorView& a, const TensorView& b,
+                                           const TensorView& d, bool trans_b);
 
 // "cpu", "cuda" (our kernels) or "cublaslt" (the CUDA backend with gemm_fp8 through cuBLASLt); the
 // CUDA ones exist when built with CUDA and a GPU is present.

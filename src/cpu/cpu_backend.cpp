@@ -96,6 +96,10 @@ class CpuBackend final : public Backend {
   void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool ta, bool tb, bool acc) override {
     cpu::gemm(a, b, d, ta, tb, acc);
   }
+  void gemm_strided_batched(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_b,
+                            bool accumulate) override {
+    cpu::gemm_strided_batched(a, b, d, trans_b, accumulate);
+  }
   void convert(const TensorView& src, const TensorView& dst) override { cpu::convert(src, dst); }
   void axpy(double alpha, const TensorView& x, double beta, const TensorView& y) override { cpu::axpy(alpha, x, beta, y); }
   void copy_cols(const TensorView& src, int64_t sc, const TensorView& dst, int64_t dc, int64_t n, bool acc) override {

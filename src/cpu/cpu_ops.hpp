@@ -27,6 +27,7 @@ constexpr int64_t kParallelWork = 1 << 15;
 void check_op_tensor(const TensorView& t, const char* op, const char* arg, DType dtype, int ndim);
 
 void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b, bool accumulate);
+void gemm_strided_batched(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_b, bool accumulate);
 void convert(const TensorView& src, const TensorView& dst);
 void axpy(double alpha, const TensorView& x, double beta, const TensorView& y);
 void copy_cols(const TensorView& src, int64_t src_col, const TensorView& dst, int64_t dst_col, int64_t ncols,

@@ -390,6 +390,11 @@ class CudaBackend final : public Backend {
     FP8MOE_TIMED_GEMM("gemm", a, b, trans_a, trans_b);
     cuda::cuda_gemm(a, b, d, trans_a, trans_b, accumulate, s_);
   }
+  void gemm_strided_batched(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_b,
+                            bool accumulate) override {
+    FP8MOE_TIMED_OP("gemm_strided_batched");
+    cuda::cuda_gemm_strided_batched(a, b, d, trans_b, accumulate, s_);
+  }
   void gemm_batch_invariant(const TensorView& a, const TensorView& b, const TensorView& d) override {
     FP8MOE_TIMED_GEMM("gemm_batch_invariant", a, b, false, true);
     cuda::cuda_gemm_batch_invariant(a, b, d, s_);

@@ -411,8 +411,9 @@ struct Engine::Impl {
     std::vector<int64_t> slots; // [T] cache slot of each row
     // The chunks whose tokens are decode rows, the B decode rows of the step and what every
     // layer's absorbed form takes: their rows in the step, block tables [B, max blocks] and
-    // lengths [B] (the rows of one chunk share its table), and the orders between the head-major
-    // rows h * B + b of the absorption GEMMs and the op's rows b * H + h.
+    // lengths [B] (the rows of one chunk share its table), and under batch invariance the orders
+    // between the head-major rows h * B + b of the per-head absorption GEMMs and the op's rows
+    // b * H + h.
     std::vector<bool> decode;
     int64_t B = 0;
     Tensor dec_rows, dec_table, dec_lengths, dec_to_seq, dec_to_head;
@@ -479,38 +480,57 @@ struct Engine::Impl {
     be.copy(rows(O.view(), r0, n), rows(reshape(Op.view(), {Lt, H * dv}), c.start, n));
   }
 
-  // The absorbed form for the step's single-token chunks: q_lat_h = q_nope_h W_UK_h per head
-  // (head-major rows h * B + b), Backend::mla_decode_attention over the layer's cache for all B
-  // sequences at once, then o_h = o_lat_h W_UV_h^T.
+  // The absorbed form for the step's decode rows: q_lat_h = q_nope_h W_UK_h,
+  // Backend::mla_decode_attention over the layer's cache for all B rows at once, then o_h =
+  // o_lat_h W_UV_h^T. Each absorption is one batched GEMM over the heads, which reads and writes
+  // every head where it lies in the token-major rows (head h at columns h * width), so a layer
+  // issues the same few ops at any head count; under batch invariance the heads run one
+  // gemm_batch_invariant each instead (absorb_q_invariant, absorb_o_invariant).
   void absorbed(Layer& Ly, int64_t l, const StepRows& sr, const Tensor& q, const Tensor& O) {
-    const int64_t B = sr.B, W = rkv + dr;
-    Tensor qd = f32({B, H * dqk}), qhm = f32({H * B, dqk});
+    const int64_t B = sr.B, W = rkv + dr, head_rows = (dn + dv) * rkv;
+    const bool invariant = opt.batch_invariant && B <= kBatchInvariantRows;
+    Tensor qd = f32({B, H * dqk});
     be.gather_rows(q.view(), sr.dec_rows.view(), TensorView(), qd.view());
-    be.gather_rows(reshape(qd.view(), {B * H, dqk}), sr.dec_to_head.view(), TensorView(), qhm.view());
-    const Tensor qn = cols(qhm.view(), 0, dn);  // [H * B, dn]
-    Tensor ql = f32({H * B, rkv});              // q_lat_h = q_nope_h W_UK_h
-    for (int64_t h = 0; h < H; ++h) {
-      if (Ly.wuk_t.defined() && B <= kBatchInvariantRows)
-        linear_gemm(rows(qn.view(), h * B, B), rows(Ly.wuk_t.view(), h * rkv, rkv), rows(ql.view(), h * B, B));
-      else
-        be.gemm(rows(qn.view(), h * B, B), rows(Ly.kv_b_f32.view(), h * (dn + dv), dn), rows(ql.view(), h * B, B),
-                false, false, false);
-    }
-    Tensor qa = f32({H * B, W});  // [q_lat | q_pe] against [c_kv | k_pe]
-    be.copy_cols(ql.view(), 0, qa.view(), 0, rkv, false);
-    be.copy_cols(qhm.view(), dn, qa.view(), rkv, dr, false);
-    Tensor qs = f32({B * H, W}), os = f32({B * H, rkv});  // the op's rows b * H + h
-    be.gather_rows(qa.view(), sr.dec_to_seq.view(), TensorView(), qs.view());
+    Tensor qs = f32({B * H, W}), os = f32({B * H, rkv});  // the op's rows b * H + h: [q_lat | q_pe], o_lat
+    if (invariant)
+      absorb_q_invariant(Ly, sr, qd, qs);
+    else
+      be.gemm_strided_batched(matrices(qd.view(), 0, H, B, dn, dqk, H * dqk),
+                              matrices(Ly.kv_b_f32.view(), 0, H, dn, rkv, head_rows, rkv),
+                              matrices(qs.view(), 0, H, B, rkv, W, H * W), false, false);
+    be.copy_cols(reshape(qd.view(), {B * H, dqk}), dn, qs.view(), rkv, dr, false);
     be.mla_decode_attention(qs.view(), cache->view(l), sr.dec_table.view(), sr.dec_lengths.view(), scale, os.view(),
                             opt.batch_invariant ? MlaDecodeSplits::by_length : MlaDecodeSplits::fit_batch);
-    Tensor olc = f32({H * B, rkv});  // attention-weighted latents, head-major
+    Tensor od = f32({B, H * dv});
+    if (invariant)
+      absorb_o_invariant(Ly, sr, os, od);
+    else
+      be.gemm_strided_batched(matrices(os.view(), 0, H, B, rkv, rkv, H * rkv),
+                              matrices(Ly.kv_b_f32.view(), dn * rkv, H, dv, rkv, head_rows, rkv),
+                              matrices(od.view(), 0, H, B, dv, dv, H * dv), true, false);
+    be.scatter_add_rows(od.view(), sr.dec_rows.view(), TensorView(), O.view());
+  }
+  // Under batch invariance, head by head over head-major rows h * B + b: q_lat_h into columns
+  // [0, rkv) of qs [B * H, W] through W_UK_h's Linear form (wuk_t), and o_h = o_lat_h W_UV_h^T of
+  // os [B * H, rkv] into od [B, H * dv].
+  void absorb_q_invariant(const Layer& Ly, const StepRows& sr, const Tensor& qd, const Tensor& qs) {
+    const int64_t B = sr.B;
+    Tensor qhm = f32({H * B, dqk}), ql = f32({H * B, rkv}), qlt = f32({B * H, rkv});
+    be.gather_rows(reshape(qd.view(), {B * H, dqk}), sr.dec_to_head.view(), TensorView(), qhm.view());
+    const Tensor qn = cols(qhm.view(), 0, dn);  // [H * B, dn]
+    for (int64_t h = 0; h < H; ++h)
+      linear_gemm(rows(qn.view(), h * B, B), rows(Ly.wuk_t.view(), h * rkv, rkv), rows(ql.view(), h * B, B));
+    be.gather_rows(ql.view(), sr.dec_to_seq.view(), TensorView(), qlt.view());
+    be.copy_cols(qlt.view(), 0, qs.view(), 0, rkv, false);
+  }
+  void absorb_o_invariant(const Layer& Ly, const StepRows& sr, const Tensor& os, const Tensor& od) {
+    const int64_t B = sr.B;
+    Tensor olc = f32({H * B, rkv}), oh = f32({B, dv});
     be.gather_rows(os.view(), sr.dec_to_head.view(), TensorView(), olc.view());
-    Tensor od = f32({B, H * dv}), oh = f32({B, dv});
-    for (int64_t h = 0; h < H; ++h) {  // o_h = o_lat_h W_UV_h^T
+    for (int64_t h = 0; h < H; ++h) {
       linear_gemm(rows(olc.view(), h * B, B), rows(Ly.kv_b_f32.view(), h * (dn + dv) + dn, dv), oh.view());
       be.copy_cols(oh.view(), 0, od.view(), h * dv, dv, false);
     }
-    be.scatter_add_rows(od.view(), sr.dec_rows.view(), TensorView(), O.view());
   }
 
   // ---- The MLP half: x [T, D] += mlp(norm(x)) or moe(norm(x)).
@@ -710,17 +730,19 @@ struct Engine::Impl {
           const std::vector<int32_t>& t = *tables[size_t(b)];
           std::copy(t.begin(), t.begin() + blocks_for(lengths[size_t(b)]), table.ptr<int32_t>() + b * nb);
         }
-        std::vector<int32_t> to_seq(size_t(B * H)), to_head(size_t(B * H));
-        for (int64_t b = 0; b < B; ++b)
-          for (int64_t h = 0; h < H; ++h) {
-            to_seq[size_t(b * H + h)] = int32_t(h * B + b);
-            to_head[size_t(h * B + b)] = int32_t(b * H + h);
-          }
         sr.dec_rows = i32(dec_rows);
         sr.dec_table = upload(table);
         sr.dec_lengths = i32(lengths);
-        sr.dec_to_seq = i32(to_seq);
-        sr.dec_to_head = i32(to_head);
+        if (opt.batch_invariant && B <= kBatchInvariantRows) {
+          std::vector<int32_t> to_seq(size_t(B * H)), to_head(size_t(B * H));
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t h = 0; h < H; ++h) {
+              to_seq[size_t(b * H + h)] = int32_t(h * B + b);
+              to_head[size_t(h * B + b)] = int32_t(b * H + h);
+            }
+          sr.dec_to_seq = i32(to_seq);
+          sr.dec_to_head = i32(to_head);
+        }
       }
     }
     return sr;

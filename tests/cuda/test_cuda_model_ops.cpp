@@ -7,6 +7,7 @@
 // say). Skips without a GPU.
 // Run: build/tests/cuda/test_cuda_model_ops, or ctest -R CudaModelOps (FP8MOE_SEED=<n> replays a seed).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -228,6 +229,52 @@ TEST_F(CudaModelOps, GemmBatchInvariantRowsDoNotDependOnTheOtherRows) {
   expect_error([&] { gpu_->gemm_batch_invariant(a, b, d); }, "b must be [N, 64]");
   Tensor b2 = dev(randn({5, 64}, 1.0f, DType::bf16));
   expect_error([&] { gpu_->gemm_batch_invariant(a, b2, d); }, "gemm_batch_invariant: b");
+}
+
+// The heads of the absorbed MLA decode as one strided batched GEMM: a's and d's matrices side by
+// side in the columns of token-major rows, b's the W_UK (K x N) or W_UV (N x K, transposed) row
+// blocks of kv_b_proj; within FP32 rounding of the CPU's, and the columns between the matrices
+// untouched.
+TEST_F(CudaModelOps, GemmStridedBatchedMatchesCpu) {
+  struct Shape {
+    int64_t heads, rows, k, n;
+  };
+  const auto matrices = [](const TensorView& t, int64_t offset, int64_t G, int64_t R, int64_t C, int64_t batch,
+                           int64_t row) {
+    TensorView v(static_cast<float*>(t.data) + offset, DType::f32, {G, R, C}, t.device);
+    v.strides = {batch, row, 1, 0};
+    return v;
+  };
+  for (const Shape s : {Shape{32, 1, 128, 512}, Shape{16, 32, 64, 256}, Shape{2, 7, 32, 128}, Shape{5, 3, 29, 37},
+                        Shape{128, 256, 128, 512}})
+    for (bool tb : {false, true})
+      for (bool acc : {false, true}) {
+        const int64_t H = s.heads, B = s.rows, K = s.k, N = s.n, wa = K + 3, wd = N + 5, wb = K + N + 2;
+        const Tensor a = randn({B, H * wa}), b = randn({H * (tb ? N + 2 : wb), tb ? K : N}), d0 = randn({B, H * wd});
+        const int64_t b_batch = (tb ? N + 2 : wb) * (tb ? K : N), b_row = tb ? K : N;
+        const auto views = [&](const TensorView& av, const TensorView& bv, const TensorView& dv) {
+          return std::array<TensorView, 3>{matrices(av, 0, H, B, K, wa, H * wa),
+                                           tb ? matrices(bv, 2 * K, H, N, K, b_batch, b_row)
+                                              : matrices(bv, 0, H, K, N, b_batch, b_row),
+                                           matrices(dv, 0, H, B, N, wd, H * wd)};
+        };
+        Tensor want = clone(d0);
+        const auto hv = views(a.view(), b.view(), want.view());
+        cpu_->gemm_strided_batched(hv[0], hv[1], hv[2], tb, acc);
+        const Tensor da = dev(a), db = dev(b);
+        Tensor d = dev(d0);
+        const auto dv = views(da.view(), db.view(), d.view());
+        gpu_->gemm_strided_batched(dv[0], dv[1], dv[2], tb, acc);
+        expect_close(host(d), want, 1e-5,
+                     "gemm_strided_batched H=" + std::to_string(H) + " M=" + std::to_string(B) + " K=" +
+                         std::to_string(K) + " N=" + std::to_string(N) + " tb=" + std::to_string(tb) +
+                         " acc=" + std::to_string(acc));
+      }
+  Tensor a = dev(randn({3, 64})), d = dev(randn({3, 64}));
+  const TensorView a3 = matrices(a.view(), 0, 1, 3, 64, 192, 64), d3 = matrices(d.view(), 0, 1, 3, 64, 192, 64);
+  const TensorView b3 = matrices(a.view(), 0, 1, 3, 64, 192, 64);  // [1, 3, 64]: K = 64 needs [1, 64, N]
+  expect_error([&] { gpu_->gemm_strided_batched(a3, b3, d3, false, false); }, "gemm_strided_batched: b");
+  expect_error([&] { gpu_->gemm_strided_batched(a.view(), b3, d3, false, false); }, "gemm_strided_batched: a");
 }
 
 TEST_F(CudaModelOps, ConvertBitExact) {

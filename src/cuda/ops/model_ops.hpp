@@ -22,6 +22,9 @@ namespace fp8moe::cuda {
 // ---- dense (model_ops_gemm.cu, model_ops_elementwise.cu) ----
 void cuda_gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b,
                bool accumulate, cudaStream_t stream);
+// Backend::gemm_strided_batched: one strided batched cuBLASLt matmul.
+void cuda_gemm_strided_batched(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_b,
+                               bool accumulate, cudaStream_t stream);
 // Backend::gemm_batch_invariant (gemm_batch_invariant.cu).
 void cuda_gemm_batch_invariant(const TensorView& a, const TensorView& b, const TensorView& d, cudaStream_t stream);
 void cuda_convert(const TensorView& src, const TensorView& dst, cudaStream_t stream);
