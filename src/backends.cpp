@@ -46,6 +46,7 @@ std::string_view op_name(Op op) {
     case Op::moe_route_backward: return "moe_route_backward";
     case Op::gather_rows: return "gather_rows";
     case Op::scatter_add_rows: return "scatter_add_rows";
+    case Op::scatter_rows: return "scatter_rows";
     case Op::rows_dot: return "rows_dot";
     case Op::moe_layout: return "moe_layout";
     case Op::moe_masked_layout: return "moe_masked_layout";
@@ -190,6 +191,7 @@ void Backend::gather_rows(const TensorView&, const TensorView&, const TensorView
 void Backend::scatter_add_rows(const TensorView&, const TensorView&, const TensorView&, const TensorView&) {
   FP8MOE_UNSUPPORTED(scatter_add_rows);
 }
+void Backend::scatter_rows(const TensorView&, const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(scatter_rows); }
 void Backend::rows_dot(const TensorView&, const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(rows_dot); }
 void Backend::moe_layout(const TensorView&, int64_t, const TensorView&, const TensorView&, const TensorView&,
                          const TensorView&) {

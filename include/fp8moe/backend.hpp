@@ -53,6 +53,7 @@ enum class Op : uint8_t {
   moe_route_backward,
   gather_rows,
   scatter_add_rows,
+  scatter_rows,
   rows_dot,
   // MoE dispatch and grouped GEMMs (moe_grouped.hpp).
   moe_layout,
@@ -110,6 +111,7 @@ class Backend {
   // synchronizes once per step. Backends whose checks cost nothing ignore it.
   enum class Checks { immediate, deferred };
   virtual void set_checks(Checks) {}
+  virtual Checks checks() const { return Checks::immediate; }
   // Bytes of device memory in use on this backend's device (CUDA: all allocations, not only ours;
   // CPU: the bytes of its live tensors), or -1 where the backend cannot tell.
   virtual int64_t device_memory_in_use() const { return -1; }
@@ -273,6 +275,10 @@ class Backend {
   // dst[idx[i]] += w[i] * src[i] for i < N; w [N] float or undefined (1); src [N', D], dst [T, D].
   virtual void scatter_add_rows(const TensorView& src, const TensorView& idx, const TensorView& w,
                                 const TensorView& dst);
+  // dst[idx[i]] = src[i] for i < N, the bytes as they are: idx [N] i32, src [N', C] and dst [R, C]
+  // contiguous, one dtype (any). Several i with one idx: one of their rows. Entries outside [0, R):
+  // an error on the CPU, skipped on the device.
+  virtual void scatter_rows(const TensorView& src, const TensorView& idx, const TensorView& dst);
   // out [N] = sum_j a[i, j] * b[i, j] for i < N (a, b [N', D], N = out size).
   virtual void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out);
 

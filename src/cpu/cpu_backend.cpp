@@ -168,6 +168,9 @@ class CpuBackend final : public Backend {
                         const TensorView& dst) override {
     cpu::scatter_add_rows(src, idx, w, dst);
   }
+  void scatter_rows(const TensorView& src, const TensorView& idx, const TensorView& dst) override {
+    cpu::scatter_rows(src, idx, dst);
+  }
   void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out) override { cpu::rows_dot(a, b, out); }
   void moe_layout(const TensorView& expert_ids, int64_t align, const TensorView& row_slot, const TensorView& row_group,
                   const TensorView& slot_row, const TensorView& offsets) override {

@@ -69,6 +69,7 @@ void moe_route_backward(const TensorView& scores, const TensorView& idx, const T
                         const TensorView& dscores, const TensorView& dlogits, bool norm, double scaling);
 void gather_rows(const TensorView& src, const TensorView& idx, const TensorView& w, const TensorView& dst);
 void scatter_add_rows(const TensorView& src, const TensorView& idx, const TensorView& w, const TensorView& dst);
+void scatter_rows(const TensorView& src, const TensorView& idx, const TensorView& dst);
 void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out);
 
 // MoE dispatch (ops_moe_dispatch.cpp) and grouped GEMMs (ops_grouped_gemm.cpp).

@@ -300,6 +300,7 @@ class CudaBackend final : public Backend {
     cuda::raise_deferred_checks();
   }
   void set_checks(Checks c) override { cuda::set_checks_deferred(c == Checks::deferred); }
+  Checks checks() const override { return cuda::checks_deferred() ? Checks::deferred : Checks::immediate; }
   // Memory the driver holds for this process (cuBLASLt's workspaces and the context included)
   // minus what the caching allocator and the pool keep free for reuse.
   int64_t device_memory_in_use() const override {
@@ -499,6 +500,10 @@ class CudaBackend final : public Backend {
                         const TensorView& dst) override {
     FP8MOE_TIMED_OP("scatter_add_rows");
     cuda::cuda_scatter_add_rows(src, idx, w, dst, s_);
+  }
+  void scatter_rows(const TensorView& src, const TensorView& idx, const TensorView& dst) override {
+    FP8MOE_TIMED_OP("scatter_rows");
+    cuda::cuda_scatter_rows(src, idx, dst, s_);
   }
   void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out) override {
     FP8MOE_TIMED_OP("rows_dot");

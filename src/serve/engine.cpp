@@ -23,6 +23,32 @@ struct Linear {
   QuantizedTensor q;  // [N, K] e4m3, 128x128 blocks (fp8)
 };
 
+// A step's device checks deferred (immediate ones make the host wait for the device at every
+// quantizer and index table), raised once its logits are read; where the caller deferred them
+// already they are left to its next synchronize.
+class StepChecks {
+ public:
+  explicit StepChecks(Backend& be) : be_(be), was_(be.checks()) { be_.set_checks(Backend::Checks::deferred); }
+  ~StepChecks() {
+    if (raised_) return;
+    try {
+      be_.set_checks(was_);
+    } catch (const Error&) {  // the step is failing already: its own error is the one to report
+    }
+  }
+  StepChecks(const StepChecks&) = delete;
+  StepChecks& operator=(const StepChecks&) = delete;
+  void raise() {
+    raised_ = true;
+    be_.set_checks(was_);
+  }
+
+ private:
+  Backend& be_;
+  Backend::Checks was_;
+  bool raised_ = false;
+};
+
 // The most rows (G * M) a MoE layout built on the device may take: its M covers an expert getting
 // every token, so past this the rows it pads out (written, and zeroed by the grouped GEMMs) cost
 // more than the host's read of the routing saves.
@@ -346,23 +372,37 @@ struct Engine::Impl {
     if (opt.batch_invariant && x.size(0) <= kBatchInvariantRows) be.gemm_batch_invariant(x, w, y);
     else be.gemm(x, w, y, false, true, false);
   }
-  // y [T, N] f32 = x [T, K] f32 w^T; `mode`: the scales of x's FP8 tiles.
-  Tensor run(const Linear& L, const TensorView& x, ScaleMode mode = ScaleMode::fp32) {
+  // x [T, K] f32 as a Linear of L's format reads it: 1x128 E4M3 tiles with `mode` scales (fp8),
+  // a BF16 copy (bf16) or x itself; made once where Linears share their input.
+  struct LinearInput {
+    TensorView x;
+    QuantizedTensor q;
+    Tensor b;
+  };
+  LinearInput linear_input(const Linear& L, const TensorView& x, ScaleMode mode = ScaleMode::fp32) {
+    LinearInput in{x, {}, {}};
     const int64_t T = x.size(0);
+    if (T == 0) return in;
+    if (L.q.values.defined()) {
+      in.q = be.empty_quantized(T, L.K, DType::e4m3, ScaleKind::tile_1x128);  // [T, K] 1x128
+      be.quantize_1x128(x, in.q, mode);
+    } else if (L.w.dtype() == DType::bf16) {
+      in.b = be.empty(DType::bf16, {T, L.K});
+      be.convert(x, in.b.view());
+    }
+    return in;
+  }
+  // y [T, N] f32 = x [T, K] w^T.
+  Tensor apply(const Linear& L, const LinearInput& in) {
+    const int64_t T = in.x.size(0);
     Tensor y = f32({T, L.N});
     if (T == 0) return y;
-    if (L.q.values.defined()) {
-      QuantizedTensor xq = be.empty_quantized(T, L.K, DType::e4m3, ScaleKind::tile_1x128);  // [T, K] 1x128
-      be.quantize_1x128(x, xq, mode);
-      be.gemm_fp8(xq, L.q, y.view(), GemmOptions{});
-    } else if (L.w.dtype() == DType::bf16) {
-      Tensor xb = be.empty(DType::bf16, {T, L.K});
-      be.convert(x, xb.view());
-      linear_gemm(xb.view(), L.w.view(), y.view());
-    } else {
-      linear_gemm(x, L.w.view(), y.view());
-    }
+    if (L.q.values.defined()) be.gemm_fp8(in.q, L.q, y.view(), GemmOptions{});
+    else linear_gemm(in.b.defined() ? in.b.view() : in.x, L.w.view(), y.view());
     return y;
+  }
+  Tensor run(const Linear& L, const TensorView& x, ScaleMode mode = ScaleMode::fp32) {
+    return apply(L, linear_input(L, x, mode));
   }
   Tensor rmsnorm(const TensorView& x, const Tensor& w) {
     Tensor y = f32({x.size(0), x.size(1)}), rstd = f32({x.size(0)});
@@ -376,7 +416,8 @@ struct Engine::Impl {
   }
   // out [T, D] = down(silu(gate(x)) * up(x)) for the first rows of x.
   Tensor mlp_forward(const Mlp& m, const TensorView& x, ScaleMode in_mode) {
-    const Tensor g = run(m.gate, x, in_mode), u = run(m.up, x, in_mode);
+    const LinearInput in = linear_input(m.gate, x, in_mode);
+    const Tensor g = apply(m.gate, in), u = apply(m.up, in);
     Tensor a = f32({x.size(0), m.gate.N});
     be.swiglu_forward(g.view(), u.view(), a.view());
     return run(m.down, a.view());
@@ -409,6 +450,7 @@ struct Engine::Impl {
     std::vector<int64_t> row0;  // first row of each chunk in the step's rows
     Tensor positions;           // [T] i32
     std::vector<int64_t> slots; // [T] cache slot of each row
+    Tensor slot_index;          // the same [T] i32 on the backend
     // The chunks whose tokens are decode rows, the B decode rows of the step and what every
     // layer's absorbed form takes: their rows in the step, block tables [B, max blocks] and
     // lengths [B] (the rows of one chunk share its table), and under batch invariance the orders
@@ -422,24 +464,26 @@ struct Engine::Impl {
     Layer& L = layers[size_t(l)];
     const int64_t T = x.size(0), W = rkv + dr;
     const Tensor h = rmsnorm(norm_input(x).view(), L.in_norm);  // [T, D]
-    Tensor q;                                       // [T, H * dqk]
+    const LinearInput hin = linear_input(L.kv_a, h.view());  // q_a (or q_proj) and kv_a read h
+    Tensor q;                                                 // [T, H * dqk]
     if (L.q_a.N > 0) {
-      const Tensor cq = run(L.q_a, h.view());
+      const Tensor cq = apply(L.q_a, hin);
       q = run(L.q_b, rmsnorm(cq.view(), L.q_a_norm).view());
     } else {
-      q = run(L.q_b, h.view());
+      q = apply(L.q_b, hin);
     }
     be.rope(reshape(q.view(), {T, H, dqk}), dn, dr, sr.positions.view(), cfg.rope_theta, false);
-    const Tensor ckv = run(L.kv_a, h.view());  // [T, rkv + dr]
+    const Tensor ckv = apply(L.kv_a, hin);  // [T, rkv + dr]
     Tensor lat = rmsnorm(cols(ckv.view(), 0, rkv).view(), L.kv_a_norm);  // [T, rkv] kv_b_proj's input
     Tensor kpe = cols(ckv.view(), rkv, dr);                            // [T, dr], one head
     be.rope(reshape(kpe.view(), {T, 1, dr}), 0, dr, sr.positions.view(), cfg.rope_theta, false);
     Tensor entry = f32({T, W});  // [T, rkv + dr] what the cache keeps
     be.copy_cols(lat.view(), 0, entry.view(), 0, rkv, false);
     be.copy_cols(kpe.view(), 0, entry.view(), rkv, dr, false);
-    cache->write(l, entry.view(), sr.slots);
+    cache->write(l, entry.view(), sr.slots, sr.slot_index.view());
 
-    Tensor O = be.zeros(DType::f32, {T, H * dv});  // [T, H * dv] attention output
+    // [T, H * dv] the attention output: every row written by one of the two forms.
+    Tensor O = f32({T, H * dv});
     for (size_t c = 0; c < chunks.size(); ++c) {
       const SeqChunk& ch = chunks[c];
       if (sr.decode[c]) continue;
@@ -489,8 +533,10 @@ struct Engine::Impl {
   void absorbed(Layer& Ly, int64_t l, const StepRows& sr, const Tensor& q, const Tensor& O) {
     const int64_t B = sr.B, W = rkv + dr, head_rows = (dn + dv) * rkv;
     const bool invariant = opt.batch_invariant && B <= kBatchInvariantRows;
-    Tensor qd = f32({B, H * dqk});
-    be.gather_rows(q.view(), sr.dec_rows.view(), TensorView(), qd.view());
+    // A step of decode rows only has them in order: q and O are theirs as they are.
+    const bool all = B == q.size(0);
+    Tensor qd = all ? q : f32({B, H * dqk});
+    if (!all) be.gather_rows(q.view(), sr.dec_rows.view(), TensorView(), qd.view());
     Tensor qs = f32({B * H, W}), os = f32({B * H, rkv});  // the op's rows b * H + h: [q_lat | q_pe], o_lat
     if (invariant)
       absorb_q_invariant(Ly, sr, qd, qs);
@@ -501,14 +547,14 @@ struct Engine::Impl {
     be.copy_cols(reshape(qd.view(), {B * H, dqk}), dn, qs.view(), rkv, dr, false);
     be.mla_decode_attention(qs.view(), cache->view(l), sr.dec_table.view(), sr.dec_lengths.view(), scale, os.view(),
                             opt.batch_invariant ? MlaDecodeSplits::by_length : MlaDecodeSplits::fit_batch);
-    Tensor od = f32({B, H * dv});
+    Tensor od = all ? O : f32({B, H * dv});
     if (invariant)
       absorb_o_invariant(Ly, sr, os, od);
     else
       be.gemm_strided_batched(matrices(os.view(), 0, H, B, rkv, rkv, H * rkv),
                               matrices(Ly.kv_b_f32.view(), dn * rkv, H, dv, rkv, head_rows, rkv),
                               matrices(od.view(), 0, H, B, dv, dv, H * dv), true, false);
-    be.scatter_add_rows(od.view(), sr.dec_rows.view(), TensorView(), O.view());
+    if (!all) be.scatter_rows(od.view(), sr.dec_rows.view(), O.view());
   }
   // Under batch invariance, head by head over head-major rows h * B + b: q_lat_h into columns
   // [0, rkv) of qs [B * H, W] through W_UK_h's Linear form (wuk_t), and o_h = o_lat_h W_UV_h^T of
@@ -707,6 +753,7 @@ struct Engine::Impl {
       for (int64_t r = n - c.logits_rows; r < n; ++r) out_rows.push_back(int32_t(sr.row0.back() + r));
     }
     sr.positions = i32(pos);
+    sr.slot_index = i32(std::vector<int32_t>(sr.slots.begin(), sr.slots.end()));
     sr.decode.assign(chunks.size(), false);
     if (opt.absorbed_decode) {
       std::vector<int32_t> dec_rows, lengths;
@@ -757,6 +804,7 @@ struct Engine::Impl {
 
   Tensor step(const std::vector<SeqChunk>& chunks, Tensor* hidden) {
     FP8MOE_CHECK(!chunks.empty(), "Engine::step: no chunks");
+    StepChecks checks(be);
     std::vector<int32_t> tokens, out;
     const StepRows sr = rows_of(chunks, tokens, out);
     const int64_t T = int64_t(tokens.size());
@@ -768,12 +816,14 @@ struct Engine::Impl {
     }
     if (hidden) *hidden = x;
     Tensor logits = head_logits(x, out, norm);
+    checks.raise();
     if (opt.rebalance_every > 0 && ++steps % opt.rebalance_every == 0) rebalance();
     return logits;
   }
 
   Tensor mtp_step(const std::vector<SeqChunk>& chunks, const TensorView& hidden) {
     FP8MOE_CHECK(opt.mtp, "Engine::mtp_step: the engine was made without EngineOptions::mtp");
+    StepChecks checks(be);
     std::vector<int32_t> tokens, out;
     std::vector<SeqChunk> last_only = chunks;
     for (SeqChunk& c : last_only) c.logits_rows = 1;
@@ -789,7 +839,9 @@ struct Engine::Impl {
     Tensor x = run(eh, cat.view());  // [T, D]
     attention(L, last_only, sr, x);
     ffn(L, x);
-    return head_logits(x, out, mtp_norm);
+    Tensor logits = head_logits(x, out, mtp_norm);
+    checks.raise();
+    return logits;
   }
 };
 

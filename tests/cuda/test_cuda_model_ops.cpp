@@ -62,6 +62,7 @@ Tensor as_dtype(const Tensor& x, DType dt) {
 
 double value_at(const Tensor& t, int64_t i) {
   if (i < 0) return 0;
+  if (t.dtype() == DType::u8) return double(t.ptr<const uint8_t>()[i]);
   return t.dtype() == DType::i32 ? double(t.ptr<const int32_t>()[i]) : double(load_float(t.view(), i));
 }
 
@@ -740,6 +741,47 @@ TEST_F(CudaModelOps, GatherScatterRowsDotMatchCpu) {
   expect_error([&] { cuda_gather_rows(dev(src), dev(idx), TensorView{}, dst, nullptr); }, "idx[9] = -2");
   Tensor dd = dev(randn({T, D}));
   expect_error([&] { cuda_scatter_add_rows(dev(rows), dev(idx), TensorView{}, dd, nullptr); }, "idx[9] = -2");
+}
+
+// scatter_rows (the latent cache's writes): byte for byte the CPU's, for rows of 1 to 16-byte
+// multiples (each element width of the kernel) at distinct random rows of a larger table, the
+// other rows untouched; entries out of range are skipped on the device.
+TEST_F(CudaModelOps, ScatterRowsBitExact) {
+  const int64_t R = 300, N = 77;
+  std::vector<int32_t> perm(static_cast<size_t>(R));
+  for (int64_t i = 0; i < R; ++i) perm[size_t(i)] = int32_t(i);
+  std::shuffle(perm.begin(), perm.end(), rng_);
+  Tensor idx = Tensor::host(DType::i32, {N});
+  std::copy_n(perm.begin(), N, idx.ptr<int32_t>());
+  const std::pair<DType, int64_t> cases[] = {{DType::u8, 7},   {DType::u8, 64},    {DType::bf16, 3},
+                                             {DType::bf16, 32}, {DType::f32, 5},   {DType::f32, 576},
+                                             {DType::bf16, 64}, {DType::u8, 512}};
+  for (const auto& [dt, C] : cases) {
+    Tensor src = Tensor::host(dt, {N + 3, C}), d0 = Tensor::host(dt, {R, C});
+    std::uniform_int_distribution<int> byte(0, 255);
+    for (Tensor* t : {&src, &d0})
+      for (size_t i = 0; i < t->view().nbytes(); ++i) static_cast<uint8_t*>(t->view().data)[i] = uint8_t(byte(rng_));
+    Tensor want = clone(d0);
+    cpu_->scatter_rows(src, idx, want);
+    Tensor dst = dev(d0);
+    gpu_->scatter_rows(dev(src), dev(idx), dst);
+    const std::string what = "scatter_rows " + std::string(dtype_name(dt)) + " C=" + std::to_string(C);
+    expect_bits(host(dst), want, what);
+    Tensor bad = clone(idx);
+    bad.ptr<int32_t>()[4] = -1;
+    bad.ptr<int32_t>()[10] = int32_t(R);
+    Tensor want_bad = clone(d0);
+    for (int64_t i = 0; i < N; ++i) {
+      const int32_t r = bad.ptr<int32_t>()[i];
+      if (r < 0 || r >= R) continue;
+      const size_t row = want_bad.view().nbytes() / size_t(R);
+      std::memcpy(static_cast<char*>(want_bad.view().data) + size_t(r) * row,
+                  static_cast<const char*>(src.view().data) + size_t(i) * row, row);
+    }
+    Tensor dst_bad = dev(d0);
+    gpu_->scatter_rows(dev(src), dev(bad), dst_bad);
+    expect_bits(host(dst_bad), want_bad, what + " with entries out of range");
+  }
 }
 
 // ---- optimizer ----

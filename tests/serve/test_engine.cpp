@@ -265,6 +265,7 @@ TEST(ServeEngine, SharedExpertAsRoutedExpert) {
 // A decode step of the FP8 engine reads the device back once, for its logits: the MoE layers'
 // expert layouts are built on the device (a read of the routing per MoE layer otherwise), and
 // the tokens they route still reach the expert loads and the virtual GPUs' counts when asked.
+// The step defers the device checks and restores the caller's mode.
 TEST(ServeEngine, DecodeStepReadsBackOnlyTheLogits) {
   for (const bool shared_as_routed : {false, true}) {
     Fixture f("fp8");
@@ -289,6 +290,7 @@ TEST(ServeEngine, DecodeStepReadsBackOnlyTheLogits) {
       const int64_t before = f.be->host_reads();
       const Tensor l = e->step(chunks);
       EXPECT_EQ(f.be->host_reads() - before, 1) << "shared_as_routed " << shared_as_routed << ", step " << i;
+      EXPECT_EQ(f.be->checks(), Backend::Checks::immediate) << "the step's deferred checks outlived it";
       ASSERT_EQ(l.size(0), 3);
       tokens += 3;
     }

@@ -91,6 +91,7 @@ void cuda_moe_route_backward(const TensorView& scores, const TensorView& idx, co
 void cuda_gather_rows(const TensorView& src, const TensorView& idx, const TensorView& w, const TensorView& dst, cudaStream_t stream);
 void cuda_scatter_add_rows(const TensorView& src, const TensorView& idx, const TensorView& w,
                            const TensorView& dst, cudaStream_t stream);
+void cuda_scatter_rows(const TensorView& src, const TensorView& idx, const TensorView& dst, cudaStream_t stream);
 void cuda_rows_dot(const TensorView& a, const TensorView& b, const TensorView& out, cudaStream_t stream);
 
 // ---- optimizer (adamw.cu, reduce.cu) ----
