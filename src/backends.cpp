@@ -94,6 +94,7 @@ void Backend::zero(const TensorView& dst) {
 #define FP8MOE_UNSUPPORTED(op) FP8MOE_CHECK(false, #op ": unsupported on backend " << name())
 void Backend::gemm(const TensorView&, const TensorView&, const TensorView&, bool, bool, bool) { FP8MOE_UNSUPPORTED(gemm); }
 void Backend::gemm_batch_invariant(const TensorView& a, const TensorView& b, const TensorView& d) {
+  if (a.ndim == 3) return gemm_strided_batched(a, b, d, true, false);
   gemm(a, b, d, false, true, false);
 }
 void Backend::gemm_strided_batched(const TensorView&, const TensorView&, const TensorView&, bool, bool) {

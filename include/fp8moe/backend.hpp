@@ -171,8 +171,10 @@ class Backend {
   // The Linear form d [M, N] f32 = a [M, K] b [N, K]^T (a, b both f32 or both bf16, FP32
   // accumulation of the exact products) with every row of d summed in an order set by K alone:
   // the same bits whatever M and the other rows of a (batch invariance: a decode token's Linear
-  // does not depend on the tokens that share its step). The default is gemm, whose CPU form sums
-  // every element over k in order; a backend whose gemm picks its algorithm by M overrides it.
+  // does not depend on the tokens that share its step). Also G such GEMMs of f32 3-D strided views
+  // as gemm_strided_batched takes them (b [G, N, K]), each matrix with the bits it gets alone. The
+  // default is gemm (gemm_strided_batched), whose CPU form sums every element over k in order; a
+  // backend whose gemm picks its algorithm by M overrides it.
   virtual void gemm_batch_invariant(const TensorView& a, const TensorView& b, const TensorView& d);
   // G GEMMs in one call: d[g] [M, N] (+)= a[g] [M, K] op(b[g]) for g < G, f32; a, b, d 3-D views
   // [G, rows, cols] with any batch and row strides and unit column strides (e.g. the heads side by

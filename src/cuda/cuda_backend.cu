@@ -178,8 +178,13 @@ class TimedOp {
 #define FP8MOE_TIMED_OP(op) const TimedOp timed_op_(s_, op)
 #define FP8MOE_TIMED_GEMM(op, a, b, ta, tb) const TimedOp timed_op_(s_, op, [&] { return gemm_shape(a, b, ta, tb); })
 
-// "bf16xbf16 MxNxK NT" for D = op(a) op(b), op = transpose where the flag is set.
+// "bf16xbf16 MxNxK NT" for D = op(a) op(b), op = transpose where the flag is set; "f32xf32
+// GxMxNxK NT" for G matrices of 3-D views.
 std::string gemm_shape(const TensorView& a, const TensorView& b, bool ta, bool tb) {
+  if (a.ndim == 3)
+    return std::string(dtype_name(a.dtype)) + "x" + std::string(dtype_name(b.dtype)) + " " + std::to_string(a.size(0)) +
+           "x" + std::to_string(a.size(1)) + "x" + std::to_string(tb ? b.size(1) : b.size(2)) + "x" +
+           std::to_string(a.size(2)) + " N" + (tb ? "T" : "N");
   const int64_t M = ta ? a.size(1) : a.size(0), K = ta ? a.size(0) : a.size(1), N = tb ? b.size(0) : b.size(1);
   return std::string(dtype_name(a.dtype)) + "x" + std::string(dtype_name(b.dtype)) + " " + std::to_string(M) + "x" +
          std::to_string(N) + "x" + std::to_string(K) + " " + (ta ? "T" : "N") + (tb ? "T" : "N");
@@ -393,7 +398,7 @@ class CudaBackend final : public Backend {
   }
   void gemm_strided_batched(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_b,
                             bool accumulate) override {
-    FP8MOE_TIMED_OP("gemm_strided_batched");
+    FP8MOE_TIMED_GEMM("gemm_strided_batched", a, b, false, trans_b);
     cuda::cuda_gemm_strided_batched(a, b, d, trans_b, accumulate, s_);
   }
   void gemm_batch_invariant(const TensorView& a, const TensorView& b, const TensorView& d) override {

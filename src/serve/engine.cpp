@@ -453,12 +453,10 @@ struct Engine::Impl {
     Tensor slot_index;          // the same [T] i32 on the backend
     // The chunks whose tokens are decode rows, the B decode rows of the step and what every
     // layer's absorbed form takes: their rows in the step, block tables [B, max blocks] and
-    // lengths [B] (the rows of one chunk share its table), and under batch invariance the orders
-    // between the head-major rows h * B + b of the per-head absorption GEMMs and the op's rows
-    // b * H + h.
+    // lengths [B] (the rows of one chunk share its table).
     std::vector<bool> decode;
     int64_t B = 0;
-    Tensor dec_rows, dec_table, dec_lengths, dec_to_seq, dec_to_head;
+    Tensor dec_rows, dec_table, dec_lengths;
   };
   void attention(int64_t l, const std::vector<SeqChunk>& chunks, const StepRows& sr, const Tensor& x) {
     Layer& L = layers[size_t(l)];
@@ -528,8 +526,8 @@ struct Engine::Impl {
   // Backend::mla_decode_attention over the layer's cache for all B rows at once, then o_h =
   // o_lat_h W_UV_h^T. Each absorption is one batched GEMM over the heads, which reads and writes
   // every head where it lies in the token-major rows (head h at columns h * width), so a layer
-  // issues the same few ops at any head count; under batch invariance the heads run one
-  // gemm_batch_invariant each instead (absorb_q_invariant, absorb_o_invariant).
+  // issues the same few ops at any head count; under batch invariance it is the batched
+  // gemm_batch_invariant, W_UK_h in its Linear form (wuk_t).
   void absorbed(Layer& Ly, int64_t l, const StepRows& sr, const Tensor& q, const Tensor& O) {
     const int64_t B = sr.B, W = rkv + dr, head_rows = (dn + dv) * rkv;
     const bool invariant = opt.batch_invariant && B <= kBatchInvariantRows;
@@ -538,45 +536,22 @@ struct Engine::Impl {
     Tensor qd = all ? q : f32({B, H * dqk});
     if (!all) be.gather_rows(q.view(), sr.dec_rows.view(), TensorView(), qd.view());
     Tensor qs = f32({B * H, W}), os = f32({B * H, rkv});  // the op's rows b * H + h: [q_lat | q_pe], o_lat
+    const TensorView q_nope = matrices(qd.view(), 0, H, B, dn, dqk, H * dqk),
+                     q_lat = matrices(qs.view(), 0, H, B, rkv, W, H * W);
     if (invariant)
-      absorb_q_invariant(Ly, sr, qd, qs);
+      be.gemm_batch_invariant(q_nope, matrices(Ly.wuk_t.view(), 0, H, rkv, dn, rkv * dn, dn), q_lat);
     else
-      be.gemm_strided_batched(matrices(qd.view(), 0, H, B, dn, dqk, H * dqk),
-                              matrices(Ly.kv_b_f32.view(), 0, H, dn, rkv, head_rows, rkv),
-                              matrices(qs.view(), 0, H, B, rkv, W, H * W), false, false);
+      be.gemm_strided_batched(q_nope, matrices(Ly.kv_b_f32.view(), 0, H, dn, rkv, head_rows, rkv), q_lat, false, false);
     be.copy_cols(reshape(qd.view(), {B * H, dqk}), dn, qs.view(), rkv, dr, false);
     be.mla_decode_attention(qs.view(), cache->view(l), sr.dec_table.view(), sr.dec_lengths.view(), scale, os.view(),
                             opt.batch_invariant ? MlaDecodeSplits::by_length : MlaDecodeSplits::fit_batch);
     Tensor od = all ? O : f32({B, H * dv});
-    if (invariant)
-      absorb_o_invariant(Ly, sr, os, od);
-    else
-      be.gemm_strided_batched(matrices(os.view(), 0, H, B, rkv, rkv, H * rkv),
-                              matrices(Ly.kv_b_f32.view(), dn * rkv, H, dv, rkv, head_rows, rkv),
-                              matrices(od.view(), 0, H, B, dv, dv, H * dv), true, false);
+    const TensorView o_lat = matrices(os.view(), 0, H, B, rkv, rkv, H * rkv),
+                     w_uv = matrices(Ly.kv_b_f32.view(), dn * rkv, H, dv, rkv, head_rows, rkv),
+                     o_h = matrices(od.view(), 0, H, B, dv, dv, H * dv);
+    if (invariant) be.gemm_batch_invariant(o_lat, w_uv, o_h);
+    else be.gemm_strided_batched(o_lat, w_uv, o_h, true, false);
     if (!all) be.scatter_rows(od.view(), sr.dec_rows.view(), O.view());
-  }
-  // Under batch invariance, head by head over head-major rows h * B + b: q_lat_h into columns
-  // [0, rkv) of qs [B * H, W] through W_UK_h's Linear form (wuk_t), and o_h = o_lat_h W_UV_h^T of
-  // os [B * H, rkv] into od [B, H * dv].
-  void absorb_q_invariant(const Layer& Ly, const StepRows& sr, const Tensor& qd, const Tensor& qs) {
-    const int64_t B = sr.B;
-    Tensor qhm = f32({H * B, dqk}), ql = f32({H * B, rkv}), qlt = f32({B * H, rkv});
-    be.gather_rows(reshape(qd.view(), {B * H, dqk}), sr.dec_to_head.view(), TensorView(), qhm.view());
-    const Tensor qn = cols(qhm.view(), 0, dn);  // [H * B, dn]
-    for (int64_t h = 0; h < H; ++h)
-      linear_gemm(rows(qn.view(), h * B, B), rows(Ly.wuk_t.view(), h * rkv, rkv), rows(ql.view(), h * B, B));
-    be.gather_rows(ql.view(), sr.dec_to_seq.view(), TensorView(), qlt.view());
-    be.copy_cols(qlt.view(), 0, qs.view(), 0, rkv, false);
-  }
-  void absorb_o_invariant(const Layer& Ly, const StepRows& sr, const Tensor& os, const Tensor& od) {
-    const int64_t B = sr.B;
-    Tensor olc = f32({H * B, rkv}), oh = f32({B, dv});
-    be.gather_rows(os.view(), sr.dec_to_head.view(), TensorView(), olc.view());
-    for (int64_t h = 0; h < H; ++h) {
-      linear_gemm(rows(olc.view(), h * B, B), rows(Ly.kv_b_f32.view(), h * (dn + dv) + dn, dv), oh.view());
-      be.copy_cols(oh.view(), 0, od.view(), h * dv, dv, false);
-    }
   }
 
   // ---- The MLP half: x [T, D] += mlp(norm(x)) or moe(norm(x)).
@@ -780,16 +755,6 @@ struct Engine::Impl {
         sr.dec_rows = i32(dec_rows);
         sr.dec_table = upload(table);
         sr.dec_lengths = i32(lengths);
-        if (opt.batch_invariant && B <= kBatchInvariantRows) {
-          std::vector<int32_t> to_seq(size_t(B * H)), to_head(size_t(B * H));
-          for (int64_t b = 0; b < B; ++b)
-            for (int64_t h = 0; h < H; ++h) {
-              to_seq[size_t(b * H + h)] = int32_t(h * B + b);
-              to_head[size_t(h * B + b)] = int32_t(b * H + h);
-            }
-          sr.dec_to_seq = i32(to_seq);
-          sr.dec_to_head = i32(to_head);
-        }
       }
     }
     return sr;

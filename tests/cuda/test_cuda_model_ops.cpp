@@ -232,6 +232,46 @@ TEST_F(CudaModelOps, GemmBatchInvariantRowsDoNotDependOnTheOtherRows) {
   expect_error([&] { gpu_->gemm_batch_invariant(a, b2, d); }, "gemm_batch_invariant: b");
 }
 
+// The batch-invariant GEMM over G strided matrices (the absorption under batch invariance): every
+// matrix the bits of the 2-D call on a contiguous copy of its operands, at 1..8 rows, with the
+// heads side by side in the columns; with and without 16-byte vectors (K % 4, the strides).
+TEST_F(CudaModelOps, GemmBatchInvariantBatchedEqualsEachMatrixAlone) {
+  struct Shape {
+    int64_t heads, rows, k, n, pad;
+  };
+  for (const Shape s : {Shape{32, 1, 128, 512, 64}, Shape{16, 8, 64, 256, 32}, Shape{2, 3, 32, 128, 32},
+                        Shape{5, 7, 29, 37, 3}})
+    for (const bool uv : {false, true}) {
+      const int64_t H = s.heads, B = s.rows, K = s.k, N = s.n, wa = K + s.pad, wd = N + s.pad;
+      const Tensor a = randn({B, H * wa}), b = randn({H * (N + 2), K});
+      const auto view3 = [](const TensorView& t, int64_t off, int64_t G, int64_t R, int64_t C, int64_t bs, int64_t rs) {
+        TensorView v(static_cast<float*>(t.data) + off, DType::f32, {G, R, C}, t.device);
+        v.strides = {bs, rs, 1, 0};
+        return v;
+      };
+      const Tensor da = dev(a), db = dev(b);
+      Tensor d = poisoned(DType::f32, {B, H * wd});
+      // uv: b's matrices two rows into each block of N + 2 (W_UV's offset in kv_b_proj's rows).
+      const int64_t b0 = uv ? 2 * K : 0;
+      gpu_->gemm_batch_invariant(view3(da.view(), 0, H, B, K, wa, H * wa), view3(db.view(), b0, H, N, K, (N + 2) * K, K),
+                                 view3(d.view(), 0, H, B, N, wd, H * wd));
+      const Tensor got = host(d);
+      for (int64_t h = 0; h < H; ++h) {
+        Tensor ah = Tensor::host(DType::f32, {B, K}), bh = Tensor::host(DType::f32, {N, K});
+        for (int64_t r = 0; r < B; ++r)
+          std::copy_n(a.ptr<float>() + r * H * wa + h * wa, K, ah.ptr<float>() + r * K);
+        std::copy_n(b.ptr<float>() + h * (N + 2) * K + b0, N * K, bh.ptr<float>());
+        Tensor alone = poisoned(DType::f32, {B, N});
+        gpu_->gemm_batch_invariant(dev(ah), dev(bh), alone);
+        const Tensor want = host(alone);
+        Tensor gh = Tensor::host(DType::f32, {B, N});
+        for (int64_t r = 0; r < B; ++r) std::copy_n(got.ptr<float>() + r * H * wd + h * wd, N, gh.ptr<float>() + r * N);
+        expect_bits(gh, want, "batched gemm_batch_invariant H=" + std::to_string(H) + " B=" + std::to_string(B) +
+                                  " K=" + std::to_string(K) + " head " + std::to_string(h));
+      }
+    }
+}
+
 // The heads of the absorbed MLA decode as one strided batched GEMM: a's and d's matrices side by
 // side in the columns of token-major rows, b's the W_UK (K x N) or W_UV (N x K, transposed) row
 // blocks of kv_b_proj; within FP32 rounding of the CPU's, and the columns between the matrices
