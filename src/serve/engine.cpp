@@ -460,7 +460,7 @@ struct Engine::Impl {
   };
   void attention(int64_t l, const std::vector<SeqChunk>& chunks, const StepRows& sr, const Tensor& x) {
     Layer& L = layers[size_t(l)];
-    const int64_t T = x.size(0), W = rkv + dr;
+    const int64_t T = x.size(0);
     const Tensor h = rmsnorm(norm_input(x).view(), L.in_norm);  // [T, D]
     const LinearInput hin = linear_input(L.kv_a, h.view());  // q_a (or q_proj) and kv_a read h
     Tensor q;                                                 // [T, H * dqk]
@@ -475,10 +475,7 @@ struct Engine::Impl {
     Tensor lat = rmsnorm(cols(ckv.view(), 0, rkv).view(), L.kv_a_norm);  // [T, rkv] kv_b_proj's input
     Tensor kpe = cols(ckv.view(), rkv, dr);                            // [T, dr], one head
     be.rope(reshape(kpe.view(), {T, 1, dr}), 0, dr, sr.positions.view(), cfg.rope_theta, false);
-    Tensor entry = f32({T, W});  // [T, rkv + dr] what the cache keeps
-    be.copy_cols(lat.view(), 0, entry.view(), 0, rkv, false);
-    be.copy_cols(kpe.view(), 0, entry.view(), rkv, dr, false);
-    cache->write(l, entry.view(), sr.slots, sr.slot_index.view());
+    cache->write(l, lat.view(), kpe.view(), sr.slots, sr.slot_index.view());
 
     // [T, H * dv] the attention output: every row written by one of the two forms.
     Tensor O = f32({T, H * dv});

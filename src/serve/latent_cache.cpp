@@ -69,11 +69,23 @@ int64_t LatentCache::bytes_per_token() const {
   return per_layer * layers_;
 }
 
-void LatentCache::write(int64_t layer, const TensorView& src, const std::vector<int64_t>& slots,
-                        const TensorView& slot_index) {
+void LatentCache::write(int64_t layer, const TensorView& src, const std::vector<int64_t>& slots) {
   const int64_t T = src.size(0);
   FP8MOE_CHECK(src.ndim == 2 && src.dtype == DType::f32 && src.size(1) == rkv_ + dr_,
                "LatentCache::write: rows must be [T, " << rkv_ + dr_ << "] f32, got " << src.str());
+  Tensor lat = be_.empty(DType::f32, {T, rkv_}), rope = be_.empty(DType::f32, {T, dr_});
+  be_.copy_cols(src, 0, lat.view(), 0, rkv_, false);
+  be_.copy_cols(src, rkv_, rope.view(), 0, dr_, false);
+  write(layer, lat.view(), rope.view(), slots, TensorView());
+}
+
+void LatentCache::write(int64_t layer, const TensorView& latent, const TensorView& rope,
+                        const std::vector<int64_t>& slots, const TensorView& slot_index) {
+  const int64_t T = latent.size(0);
+  FP8MOE_CHECK(latent.ndim == 2 && latent.dtype == DType::f32 && latent.size(1) == rkv_ && rope.ndim == 2 &&
+                   rope.dtype == DType::f32 && rope.size(0) == T && rope.size(1) == dr_,
+               "LatentCache::write: latent and RoPE key must be [T, " << rkv_ << "] and [T, " << dr_ << "] f32, got "
+                                                                      << latent.str() << " and " << rope.str());
   FP8MOE_CHECK(int64_t(slots.size()) == T, "LatentCache::write: " << slots.size() << " slots for " << T << " rows");
   for (int64_t s : slots)
     FP8MOE_CHECK(s >= 0 && s < blocks_ * kBlockTokens, "LatentCache::write: slot " << s << " outside the cache");
@@ -90,26 +102,25 @@ void LatentCache::write(int64_t layer, const TensorView& src, const std::vector<
   FP8MOE_CHECK(idx.dtype == DType::i32 && idx.ndim == 1 && idx.size(0) == T,
                "LatentCache::write: slot_index must be [" << T << "] i32, got " << idx.str());
   Layer& L = layer_[size_t(layer)];
-  if (dtype_ == CacheDType::f32) {
-    be_.scatter_rows(src, idx, L.rows.view());
-    return;
-  }
-  if (dtype_ == CacheDType::bf16) {
-    Tensor b = be_.empty(DType::bf16, {T, rkv_ + dr_});  // [T, rkv + dr] bf16
-    be_.convert(src, b.view());
-    be_.scatter_rows(b.view(), idx, L.rows.view());
+  if (dtype_ != CacheDType::fp8) {  // rows [T, rkv + dr]
+    Tensor r = be_.empty(DType::f32, {T, rkv_ + dr_});
+    be_.copy_cols(latent, 0, r.view(), 0, rkv_, false);
+    be_.copy_cols(rope, 0, r.view(), rkv_, dr_, false);
+    if (dtype_ == CacheDType::bf16) {
+      Tensor b = be_.empty(DType::bf16, {T, rkv_ + dr_});
+      be_.convert(r.view(), b.view());
+      r = b;
+    }
+    be_.scatter_rows(r.view(), idx, L.rows.view());
     return;
   }
   const int64_t G = rkv_ / kQuantGroup;
-  Tensor lat = be_.empty(DType::f32, {T, rkv_});  // [T, rkv] f32
-  be_.copy_cols(src, 0, lat.view(), 0, rkv_, false);
   QuantizedTensor q = be_.empty_quantized(T, rkv_, DType::e4m3, ScaleKind::tile_1x128);  // scales [G, ld(T)]
-  be_.quantize_1x128(lat.view(), q, ScaleMode::fp32);
+  be_.quantize_1x128(latent, q, ScaleMode::fp32);
   Tensor st = be_.empty(DType::f32, {scale_ld(T), G});  // [ld(T), G]: token-major as the cache keeps them
   be_.transpose(q.scales.view(), st.view());
-  Tensor rope = be_.empty(DType::f32, {T, dr_}), rope_b = be_.empty(DType::bf16, {T, dr_});
-  be_.copy_cols(src, rkv_, rope.view(), 0, dr_, false);
-  be_.convert(rope.view(), rope_b.view());
+  Tensor rope_b = be_.empty(DType::bf16, {T, dr_});
+  be_.convert(rope, rope_b.view());
   be_.scatter_rows(q.values.view(), idx, L.latent.view());
   be_.scatter_rows(rows(st.view(), 0, T), idx, L.scale.view());
   be_.scatter_rows(rope_b.view(), idx, L.rope.view());
