@@ -757,10 +757,16 @@ struct Engine::Impl {
     return sr;
   }
 
-  // logits [R, V] (host) of rows `out` of x [T, D] through `final_norm` and the head.
+  // logits [R, V] (host) of rows `out` of x [T, D] through `final_norm` and the head (x itself
+  // where out is every row in order, as in a step of decode rows).
   Tensor head_logits(const Tensor& x, const std::vector<int32_t>& out, const Tensor& final_norm) {
-    Tensor xl = f32({int64_t(out.size()), D});
-    be.gather_rows(x.view(), i32(out).view(), TensorView(), xl.view());
+    bool every = int64_t(out.size()) == x.size(0);
+    for (size_t i = 0; every && i < out.size(); ++i) every = out[i] == int32_t(i);
+    Tensor xl = x;
+    if (!every) {
+      xl = f32({int64_t(out.size()), D});
+      be.gather_rows(x.view(), i32(out).view(), TensorView(), xl.view());
+    }
     return be.to_host(run(head, rmsnorm(xl.view(), final_norm).view()));
   }
 
