@@ -2,6 +2,8 @@
 #include "cpu/cpu_backend.hpp"
 #include "fp8moe/backend.hpp"
 #include "fp8moe/free_hold.hpp"
+
+#include <utility>
 #ifdef FP8MOE_HAVE_CUDA
 #include "cuda/cuda_backend.hpp"
 #endif
@@ -21,6 +23,7 @@ std::string_view op_name(Op op) {
     case Op::gemm_bf16: return "gemm_bf16";
     case Op::gemm: return "gemm";
     case Op::gemm_batch_invariant: return "gemm_batch_invariant";
+    case Op::gemm_strided_batched: return "gemm_strided_batched";
     case Op::convert: return "convert";
     case Op::axpy: return "axpy";
     case Op::copy_cols: return "copy_cols";
@@ -43,8 +46,10 @@ std::string_view op_name(Op op) {
     case Op::moe_route_backward: return "moe_route_backward";
     case Op::gather_rows: return "gather_rows";
     case Op::scatter_add_rows: return "scatter_add_rows";
+    case Op::scatter_rows: return "scatter_rows";
     case Op::rows_dot: return "rows_dot";
     case Op::moe_layout: return "moe_layout";
+    case Op::moe_masked_layout: return "moe_masked_layout";
     case Op::moe_permute: return "moe_permute";
     case Op::moe_permute_quantize: return "moe_permute_quantize";
     case Op::moe_combine: return "moe_combine";
@@ -89,7 +94,11 @@ void Backend::zero(const TensorView& dst) {
 #define FP8MOE_UNSUPPORTED(op) FP8MOE_CHECK(false, #op ": unsupported on backend " << name())
 void Backend::gemm(const TensorView&, const TensorView&, const TensorView&, bool, bool, bool) { FP8MOE_UNSUPPORTED(gemm); }
 void Backend::gemm_batch_invariant(const TensorView& a, const TensorView& b, const TensorView& d) {
+  if (a.ndim == 3) return gemm_strided_batched(a, b, d, true, false);
   gemm(a, b, d, false, true, false);
+}
+void Backend::gemm_strided_batched(const TensorView&, const TensorView&, const TensorView&, bool, bool) {
+  FP8MOE_UNSUPPORTED(gemm_strided_batched);
 }
 void Backend::convert(const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(convert); }
 void Backend::axpy(double, const TensorView&, double, const TensorView&) { FP8MOE_UNSUPPORTED(axpy); }
@@ -183,10 +192,15 @@ void Backend::gather_rows(const TensorView&, const TensorView&, const TensorView
 void Backend::scatter_add_rows(const TensorView&, const TensorView&, const TensorView&, const TensorView&) {
   FP8MOE_UNSUPPORTED(scatter_add_rows);
 }
+void Backend::scatter_rows(const TensorView&, const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(scatter_rows); }
 void Backend::rows_dot(const TensorView&, const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(rows_dot); }
 void Backend::moe_layout(const TensorView&, int64_t, const TensorView&, const TensorView&, const TensorView&,
                          const TensorView&) {
   FP8MOE_UNSUPPORTED(moe_layout);
+}
+void Backend::moe_masked_layout(const TensorView&, int64_t, int64_t, const TensorView&, const TensorView&,
+                                const TensorView&, const TensorView&) {
+  FP8MOE_UNSUPPORTED(moe_masked_layout);
 }
 void Backend::moe_permute(const TensorView&, const TensorView&, int64_t, const TensorView&, const TensorView&) {
   FP8MOE_UNSUPPORTED(moe_permute);
@@ -228,7 +242,25 @@ double Backend::sum_squares_all(const std::vector<TensorView>& xs) {
   return s;
 }
 
+BatchedGemmDims check_gemm_strided_batched(Device device, const TensorView& a, const TensorView& b,
+                                           const TensorView& d, bool trans_b) {
+  for (const auto& [t, arg] : {std::pair<const TensorView&, const char*>{a, "a"}, {b, "b"}, {d, "d"}}) {
+    FP8MOE_CHECK(t.defined() && t.device == device && t.dtype == DType::f32 && t.ndim == 3 && t.strides[2] == 1,
+                 "gemm_strided_batched: " << arg << " must be a 3-D f32 view on the backend's device with unit column "
+                                                    "stride, got "
+                                          << t.str());
+  }
+  BatchedGemmDims g{d.size(0), d.size(1), d.size(2), a.size(2)};
+  FP8MOE_CHECK(a.size(0) == g.G && b.size(0) == g.G && a.size(1) == g.M,
+               "gemm_strided_batched: a " << a.str() << " and b " << b.str() << " do not match d " << d.str());
+  FP8MOE_CHECK((trans_b ? b.size(2) : b.size(1)) == g.K && (trans_b ? b.size(1) : b.size(2)) == g.N,
+               "gemm_strided_batched: b " << b.str() << " does not match K = " << g.K << ", N = " << g.N
+                                          << (trans_b ? " (transposed)" : ""));
+  return g;
+}
+
 Tensor Backend::to_host(const Tensor& t) {
+  ++host_reads_;
   if (t.device() == Device::cpu) return t;
   // copy() into host memory waits for the current stream only: no device-wide synchronization.
   Tensor h = Tensor::host_like(t.view());

@@ -30,6 +30,7 @@ enum class Op : uint8_t {
   // Model ops (include/fp8moe/backend.hpp, "Model ops" below).
   gemm,
   gemm_batch_invariant,
+  gemm_strided_batched,
   convert,
   axpy,
   copy_cols,
@@ -52,9 +53,11 @@ enum class Op : uint8_t {
   moe_route_backward,
   gather_rows,
   scatter_add_rows,
+  scatter_rows,
   rows_dot,
   // MoE dispatch and grouped GEMMs (moe_grouped.hpp).
   moe_layout,
+  moe_masked_layout,
   moe_permute,
   moe_permute_quantize,
   moe_combine,
@@ -108,6 +111,7 @@ class Backend {
   // synchronizes once per step. Backends whose checks cost nothing ignore it.
   enum class Checks { immediate, deferred };
   virtual void set_checks(Checks) {}
+  virtual Checks checks() const { return Checks::immediate; }
   // Bytes of device memory in use on this backend's device (CUDA: all allocations, not only ours;
   // CPU: the bytes of its live tensors), or -1 where the backend cannot tell.
   virtual int64_t device_memory_in_use() const { return -1; }
@@ -136,6 +140,9 @@ class Backend {
   virtual void wait_copies() {}
   // A host copy of `t` (or `t` itself when it is already on the host).
   Tensor to_host(const Tensor& t);
+  // The to_host calls made on this backend so far, host tensors included: each is where a GPU
+  // backend makes the host wait for the device, so a caller counts its steps' synchronizations.
+  int64_t host_reads() const { return host_reads_; }
 
   virtual void quantize_1x128(const TensorView& x, const QuantizedView& out, ScaleMode mode) = 0;
   virtual void quantize_128x128(const TensorView& w, const QuantizedView& out, ScaleMode mode) = 0;
@@ -164,9 +171,18 @@ class Backend {
   // The Linear form d [M, N] f32 = a [M, K] b [N, K]^T (a, b both f32 or both bf16, FP32
   // accumulation of the exact products) with every row of d summed in an order set by K alone:
   // the same bits whatever M and the other rows of a (batch invariance: a decode token's Linear
-  // does not depend on the tokens that share its step). The default is gemm, whose CPU form sums
-  // every element over k in order; a backend whose gemm picks its algorithm by M overrides it.
+  // does not depend on the tokens that share its step). Also G such GEMMs of f32 3-D strided views
+  // as gemm_strided_batched takes them (b [G, N, K]), each matrix with the bits it gets alone. The
+  // default is gemm (gemm_strided_batched), whose CPU form sums every element over k in order; a
+  // backend whose gemm picks its algorithm by M overrides it.
   virtual void gemm_batch_invariant(const TensorView& a, const TensorView& b, const TensorView& d);
+  // G GEMMs in one call: d[g] [M, N] (+)= a[g] [M, K] op(b[g]) for g < G, f32; a, b, d 3-D views
+  // [G, rows, cols] with any batch and row strides and unit column strides (e.g. the heads side by
+  // side in the columns of one matrix); op(b) = b [G, K, N] or, with trans_b, b^T for b [G, N, K].
+  // Every d[g] has the bits gemm gives for the three matrices alone (CPU); CUDA: one strided
+  // batched cuBLASLt matmul (FP32, the same accuracy as gemm).
+  virtual void gemm_strided_batched(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_b,
+                                    bool accumulate);
   // dst = src elementwise between f32, f64 and bf16 (same element count).
   virtual void convert(const TensorView& src, const TensorView& dst);
   // y = alpha * x + beta * y (float, same shape).
@@ -261,6 +277,10 @@ class Backend {
   // dst[idx[i]] += w[i] * src[i] for i < N; w [N] float or undefined (1); src [N', D], dst [T, D].
   virtual void scatter_add_rows(const TensorView& src, const TensorView& idx, const TensorView& w,
                                 const TensorView& dst);
+  // dst[idx[i]] = src[i] for i < N, the bytes as they are: idx [N] i32, src [N', C] and dst [R, C]
+  // contiguous, one dtype (any). Several i with one idx: one of their rows. Entries outside [0, R):
+  // an error on the CPU, skipped on the device.
+  virtual void scatter_rows(const TensorView& src, const TensorView& idx, const TensorView& dst);
   // out [N] = sum_j a[i, j] * b[i, j] for i < N (a, b [N', D], N = out size).
   virtual void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out);
 
@@ -273,6 +293,16 @@ class Backend {
   // each a multiple of align; offsets[G] = rows used). Tokens ascending inside a segment.
   virtual void moe_layout(const TensorView& expert_ids, int64_t align, const TensorView& row_slot,
                           const TensorView& row_group, const TensorView& slot_row, const TensorView& offsets);
+  // The masked layout of grouped_gemm_fp8_masked from the routing, on the device (a decode step
+  // reads nothing back): slot s = t * K + j of expert_ids [T, k] i32 (K = k, or k + 1 with
+  // every_token_group >= 0: every token's slot j = k in that group, the shared expert run as a
+  // routed one) goes to row g * M_max + i, i its rank among group g's slots in slot order, M_max =
+  // rows / G. row_slot [G * M_max] i32 (-1 where no slot), slot_row [T, K] i32 (-1: dropped),
+  // counts [G] i32; loads [G] i64 (or undefined) += counts. Ids outside [0, G) and slots past M_max
+  // in their group are dropped (CPU: an error, as for moe_layout's ids).
+  virtual void moe_masked_layout(const TensorView& expert_ids, int64_t groups, int64_t every_token_group,
+                                 const TensorView& row_slot, const TensorView& slot_row, const TensorView& counts,
+                                 const TensorView& loads);
   // out [R, D] = w[slot] * x[slot / k] for slot = row_slot[r] (zero rows where slot < 0); x [T, D]
   // f32 | bf16, w [T, k] f32 or undefined (1), out f32 | bf16.
   virtual void moe_permute(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
@@ -319,6 +349,9 @@ class Backend {
   virtual double sum_squares(const TensorView& x);
   // The sum over all of xs (in order), with one host synchronization where the backend can.
   virtual double sum_squares_all(const std::vector<TensorView>& xs);
+
+ private:
+  int64_t host_reads_ = 0;
 };
 
 // Runs the ops of a scope on another stream: { StreamScope on_comm(be, comm); be.copy(...); }
@@ -338,6 +371,14 @@ class StreamScope {
 inline int64_t moe_layout_rows(int64_t slots, int64_t groups, int64_t align) {
   return (slots + groups * (align - 1) + align - 1) / align * align;
 }
+
+// Backend::gemm_strided_batched's arguments on `device` (f32, 3-D, unit column strides, the
+// shapes agreeing): G, M, N, K, or an error naming the argument.
+struct BatchedGemmDims {
+  int64_t G = 0, M = 0, N = 0, K = 0;
+};
+BatchedGemmDims check_gemm_strided_batched(Device device, const TensorView& a, const TensorView& b,
+                                           const TensorView& d, bool trans_b);
 
 // "cpu", "cuda" (our kernels) or "cublaslt" (the CUDA backend with gemm_fp8 through cuBLASLt); the
 // CUDA ones exist when built with CUDA and a GPU is present.

@@ -1,4 +1,4 @@
-// Argument checks of the MoE dispatch ops (backend.hpp: moe_layout, moe_permute,
+// Argument checks of the MoE dispatch ops (backend.hpp: moe_layout, moe_masked_layout, moe_permute,
 // moe_permute_quantize, moe_combine, moe_combine_weight_grad), shared by the backends so that all
 // refuse the same calls with the same messages: every tensor defined, contiguous and on the
 // backend's `device`, dtypes (where f32 is named, the cpu also takes f64: the fp64 recipe), ranks, shapes and the i32 range of row and slot indices. Index
@@ -20,6 +20,12 @@ struct MoeDispatchDims {
 MoeDispatchDims check_moe_layout_args(Device device, const TensorView& expert_ids, int64_t align,
                                       const TensorView& row_slot, const TensorView& row_group,
                                       const TensorView& slot_row, const TensorView& offsets);
+// expert_ids [T, k], row_slot [G * M_max], slot_row [T, K] (K = k, or k + 1 with
+// every_token_group in [0, G)), counts [G], all i32; loads [G] i64 or undefined. topk is K.
+MoeDispatchDims check_moe_masked_layout_args(Device device, const TensorView& expert_ids, int64_t groups,
+                                             int64_t every_token_group, const TensorView& row_slot,
+                                             const TensorView& slot_row, const TensorView& counts,
+                                             const TensorView& loads);
 // x [T, D] f32|bf16, row_slot [R] i32, topk >= 1, w [T, topk] f32 or undefined, out [R, D] f32|bf16.
 MoeDispatchDims check_moe_permute_args(Device device, const TensorView& x, const TensorView& row_slot, int64_t topk,
                                        const TensorView& w, const TensorView& out);

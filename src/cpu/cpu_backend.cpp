@@ -96,6 +96,10 @@ class CpuBackend final : public Backend {
   void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool ta, bool tb, bool acc) override {
     cpu::gemm(a, b, d, ta, tb, acc);
   }
+  void gemm_strided_batched(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_b,
+                            bool accumulate) override {
+    cpu::gemm_strided_batched(a, b, d, trans_b, accumulate);
+  }
   void convert(const TensorView& src, const TensorView& dst) override { cpu::convert(src, dst); }
   void axpy(double alpha, const TensorView& x, double beta, const TensorView& y) override { cpu::axpy(alpha, x, beta, y); }
   void copy_cols(const TensorView& src, int64_t sc, const TensorView& dst, int64_t dc, int64_t n, bool acc) override {
@@ -164,10 +168,18 @@ class CpuBackend final : public Backend {
                         const TensorView& dst) override {
     cpu::scatter_add_rows(src, idx, w, dst);
   }
+  void scatter_rows(const TensorView& src, const TensorView& idx, const TensorView& dst) override {
+    cpu::scatter_rows(src, idx, dst);
+  }
   void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out) override { cpu::rows_dot(a, b, out); }
   void moe_layout(const TensorView& expert_ids, int64_t align, const TensorView& row_slot, const TensorView& row_group,
                   const TensorView& slot_row, const TensorView& offsets) override {
     cpu::moe_layout(expert_ids, align, row_slot, row_group, slot_row, offsets);
+  }
+  void moe_masked_layout(const TensorView& expert_ids, int64_t groups, int64_t every_token_group,
+                         const TensorView& row_slot, const TensorView& slot_row, const TensorView& counts,
+                         const TensorView& loads) override {
+    cpu::moe_masked_layout(expert_ids, groups, every_token_group, row_slot, slot_row, counts, loads);
   }
   void moe_permute(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
                    const TensorView& out) override {

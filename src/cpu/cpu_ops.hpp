@@ -27,6 +27,7 @@ constexpr int64_t kParallelWork = 1 << 15;
 void check_op_tensor(const TensorView& t, const char* op, const char* arg, DType dtype, int ndim);
 
 void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b, bool accumulate);
+void gemm_strided_batched(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_b, bool accumulate);
 void convert(const TensorView& src, const TensorView& dst);
 void axpy(double alpha, const TensorView& x, double beta, const TensorView& y);
 void copy_cols(const TensorView& src, int64_t src_col, const TensorView& dst, int64_t dst_col, int64_t ncols,
@@ -68,11 +69,15 @@ void moe_route_backward(const TensorView& scores, const TensorView& idx, const T
                         const TensorView& dscores, const TensorView& dlogits, bool norm, double scaling);
 void gather_rows(const TensorView& src, const TensorView& idx, const TensorView& w, const TensorView& dst);
 void scatter_add_rows(const TensorView& src, const TensorView& idx, const TensorView& w, const TensorView& dst);
+void scatter_rows(const TensorView& src, const TensorView& idx, const TensorView& dst);
 void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out);
 
 // MoE dispatch (ops_moe_dispatch.cpp) and grouped GEMMs (ops_grouped_gemm.cpp).
 void moe_layout(const TensorView& expert_ids, int64_t align, const TensorView& row_slot, const TensorView& row_group,
                 const TensorView& slot_row, const TensorView& offsets);
+void moe_masked_layout(const TensorView& expert_ids, int64_t groups, int64_t every_token_group,
+                       const TensorView& row_slot, const TensorView& slot_row, const TensorView& counts,
+                       const TensorView& loads);
 void moe_permute(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
                  const TensorView& out);
 void moe_permute_quantize(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,

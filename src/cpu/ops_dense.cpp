@@ -171,6 +171,32 @@ void gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool tr
   });
 }
 
+namespace {
+// Matrix g of a 3-D view [G, R, C] (unit column stride) to or from contiguous [R, C] storage.
+void copy_matrix(const TensorView& t, int64_t g, float* dense, bool to_dense) {
+  const int64_t R = t.size(1), C = t.size(2);
+  float* m = t.ptr<float>() + g * t.strides[0];
+  for (int64_t r = 0; r < R; ++r)
+    to_dense ? std::copy_n(m + r * t.strides[1], C, dense + r * C) : std::copy_n(dense + r * C, C, m + r * t.strides[1]);
+}
+}  // namespace
+
+// Each matrix copied out to contiguous storage and through the one GEMM: the bits of gemm alone.
+void gemm_strided_batched(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_b, bool accumulate) {
+  const BatchedGemmDims g = check_gemm_strided_batched(Device::cpu, a, b, d, trans_b);
+  std::vector<float> am(size_t(g.M * g.K)), bm(size_t(g.K * g.N)), dm(size_t(g.M * g.N));
+  const TensorView av(am.data(), DType::f32, {g.M, g.K}, Device::cpu), dv(dm.data(), DType::f32, {g.M, g.N}, Device::cpu);
+  const TensorView bv = trans_b ? TensorView(bm.data(), DType::f32, {g.N, g.K}, Device::cpu)
+                                : TensorView(bm.data(), DType::f32, {g.K, g.N}, Device::cpu);
+  for (int64_t i = 0; i < g.G; ++i) {
+    copy_matrix(a, i, am.data(), true);
+    copy_matrix(b, i, bm.data(), true);
+    if (accumulate) copy_matrix(d, i, dm.data(), true);
+    gemm_driver<float>(av, bv, dv, false, trans_b, accumulate);
+    copy_matrix(d, i, dm.data(), false);
+  }
+}
+
 void convert(const TensorView& src, const TensorView& dst) {
   FP8MOE_CHECK(src.numel() == dst.numel(), "convert: src " << src.str() << " and dst " << dst.str()
                                                            << " differ in element count");

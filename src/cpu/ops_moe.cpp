@@ -2,7 +2,7 @@
 //   moe_route           sigmoid affinities, group-limited top-k on affinity + balancing bias (the
 //                       bias only steers selection; weights use the raw affinities), normalized.
 //   moe_route_backward  gradient of the weights (and of a direct score loss) w.r.t. the logits.
-//   gather_rows / scatter_add_rows / rows_dot: dispatch, weighted combine and the combine
+//   gather_rows / scatter_add_rows / scatter_rows / rows_dot: dispatch, weighted combine and the combine
 //                       weights' gradient.
 #include <algorithm>
 #include <cmath>
@@ -180,6 +180,22 @@ void scatter_add_rows(const TensorView& src, const TensorView& idx, const Tensor
         dst.ptr<T>()[id[i] * D + j] += wi * src.ptr<const T>()[i * D + j];
       }
   });
+}
+
+void scatter_rows(const TensorView& src, const TensorView& idx, const TensorView& dst) {
+  check_op_tensor(idx, "scatter_rows", "idx", DType::i32, 1);
+  FP8MOE_CHECK(src.dtype == dst.dtype && src.ndim == 2 && dst.ndim == 2 && src.size(1) == dst.size(1) &&
+                   src.size(0) >= idx.size(0) && src.is_contiguous() && dst.is_contiguous(),
+               "scatter_rows: src " << src.str() << " and dst " << dst.str() << " must be contiguous [*, C] of one "
+                                                                                "dtype, src of >= "
+                                    << idx.size(0) << " rows");
+  const int64_t N = idx.size(0), R = dst.size(0);
+  const size_t row = size_t(src.size(1)) * dtype_size(src.dtype);
+  const int32_t* id = idx.ptr<const int32_t>();
+  for (int64_t i = 0; i < N; ++i)
+    FP8MOE_CHECK(id[i] >= 0 && id[i] < R, "scatter_rows: idx[" << i << "] = " << id[i] << " outside [0, " << R << ")");
+  for (int64_t i = 0; i < N; ++i)
+    std::copy_n(static_cast<const char*>(src.data) + size_t(i) * row, row, static_cast<char*>(dst.data) + size_t(id[i]) * row);
 }
 
 void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out) {

@@ -3,6 +3,7 @@
 //   moe_layout               build_moe_layout (moe_grouped.hpp) written out as the device tables:
 //                            row_slot (t * k + j), row_group, slot_row, offsets; rows past
 //                            offsets[G] are -1.
+//   moe_masked_layout        each group's slots in slot order at its M_max rows; counts, loads.
 //   moe_permute              out[r] = w[slot] * x[slot / k] (FP32 product; FP64 for f64), zero rows
 //                            for slot < 0.
 //   moe_permute_quantize     moe_permute into FP32, then quantize_1x128: the definition the fused
@@ -48,6 +49,35 @@ void moe_layout(const TensorView& expert_ids, int64_t align, const TensorView& r
     if (row >= 0) rs[row] = int32_t(slot);
   }
   std::copy(L.offsets.begin(), L.offsets.end(), offsets.ptr<int32_t>());
+}
+
+void moe_masked_layout(const TensorView& expert_ids, int64_t groups, int64_t every_token_group,
+                       const TensorView& row_slot, const TensorView& slot_row, const TensorView& counts,
+                       const TensorView& loads) {
+  const MoeDispatchDims d = check_moe_masked_layout_args(Device::cpu, expert_ids, groups, every_token_group, row_slot,
+                                                         slot_row, counts, loads);
+  const int64_t k = expert_ids.size(1), K = d.topk, M = d.rows / groups;
+  check_indices(expert_ids, groups, "moe_masked_layout", "expert_ids", "G");
+  const int32_t* ids = expert_ids.ptr<const int32_t>();
+  int32_t* rs = row_slot.ptr<int32_t>();
+  int32_t* sr = slot_row.ptr<int32_t>();
+  int32_t* n = counts.ptr<int32_t>();
+  std::fill_n(rs, d.rows, -1);
+  std::fill_n(n, groups, 0);
+  for (int64_t t = 0; t < d.tokens; ++t)
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t s = t * K + j, g = j < k ? ids[t * k + j] : every_token_group;
+      if (g < 0) {
+        sr[s] = -1;
+        continue;
+      }
+      FP8MOE_CHECK(n[g] < M, "moe_masked_layout: group " << g << " has more than M_max = " << M << " slots");
+      const int64_t r = g * M + n[g]++;
+      rs[r] = int32_t(s);
+      sr[s] = int32_t(r);
+    }
+  if (loads.defined())
+    for (int64_t g = 0; g < groups; ++g) loads.ptr<int64_t>()[g] += n[g];
 }
 
 namespace {

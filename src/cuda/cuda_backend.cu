@@ -178,8 +178,13 @@ class TimedOp {
 #define FP8MOE_TIMED_OP(op) const TimedOp timed_op_(s_, op)
 #define FP8MOE_TIMED_GEMM(op, a, b, ta, tb) const TimedOp timed_op_(s_, op, [&] { return gemm_shape(a, b, ta, tb); })
 
-// "bf16xbf16 MxNxK NT" for D = op(a) op(b), op = transpose where the flag is set.
+// "bf16xbf16 MxNxK NT" for D = op(a) op(b), op = transpose where the flag is set; "f32xf32
+// GxMxNxK NT" for G matrices of 3-D views.
 std::string gemm_shape(const TensorView& a, const TensorView& b, bool ta, bool tb) {
+  if (a.ndim == 3)
+    return std::string(dtype_name(a.dtype)) + "x" + std::string(dtype_name(b.dtype)) + " " + std::to_string(a.size(0)) +
+           "x" + std::to_string(a.size(1)) + "x" + std::to_string(tb ? b.size(1) : b.size(2)) + "x" +
+           std::to_string(a.size(2)) + " N" + (tb ? "T" : "N");
   const int64_t M = ta ? a.size(1) : a.size(0), K = ta ? a.size(0) : a.size(1), N = tb ? b.size(0) : b.size(1);
   return std::string(dtype_name(a.dtype)) + "x" + std::string(dtype_name(b.dtype)) + " " + std::to_string(M) + "x" +
          std::to_string(N) + "x" + std::to_string(K) + " " + (ta ? "T" : "N") + (tb ? "T" : "N");
@@ -300,6 +305,7 @@ class CudaBackend final : public Backend {
     cuda::raise_deferred_checks();
   }
   void set_checks(Checks c) override { cuda::set_checks_deferred(c == Checks::deferred); }
+  Checks checks() const override { return cuda::checks_deferred() ? Checks::deferred : Checks::immediate; }
   // Memory the driver holds for this process (cuBLASLt's workspaces and the context included)
   // minus what the caching allocator and the pool keep free for reuse.
   int64_t device_memory_in_use() const override {
@@ -389,6 +395,11 @@ class CudaBackend final : public Backend {
             bool accumulate) override {
     FP8MOE_TIMED_GEMM("gemm", a, b, trans_a, trans_b);
     cuda::cuda_gemm(a, b, d, trans_a, trans_b, accumulate, s_);
+  }
+  void gemm_strided_batched(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_b,
+                            bool accumulate) override {
+    FP8MOE_TIMED_GEMM("gemm_strided_batched", a, b, false, trans_b);
+    cuda::cuda_gemm_strided_batched(a, b, d, trans_b, accumulate, s_);
   }
   void gemm_batch_invariant(const TensorView& a, const TensorView& b, const TensorView& d) override {
     FP8MOE_TIMED_GEMM("gemm_batch_invariant", a, b, false, true);
@@ -495,6 +506,10 @@ class CudaBackend final : public Backend {
     FP8MOE_TIMED_OP("scatter_add_rows");
     cuda::cuda_scatter_add_rows(src, idx, w, dst, s_);
   }
+  void scatter_rows(const TensorView& src, const TensorView& idx, const TensorView& dst) override {
+    FP8MOE_TIMED_OP("scatter_rows");
+    cuda::cuda_scatter_rows(src, idx, dst, s_);
+  }
   void rows_dot(const TensorView& a, const TensorView& b, const TensorView& out) override {
     FP8MOE_TIMED_OP("rows_dot");
     cuda::cuda_rows_dot(a, b, out, s_);
@@ -505,6 +520,12 @@ class CudaBackend final : public Backend {
                   const TensorView& slot_row, const TensorView& offsets) override {
     FP8MOE_TIMED_OP("moe_layout");
     cuda::moe_layout_cuda(expert_ids, align, row_slot, row_group, slot_row, offsets, s_);
+  }
+  void moe_masked_layout(const TensorView& expert_ids, int64_t groups, int64_t every_token_group,
+                         const TensorView& row_slot, const TensorView& slot_row, const TensorView& counts,
+                         const TensorView& loads) override {
+    FP8MOE_TIMED_OP("moe_masked_layout");
+    cuda::moe_masked_layout_cuda(expert_ids, groups, every_token_group, row_slot, slot_row, counts, loads, s_);
   }
   void moe_permute(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
                    const TensorView& out) override {

@@ -104,6 +104,38 @@ MoeDispatchDims check_moe_layout_args(Device device, const TensorView& expert_id
   return d;
 }
 
+MoeDispatchDims check_moe_masked_layout_args(Device device, const TensorView& expert_ids, int64_t groups,
+                                             int64_t every_token_group, const TensorView& row_slot,
+                                             const TensorView& slot_row, const TensorView& counts,
+                                             const TensorView& loads) {
+  const ArgChecker c{device, "moe_masked_layout"};
+  c.tensor(expert_ids, "expert_ids", {DType::i32}, 2);
+  c.tensor(row_slot, "row_slot", {DType::i32}, 1);
+  c.tensor(slot_row, "slot_row", {DType::i32}, 2);
+  c.tensor(counts, "counts", {DType::i32}, 1);
+  MoeDispatchDims d;
+  d.tokens = expert_ids.size(0);
+  d.topk = expert_ids.size(1) + (every_token_group >= 0 ? 1 : 0);
+  d.rows = row_slot.size(0);
+  d.groups = groups;
+  FP8MOE_CHECK(groups >= 1 && groups < kMaxI32, "moe_masked_layout: groups must be in [1, 2^31 - 1), got " << groups);
+  FP8MOE_CHECK(every_token_group < groups,
+               "moe_masked_layout: every_token_group " << every_token_group << " is not one of the " << groups
+                                                       << " groups (-1: none)");
+  FP8MOE_CHECK(d.rows % groups == 0 && d.rows <= kMaxI32,
+               "moe_masked_layout: row_slot's " << d.rows << " rows are not G * M_max (G = " << groups
+                                                << ") within the i32 range");
+  FP8MOE_CHECK(d.tokens * d.topk <= kMaxI32,
+               "moe_masked_layout: T * K = " << d.tokens * d.topk << " slots exceed the i32 range of row_slot");
+  c.shape(slot_row, "slot_row", {d.tokens, d.topk});
+  c.shape(counts, "counts", {groups});
+  if (loads.defined()) {
+    c.tensor(loads, "loads", {DType::i64}, 1);
+    c.shape(loads, "loads", {groups});
+  }
+  return d;
+}
+
 MoeDispatchDims check_moe_permute_args(Device device, const TensorView& x, const TensorView& row_slot, int64_t topk,
                                        const TensorView& w, const TensorView& out) {
   const ArgChecker c{device, "moe_permute"};

@@ -1,8 +1,8 @@
 // The inference engine (engine.hpp): weights uploaded once in the GEMMs' format, then per step the
 // embedding, the layers (MLA over the paged latent cache; dense MLP or MoE) and the head of the
 // last token of every chunk. Everything runs through the Backend; the host only builds index
-// tables (positions, cache slots, the expert layout after one read-back of the routing per MoE
-// layer) and receives the logits.
+// tables (positions, cache slots; the expert layout where the device does not build it, after a
+// read-back of the routing) and receives the logits.
 #include "serve/engine.hpp"
 
 #include <algorithm>
@@ -22,6 +22,37 @@ struct Linear {
   Tensor w;           // [N, K] f32 (full) | bf16 (bf16)
   QuantizedTensor q;  // [N, K] e4m3, 128x128 blocks (fp8)
 };
+
+// A step's device checks deferred (immediate ones make the host wait for the device at every
+// quantizer and index table), raised once its logits are read; where the caller deferred them
+// already they are left to its next synchronize.
+class StepChecks {
+ public:
+  explicit StepChecks(Backend& be) : be_(be), was_(be.checks()) { be_.set_checks(Backend::Checks::deferred); }
+  ~StepChecks() {
+    if (raised_) return;
+    try {
+      be_.set_checks(was_);
+    } catch (const Error&) {  // the step is failing already: its own error is the one to report
+    }
+  }
+  StepChecks(const StepChecks&) = delete;
+  StepChecks& operator=(const StepChecks&) = delete;
+  void raise() {
+    raised_ = true;
+    be_.set_checks(was_);
+  }
+
+ private:
+  Backend& be_;
+  Backend::Checks was_;
+  bool raised_ = false;
+};
+
+// The most rows (G * M) a MoE layout built on the device may take: its M covers an expert getting
+// every token, so past this the rows it pads out (written, and zeroed by the grouped GEMMs) cost
+// more than the host's read of the routing saves.
+constexpr int64_t kDeviceLayoutRows = 16384;
 
 }  // namespace
 
@@ -67,6 +98,9 @@ struct Engine::Impl {
   // [moe layer][expert] the copy the expert's next token goes to: kept across steps, since a
   // decode step brings an expert a token or two and a per-step turn would always pick copy 0.
   std::vector<std::vector<int64_t>> turn;
+  // [moe layer] tokens per group [E (+1)] i64 of the layouts built on the device, not yet folded
+  // into window and gpu_tokens (fold_device_loads).
+  std::vector<Tensor> device_loads;
   int64_t steps = 0;
 
   Impl(const WeightSet& ws, Backend& b, const EngineOptions& o) : cfg(ws.cfg), opt(o), be(b) {
@@ -114,6 +148,7 @@ struct Engine::Impl {
     window.assign(size_t(n), std::vector<double>(size_t(E), 0.0));
     gpu_tokens.assign(size_t(n), std::vector<int64_t>(size_t(opt.expert_gpus), 0));
     redundant = opt.expert_slots > 0 && n > 0;
+    for (int64_t i = 0; i < n && !redundant; ++i) device_loads.push_back(be.zeros(DType::i64, {E + (layers_extra() ? 1 : 0)}));
     if (!redundant) {
       if (n > 0) placement = identity_placement(n, E, opt.expert_nodes, opt.expert_gpus);
       return;
@@ -337,23 +372,37 @@ struct Engine::Impl {
     if (opt.batch_invariant && x.size(0) <= kBatchInvariantRows) be.gemm_batch_invariant(x, w, y);
     else be.gemm(x, w, y, false, true, false);
   }
-  // y [T, N] f32 = x [T, K] f32 w^T; `mode`: the scales of x's FP8 tiles.
-  Tensor run(const Linear& L, const TensorView& x, ScaleMode mode = ScaleMode::fp32) {
+  // x [T, K] f32 as a Linear of L's format reads it: 1x128 E4M3 tiles with `mode` scales (fp8),
+  // a BF16 copy (bf16) or x itself; made once where Linears share their input.
+  struct LinearInput {
+    TensorView x;
+    QuantizedTensor q;
+    Tensor b;
+  };
+  LinearInput linear_input(const Linear& L, const TensorView& x, ScaleMode mode = ScaleMode::fp32) {
+    LinearInput in{x, {}, {}};
     const int64_t T = x.size(0);
+    if (T == 0) return in;
+    if (L.q.values.defined()) {
+      in.q = be.empty_quantized(T, L.K, DType::e4m3, ScaleKind::tile_1x128);  // [T, K] 1x128
+      be.quantize_1x128(x, in.q, mode);
+    } else if (L.w.dtype() == DType::bf16) {
+      in.b = be.empty(DType::bf16, {T, L.K});
+      be.convert(x, in.b.view());
+    }
+    return in;
+  }
+  // y [T, N] f32 = x [T, K] w^T.
+  Tensor apply(const Linear& L, const LinearInput& in) {
+    const int64_t T = in.x.size(0);
     Tensor y = f32({T, L.N});
     if (T == 0) return y;
-    if (L.q.values.defined()) {
-      QuantizedTensor xq = be.empty_quantized(T, L.K, DType::e4m3, ScaleKind::tile_1x128);  // [T, K] 1x128
-      be.quantize_1x128(x, xq, mode);
-      be.gemm_fp8(xq, L.q, y.view(), GemmOptions{});
-    } else if (L.w.dtype() == DType::bf16) {
-      Tensor xb = be.empty(DType::bf16, {T, L.K});
-      be.convert(x, xb.view());
-      linear_gemm(xb.view(), L.w.view(), y.view());
-    } else {
-      linear_gemm(x, L.w.view(), y.view());
-    }
+    if (L.q.values.defined()) be.gemm_fp8(in.q, L.q, y.view(), GemmOptions{});
+    else linear_gemm(in.b.defined() ? in.b.view() : in.x, L.w.view(), y.view());
     return y;
+  }
+  Tensor run(const Linear& L, const TensorView& x, ScaleMode mode = ScaleMode::fp32) {
+    return apply(L, linear_input(L, x, mode));
   }
   Tensor rmsnorm(const TensorView& x, const Tensor& w) {
     Tensor y = f32({x.size(0), x.size(1)}), rstd = f32({x.size(0)});
@@ -367,7 +416,8 @@ struct Engine::Impl {
   }
   // out [T, D] = down(silu(gate(x)) * up(x)) for the first rows of x.
   Tensor mlp_forward(const Mlp& m, const TensorView& x, ScaleMode in_mode) {
-    const Tensor g = run(m.gate, x, in_mode), u = run(m.up, x, in_mode);
+    const LinearInput in = linear_input(m.gate, x, in_mode);
+    const Tensor g = apply(m.gate, in), u = apply(m.up, in);
     Tensor a = f32({x.size(0), m.gate.N});
     be.swiglu_forward(g.view(), u.view(), a.view());
     return run(m.down, a.view());
@@ -400,36 +450,35 @@ struct Engine::Impl {
     std::vector<int64_t> row0;  // first row of each chunk in the step's rows
     Tensor positions;           // [T] i32
     std::vector<int64_t> slots; // [T] cache slot of each row
+    Tensor slot_index;          // the same [T] i32 on the backend
     // The chunks whose tokens are decode rows, the B decode rows of the step and what every
     // layer's absorbed form takes: their rows in the step, block tables [B, max blocks] and
-    // lengths [B] (the rows of one chunk share its table), and the orders between the head-major
-    // rows h * B + b of the absorption GEMMs and the op's rows b * H + h.
+    // lengths [B] (the rows of one chunk share its table).
     std::vector<bool> decode;
     int64_t B = 0;
-    Tensor dec_rows, dec_table, dec_lengths, dec_to_seq, dec_to_head;
+    Tensor dec_rows, dec_table, dec_lengths;
   };
   void attention(int64_t l, const std::vector<SeqChunk>& chunks, const StepRows& sr, const Tensor& x) {
     Layer& L = layers[size_t(l)];
-    const int64_t T = x.size(0), W = rkv + dr;
+    const int64_t T = x.size(0);
     const Tensor h = rmsnorm(norm_input(x).view(), L.in_norm);  // [T, D]
-    Tensor q;                                       // [T, H * dqk]
+    const LinearInput hin = linear_input(L.kv_a, h.view());  // q_a (or q_proj) and kv_a read h
+    Tensor q;                                                 // [T, H * dqk]
     if (L.q_a.N > 0) {
-      const Tensor cq = run(L.q_a, h.view());
+      const Tensor cq = apply(L.q_a, hin);
       q = run(L.q_b, rmsnorm(cq.view(), L.q_a_norm).view());
     } else {
-      q = run(L.q_b, h.view());
+      q = apply(L.q_b, hin);
     }
     be.rope(reshape(q.view(), {T, H, dqk}), dn, dr, sr.positions.view(), cfg.rope_theta, false);
-    const Tensor ckv = run(L.kv_a, h.view());  // [T, rkv + dr]
+    const Tensor ckv = apply(L.kv_a, hin);  // [T, rkv + dr]
     Tensor lat = rmsnorm(cols(ckv.view(), 0, rkv).view(), L.kv_a_norm);  // [T, rkv] kv_b_proj's input
     Tensor kpe = cols(ckv.view(), rkv, dr);                            // [T, dr], one head
     be.rope(reshape(kpe.view(), {T, 1, dr}), 0, dr, sr.positions.view(), cfg.rope_theta, false);
-    Tensor entry = f32({T, W});  // [T, rkv + dr] what the cache keeps
-    be.copy_cols(lat.view(), 0, entry.view(), 0, rkv, false);
-    be.copy_cols(kpe.view(), 0, entry.view(), rkv, dr, false);
-    cache->write(l, entry.view(), sr.slots);
+    cache->write(l, lat.view(), kpe.view(), sr.slots, sr.slot_index.view());
 
-    Tensor O = be.zeros(DType::f32, {T, H * dv});  // [T, H * dv] attention output
+    // [T, H * dv] the attention output: every row written by one of the two forms.
+    Tensor O = f32({T, H * dv});
     for (size_t c = 0; c < chunks.size(); ++c) {
       const SeqChunk& ch = chunks[c];
       if (sr.decode[c]) continue;
@@ -470,38 +519,36 @@ struct Engine::Impl {
     be.copy(rows(O.view(), r0, n), rows(reshape(Op.view(), {Lt, H * dv}), c.start, n));
   }
 
-  // The absorbed form for the step's single-token chunks: q_lat_h = q_nope_h W_UK_h per head
-  // (head-major rows h * B + b), Backend::mla_decode_attention over the layer's cache for all B
-  // sequences at once, then o_h = o_lat_h W_UV_h^T.
+  // The absorbed form for the step's decode rows: q_lat_h = q_nope_h W_UK_h,
+  // Backend::mla_decode_attention over the layer's cache for all B rows at once, then o_h =
+  // o_lat_h W_UV_h^T. Each absorption is one batched GEMM over the heads, which reads and writes
+  // every head where it lies in the token-major rows (head h at columns h * width), so a layer
+  // issues the same few ops at any head count; under batch invariance it is the batched
+  // gemm_batch_invariant, W_UK_h in its Linear form (wuk_t).
   void absorbed(Layer& Ly, int64_t l, const StepRows& sr, const Tensor& q, const Tensor& O) {
-    const int64_t B = sr.B, W = rkv + dr;
-    Tensor qd = f32({B, H * dqk}), qhm = f32({H * B, dqk});
-    be.gather_rows(q.view(), sr.dec_rows.view(), TensorView(), qd.view());
-    be.gather_rows(reshape(qd.view(), {B * H, dqk}), sr.dec_to_head.view(), TensorView(), qhm.view());
-    const Tensor qn = cols(qhm.view(), 0, dn);  // [H * B, dn]
-    Tensor ql = f32({H * B, rkv});              // q_lat_h = q_nope_h W_UK_h
-    for (int64_t h = 0; h < H; ++h) {
-      if (Ly.wuk_t.defined() && B <= kBatchInvariantRows)
-        linear_gemm(rows(qn.view(), h * B, B), rows(Ly.wuk_t.view(), h * rkv, rkv), rows(ql.view(), h * B, B));
-      else
-        be.gemm(rows(qn.view(), h * B, B), rows(Ly.kv_b_f32.view(), h * (dn + dv), dn), rows(ql.view(), h * B, B),
-                false, false, false);
-    }
-    Tensor qa = f32({H * B, W});  // [q_lat | q_pe] against [c_kv | k_pe]
-    be.copy_cols(ql.view(), 0, qa.view(), 0, rkv, false);
-    be.copy_cols(qhm.view(), dn, qa.view(), rkv, dr, false);
-    Tensor qs = f32({B * H, W}), os = f32({B * H, rkv});  // the op's rows b * H + h
-    be.gather_rows(qa.view(), sr.dec_to_seq.view(), TensorView(), qs.view());
+    const int64_t B = sr.B, W = rkv + dr, head_rows = (dn + dv) * rkv;
+    const bool invariant = opt.batch_invariant && B <= kBatchInvariantRows;
+    // A step of decode rows only has them in order: q and O are theirs as they are.
+    const bool all = B == q.size(0);
+    Tensor qd = all ? q : f32({B, H * dqk});
+    if (!all) be.gather_rows(q.view(), sr.dec_rows.view(), TensorView(), qd.view());
+    Tensor qs = f32({B * H, W}), os = f32({B * H, rkv});  // the op's rows b * H + h: [q_lat | q_pe], o_lat
+    const TensorView q_nope = matrices(qd.view(), 0, H, B, dn, dqk, H * dqk),
+                     q_lat = matrices(qs.view(), 0, H, B, rkv, W, H * W);
+    if (invariant)
+      be.gemm_batch_invariant(q_nope, matrices(Ly.wuk_t.view(), 0, H, rkv, dn, rkv * dn, dn), q_lat);
+    else
+      be.gemm_strided_batched(q_nope, matrices(Ly.kv_b_f32.view(), 0, H, dn, rkv, head_rows, rkv), q_lat, false, false);
+    be.copy_cols(reshape(qd.view(), {B * H, dqk}), dn, qs.view(), rkv, dr, false);
     be.mla_decode_attention(qs.view(), cache->view(l), sr.dec_table.view(), sr.dec_lengths.view(), scale, os.view(),
                             opt.batch_invariant ? MlaDecodeSplits::by_length : MlaDecodeSplits::fit_batch);
-    Tensor olc = f32({H * B, rkv});  // attention-weighted latents, head-major
-    be.gather_rows(os.view(), sr.dec_to_head.view(), TensorView(), olc.view());
-    Tensor od = f32({B, H * dv}), oh = f32({B, dv});
-    for (int64_t h = 0; h < H; ++h) {  // o_h = o_lat_h W_UV_h^T
-      linear_gemm(rows(olc.view(), h * B, B), rows(Ly.kv_b_f32.view(), h * (dn + dv) + dn, dv), oh.view());
-      be.copy_cols(oh.view(), 0, od.view(), h * dv, dv, false);
-    }
-    be.scatter_add_rows(od.view(), sr.dec_rows.view(), TensorView(), O.view());
+    Tensor od = all ? O : f32({B, H * dv});
+    const TensorView o_lat = matrices(os.view(), 0, H, B, rkv, rkv, H * rkv),
+                     w_uv = matrices(Ly.kv_b_f32.view(), dn * rkv, H, dv, rkv, head_rows, rkv),
+                     o_h = matrices(od.view(), 0, H, B, dv, dv, H * dv);
+    if (invariant) be.gemm_batch_invariant(o_lat, w_uv, o_h);
+    else be.gemm_strided_batched(o_lat, w_uv, o_h, true, false);
+    if (!all) be.scatter_rows(od.view(), sr.dec_rows.view(), O.view());
   }
 
   // ---- The MLP half: x [T, D] += mlp(norm(x)) or moe(norm(x)).
@@ -520,7 +567,6 @@ struct Engine::Impl {
     linear_gemm(h.view(), L.gate_w.view(), logits.view());
     be.moe_route(logits.view(), L.gate_bias.view(), scores.view(), idx.view(), w.view(), cfg.n_group, cfg.topk_group,
                  cfg.norm_topk_prob, cfg.routed_scaling_factor);
-    const Tensor idx_h = be.to_host(idx);
     const bool extra = layers_extra();
     // With redundant experts the groups are the physical slots, each token's choice sent to one
     // copy of its expert in turn (the copies of an expert split its tokens evenly).
@@ -536,7 +582,58 @@ struct Engine::Impl {
       be.copy_cols(w.view(), 0, wk.view(), 0, k, false);
       be.copy_cols(upload(ones).view(), 0, wk.view(), k, 1, false);
     }
-    // The masked layout: expert g's rows at g * M_max + [0, count[g]), M_max a multiple of 64.
+    // The masked layout: expert g's rows at g * M + [0, count[g]), M a multiple of 64. The FP8
+    // experts take it from the device (M for the most tokens an expert can get, T), so that the step
+    // waits for nothing before its logits; where that bound would cost too many rows, and for the
+    // copies' turns and the per-expert GEMMs of the other precisions, the host reads the routing.
+    const bool on_device = prec == LinearPrecision::fp8 && !phys && G * round_up(T, 64) <= kDeviceLayoutRows;
+    const MaskedLayout lay = on_device ? device_layout(idx, G, extra ? E : -1, ml) : host_layout(idx, G, routed, K, ml);
+    const int64_t M = lay.M, R = G * M;
+    Tensor ye;  // [R, D] expert outputs
+    if (prec == LinearPrecision::fp8) {
+      const int64_t F = L.eg.values.size(0) / (E + (extra ? 1 : 0));
+      const QuantizedTensor& eg = phys ? L.pg : L.eg;
+      const QuantizedTensor& eu = phys ? L.pu : L.eu;
+      const QuantizedTensor& ed = phys ? L.pd : L.ed;
+      QuantizedTensor xq = be.empty_quantized(R, D, DType::e4m3, ScaleKind::tile_1x128);
+      be.moe_permute_quantize(h.view(), lay.row_slot.view(), K, TensorView(), xq, ScaleMode::pow2);
+      Tensor g = f32({R, F}), u = f32({R, F}), a = f32({R, F});
+      be.grouped_gemm_fp8_masked(xq, eg, lay.counts.view(), G, g.view(), GemmOptions{});
+      be.grouped_gemm_fp8_masked(xq, eu, lay.counts.view(), G, u.view(), GemmOptions{});
+      be.swiglu_forward(g.view(), u.view(), a.view());
+      QuantizedTensor aq = be.empty_quantized(R, F, DType::e4m3, ScaleKind::tile_1x128);
+      be.quantize_1x128(a.view(), aq, ScaleMode::fp32);
+      ye = f32({R, D});
+      be.grouped_gemm_fp8_masked(aq, ed, lay.counts.view(), G, ye.view(), GemmOptions{});
+    } else {
+      Tensor xe = f32({R, D});
+      be.moe_permute(h.view(), lay.row_slot.view(), K, TensorView(), xe.view());
+      ye = be.zeros(DType::f32, {R, D});
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t n = lay.host_counts[size_t(g)];
+        if (n == 0) continue;
+        const int64_t e = phys && g < routed ? placement.phy_to_log[size_t(ml)][size_t(g)] : g < routed ? g : E;
+        const Tensor y = mlp_forward(L.experts[size_t(e)], rows(xe.view(), g * M, n), ScaleMode::pow2);
+        be.copy(rows(ye.view(), g * M, n), y.view());
+      }
+    }
+    be.moe_combine(ye.view(), lay.slot_row.view(), wk.view(), x.view(), true);
+  }
+
+  // The masked layout of a MoE layer's G groups: row_slot [G * M], slot_row [T, K], counts [G] on
+  // the device; host_counts where the host built it.
+  struct MaskedLayout {
+    int64_t M = 0;
+    Tensor row_slot, slot_row, counts;
+    std::vector<int32_t> host_counts;
+  };
+  // From the routing idx [T, k] read back: the copies' turns, the loads and the virtual GPUs' tokens
+  // counted here, M the most slots of a group rounded up to 64. Groups [0, routed) are the routed
+  // experts (or their copies), slot k of K = k + 1 goes to group `routed`.
+  MaskedLayout host_layout(const Tensor& idx, int64_t G, int64_t routed, int64_t K, int64_t ml) {
+    const Tensor idx_h = be.to_host(idx);
+    const int64_t T = idx.size(0), k = idx.size(1);
+    const bool phys = redundant && ml >= 0;
     std::vector<int32_t> count(size_t(G), 0), expert(size_t(T * K));
     for (int64_t t = 0; t < T; ++t)
       for (int64_t j = 0; j < K; ++j) {
@@ -556,46 +653,48 @@ struct Engine::Impl {
         expert[size_t(t * K + j)] = g;
         ++count[size_t(g)];
       }
-    const int64_t M = round_up(std::max<int64_t>(1, *std::max_element(count.begin(), count.end())), 64), R = G * M;
-    std::vector<int32_t> row_slot(size_t(R), -1), slot_row(size_t(T * K)), fill(size_t(G), 0);
+    MaskedLayout m;
+    m.M = round_up(std::max<int64_t>(1, *std::max_element(count.begin(), count.end())), 64);
+    std::vector<int32_t> row_slot(size_t(G * m.M), -1), slot_row(size_t(T * K)), fill(size_t(G), 0);
     for (int64_t s = 0; s < T * K; ++s) {
       const int32_t g = expert[size_t(s)];
-      const int64_t r = g * M + fill[size_t(g)]++;
+      const int64_t r = g * m.M + fill[size_t(g)]++;
       row_slot[size_t(r)] = int32_t(s);
       slot_row[size_t(s)] = int32_t(r);
     }
-    const Tensor rs = i32(row_slot);
-    Tensor sr = be.empty(DType::i32, {T, K});  // [T, K] row of each slot
-    be.copy(sr.view(), reshape(i32(slot_row).view(), {T, K}));
-    Tensor ye;  // [R, D] expert outputs
-    if (prec == LinearPrecision::fp8) {
-      const int64_t F = L.eg.values.size(0) / (E + (extra ? 1 : 0));
-      const QuantizedTensor& eg = phys ? L.pg : L.eg;
-      const QuantizedTensor& eu = phys ? L.pu : L.eu;
-      const QuantizedTensor& ed = phys ? L.pd : L.ed;
-      QuantizedTensor xq = be.empty_quantized(R, D, DType::e4m3, ScaleKind::tile_1x128);
-      be.moe_permute_quantize(h.view(), rs.view(), K, TensorView(), xq, ScaleMode::pow2);
-      const Tensor counts = i32(count);
-      Tensor g = f32({R, F}), u = f32({R, F}), a = f32({R, F});
-      be.grouped_gemm_fp8_masked(xq, eg, counts.view(), G, g.view(), GemmOptions{});
-      be.grouped_gemm_fp8_masked(xq, eu, counts.view(), G, u.view(), GemmOptions{});
-      be.swiglu_forward(g.view(), u.view(), a.view());
-      QuantizedTensor aq = be.empty_quantized(R, F, DType::e4m3, ScaleKind::tile_1x128);
-      be.quantize_1x128(a.view(), aq, ScaleMode::fp32);
-      ye = f32({R, D});
-      be.grouped_gemm_fp8_masked(aq, ed, counts.view(), G, ye.view(), GemmOptions{});
-    } else {
-      Tensor xe = f32({R, D});
-      be.moe_permute(h.view(), rs.view(), K, TensorView(), xe.view());
-      ye = be.zeros(DType::f32, {R, D});
-      for (int64_t g = 0; g < G; ++g) {
-        if (count[size_t(g)] == 0) continue;
-        const int64_t e = phys && g < routed ? placement.phy_to_log[size_t(ml)][size_t(g)] : g < routed ? g : E;
-        const Tensor y = mlp_forward(L.experts[size_t(e)], rows(xe.view(), g * M, count[size_t(g)]), ScaleMode::pow2);
-        be.copy(rows(ye.view(), g * M, count[size_t(g)]), y.view());
+    m.row_slot = i32(row_slot);
+    m.slot_row = be.empty(DType::i32, {T, K});
+    be.copy(m.slot_row.view(), reshape(i32(slot_row).view(), {T, K}));
+    m.counts = i32(count);
+    m.host_counts = std::move(count);
+    return m;
+  }
+  // On the device (Backend::moe_masked_layout), M = round_up(T, 64): no expert gets a token twice.
+  // The trunk's layers add their counts to device_loads, folded into the host's counts when read.
+  MaskedLayout device_layout(const Tensor& idx, int64_t G, int64_t every_token_group, int64_t ml) {
+    const int64_t T = idx.size(0), K = idx.size(1) + (every_token_group >= 0 ? 1 : 0);
+    MaskedLayout m;
+    m.M = round_up(T, 64);
+    m.row_slot = be.empty(DType::i32, {G * m.M});
+    m.slot_row = be.empty(DType::i32, {T, K});
+    m.counts = be.empty(DType::i32, {G});
+    be.moe_masked_layout(idx.view(), G, every_token_group, m.row_slot.view(), m.slot_row.view(), m.counts.view(),
+                         ml >= 0 ? device_loads[size_t(ml)].view() : TensorView());
+    return m;
+  }
+  // The tokens the device layouts routed since the last fold, added to the loads and the virtual
+  // GPUs' counts (without redundant experts expert e is on GPU e * gpus / E).
+  void fold_device_loads() {
+    const int64_t E = cfg.n_routed_experts;
+    for (size_t ml = 0; ml < device_loads.size(); ++ml) {
+      const Tensor h = be.to_host(device_loads[ml]);
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t n = h.ptr<int64_t>()[e];
+        window[ml][size_t(e)] += double(n);
+        gpu_tokens[ml][size_t(e * opt.expert_gpus / E)] += n;
       }
+      be.zero(device_loads[ml].view());
     }
-    be.moe_combine(ye.view(), sr.view(), wk.view(), x.view(), true);
   }
 
   // The step's rows: tokens, positions, cache slots, and the rows whose logits are asked for.
@@ -626,6 +725,7 @@ struct Engine::Impl {
       for (int64_t r = n - c.logits_rows; r < n; ++r) out_rows.push_back(int32_t(sr.row0.back() + r));
     }
     sr.positions = i32(pos);
+    sr.slot_index = i32(std::vector<int32_t>(sr.slots.begin(), sr.slots.end()));
     sr.decode.assign(chunks.size(), false);
     if (opt.absorbed_decode) {
       std::vector<int32_t> dec_rows, lengths;
@@ -649,31 +749,30 @@ struct Engine::Impl {
           const std::vector<int32_t>& t = *tables[size_t(b)];
           std::copy(t.begin(), t.begin() + blocks_for(lengths[size_t(b)]), table.ptr<int32_t>() + b * nb);
         }
-        std::vector<int32_t> to_seq(size_t(B * H)), to_head(size_t(B * H));
-        for (int64_t b = 0; b < B; ++b)
-          for (int64_t h = 0; h < H; ++h) {
-            to_seq[size_t(b * H + h)] = int32_t(h * B + b);
-            to_head[size_t(h * B + b)] = int32_t(b * H + h);
-          }
         sr.dec_rows = i32(dec_rows);
         sr.dec_table = upload(table);
         sr.dec_lengths = i32(lengths);
-        sr.dec_to_seq = i32(to_seq);
-        sr.dec_to_head = i32(to_head);
       }
     }
     return sr;
   }
 
-  // logits [R, V] (host) of rows `out` of x [T, D] through `final_norm` and the head.
+  // logits [R, V] (host) of rows `out` of x [T, D] through `final_norm` and the head (x itself
+  // where out is every row in order, as in a step of decode rows).
   Tensor head_logits(const Tensor& x, const std::vector<int32_t>& out, const Tensor& final_norm) {
-    Tensor xl = f32({int64_t(out.size()), D});
-    be.gather_rows(x.view(), i32(out).view(), TensorView(), xl.view());
+    bool every = int64_t(out.size()) == x.size(0);
+    for (size_t i = 0; every && i < out.size(); ++i) every = out[i] == int32_t(i);
+    Tensor xl = x;
+    if (!every) {
+      xl = f32({int64_t(out.size()), D});
+      be.gather_rows(x.view(), i32(out).view(), TensorView(), xl.view());
+    }
     return be.to_host(run(head, rmsnorm(xl.view(), final_norm).view()));
   }
 
   Tensor step(const std::vector<SeqChunk>& chunks, Tensor* hidden) {
     FP8MOE_CHECK(!chunks.empty(), "Engine::step: no chunks");
+    StepChecks checks(be);
     std::vector<int32_t> tokens, out;
     const StepRows sr = rows_of(chunks, tokens, out);
     const int64_t T = int64_t(tokens.size());
@@ -685,12 +784,14 @@ struct Engine::Impl {
     }
     if (hidden) *hidden = x;
     Tensor logits = head_logits(x, out, norm);
+    checks.raise();
     if (opt.rebalance_every > 0 && ++steps % opt.rebalance_every == 0) rebalance();
     return logits;
   }
 
   Tensor mtp_step(const std::vector<SeqChunk>& chunks, const TensorView& hidden) {
     FP8MOE_CHECK(opt.mtp, "Engine::mtp_step: the engine was made without EngineOptions::mtp");
+    StepChecks checks(be);
     std::vector<int32_t> tokens, out;
     std::vector<SeqChunk> last_only = chunks;
     for (SeqChunk& c : last_only) c.logits_rows = 1;
@@ -706,7 +807,9 @@ struct Engine::Impl {
     Tensor x = run(eh, cat.view());  // [T, D]
     attention(L, last_only, sr, x);
     ffn(L, x);
-    return head_logits(x, out, mtp_norm);
+    Tensor logits = head_logits(x, out, mtp_norm);
+    checks.raise();
+    return logits;
   }
 };
 
@@ -760,9 +863,16 @@ Backend& Engine::backend() const { return impl_->be; }
 LatentCache& Engine::cache() { return *impl_->cache; }
 Tensor Engine::step(const std::vector<SeqChunk>& chunks, Tensor* hidden) { return impl_->step(chunks, hidden); }
 const ExpertPlacement& Engine::placement() const { return impl_->placement; }
-const ExpertLoads& Engine::expert_loads() const { return impl_->window; }
-const std::vector<std::vector<int64_t>>& Engine::gpu_tokens() const { return impl_->gpu_tokens; }
+const ExpertLoads& Engine::expert_loads() const {
+  impl_->fold_device_loads();
+  return impl_->window;
+}
+const std::vector<std::vector<int64_t>>& Engine::gpu_tokens() const {
+  impl_->fold_device_loads();
+  return impl_->gpu_tokens;
+}
 void Engine::reset_gpu_tokens() {
+  impl_->fold_device_loads();
   for (auto& row : impl_->gpu_tokens) std::fill(row.begin(), row.end(), 0);
 }
 void Engine::set_placement(const ExpertPlacement& p) { impl_->set_placement(p); }

@@ -107,7 +107,8 @@ class Engine {
   // Redundant experts, over the trunk's MoE layers in order (the MTP block keeps one copy each).
   // The placement in use (EngineOptions::expert_slots > 0), the tokens routed to each logical
   // expert (decayed at each rebalance: EngineOptions::load_decay), and to each virtual GPU since
-  // the engine was made (or reset_gpu_tokens).
+  // the engine was made (or reset_gpu_tokens). The counts of steps whose expert layout the device
+  // built are read back here (a host synchronization), not in the steps.
   const ExpertPlacement& placement() const;
   const ExpertLoads& expert_loads() const;
   const std::vector<std::vector<int64_t>>& gpu_tokens() const;

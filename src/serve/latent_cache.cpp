@@ -1,5 +1,5 @@
-// The paged latent cache (latent_cache.hpp): copies between a sequence's rows and its blocks on the
-// backend, one copy per run of consecutive slots.
+// The paged latent cache (latent_cache.hpp): a step's rows scattered to their slots by one
+// Backend::scatter_rows per stored part; a sequence's blocks read and handed over by copies.
 #include "serve/latent_cache.hpp"
 
 #include <algorithm>
@@ -8,26 +8,6 @@
 #include "serve/views.hpp"
 
 namespace fp8moe::serve {
-
-namespace {
-
-// Runs of consecutive slots: (first source row, first slot, length).
-struct Run {
-  int64_t row, slot, n;
-};
-std::vector<Run> runs_of(const std::vector<int64_t>& slots) {
-  std::vector<Run> r;
-  for (int64_t i = 0; i < int64_t(slots.size()); ++i) {
-    if (!r.empty() && r.back().slot + r.back().n == slots[size_t(i)] &&
-        slots[size_t(i)] % kBlockTokens != 0)
-      ++r.back().n;
-    else
-      r.push_back({i, slots[size_t(i)], 1});
-  }
-  return r;
-}
-
-}  // namespace
 
 CacheDType cache_dtype_from_name(const std::string& name) {
   if (name == "f32") return CacheDType::f32;
@@ -93,37 +73,57 @@ void LatentCache::write(int64_t layer, const TensorView& src, const std::vector<
   const int64_t T = src.size(0);
   FP8MOE_CHECK(src.ndim == 2 && src.dtype == DType::f32 && src.size(1) == rkv_ + dr_,
                "LatentCache::write: rows must be [T, " << rkv_ + dr_ << "] f32, got " << src.str());
+  Tensor lat = be_.empty(DType::f32, {T, rkv_}), rope = be_.empty(DType::f32, {T, dr_});
+  be_.copy_cols(src, 0, lat.view(), 0, rkv_, false);
+  be_.copy_cols(src, rkv_, rope.view(), 0, dr_, false);
+  write(layer, lat.view(), rope.view(), slots, TensorView());
+}
+
+void LatentCache::write(int64_t layer, const TensorView& latent, const TensorView& rope,
+                        const std::vector<int64_t>& slots, const TensorView& slot_index) {
+  const int64_t T = latent.size(0);
+  FP8MOE_CHECK(latent.ndim == 2 && latent.dtype == DType::f32 && latent.size(1) == rkv_ && rope.ndim == 2 &&
+                   rope.dtype == DType::f32 && rope.size(0) == T && rope.size(1) == dr_,
+               "LatentCache::write: latent and RoPE key must be [T, " << rkv_ << "] and [T, " << dr_ << "] f32, got "
+                                                                      << latent.str() << " and " << rope.str());
   FP8MOE_CHECK(int64_t(slots.size()) == T, "LatentCache::write: " << slots.size() << " slots for " << T << " rows");
   for (int64_t s : slots)
     FP8MOE_CHECK(s >= 0 && s < blocks_ * kBlockTokens, "LatentCache::write: slot " << s << " outside the cache");
   if (T == 0) return;
-  Layer& L = layer_[size_t(layer)];
-  const std::vector<Run> runs = runs_of(slots);
-  if (dtype_ == CacheDType::f32) {
-    for (const Run& r : runs) be_.copy(rows(L.rows.view(), r.slot, r.n), rows(src, r.row, r.n));
-    return;
+  Tensor uploaded;
+  TensorView idx = slot_index;
+  if (!idx.defined()) {
+    Tensor h = Tensor::host(DType::i32, {T});
+    std::copy(slots.begin(), slots.end(), h.ptr<int32_t>());
+    uploaded = be_.empty(DType::i32, {T});
+    be_.copy(uploaded.view(), h.view());
+    idx = uploaded.view();
   }
-  if (dtype_ == CacheDType::bf16) {
-    Tensor b = be_.empty(DType::bf16, {T, rkv_ + dr_});  // [T, rkv + dr] bf16
-    be_.convert(src, b.view());
-    for (const Run& r : runs) be_.copy(rows(L.rows.view(), r.slot, r.n), rows(b.view(), r.row, r.n));
+  FP8MOE_CHECK(idx.dtype == DType::i32 && idx.ndim == 1 && idx.size(0) == T,
+               "LatentCache::write: slot_index must be [" << T << "] i32, got " << idx.str());
+  Layer& L = layer_[size_t(layer)];
+  if (dtype_ != CacheDType::fp8) {  // rows [T, rkv + dr]
+    Tensor r = be_.empty(DType::f32, {T, rkv_ + dr_});
+    be_.copy_cols(latent, 0, r.view(), 0, rkv_, false);
+    be_.copy_cols(rope, 0, r.view(), rkv_, dr_, false);
+    if (dtype_ == CacheDType::bf16) {
+      Tensor b = be_.empty(DType::bf16, {T, rkv_ + dr_});
+      be_.convert(r.view(), b.view());
+      r = b;
+    }
+    be_.scatter_rows(r.view(), idx, L.rows.view());
     return;
   }
   const int64_t G = rkv_ / kQuantGroup;
-  Tensor lat = be_.empty(DType::f32, {T, rkv_});  // [T, rkv] f32
-  be_.copy_cols(src, 0, lat.view(), 0, rkv_, false);
   QuantizedTensor q = be_.empty_quantized(T, rkv_, DType::e4m3, ScaleKind::tile_1x128);  // scales [G, ld(T)]
-  be_.quantize_1x128(lat.view(), q, ScaleMode::fp32);
+  be_.quantize_1x128(latent, q, ScaleMode::fp32);
   Tensor st = be_.empty(DType::f32, {scale_ld(T), G});  // [ld(T), G]: token-major as the cache keeps them
   be_.transpose(q.scales.view(), st.view());
-  Tensor rope = be_.empty(DType::f32, {T, dr_}), rope_b = be_.empty(DType::bf16, {T, dr_});
-  be_.copy_cols(src, rkv_, rope.view(), 0, dr_, false);
-  be_.convert(rope.view(), rope_b.view());
-  for (const Run& r : runs) {
-    be_.copy(rows(L.latent.view(), r.slot, r.n), rows(q.values.view(), r.row, r.n));
-    be_.copy(rows(L.scale.view(), r.slot, r.n), rows(st.view(), r.row, r.n));
-    be_.copy(rows(L.rope.view(), r.slot, r.n), rows(rope_b.view(), r.row, r.n));
-  }
+  Tensor rope_b = be_.empty(DType::bf16, {T, dr_});
+  be_.convert(rope, rope_b.view());
+  be_.scatter_rows(q.values.view(), idx, L.latent.view());
+  be_.scatter_rows(rows(st.view(), 0, T), idx, L.scale.view());
+  be_.scatter_rows(rope_b.view(), idx, L.rope.view());
 }
 
 Tensor LatentCache::read(int64_t layer, const std::vector<int32_t>& table, int64_t tokens) {

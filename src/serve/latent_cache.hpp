@@ -51,8 +51,12 @@ class LatentCache {
   CacheDType dtype() const { return dtype_; }
   // Bytes one token takes over all layers (scales included).
   int64_t bytes_per_token() const;
-  // Stores rows [T, rkv + dr] f32 (latent | rotated RoPE key) at slots[T] of `layer`.
+  // Stores rows [T, rkv + dr] f32 (latent | rotated RoPE key) at slots[T] of `layer`. The second
+  // form takes the two parts, latent [T, rkv] and RoPE key [T, dr] f32, as the fp8 cache stores
+  // them; slot_index, where defined, holds the slots as [T] i32 on the backend (else uploaded).
   void write(int64_t layer, const TensorView& rows, const std::vector<int64_t>& slots);
+  void write(int64_t layer, const TensorView& latent, const TensorView& rope, const std::vector<int64_t>& slots,
+             const TensorView& slot_index);
   // The first `tokens` positions of a sequence of `layer` gathered block by block from its table:
   // [blocks_for(tokens) * 64, rkv + dr] f32 (rows past `tokens` are whatever the last block held).
   Tensor read(int64_t layer, const std::vector<int32_t>& table, int64_t tokens);

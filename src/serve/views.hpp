@@ -1,5 +1,5 @@
-// Non-owning views the engine and the cache take of contiguous tensors: rows [r0, r0 + n) and
-// another shape of the same storage.
+// Non-owning views the engine and the cache take of contiguous tensors: rows [r0, r0 + n),
+// another shape of the same storage, and strided matrices in it.
 #pragma once
 #include <initializer_list>
 
@@ -19,6 +19,18 @@ inline TensorView rows(const TensorView& t, int64_t r0, int64_t n) {
 inline TensorView reshape(const TensorView& t, std::initializer_list<int64_t> shape) {
   TensorView v(t.data, t.dtype, shape, t.device);
   FP8MOE_CHECK(v.numel() == t.numel() && t.is_contiguous(), "reshape: " << t.str() << " to " << v.str());
+  return v;
+}
+
+// G matrices [R, C] of t's storage (contiguous): matrix g at element offset + g * batch_stride,
+// its rows row_stride apart (Backend::gemm_strided_batched's operands).
+inline TensorView matrices(const TensorView& t, int64_t offset, int64_t G, int64_t R, int64_t C, int64_t batch_stride,
+                           int64_t row_stride) {
+  FP8MOE_CHECK(t.is_contiguous() && offset >= 0 && C <= row_stride &&
+                   offset + (G - 1) * batch_stride + (R - 1) * row_stride + C <= t.numel(),
+               "matrices: " << G << " x [" << R << ", " << C << "] at " << offset << " outside " << t.str());
+  TensorView v(static_cast<char*>(t.data) + offset * int64_t(dtype_size(t.dtype)), t.dtype, {G, R, C}, t.device);
+  v.strides = {batch_stride, row_stride, 1, 0};
   return v;
 }
 

@@ -571,6 +571,49 @@ TEST(Backends, ZeroClearsInPlace) {
   }
 }
 
+// gemm_strided_batched on the CPU is its specification: every matrix the bits of gemm on a
+// contiguous copy of its operands (the heads of the absorbed decode side by side in the columns),
+// and gemm_batch_invariant of 3-D views the same with b [G, N, K].
+TEST(Backends, CpuStridedBatchedGemmEqualsGemmPerMatrix) {
+  auto cpu = make_backend("cpu");
+  std::mt19937_64 rng = make_rng();
+  const int64_t G = 3, M = 5, K = 19, N = 23, wa = K + 4, wd = N + 3;
+  const Tensor a = random_normal(rng, DType::f32, {M, G * wa}), b = random_normal(rng, DType::f32, {G * (K + 1), N});
+  const Tensor bt = random_normal(rng, DType::f32, {G * N, K});
+  const auto view3 = [](const Tensor& t, int64_t off, int64_t R, int64_t C, int64_t bs, int64_t rs) {
+    TensorView v(t.ptr<float>() + off, DType::f32, {G, R, C}, Device::cpu);
+    v.strides = {bs, rs, 1, 0};
+    return v;
+  };
+  for (const bool tb : {false, true})
+    for (const bool acc : {false, true}) {
+      SCOPED_TRACE(std::string("trans_b ") + (tb ? "1" : "0") + " accumulate " + (acc ? "1" : "0"));
+      Tensor d = random_normal(rng, DType::f32, {M, G * wd});
+      const Tensor d0 = cpu->to_host(d);
+      std::vector<float> before(d0.ptr<float>(), d0.ptr<float>() + d0.numel());
+      const TensorView bv = tb ? view3(bt, 0, N, K, N * K, K) : view3(b, N, K, N, (K + 1) * N, N);
+      if (tb && !acc) cpu->gemm_batch_invariant(view3(a, 0, M, K, wa, G * wa), bv, view3(d, 0, M, N, wd, G * wd));
+      else cpu->gemm_strided_batched(view3(a, 0, M, K, wa, G * wa), bv, view3(d, 0, M, N, wd, G * wd), tb, acc);
+      for (int64_t g = 0; g < G; ++g) {
+        Tensor ag = Tensor::host(DType::f32, {M, K}), dg = Tensor::host(DType::f32, {M, N});
+        Tensor bg = tb ? Tensor::host(DType::f32, {N, K}) : Tensor::host(DType::f32, {K, N});
+        for (int64_t r = 0; r < M; ++r) {
+          std::copy_n(a.ptr<float>() + r * G * wa + g * wa, K, ag.ptr<float>() + r * K);
+          std::copy_n(before.data() + r * G * wd + g * wd, N, dg.ptr<float>() + r * N);
+        }
+        if (tb) std::copy_n(bt.ptr<float>() + g * N * K, N * K, bg.ptr<float>());
+        else std::copy_n(b.ptr<float>() + g * (K + 1) * N + N, K * N, bg.ptr<float>());
+        cpu->gemm(ag, bg, dg, false, tb, acc);
+        for (int64_t r = 0; r < M; ++r)
+          for (int64_t n = 0; n < N; ++n)
+            ASSERT_EQ(d.ptr<float>()[r * G * wd + g * wd + n], dg.ptr<float>()[r * N + n]) << g << " " << r << " " << n;
+      }
+      for (int64_t r = 0; r < M; ++r)  // the columns between the matrices untouched
+        for (int64_t c = 0; c < G * wd; ++c)
+          if (c % wd >= N) ASSERT_EQ(d.ptr<float>()[r * G * wd + c], before[size_t(r * G * wd + c)]);
+    }
+}
+
 // quantize_1x128_and_128x1 checks both outputs (the checks of the two quantizers) before it writes
 // either, on every backend and in the Backend default.
 TEST(Backends, Quantize1x128And128x1RefusesBadArguments) {

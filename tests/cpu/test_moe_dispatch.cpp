@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "fp8moe/backend.hpp"
@@ -144,6 +145,39 @@ TEST_F(MoeDispatchCpu, LayoutRejectsBadArguments) {
   TensorView on_gpu = rs.view();
   on_gpu.device = Device::cuda;
   expect_error([&] { run(ids, 4, on_gpu, sr, off); }, "moe_layout: row_slot must be a cpu tensor");
+}
+
+// ---- moe_masked_layout ----
+
+// The ids of LayoutHandWorked with M_max = 4: group g's slots in slot order at rows 4g + i;
+// with every_token_group = 3 each token's third slot goes to group 3. The loads add the counts.
+TEST_F(MoeDispatchCpu, MaskedLayoutHandWorked) {
+  const Tensor ids = i32_tensor({4, 2}, {2, 0, 0, -1, 1, 2, -1, 0});
+  const auto run = [&](int64_t every, int64_t K) {
+    Tensor rs = Tensor::host(DType::i32, {16}), sr = Tensor::host(DType::i32, {4, K}),
+           counts = Tensor::host(DType::i32, {4}), loads = Tensor::host(DType::i64, {4});
+    for (int64_t g = 0; g < 4; ++g) loads.ptr<int64_t>()[g] = 10 * (g + 1);
+    cpu_->moe_masked_layout(ids, 4, every, rs, sr, counts, loads);
+    return std::make_tuple(ints(rs), ints(sr), ints(counts),
+                           std::vector<int64_t>(loads.ptr<int64_t>(), loads.ptr<int64_t>() + 4));
+  };
+  const auto [rs2, sr2, counts2, loads2] = run(-1, 2);
+  EXPECT_EQ(rs2, (std::vector<int32_t>{1, 2, 7, -1, 4, -1, -1, -1, 0, 5, -1, -1, -1, -1, -1, -1}));
+  EXPECT_EQ(sr2, (std::vector<int32_t>{8, 0, 1, -1, 4, 9, -1, 2}));
+  EXPECT_EQ(counts2, (std::vector<int32_t>{3, 1, 2, 0}));
+  EXPECT_EQ(loads2, (std::vector<int64_t>{13, 21, 32, 40}));
+  const auto [rs3, sr3, counts3, loads3] = run(3, 3);
+  EXPECT_EQ(rs3, (std::vector<int32_t>{1, 3, 10, -1, 6, -1, -1, -1, 0, 7, -1, -1, 2, 5, 8, 11}));
+  EXPECT_EQ(sr3, (std::vector<int32_t>{8, 0, 12, 1, -1, 13, 4, 9, 14, -1, 2, 15}));
+  EXPECT_EQ(counts3, (std::vector<int32_t>{3, 1, 2, 4}));
+  EXPECT_EQ(loads3, (std::vector<int64_t>{13, 21, 32, 44}));
+  Tensor rs = Tensor::host(DType::i32, {8}), sr = Tensor::host(DType::i32, {4, 2}), c = Tensor::host(DType::i32, {4});
+  expect_error([&] { cpu_->moe_masked_layout(ids, 4, -1, rs, sr, c, TensorView()); },
+               "moe_masked_layout: group 0 has more than M_max = 2 slots");
+  expect_error([&] { cpu_->moe_masked_layout(ids, 2, -1, rs, sr, head_rows(c, 2), TensorView()); },
+               "expert_ids[0] = 2 outside [-1, G = 2)");
+  expect_error([&] { cpu_->moe_masked_layout(ids, 4, 4, rs, sr, c, TensorView()); }, "every_token_group 4");
+  expect_error([&] { cpu_->moe_masked_layout(ids, 3, -1, rs, sr, c, TensorView()); }, "G * M_max");
 }
 
 // ---- moe_permute, moe_permute_quantize ----

@@ -7,6 +7,7 @@
 // say). Skips without a GPU.
 // Run: build/tests/cuda/test_cuda_model_ops, or ctest -R CudaModelOps (FP8MOE_SEED=<n> replays a seed).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -61,6 +62,7 @@ Tensor as_dtype(const Tensor& x, DType dt) {
 
 double value_at(const Tensor& t, int64_t i) {
   if (i < 0) return 0;
+  if (t.dtype() == DType::u8) return double(t.ptr<const uint8_t>()[i]);
   return t.dtype() == DType::i32 ? double(t.ptr<const int32_t>()[i]) : double(load_float(t.view(), i));
 }
 
@@ -228,6 +230,92 @@ TEST_F(CudaModelOps, GemmBatchInvariantRowsDoNotDependOnTheOtherRows) {
   expect_error([&] { gpu_->gemm_batch_invariant(a, b, d); }, "b must be [N, 64]");
   Tensor b2 = dev(randn({5, 64}, 1.0f, DType::bf16));
   expect_error([&] { gpu_->gemm_batch_invariant(a, b2, d); }, "gemm_batch_invariant: b");
+}
+
+// The batch-invariant GEMM over G strided matrices (the absorption under batch invariance): every
+// matrix the bits of the 2-D call on a contiguous copy of its operands, at 1..8 rows, with the
+// heads side by side in the columns; with and without 16-byte vectors (K % 4, the strides).
+TEST_F(CudaModelOps, GemmBatchInvariantBatchedEqualsEachMatrixAlone) {
+  struct Shape {
+    int64_t heads, rows, k, n, pad;
+  };
+  for (const Shape s : {Shape{32, 1, 128, 512, 64}, Shape{16, 8, 64, 256, 32}, Shape{2, 3, 32, 128, 32},
+                        Shape{5, 7, 29, 37, 3}})
+    for (const bool uv : {false, true}) {
+      const int64_t H = s.heads, B = s.rows, K = s.k, N = s.n, wa = K + s.pad, wd = N + s.pad;
+      const Tensor a = randn({B, H * wa}), b = randn({H * (N + 2), K});
+      const auto view3 = [](const TensorView& t, int64_t off, int64_t G, int64_t R, int64_t C, int64_t bs, int64_t rs) {
+        TensorView v(static_cast<float*>(t.data) + off, DType::f32, {G, R, C}, t.device);
+        v.strides = {bs, rs, 1, 0};
+        return v;
+      };
+      const Tensor da = dev(a), db = dev(b);
+      Tensor d = poisoned(DType::f32, {B, H * wd});
+      // uv: b's matrices two rows into each block of N + 2 (W_UV's offset in kv_b_proj's rows).
+      const int64_t b0 = uv ? 2 * K : 0;
+      gpu_->gemm_batch_invariant(view3(da.view(), 0, H, B, K, wa, H * wa), view3(db.view(), b0, H, N, K, (N + 2) * K, K),
+                                 view3(d.view(), 0, H, B, N, wd, H * wd));
+      const Tensor got = host(d);
+      for (int64_t h = 0; h < H; ++h) {
+        Tensor ah = Tensor::host(DType::f32, {B, K}), bh = Tensor::host(DType::f32, {N, K});
+        for (int64_t r = 0; r < B; ++r)
+          std::copy_n(a.ptr<float>() + r * H * wa + h * wa, K, ah.ptr<float>() + r * K);
+        std::copy_n(b.ptr<float>() + h * (N + 2) * K + b0, N * K, bh.ptr<float>());
+        Tensor alone = poisoned(DType::f32, {B, N});
+        gpu_->gemm_batch_invariant(dev(ah), dev(bh), alone);
+        const Tensor want = host(alone);
+        Tensor gh = Tensor::host(DType::f32, {B, N});
+        for (int64_t r = 0; r < B; ++r) std::copy_n(got.ptr<float>() + r * H * wd + h * wd, N, gh.ptr<float>() + r * N);
+        expect_bits(gh, want, "batched gemm_batch_invariant H=" + std::to_string(H) + " B=" + std::to_string(B) +
+                                  " K=" + std::to_string(K) + " head " + std::to_string(h));
+      }
+    }
+}
+
+// The heads of the absorbed MLA decode as one strided batched GEMM: a's and d's matrices side by
+// side in the columns of token-major rows, b's the W_UK (K x N) or W_UV (N x K, transposed) row
+// blocks of kv_b_proj; within FP32 rounding of the CPU's, and the columns between the matrices
+// untouched.
+TEST_F(CudaModelOps, GemmStridedBatchedMatchesCpu) {
+  struct Shape {
+    int64_t heads, rows, k, n;
+  };
+  const auto matrices = [](const TensorView& t, int64_t offset, int64_t G, int64_t R, int64_t C, int64_t batch,
+                           int64_t row) {
+    TensorView v(static_cast<float*>(t.data) + offset, DType::f32, {G, R, C}, t.device);
+    v.strides = {batch, row, 1, 0};
+    return v;
+  };
+  for (const Shape s : {Shape{32, 1, 128, 512}, Shape{16, 32, 64, 256}, Shape{2, 7, 32, 128}, Shape{5, 3, 29, 37},
+                        Shape{128, 256, 128, 512}})
+    for (bool tb : {false, true})
+      for (bool acc : {false, true}) {
+        const int64_t H = s.heads, B = s.rows, K = s.k, N = s.n, wa = K + 3, wd = N + 5, wb = K + N + 2;
+        const Tensor a = randn({B, H * wa}), b = randn({H * (tb ? N + 2 : wb), tb ? K : N}), d0 = randn({B, H * wd});
+        const int64_t b_batch = (tb ? N + 2 : wb) * (tb ? K : N), b_row = tb ? K : N;
+        const auto views = [&](const TensorView& av, const TensorView& bv, const TensorView& dv) {
+          return std::array<TensorView, 3>{matrices(av, 0, H, B, K, wa, H * wa),
+                                           tb ? matrices(bv, 2 * K, H, N, K, b_batch, b_row)
+                                              : matrices(bv, 0, H, K, N, b_batch, b_row),
+                                           matrices(dv, 0, H, B, N, wd, H * wd)};
+        };
+        Tensor want = clone(d0);
+        const auto hv = views(a.view(), b.view(), want.view());
+        cpu_->gemm_strided_batched(hv[0], hv[1], hv[2], tb, acc);
+        const Tensor da = dev(a), db = dev(b);
+        Tensor d = dev(d0);
+        const auto dv = views(da.view(), db.view(), d.view());
+        gpu_->gemm_strided_batched(dv[0], dv[1], dv[2], tb, acc);
+        expect_close(host(d), want, 1e-5,
+                     "gemm_strided_batched H=" + std::to_string(H) + " M=" + std::to_string(B) + " K=" +
+                         std::to_string(K) + " N=" + std::to_string(N) + " tb=" + std::to_string(tb) +
+                         " acc=" + std::to_string(acc));
+      }
+  Tensor a = dev(randn({3, 64})), d = dev(randn({3, 64}));
+  const TensorView a3 = matrices(a.view(), 0, 1, 3, 64, 192, 64), d3 = matrices(d.view(), 0, 1, 3, 64, 192, 64);
+  const TensorView b3 = matrices(a.view(), 0, 1, 3, 64, 192, 64);  // [1, 3, 64]: K = 64 needs [1, 64, N]
+  expect_error([&] { gpu_->gemm_strided_batched(a3, b3, d3, false, false); }, "gemm_strided_batched: b");
+  expect_error([&] { gpu_->gemm_strided_batched(a.view(), b3, d3, false, false); }, "gemm_strided_batched: a");
 }
 
 TEST_F(CudaModelOps, ConvertBitExact) {
@@ -693,6 +781,47 @@ TEST_F(CudaModelOps, GatherScatterRowsDotMatchCpu) {
   expect_error([&] { cuda_gather_rows(dev(src), dev(idx), TensorView{}, dst, nullptr); }, "idx[9] = -2");
   Tensor dd = dev(randn({T, D}));
   expect_error([&] { cuda_scatter_add_rows(dev(rows), dev(idx), TensorView{}, dd, nullptr); }, "idx[9] = -2");
+}
+
+// scatter_rows (the latent cache's writes): byte for byte the CPU's, for rows of 1 to 16-byte
+// multiples (each element width of the kernel) at distinct random rows of a larger table, the
+// other rows untouched; entries out of range are skipped on the device.
+TEST_F(CudaModelOps, ScatterRowsBitExact) {
+  const int64_t R = 300, N = 77;
+  std::vector<int32_t> perm(static_cast<size_t>(R));
+  for (int64_t i = 0; i < R; ++i) perm[size_t(i)] = int32_t(i);
+  std::shuffle(perm.begin(), perm.end(), rng_);
+  Tensor idx = Tensor::host(DType::i32, {N});
+  std::copy_n(perm.begin(), N, idx.ptr<int32_t>());
+  const std::pair<DType, int64_t> cases[] = {{DType::u8, 7},   {DType::u8, 64},    {DType::bf16, 3},
+                                             {DType::bf16, 32}, {DType::f32, 5},   {DType::f32, 576},
+                                             {DType::bf16, 64}, {DType::u8, 512},  {DType::f32, 2}};
+  for (const auto& [dt, C] : cases) {
+    Tensor src = Tensor::host(dt, {N + 3, C}), d0 = Tensor::host(dt, {R, C});
+    std::uniform_int_distribution<int> byte(0, 255);
+    for (Tensor* t : {&src, &d0})
+      for (size_t i = 0; i < t->view().nbytes(); ++i) static_cast<uint8_t*>(t->view().data)[i] = uint8_t(byte(rng_));
+    Tensor want = clone(d0);
+    cpu_->scatter_rows(src, idx, want);
+    Tensor dst = dev(d0);
+    gpu_->scatter_rows(dev(src), dev(idx), dst);
+    const std::string what = "scatter_rows " + std::string(dtype_name(dt)) + " C=" + std::to_string(C);
+    expect_bits(host(dst), want, what);
+    Tensor bad = clone(idx);
+    bad.ptr<int32_t>()[4] = -1;
+    bad.ptr<int32_t>()[10] = int32_t(R);
+    Tensor want_bad = clone(d0);
+    for (int64_t i = 0; i < N; ++i) {
+      const int32_t r = bad.ptr<int32_t>()[i];
+      if (r < 0 || r >= R) continue;
+      const size_t row = want_bad.view().nbytes() / size_t(R);
+      std::memcpy(static_cast<char*>(want_bad.view().data) + size_t(r) * row,
+                  static_cast<const char*>(src.view().data) + size_t(i) * row, row);
+    }
+    Tensor dst_bad = dev(d0);
+    gpu_->scatter_rows(dev(src), dev(bad), dst_bad);
+    expect_bits(host(dst_bad), want_bad, what + " with entries out of range");
+  }
 }
 
 // ---- optimizer ----

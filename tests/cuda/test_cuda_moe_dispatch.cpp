@@ -1,4 +1,4 @@
-// The CUDA MoE dispatch ops (moe_layout, moe_permute, moe_permute_quantize, moe_combine,
+// The CUDA MoE dispatch ops (moe_layout, moe_masked_layout, moe_permute, moe_permute_quantize, moe_combine,
 // moe_combine_weight_grad) against the CPU backend, byte for byte, on random routing with uniform
 // and skewed loads, empty experts, dropped slots, T not a multiple of 128, D from 128 to 7168,
 // f32 and bf16, e4m3 and e5m2, both scale modes. Every device output lies inside a larger
@@ -188,6 +188,67 @@ TEST_F(CudaMoeDispatch, LayoutDropsOutOfRangeIds) {
   check_layout(sanitized(ids, s.groups), dev(ids), s.groups, 32, R, "out-of-range ids");
 }
 
+// ---- moe_masked_layout ----
+
+// The masked layout on both backends, with and without the every-token group, and the loads
+// accumulated onto what they held; ids outside [0, G) are dropped on the device (the CPU refuses
+// them: compared on the sanitized ids).
+TEST_F(CudaMoeDispatch, MaskedLayoutBitExact) {
+  const RoutingSpec specs[] = {{1, 8, 256, 0, 0, {}},      {32, 6, 64, 0, 0, {}},  {256, 4, 16, 0.8, 0, {}},
+                               {1000, 8, 256, 1.5, 0.05, {3, 100, 255}}, {77, 4, 1500, 0, 0.1, {}},
+                               {5, 3, 7, 0, 1.0, {}}};
+  for (const RoutingSpec& s : specs)
+    for (const bool every : {false, true})
+      for (const bool bad_ids : {false, true}) {
+        // Group G - 1 is every token's extra group, so a token may land there twice.
+        const int64_t G = s.groups + (every ? 1 : 0), etg = every ? G - 1 : -1, K = s.topk + (every ? 1 : 0);
+        const int64_t M = round_up(s.tokens, 64) * (every ? 2 : 1);
+        Tensor ids = random_routing(rng_, s);
+        if (bad_ids)
+          for (int64_t i = 0; i < ids.numel(); i += 5) ids.ptr<int32_t>()[i] = i % 2 ? int32_t(G + i) : int32_t(-3 - i);
+        const Tensor cpu_ids = sanitized(ids, G);
+        Tensor loads0 = Tensor::host(DType::i64, {G});
+        for (int64_t g = 0; g < G; ++g) loads0.ptr<int64_t>()[g] = (g * 7919) % 1000;
+        Tensor rs = Tensor::host(DType::i32, {G * M}), sr = Tensor::host(DType::i32, {s.tokens, K}),
+               counts = Tensor::host(DType::i32, {G}), loads = clone(loads0);
+        cpu_->moe_masked_layout(cpu_ids, G, etg, rs, sr, counts, loads);
+        Guarded drs(*gpu_, DType::i32, {G * M}, 0x5A), dsr(*gpu_, DType::i32, {s.tokens, K}, 0x5A),
+            dcounts(*gpu_, DType::i32, {G}, 0x5A), dloads(*gpu_, DType::i64, {G}, 0x5A);
+        gpu_->copy(dloads.view, loads0.view());
+        gpu_->moe_masked_layout(dev(ids), G, etg, drs, dsr, dcounts, dloads);
+        const std::string what = dims(s) + (every ? " every-token group" : "") + (bad_ids ? " bad ids" : "");
+        expect_same(*gpu_, drs, rs, 0x5A, "row_slot " + what);
+        expect_same(*gpu_, dsr, sr, 0x5A, "slot_row " + what);
+        expect_same(*gpu_, dcounts, counts, 0x5A, "counts " + what);
+        expect_same(*gpu_, dloads, loads, 0x5A, "loads " + what);
+      }
+}
+
+// A group of more slots than M_max: its first M_max slots in order get its rows, the rest are
+// dropped, and nothing is written outside the tables (the CPU refuses such a call).
+TEST_F(CudaMoeDispatch, MaskedLayoutDropsSlotsPastMMax) {
+  const int64_t T = 200, k = 2, G = 4, M = 64;
+  Tensor ids = Tensor::host(DType::i32, {T, k});
+  for (int64_t t = 0; t < T; ++t) {
+    ids.ptr<int32_t>()[t * k] = 0;                        // group 0: 200 slots
+    ids.ptr<int32_t>()[t * k + 1] = int32_t(1 + t % 3);  // groups 1..3: 66-67 slots each
+  }
+  Guarded drs(*gpu_, DType::i32, {G * M}, 0x5A), dsr(*gpu_, DType::i32, {T, k}, 0x5A),
+      dcounts(*gpu_, DType::i32, {G}, 0x5A);
+  gpu_->moe_masked_layout(dev(ids), G, -1, drs, dsr, dcounts, TensorView());
+  const Tensor rs = drs.host(*gpu_), sr = dsr.host(*gpu_), counts = dcounts.host(*gpu_);
+  std::vector<int64_t> seen(size_t(G), 0);
+  for (int64_t s = 0; s < T * k; ++s) {
+    const int32_t g = ids.ptr<int32_t>()[s], r = sr.ptr<int32_t>()[s];
+    const int64_t i = seen[size_t(g)]++;
+    ASSERT_EQ(r, i < M ? int32_t(g * M + i) : -1) << "slot " << s;
+    if (r >= 0) ASSERT_EQ(rs.ptr<int32_t>()[r], int32_t(s)) << "row " << r;
+  }
+  for (int64_t g = 0; g < G; ++g) EXPECT_EQ(counts.ptr<int32_t>()[g], M) << "group " << g;
+  EXPECT_EQ(drs.guard_damage(*gpu_, 0x5A), -1);
+  EXPECT_EQ(dsr.guard_damage(*gpu_, 0x5A), -1);
+}
+
 // ---- moe_permute ----
 
 TEST_F(CudaMoeDispatch, PermuteBitExact) {
@@ -351,7 +412,7 @@ TEST_F(CudaMoeDispatch, CombineWeightGradBitExact) {
 
 // ---- streams, graphs, errors ----
 
-// All five ops captured into a graph on a non-blocking stream: capture fails on any synchronizing
+// All six ops captured into a graph on a non-blocking stream: capture fails on any synchronizing
 // call or any use of the legacy stream, so this shows the ops queue only stream-ordered work.
 TEST_F(CudaMoeDispatch, CapturedOnAStreamWithoutHostSync) {
   const RoutingSpec s{500, 8, 32, 0.5, 0.05, {2}};
@@ -368,12 +429,17 @@ TEST_F(CudaMoeDispatch, CapturedOnAStreamWithoutHostSync) {
   cpu_->moe_permute_quantize(x, L.row_slot, k, TensorView{}, want_q, ScaleMode::pow2);
   cpu_->moe_combine(y, L.slot_row, w, want_c, false);
   cpu_->moe_combine_weight_grad(v, L.slot_row, w, want_g);
+  const int64_t M = round_up(T, 64);
+  Tensor want_mrs = Tensor::host(DType::i32, {G * M}), want_msr = Tensor::host(DType::i32, {T, k}),
+         want_mc = Tensor::host(DType::i32, {G});
+  cpu_->moe_masked_layout(ids, G, -1, want_mrs, want_msr, want_mc, TensorView{});
 
   const Tensor ids_d = dev(ids), x_d = dev(x), w_d = dev(w), y_d = dev(y), v_d = dev(v);
   Guarded rs(*gpu_, DType::i32, {R}, 0x5A), rg(*gpu_, DType::i32, {R}, 0x5A), sr(*gpu_, DType::i32, {T, k}, 0x5A),
       off(*gpu_, DType::i32, {G + 1}, 0x5A), p(*gpu_, DType::bf16, {R, D}, 0xFF), c(*gpu_, DType::f32, {T, D}, 0xFF),
       g(*gpu_, DType::f32, {T, k}, 0xFF);
   GuardedQuantized q(*gpu_, R, D, DType::e4m3);
+  Guarded mrs(*gpu_, DType::i32, {G * M}, 0x5A), msr(*gpu_, DType::i32, {T, k}, 0x5A), mc(*gpu_, DType::i32, {G}, 0x5A);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
@@ -384,6 +450,7 @@ TEST_F(CudaMoeDispatch, CapturedOnAStreamWithoutHostSync) {
     cuda::moe_permute_quantize_cuda(x_d, rs, k, TensorView{}, q.view(), ScaleMode::pow2, stream);
     cuda::moe_combine_cuda(y_d, sr, w_d, c, false, stream);
     cuda::moe_combine_weight_grad_cuda(v_d, sr, w_d, g, stream);
+    cuda::moe_masked_layout_cuda(ids_d, G, -1, mrs, msr, mc, TensorView{}, stream);
   } catch (const Error& e) {
     error = e.what();
   }
@@ -407,6 +474,9 @@ TEST_F(CudaMoeDispatch, CapturedOnAStreamWithoutHostSync) {
   expect_same(*gpu_, q.scales, want_q.scales, 0xFF, "graph permute_quantize scales");
   expect_same(*gpu_, c, want_c, 0xFF, "graph combine");
   expect_same(*gpu_, g, want_g, 0xFF, "graph combine_weight_grad");
+  expect_same(*gpu_, mrs, want_mrs, 0x5A, "graph masked row_slot");
+  expect_same(*gpu_, msr, want_msr, 0x5A, "graph masked slot_row");
+  expect_same(*gpu_, mc, want_mc, 0x5A, "graph masked counts");
 }
 
 TEST_F(CudaMoeDispatch, RejectsBadArguments) {

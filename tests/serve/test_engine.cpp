@@ -262,6 +262,50 @@ TEST(ServeEngine, SharedExpertAsRoutedExpert) {
   }
 }
 
+// A decode step of the FP8 engine reads the device back once, for its logits: the MoE layers'
+// expert layouts are built on the device (a read of the routing per MoE layer otherwise), and
+// the tokens they route still reach the expert loads and the virtual GPUs' counts when asked.
+// The step defers the device checks and restores the caller's mode.
+TEST(ServeEngine, DecodeStepReadsBackOnlyTheLogits) {
+  for (const bool shared_as_routed : {false, true}) {
+    Fixture f("fp8");
+    EngineOptions o = exact_cache();
+    o.shared_as_routed = shared_as_routed;
+    o.expert_gpus = 2;
+    auto e = f.engine(o);
+    BlockAllocator alloc(8);
+    std::vector<std::vector<int32_t>> tables(3);
+    std::vector<int64_t> pos(3, 0);
+    int64_t tokens = 0;
+    for (size_t s = 0; s < tables.size(); ++s) {
+      const auto p = prompt_tokens(int64_t(5 + 7 * s), int(s) + 1);
+      ASSERT_TRUE(alloc.allocate(blocks_for(40), tables[s]));
+      e->step({{&tables[s], 0, p}});
+      pos[s] = int64_t(p.size());
+      tokens += pos[s];
+    }
+    for (int i = 0; i < 4; ++i) {
+      std::vector<SeqChunk> chunks;
+      for (size_t s = 0; s < tables.size(); ++s) chunks.push_back({&tables[s], pos[s]++, {int32_t(40 + i + int(s))}});
+      const int64_t before = f.be->host_reads();
+      const Tensor l = e->step(chunks);
+      EXPECT_EQ(f.be->host_reads() - before, 1) << "shared_as_routed " << shared_as_routed << ", step " << i;
+      EXPECT_EQ(f.be->checks(), Backend::Checks::immediate) << "the step's deferred checks outlived it";
+      ASSERT_EQ(l.size(0), 3);
+      tokens += 3;
+    }
+    const int64_t k = f.model->config().num_experts_per_tok;
+    for (size_t ml = 0; ml < e->expert_loads().size(); ++ml) {
+      double routed = 0;
+      for (double v : e->expert_loads()[ml]) routed += v;
+      int64_t on_gpus = 0;
+      for (int64_t v : e->gpu_tokens()[ml]) on_gpus += v;
+      EXPECT_EQ(routed, double(tokens * k)) << "MoE layer " << ml;
+      EXPECT_EQ(on_gpus, tokens * k) << "MoE layer " << ml;
+    }
+  }
+}
+
 // A checkpoint as the trainer writes it, and its exports: FP8 export = the FP8 engine on the
 // checkpoint bit for bit (the exported E4M3 blocks are what it quantizes at load); BF16 export
 // close to the FP32 weights.

@@ -15,6 +15,9 @@ namespace fp8moe::cuda {
 void moe_layout_cuda(const TensorView& expert_ids, int64_t align, const TensorView& row_slot,
                      const TensorView& row_group, const TensorView& slot_row, const TensorView& offsets,
                      cudaStream_t stream);
+void moe_masked_layout_cuda(const TensorView& expert_ids, int64_t groups, int64_t every_token_group,
+                            const TensorView& row_slot, const TensorView& slot_row, const TensorView& counts,
+                            const TensorView& loads, cudaStream_t stream);
 void moe_permute_cuda(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,
                       const TensorView& out, cudaStream_t stream);
 void moe_permute_quantize_cuda(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,

@@ -7,6 +7,9 @@
 //                            each expert's run in the sorted order -> counts, a one-block scan of
 //                            the padded counts -> offsets, then one thread per sorted slot writes
 //                            row_slot, row_group and slot_row.
+//   moe_masked_layout        one block, a warp per group: the warp walks the slots 32 at a time in
+//                            order, a ballot of the group's slots gives each its rank (so the rows
+//                            keep slot order, as on the CPU); the warp's lane 0 writes the count.
 //   moe_permute              one thread per 16 columns of a row, 16-byte loads and stores.
 //   moe_permute_quantize     gather and 1x128 quantization in one pass, tiled as quantize_1x128: the
 //                            4 lanes of a 128-column tile each hold 32 values, amax by shuffles,
@@ -18,6 +21,8 @@
 //                            time, then added in slot order in FP32 (separate mul and add roundings).
 //   moe_combine_weight_grad  one thread per slot.
 #include <cub/block/block_scan.cuh>
+
+#include <algorithm>
 
 #include "fp8moe/codecs.hpp"
 #include "fp8moe/moe_dispatch_args.hpp"
@@ -159,6 +164,49 @@ __global__ void layout_scatter_kernel(const int32_t* __restrict__ sorted_keys, c
     row_slot[row] = slot;
     row_group[row] = g;
     slot_row[slot] = row;
+  }
+}
+
+// ---- moe_masked_layout ----
+
+// The group of slot s = t * K + j: expert_ids[t, j], or every_token_group for j = k.
+__device__ __forceinline__ int32_t masked_slot_group(const int32_t* __restrict__ ids, int64_t s, int32_t k, int32_t K,
+                                                     int32_t every_token_group) {
+  const int64_t t = s / K;
+  const int32_t j = int32_t(s - t * K);
+  return j < k ? ids[t * k + j] : every_token_group;
+}
+
+constexpr int kMaskedLayoutThreads = 1024;
+// row_slot is all -1 beforehand. Slots of ids outside [0, G), and those past M in their group, are
+// dropped (slot_row -1).
+__global__ void __launch_bounds__(kMaskedLayoutThreads)
+    masked_layout_kernel(const int32_t* __restrict__ ids, int64_t slots, int32_t k, int32_t K, int32_t G, int32_t M,
+                         int32_t every_token_group, int32_t* __restrict__ row_slot, int32_t* __restrict__ slot_row,
+                         int32_t* __restrict__ counts, long long* __restrict__ loads) {
+  const int32_t lane = int32_t(threadIdx.x % 32), warps = int32_t(blockDim.x / 32);
+  for (int32_t g = int32_t(threadIdx.x / 32); g < G; g += warps) {
+    int32_t n = 0;
+    for (int64_t s0 = 0; s0 < slots; s0 += 32) {
+      const int64_t s = s0 + lane;
+      const bool hit = s < slots && masked_slot_group(ids, s, k, K, every_token_group) == g;
+      const unsigned mask = __ballot_sync(0xffffffffu, hit);
+      if (hit) {
+        const int32_t i = n + __popc(mask & ((1u << lane) - 1u));
+        slot_row[s] = i < M ? g * M + i : -1;
+        if (i < M) row_slot[int64_t(g) * M + i] = int32_t(s);
+      }
+      n += __popc(mask);
+    }
+    if (lane == 0) {
+      const int32_t c = min(n, M);
+      counts[g] = c;
+      if (loads) loads[g] += c;
+    }
+  }
+  for (int64_t s = threadIdx.x; s < slots; s += blockDim.x) {
+    const int32_t g = masked_slot_group(ids, s, k, K, every_token_group);
+    if (g < 0 || g >= G) slot_row[s] = -1;
   }
 }
 
@@ -324,6 +372,20 @@ void moe_layout_cuda(const TensorView& expert_ids, int64_t align, const TensorVi
         row_group.ptr<int32_t>(), slot_row.ptr<int32_t>());
     FP8MOE_CUDA_CHECK_LAUNCH("layout_scatter_kernel");
   }
+}
+
+void moe_masked_layout_cuda(const TensorView& expert_ids, int64_t groups, int64_t every_token_group,
+                            const TensorView& row_slot, const TensorView& slot_row, const TensorView& counts,
+                            const TensorView& loads, cudaStream_t stream) {
+  const MoeDispatchDims d = check_moe_masked_layout_args(Device::cuda, expert_ids, groups, every_token_group, row_slot,
+                                                         slot_row, counts, loads);
+  FP8MOE_CUDA_CHECK(cudaMemsetAsync(row_slot.data, 0xFF, size_t(d.rows) * sizeof(int32_t), stream));
+  const int threads = int(std::min<int64_t>(kMaskedLayoutThreads, 32 * groups));
+  masked_layout_kernel<<<1, threads, 0, stream>>>(
+      expert_ids.ptr<const int32_t>(), d.tokens * d.topk, int32_t(expert_ids.size(1)), int32_t(d.topk),
+      int32_t(groups), int32_t(d.rows / groups), int32_t(every_token_group), row_slot.ptr<int32_t>(),
+      slot_row.ptr<int32_t>(), counts.ptr<int32_t>(), loads.defined() ? loads.ptr<long long>() : nullptr);
+  FP8MOE_CUDA_CHECK_LAUNCH("masked_layout_kernel");
 }
 
 void moe_permute_cuda(const TensorView& x, const TensorView& row_slot, int64_t topk, const TensorView& w,

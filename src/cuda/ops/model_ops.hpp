@@ -22,6 +22,9 @@ namespace fp8moe::cuda {
 // ---- dense (model_ops_gemm.cu, model_ops_elementwise.cu) ----
 void cuda_gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b,
                bool accumulate, cudaStream_t stream);
+// Backend::gemm_strided_batched: one strided batched cuBLASLt matmul.
+void cuda_gemm_strided_batched(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_b,
+                               bool accumulate, cudaStream_t stream);
 // Backend::gemm_batch_invariant (gemm_batch_invariant.cu).
 void cuda_gemm_batch_invariant(const TensorView& a, const TensorView& b, const TensorView& d, cudaStream_t stream);
 void cuda_convert(const TensorView& src, const TensorView& dst, cudaStream_t stream);
@@ -88,6 +91,7 @@ void cuda_moe_route_backward(const TensorView& scores, const TensorView& idx, co
 void cuda_gather_rows(const TensorView& src, const TensorView& idx, const TensorView& w, const TensorView& dst, cudaStream_t stream);
 void cuda_scatter_add_rows(const TensorView& src, const TensorView& idx, const TensorView& w,
                            const TensorView& dst, cudaStream_t stream);
+void cuda_scatter_rows(const TensorView& src, const TensorView& idx, const TensorView& dst, cudaStream_t stream);
 void cuda_rows_dot(const TensorView& a, const TensorView& b, const TensorView& out, cudaStream_t stream);
 
 // ---- optimizer (adamw.cu, reduce.cu) ----

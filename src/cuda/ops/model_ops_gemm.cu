@@ -9,8 +9,11 @@
 // Row-major d = op(a) op(b) is column-major d^T = op(b)^T op(a)^T: cuBLAS "A" is our b and "B" our
 // a, each transposed iff our flag is set, and d is the column-major N x M matrix with ld N.
 // Plans (descriptors + heuristic algorithm) are cached per problem, pointer alignment included.
+// gemm_strided_batched is the same f32 call over G matrices at fixed strides (leading dimensions
+// and batch strides as the views have them; CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT).
 #include <cublasLt.h>
 
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -31,11 +34,16 @@ constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 // (in dtype, d dtype, M, N, K, trans_a, trans_b, alignment of a, b, d in bytes)
 using GemmKey = std::tuple<int, int, int64_t, int64_t, int64_t, bool, bool, int, int, int>;
 
+// (G, M, N, K, trans_b, lda, ldb, ldd, batch strides of a, b, d, alignment of a, b, d in bytes)
+using BatchedKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, int64_t, int64_t, int64_t, int64_t, int64_t,
+                              int64_t, int, int, int>;
+
 struct GemmContext {
   cublasLtHandle_t handle = nullptr;
   // One workspace per stream: GEMMs on two streams may run at the same time.
   std::map<cudaStream_t, void*> workspaces;
   std::map<GemmKey, std::unique_ptr<CublasLtPlan>> plans;
+  std::map<BatchedKey, std::unique_ptr<CublasLtPlan>> batched_plans;
   std::mutex mu;
   // Under mu.
   void* workspace(cudaStream_t stream) {
@@ -107,7 +115,63 @@ std::unique_ptr<CublasLtPlan> make_plan(GemmContext& ctx, cublasComputeType_t co
   return nullptr;
 }
 
+// One column-major layout of `batch` matrices rows x cols (ld) `stride` elements apart.
+cublasLtMatrixLayout_t batched_layout(int64_t rows, int64_t cols, int64_t ld, int64_t batch, int64_t stride) {
+  cublasLtMatrixLayout_t l = nullptr;
+  FP8MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, CUDA_R_32F, uint64_t(rows), uint64_t(cols), ld));
+  const int32_t count = int32_t(batch);
+  FP8MOE_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+  FP8MOE_CUBLAS_CHECK(
+      cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+  return l;
+}
+
+// The byte alignment every matrix of a strided view keeps: its start's, its rows' and its batch
+// stride's.
+int batched_alignment(const TensorView& t) {
+  return alignment_of(reinterpret_cast<uintptr_t>(t.data) | uintptr_t(t.strides[1] * 4) | uintptr_t(t.strides[0] * 4));
+}
+
 }  // namespace
+
+void cuda_gemm_strided_batched(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_b,
+                               bool accumulate, cudaStream_t stream) {
+  const BatchedGemmDims g = check_gemm_strided_batched(Device::cuda, a, b, d, trans_b);
+  if (g.G == 0 || g.M == 0 || g.N == 0) return;
+  FP8MOE_CHECK(g.K > 0, "gemm_strided_batched: K = 0 is unsupported");
+  FP8MOE_CHECK(g.G <= std::numeric_limits<int32_t>::max(), "gemm_strided_batched: " << g.G << " matrices exceed i32");
+  const int align[3] = {batched_alignment(a), batched_alignment(b), batched_alignment(d)};
+  GemmContext& ctx = gemm_context();
+  std::lock_guard<std::mutex> lock(ctx.mu);
+  const BatchedKey key{g.G,          g.M,          g.N,          g.K,          trans_b,  a.strides[1], b.strides[1],
+                       d.strides[1], a.strides[0], b.strides[0], d.strides[0], align[0], align[1],     align[2]};
+  auto it = ctx.batched_plans.find(key);
+  if (it == ctx.batched_plans.end()) {
+    auto plan = std::make_unique<CublasLtPlan>();
+    FP8MOE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    // cuBLAS A := our b (column-major N x K, or K x N transposed), B := our a (K x M), C := d (N x M).
+    const cublasOperation_t opa = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, opb = CUBLAS_OP_N;
+    set_attr(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, opa);
+    set_attr(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, opb);
+    plan->la = trans_b ? batched_layout(g.K, g.N, b.strides[1], g.G, b.strides[0])
+                       : batched_layout(g.N, g.K, b.strides[1], g.G, b.strides[0]);
+    plan->lb = batched_layout(g.K, g.M, a.strides[1], g.G, a.strides[0]);
+    plan->lc = batched_layout(g.N, g.M, d.strides[1], g.G, d.strides[0]);
+    cublasLtMatmulHeuristicResult_t res{};
+    int found = 0;
+    const cublasStatus_t st = cublaslt_heuristic(ctx.handle, plan->op, plan->la, plan->lb, plan->lc, kWorkspaceBytes,
+                                                 uint32_t(align[1]), uint32_t(align[0]), uint32_t(align[2]), &res, &found);
+    FP8MOE_CHECK(st == CUBLAS_STATUS_SUCCESS && found > 0,
+                 "gemm_strided_batched: cuBLASLt has no algorithm for G=" << g.G << " M=" << g.M << " N=" << g.N
+                                                                         << " K=" << g.K << " trans_b=" << trans_b);
+    plan->algo = res.algo;
+    it = ctx.batched_plans.emplace(key, std::move(plan)).first;
+  }
+  CublasLtPlan& plan = *it->second;
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  FP8MOE_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.op, &alpha, b.data, plan.la, a.data, plan.lb, &beta, d.data,
+                                     plan.lc, d.data, plan.lc, &plan.algo, ctx.workspace(stream), kWorkspaceBytes, stream));
+}
 
 namespace ops {
 

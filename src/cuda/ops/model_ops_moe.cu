@@ -128,6 +128,17 @@ __global__ void gather_rows_kernel(const Elem* __restrict__ src, const int32_t* 
   }
 }
 
+// dst [R, W] rows idx[i] = src rows i < N, as W elements of the row's width (idx outside [0, R):
+// skipped).
+template <class Elem>
+__global__ void scatter_rows_kernel(const Elem* __restrict__ src, const int32_t* __restrict__ idx,
+                                    Elem* __restrict__ dst, int64_t N, int64_t W, int64_t R) {
+  for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < N * W; k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = k / W, j = k - i * W, r = idx[i];
+    if (r >= 0 && r < R) dst[r * W + j] = src[k];
+  }
+}
+
 // dst [N', D] rows i < N = w[i] * src [R, D] rows idx[i] (f32).
 __global__ void gather_rows_weighted_kernel(const float* __restrict__ src, const int32_t* __restrict__ idx,
                                             const float* __restrict__ w, float* __restrict__ dst, int64_t N,
@@ -259,6 +270,34 @@ void cuda_scatter_add_rows(const TensorView& src, const TensorView& idx, const T
   stable_sort_by_key(idx.ptr<const int32_t>(), N, R, keys.as<int32_t>(), pos.as<int32_t>());
   sorted_scatter_add(keys.as<int32_t>(), pos.as<int32_t>(), N, w.defined() ? w.ptr<const float>() : nullptr,
                      src.ptr<const float>(), dst.ptr<float>(), D, R, stream);
+}
+
+// The rows moved in the widest element (16 bytes down to 1) that divides the row and both
+// pointers; no range check on the host (a read-back), entries out of range are skipped.
+void cuda_scatter_rows(const TensorView& src, const TensorView& idx, const TensorView& dst, cudaStream_t stream) {
+  check_dev(idx, "scatter_rows", "idx", DType::i32, 1);
+  FP8MOE_CHECK(src.dtype == dst.dtype && src.ndim == 2 && dst.ndim == 2 && src.size(1) == dst.size(1) &&
+                   src.size(0) >= idx.size(0),
+               "scatter_rows: src " << src.str() << " and dst " << dst.str() << " must be [*, C] of one dtype, src of >= "
+                                    << idx.size(0) << " rows");
+  FP8MOE_CHECK(src.device == Device::cuda && dst.device == Device::cuda && src.data && dst.data &&
+                   src.is_contiguous() && dst.is_contiguous(),
+               "scatter_rows: src " << src.str() << " and dst " << dst.str() << " must be contiguous device tensors");
+  const int64_t N = idx.size(0), R = dst.size(0), row = int64_t(src.size(1)) * int64_t(dtype_size(src.dtype));
+  if (N == 0 || row == 0) return;
+  const uintptr_t both = reinterpret_cast<uintptr_t>(src.data) | reinterpret_cast<uintptr_t>(dst.data) | uintptr_t(row);
+  const int64_t width = (both & 15) == 0 ? 16 : (both & 7) == 0 ? 8 : (both & 3) == 0 ? 4 : (both & 1) == 0 ? 2 : 1;
+  const int64_t W = row / width;
+  const unsigned grid = grid_for(N * W, 256);
+  const int32_t* id = idx.ptr<const int32_t>();
+  switch (width) {
+    case 16: scatter_rows_kernel<<<grid, 256, 0, stream>>>(src.ptr<const uint4>(), id, dst.ptr<uint4>(), N, W, R); break;
+    case 8: scatter_rows_kernel<<<grid, 256, 0, stream>>>(src.ptr<const uint2>(), id, dst.ptr<uint2>(), N, W, R); break;
+    case 4: scatter_rows_kernel<<<grid, 256, 0, stream>>>(src.ptr<const uint32_t>(), id, dst.ptr<uint32_t>(), N, W, R); break;
+    case 2: scatter_rows_kernel<<<grid, 256, 0, stream>>>(src.ptr<const uint16_t>(), id, dst.ptr<uint16_t>(), N, W, R); break;
+    default: scatter_rows_kernel<<<grid, 256, 0, stream>>>(src.ptr<const uint8_t>(), id, dst.ptr<uint8_t>(), N, W, R); break;
+  }
+  FP8MOE_CUDA_CHECK_LAUNCH("scatter_rows_kernel");
 }
 
 void cuda_rows_dot(const TensorView& a, const TensorView& b, const TensorView& out, cudaStream_t stream) {
