@@ -105,9 +105,10 @@ class Backend {
   virtual void zero(const TensorView& dst);
   // Waits for the device's queued work; raises the first failed deferred check (set_checks).
   virtual void synchronize() {}
-  // How many times the host has waited for the device so far (copies into host memory, reductions
-  // read back, synchronize, waits for snapshots; immediate checks excepted), or -1 where the
-  // backend cannot tell (the CPU, whose ops run as they are called).
+  // How many times the thread that queues the work has waited for the device so far (copies into
+  // host memory, reductions read back, synchronize; immediate checks and wait_copies, which the
+  // EMA's own thread calls, excepted), or -1 where the backend cannot tell (the CPU, whose ops run
+  // as they are called).
   virtual int64_t host_waits() const { return -1; }
   // Checks whose answer is computed on the device (index ranges, NaN/Inf reaching a quantizer).
   // immediate (the default): the op reads the answer back and raises at once, one host

@@ -293,9 +293,7 @@ class CudaBackend final : public Backend {
     if (copy_stream_) FP8MOE_CUDA_CHECK(cudaStreamWaitEvent(s_, copied_, 0));
   }
   void wait_copies() override {
-    if (!copy_stream_) return;
-    FP8MOE_CUDA_CHECK(cudaEventSynchronize(copied_));
-    ++host_waits_;
+    if (copy_stream_) FP8MOE_CUDA_CHECK(cudaEventSynchronize(copied_));
   }
 
   void synchronize() override {
@@ -617,7 +615,7 @@ class CudaBackend final : public Backend {
   bool cublaslt_;
   int device_ = 0;
   bool hopper_ = false;
-  int64_t host_waits_ = 0;  // host_waits()
+  int64_t host_waits_ = 0;  // host_waits(): the queuing thread's (wait_copies waits in the EMA's)
   Stream compute_, current_;  // the backend's own stream, and the one ops go to now
   cudaStream_t s_ = nullptr;  // current_'s
 
