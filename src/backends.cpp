@@ -59,6 +59,9 @@ std::string_view op_name(Op op) {
     case Op::grouped_wgrad_fp8: return "grouped_wgrad_fp8";
     case Op::adamw_step: return "adamw_step";
     case Op::sum_squares: return "sum_squares";
+    case Op::moe_expert_loads: return "moe_expert_loads";
+    case Op::moe_balance_loss: return "moe_balance_loss";
+    case Op::sum_in_order: return "sum_in_order";
   }
   return "?";
 }
@@ -230,6 +233,12 @@ void Backend::grouped_wgrad_fp8(const QuantizedView&, const QuantizedView&, cons
 void Backend::adamw_step(const TensorView&, const TensorView&, const TensorView&, const TensorView&, const AdamWStep&) {
   FP8MOE_UNSUPPORTED(adamw_step);
 }
+void Backend::moe_expert_loads(const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(moe_expert_loads); }
+void Backend::moe_balance_loss(const TensorView&, const TensorView&, int64_t, double, double, const TensorView&,
+                               const TensorView&) {
+  FP8MOE_UNSUPPORTED(moe_balance_loss);
+}
+void Backend::sum_in_order(const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(sum_in_order); }
 double Backend::sum_squares(const TensorView&) {
   FP8MOE_UNSUPPORTED(sum_squares);
   return 0;

@@ -65,6 +65,10 @@ enum class Op : uint8_t {
   grouped_gemm_fp8_contiguous,
   grouped_gemm_fp8_masked,
   grouped_wgrad_fp8,
+  // Step statistics (read once per step).
+  moe_expert_loads,
+  moe_balance_loss,
+  sum_in_order,
   // Optimizer ops (the trainer).
   adamw_step,
   sum_squares,
@@ -104,6 +108,11 @@ class Backend {
   virtual void zero(const TensorView& dst);
   // Waits for the device's queued work; raises the first failed deferred check (set_checks).
   virtual void synchronize() {}
+  // How many times the thread that queues the work has waited for the device so far (copies into
+  // host memory, reductions read back, synchronize; immediate checks and wait_copies, which the
+  // EMA's own thread calls, excepted), or -1 where the backend cannot tell (the CPU, whose ops run
+  // as they are called).
+  virtual int64_t host_waits() const { return -1; }
   // Checks whose answer is computed on the device (index ranges, NaN/Inf reaching a quantizer).
   // immediate (the default): the op reads the answer back and raises at once, one host
   // synchronization per op. deferred: the op records a failure on the device and goes on (never
@@ -335,6 +344,24 @@ class Backend {
   // (columns past offsets[G] ignored); d [G * N, K]. An empty segment leaves d[g] (or zeroes it).
   virtual void grouped_wgrad_fp8(const QuantizedView& dy_t, const QuantizedView& x_t, const TensorView& offsets,
                                  const TensorView& d, const GemmOptions& opt);
+
+  // ---- Step statistics: what a training step reports (losses, expert loads) computed into device
+  // tensors, so that the step reads them back once at its end instead of once per layer. Every
+  // sum is FP64 in index order (one thread per sum on a GPU, no FMA contraction): the bits of the
+  // CPU op, which is the specification.
+  // loads [G] f64 = the number of entries of expert_ids [T, k] i32 equal to g, for g < G (ids
+  // outside [0, G) are not counted): the expert loads as exact integers.
+  virtual void moe_expert_loads(const TensorView& expert_ids, const TensorView& loads);
+  // The sequence-wise balance loss over sequences of seq_len tokens (T = B * seq_len): scores
+  // [T, E] float (sigmoid affinities), idx [T, k] i32 in [0, E); per sequence b, f_e = sum over
+  // its slots routed to e of E / (k S) and P_e = sum_t s_{t,e} / z_t / S (z_t = sum_e s_{t,e});
+  // loss [1] f64 = sum_b sum_e alpha f_e P_e / B; dscores [T, E] float = grad_scale * alpha /
+  // (B S) * (f_e / z_t - (sum_e' f_e' s_{t,e'}) / z_t^2), the loss's score gradient. Either output
+  // may be undefined (not written).
+  virtual void moe_balance_loss(const TensorView& scores, const TensorView& idx, int64_t seq_len, double alpha,
+                                double grad_scale, const TensorView& loss, const TensorView& dscores);
+  // out [1] f64 = the sum of x (float, any shape) in index order from 0, in FP64.
+  virtual void sum_in_order(const TensorView& x, const TensorView& out);
 
   // ---- Optimizer ops (src/train). One AdamW update of one parameter: w [n] f32 master weight,
   // g [n] f32 gradient (times grad_scale), m, v [n] bf16 | f32 moments (updated in place),

@@ -45,6 +45,14 @@ struct Batch {
   Tensor targets;    // [T] i32: next token of each position, -1 = ignored
   Tensor positions;  // [T] i32: position inside its sequence (RoPE)
   double grad_scale = 1.0;  // gradients are of grad_scale * loss (layers with their own loss use it)
+  // The MTP module's inputs (token t+1, 0 where ignored) and targets (token t+2 inside the
+  // sequence, else -1), [T] i32 on the backend; and the targets each head's mean divides by
+  // (non-ignored ones, at least 1), counted where the targets came from the host.
+  Tensor mtp_ids, mtp_targets;
+  int64_t main_count = 1, mtp_count = 1;
+  // [Model::stats_width()] f64 on the backend, zero-filled: the layers and heads write what the
+  // step reports into it (Model::step_stats), so that it is read back once, at the end.
+  Tensor stats;
   int64_t tokens_count() const { return batch * seq; }
 };
 
@@ -97,7 +105,8 @@ class Layer {
   virtual void backward_input(const Batch& b, Saved& s, const Tensor& dy, Tensor& dx) = 0;
   // Accumulates this layer's weight gradients (scaled like dy) and releases `s`'s tensors.
   virtual void backward_weight(const Batch& b, Saved& s) = 0;
-  // Extra scalar losses this layer added (the balance loss of a MoE layer), and its expert loads.
+  // Extra scalar losses this layer added (the balance loss of a MoE layer), and its expert loads:
+  // read back from the device (what it wrote into Batch::stats), for tests and records.
   virtual double aux_loss(const Saved&) const { return 0; }
   virtual std::vector<int64_t> expert_loads(const Saved&) const { return {}; }
 };
@@ -178,8 +187,15 @@ class Model {
   // The weight of the MTP loss from now on (the trainer's schedule); >= 0.
   void set_mtp_loss_weight(double w);
 
-  // Builds the Batch of tokens/targets [B, S] i32 (host or backend tensors).
-  Batch make_batch(const TensorView& tokens, const TensorView& targets) const;
+  // Builds the Batch of tokens/targets [B, S] i32 (host or backend tensors); `stats` is its
+  // Batch::stats (zero-filled [stats_width()] f64 on the backend: a pipeline puts all of a step's
+  // micro-batches in one tensor) or undefined (allocated here).
+  Batch make_batch(const TensorView& tokens, const TensorView& targets, const Tensor& stats = Tensor()) const;
+  // Batch::stats: [main loss sum, MTP loss sum, then per MoE layer in execution order (the trunk's,
+  // then the MTP module's) its balance loss and n_routed_experts loads]; step_stats makes the
+  // StepStats of a micro-batch from a host copy of it.
+  int64_t stats_width() const;
+  StepStats step_stats(const Batch& b, const double* stats) const;
   // Forward and backward of one micro-batch: gradients of grad_scale * loss are ADDED to every
   // parameter's grad (accumulation across micro-batches; call zero_grad before a step).
   StepStats forward_backward(const TensorView& tokens, const TensorView& targets, double grad_scale = 1.0);
@@ -206,10 +222,11 @@ class Model {
   Tensor embed_forward(const Batch& b);
   void embed_backward(const Batch& b, const Tensor& dx0);
   // Final norm + head + cross-entropy (+ the MTP module when enabled). Takes the trunk output,
-  // returns dh [T, D] for the trunk's backward, adds head/norm/MTP gradients, fills losses. The
+  // returns dh [T, D] for the trunk's backward, adds head/norm/MTP gradients, writes the losses
+  // (and the MTP module's balance losses and loads) into b.stats. The
   // MTP module keeps its own copy of h (Recipe::residual_cache); forward_backward hands the trunk
   // output over instead, so that its storage goes once the main head is done.
-  Tensor head_forward_backward(const Batch& b, const Tensor& h, double grad_scale, StepStats& st, bool backward);
+  Tensor head_forward_backward(const Batch& b, const Tensor& h, double grad_scale, bool backward);
   // While the returned handle lives, the BF16/FP8 form of a weight made by a forward is reused
   // by the backward that uses it last, as forward_backward does within one micro-batch: the
   // pipeline executor holds one over a step. The weights must not change meanwhile.

@@ -84,7 +84,8 @@ class Executor {
   // One step over the schedule's micro-batches (tokens/targets [B, S] i32 each, host or backend):
   // gradients of grad_scale * loss added to this rank's stages' parameters. Returns, on every
   // rank, each micro-batch's StepStats as Model::forward_backward gives them (the losses and
-  // loads of every stage, gathered over the pipeline ranks).
+  // loads of every stage, gathered over the pipeline ranks): the layers write them on the device
+  // into one table for all micro-batches, which the step reads back once, at its end.
   std::vector<StepStats> run(const std::vector<Tensor>& tokens, const std::vector<Tensor>& targets, double grad_scale);
   // Forward only of one micro-batch (evaluation; tokens/targets [B, S] i32) along the stages of
   // the schedule's first direction: on every rank, the StepStats of Model::forward (the main

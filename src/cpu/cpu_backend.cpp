@@ -209,6 +209,14 @@ class CpuBackend final : public Backend {
                          const TensorView& d, const GemmOptions& opt) override {
     cpu::grouped_wgrad_fp8(dy_t, x_t, offsets, d, opt);
   }
+  void moe_expert_loads(const TensorView& expert_ids, const TensorView& loads) override {
+    cpu::moe_expert_loads(expert_ids, loads);
+  }
+  void moe_balance_loss(const TensorView& scores, const TensorView& idx, int64_t seq_len, double alpha,
+                        double grad_scale, const TensorView& loss, const TensorView& dscores) override {
+    cpu::moe_balance_loss(scores, idx, seq_len, alpha, grad_scale, loss, dscores);
+  }
+  void sum_in_order(const TensorView& x, const TensorView& out) override { cpu::sum_in_order(x, out); }
   void adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
                   const AdamWStep& p) override {
     cpu::adamw_step(w, g, m, v, p);

@@ -93,6 +93,12 @@ void grouped_gemm_fp8_masked(const QuantizedView& a, const QuantizedView& b, con
 void grouped_wgrad_fp8(const QuantizedView& dy_t, const QuantizedView& x_t, const TensorView& offsets,
                        const TensorView& d, const GemmOptions& opt);
 
+// Step statistics (ops_step_stats.cpp).
+void moe_expert_loads(const TensorView& expert_ids, const TensorView& loads);
+void moe_balance_loss(const TensorView& scores, const TensorView& idx, int64_t seq_len, double alpha,
+                      double grad_scale, const TensorView& loss, const TensorView& dscores);
+void sum_in_order(const TensorView& x, const TensorView& out);
+
 void adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
                 const Backend::AdamWStep& p);
 double sum_squares(const TensorView& x);

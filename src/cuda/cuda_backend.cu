@@ -249,8 +249,10 @@ class CudaBackend final : public Backend {
     // A copy into host memory is a read-back: the host waits for this stream (only), so that the
     // caller can read it. From pageable host memory CUDA has staged the source before returning;
     // from page-locked memory the host waits too, so that the caller may overwrite its source.
-    if (dst.device == Device::cpu || (src.device == Device::cpu && is_page_locked(src.data)))
+    if (dst.device == Device::cpu || (src.device == Device::cpu && is_page_locked(src.data))) {
       FP8MOE_CUDA_CHECK(cudaStreamSynchronize(s_));
+      ++host_waits_;
+    }
   }
 
   void zero(const TensorView& dst) override {
@@ -302,6 +304,7 @@ class CudaBackend final : public Backend {
   void synchronize() override {
     FP8MOE_TIMED_OP("synchronize");
     FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    ++host_waits_;
     cuda::raise_deferred_checks();
   }
   void set_checks(Checks c) override { cuda::set_checks_deferred(c == Checks::deferred); }
@@ -576,9 +579,31 @@ class CudaBackend final : public Backend {
     cuda::cuda_adamw_step(w, g, m, v, p, s_);
   }
   double sum_squares(const TensorView& x) override {
-    FP8MOE_TIMED_OP("sum_squares"); return cuda::cuda_sum_squares({x}, s_); }
+    FP8MOE_TIMED_OP("sum_squares");
+    ++host_waits_;
+    return cuda::cuda_sum_squares({x}, s_);
+  }
   double sum_squares_all(const std::vector<TensorView>& xs) override {
-    FP8MOE_TIMED_OP("sum_squares_all"); return cuda::cuda_sum_squares(xs, s_); }
+    FP8MOE_TIMED_OP("sum_squares_all");
+    ++host_waits_;
+    return cuda::cuda_sum_squares(xs, s_);
+  }
+
+  // ---- Step statistics.
+  void moe_expert_loads(const TensorView& expert_ids, const TensorView& loads) override {
+    FP8MOE_TIMED_OP("moe_expert_loads");
+    cuda::cuda_moe_expert_loads(expert_ids, loads, s_);
+  }
+  void moe_balance_loss(const TensorView& scores, const TensorView& idx, int64_t seq_len, double alpha,
+                        double grad_scale, const TensorView& loss, const TensorView& dscores) override {
+    FP8MOE_TIMED_OP("moe_balance_loss");
+    cuda::cuda_moe_balance_loss(scores, idx, seq_len, alpha, grad_scale, loss, dscores, s_);
+  }
+  void sum_in_order(const TensorView& x, const TensorView& out) override {
+    FP8MOE_TIMED_OP("sum_in_order");
+    cuda::cuda_sum_in_order(x, out, s_);
+  }
+  int64_t host_waits() const override { return host_waits_; }
 
  private:
   // A block of the caching allocator on the current stream, zero-filled or not.
@@ -611,6 +636,7 @@ class CudaBackend final : public Backend {
   bool cublaslt_;
   int device_ = 0;
   bool hopper_ = false;
+  int64_t host_waits_ = 0;  // host_waits(): the queuing thread's (wait_copies waits in the EMA's)
   Stream compute_, current_;  // the backend's own stream, and the one ops go to now
   cudaStream_t s_ = nullptr;  // current_'s
 

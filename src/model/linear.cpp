@@ -339,32 +339,6 @@ Tensor to_backend(Ctx& c, const Tensor& host) {
   return o;
 }
 
-Tensor act_vector(Ctx& c, const std::vector<double>& v) {
-  Tensor h = Tensor::host(c.act(), {int64_t(v.size())});
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (c.act() == DType::f64) {
-      h.ptr<double>()[i] = v[i];
-    } else {
-      h.ptr<float>()[i] = float(v[i]);
-    }
-  }
-  return to_backend(c, h);
-}
-
-std::vector<double> to_doubles(Ctx& c, const Tensor& t) {
-  Tensor h = c.be.to_host(t);
-  std::vector<double> out(size_t(h.numel()));
-  for (size_t i = 0; i < out.size(); ++i) {
-    switch (h.dtype()) {
-      case DType::f64: out[i] = h.ptr<double>()[i]; break;
-      case DType::f32: out[i] = h.ptr<float>()[i]; break;
-      case DType::i32: out[i] = h.ptr<int32_t>()[i]; break;
-      default: out[i] = load_float(h.view(), int64_t(i)); break;
-    }
-  }
-  return out;
-}
-
 Tensor keep_residual(Ctx& c, const Tensor& x) {
   return c.recipe.residual_cache == x.dtype() ? x : to_bf16(c, x.view());
 }

@@ -96,8 +96,11 @@ MemoryAccount predict_memory(const ModelConfig& c, const Recipe& r, int64_t T,
       return loads ? (*loads)[size_t(moe_index)][size_t(e)] : (T * K) / E + (e < (T * K) % E ? 1 : 0);
     };
     if (r.groups_experts()) {  // all segments at once
+      // The grouped FP8 GEMMs run over the layout's bound (the loads stay on the device), the BF16
+      // segment GEMMs over the rows the segments use.
       int64_t rows = 0;
       for (int64_t e = 0; e < E; ++e) rows += round_up(load(e), 128);
+      if (r.linear != LinearPrecision::bf16) rows = R;
       a.cached("experts.in", rows, D, true);
       a.cached("experts.gate_out", rows, c.moe_intermediate_size, false);
       a.cached("experts.up_out", rows, c.moe_intermediate_size, false);

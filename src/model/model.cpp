@@ -113,9 +113,10 @@ struct Model::Impl {
     return &params[it->second];
   }
 
-  // Final norm + head + cross-entropy over `targets`; adds d loss / d h into dh when backward.
-  double head_loss(const Tensor& h, Parameter& norm_w, const Tensor& targets, double weight, double grad_scale,
-                   bool backward, const Tensor& dh, Tensor* logits_out) {
+  // Final norm + head + cross-entropy over `targets` (`count` of them not ignored, at least 1);
+  // adds d loss / d h into dh when backward; the sum of the per-token losses into sum [1] f64.
+  void head_loss(const Tensor& h, Parameter& norm_w, const Tensor& targets, int64_t count, double weight,
+                 double grad_scale, bool backward, const Tensor& dh, Tensor* logits_out, const TensorView& sum) {
     const int64_t T = h.size(0), D = h.size(1), V = cfg.vocab_size;
     Tensor rstd = ctx.empty({T}), hn = ctx.empty({T, D});
     model::rmsnorm(ctx, h, norm_w, hn, rstd);
@@ -123,23 +124,18 @@ struct Model::Impl {
     Tensor logits = ctx.empty({T, V});
     model::linear_forward(ctx, hin, *head, logits, head_prec());
     if (logits_out) *logits_out = logits;
-    const Tensor tg = be.to_host(targets);
-    int64_t valid = 0;
-    for (int64_t t = 0; t < T; ++t) valid += tg.ptr<int32_t>()[t] >= 0;
-    const double n = double(std::max<int64_t>(valid, 1));
+    const double n = double(count);
     Tensor losses = ctx.empty({T});
     Tensor dlogits = backward ? ctx.empty({T, V}) : Tensor();
     be.cross_entropy(logits.view(), targets.view(), losses.view(), backward ? dlogits.view() : TensorView(),
                      grad_scale * weight / n);
-    double sum = 0;
-    for (double v : model::to_doubles(ctx, losses)) sum += v;
+    be.sum_in_order(losses.view(), sum);
     if (backward) {
       Tensor dhn = ctx.empty({T, D});
       const model::WgradDy dl = model::linear_backward_input(ctx, dlogits, *head, dhn, false, head_prec());
       model::linear_backward_weight(ctx, hin, dl, *head, head_prec());
       be.rmsnorm_backward(h.view(), norm_w.weight.view(), rstd.view(), dhn.view(), dh.view(), norm_w.grad.view(), true);
     }
-    return sum / n;
   }
 
   // eh_proj's input [enorm(embed(ids)); hnorm(h)] as the Linear caches it, from the token ids and
@@ -164,19 +160,10 @@ struct Model::Impl {
   // are recomputed for the backward (as the sublayers recompute their norm outputs). h is taken
   // by value and released once the kept copy exists: the caller passes the trunk output over, so
   // that in the FP8 recipes its FP32 storage goes before the MTP block runs.
-  void mtp_forward_backward(const Batch& b, Tensor h, const Tensor& dh, bool backward, StepStats& st) {
-    const int64_t T = h.size(0), D = h.size(1), S = b.seq;
+  void mtp_forward_backward(const Batch& b, Tensor h, const Tensor& dh, bool backward) {
+    const int64_t T = h.size(0), D = h.size(1);
     const std::string L = "layers." + std::to_string(cfg.num_hidden_layers) + ".eh";
-    // Inputs: token t+1 (= targets[t]); targets: token t+2 inside the sequence.
-    const Tensor tg = be.to_host(b.targets);
-    Tensor ids = Tensor::host(DType::i32, {T}), tg2 = Tensor::host(DType::i32, {T});
-    for (int64_t t = 0; t < T; ++t) {
-      const int32_t next = tg.ptr<int32_t>()[t];
-      ids.ptr<int32_t>()[t] = next >= 0 ? next : 0;
-      tg2.ptr<int32_t>()[t] = (t % S < S - 1 && next >= 0) ? tg.ptr<int32_t>()[t + 1] : -1;
-    }
-    ids = model::to_backend(ctx, ids);
-    tg2 = model::to_backend(ctx, tg2);
+    const Tensor& ids = b.mtp_ids;
     // Sublayer numbers of the records: the trunk's, the main head, then eh, the block, the head.
     const size_t sub = trunk.size() + 1;
     const Tensor hk = model::keep_residual(ctx, h);
@@ -200,21 +187,17 @@ struct Model::Impl {
       memory.items.insert(memory.items.end(), kept.begin(), kept.end());
       for (auto& s : saved) memory.items.insert(memory.items.end(), s->kept.begin(), s->kept.end());
     }
-    for (size_t i = 0; i < mtp.size(); ++i) {
-      st.balance_loss += mtp[i]->aux_loss(*saved[i]);
-      auto loads = mtp[i]->expert_loads(*saved[i]);
-      if (loads.empty()) continue;
-      record(sub + 1 + i, mtp[i]->name(), "aux", mtp[i]->aux_loss(*saved[i]));
-      st.expert_loads.push_back(std::move(loads));
-    }
+    for (size_t i = 0; recording && i < mtp.size(); ++i)
+      if (cfg.is_moe_layer(cfg.num_hidden_layers + int64_t(i) / 2) && i % 2 == 1)
+        record(sub + 1 + i, mtp[i]->name(), "aux", mtp[i]->aux_loss(*saved[i]));
     Tensor dx = ctx.zeros({T, D}), logits;  // zero-filled: head_loss adds its gradient into it
-    st.mtp_loss = head_loss(x, *mtp_norm, tg2, cfg.mtp_loss_weight, b.grad_scale, backward, dx,
-                            recording ? &logits : nullptr);
+    head_loss(x, *mtp_norm, b.mtp_targets, b.mtp_count, cfg.mtp_loss_weight, b.grad_scale, backward, dx,
+              recording ? &logits : nullptr, model::rows_view(b.stats.view(), 1, 1));
     const size_t head_sub = sub + 1 + mtp.size();
     const std::string head_name = "layers." + std::to_string(cfg.num_hidden_layers) + ".shared_head";
     record(head_sub, head_name, "x", x);
     record(head_sub, head_name, "y", logits);
-    record(head_sub, head_name, "loss", st.mtp_loss);
+    if (recording) record(head_sub, head_name, "loss", loss_of(b, 1));
     if (!backward) return;
     record(head_sub, head_name, "dx", dx);
     for (size_t i = mtp.size(); i-- > 0;) {
@@ -249,16 +232,22 @@ struct Model::Impl {
     }
   }
 
+  // A head's mean loss read back from b.stats (records only).
+  double loss_of(const Batch& b, int64_t at) {
+    return be.to_host(model::rows_of(b.stats, at, 1)).ptr<double>()[0] / double(at == 0 ? b.main_count : b.mtp_count);
+  }
+
   // The main head, then the MTP module, on the trunk output h; returns d loss / d h.
-  Tensor heads(const Batch& b, Tensor h, double grad_scale, StepStats& st, bool backward) {
+  Tensor heads(const Batch& b, Tensor h, double grad_scale, bool backward) {
     Tensor dh = ctx.zeros({h.size(0), h.size(1)});  // zero-filled: the heads add their gradients into it
-    st.main_loss = head_loss(h, *norm, b.targets, 1.0, grad_scale, backward, dh, &last_logits);
+    head_loss(h, *norm, b.targets, b.main_count, 1.0, grad_scale, backward, dh, &last_logits,
+              model::rows_view(b.stats.view(), 0, 1));
     const size_t sub = trunk.size();
     record(sub, "head", "x", h);
     record(sub, "head", "y", last_logits);
-    record(sub, "head", "loss", st.main_loss);
+    if (recording) record(sub, "head", "loss", loss_of(b, 0));
     if (backward) record(sub, "head", "dx", dh);
-    if (cfg.num_nextn_predict_layers > 0) mtp_forward_backward(b, std::move(h), dh, backward, st);
+    if (cfg.num_nextn_predict_layers > 0) mtp_forward_backward(b, std::move(h), dh, backward);
     return dh;
   }
 };
@@ -420,7 +409,32 @@ void Model::zero_grad() {
   for (const Tensor& g : impl_->grad_blocks) impl_->be.zero(g.view());
 }
 
-Batch Model::make_batch(const TensorView& tokens, const TensorView& targets) const {
+int64_t Model::stats_width() const {
+  const ModelConfig& c = impl_->cfg;
+  int64_t moe = 0;
+  for (int64_t l = 0; l < c.num_layers_total(); ++l) moe += c.is_moe_layer(l);
+  return 2 + moe * (1 + c.n_routed_experts);
+}
+
+StepStats Model::step_stats(const Batch& b, const double* stats) const {
+  const ModelConfig& c = impl_->cfg;
+  StepStats st;
+  st.tokens = b.tokens_count();
+  st.main_loss = stats[0] / double(b.main_count);
+  st.mtp_loss = stats[1] / double(b.mtp_count);
+  // The balance losses summed in execution order onto 0, the MTP module's last.
+  const double* at = stats + 2;
+  for (int64_t l = 0; l < c.num_layers_total(); ++l) {
+    if (!c.is_moe_layer(l)) continue;
+    st.balance_loss += at[0];
+    st.expert_loads.emplace_back(at + 1, at + 1 + c.n_routed_experts);
+    at += 1 + c.n_routed_experts;
+  }
+  st.loss = st.main_loss + c.mtp_loss_weight * st.mtp_loss + st.balance_loss;
+  return st;
+}
+
+Batch Model::make_batch(const TensorView& tokens, const TensorView& targets, const Tensor& stats) const {
   auto& m = *impl_;
   FP8MOE_CHECK(tokens.ndim == 2 && tokens.dtype == DType::i32, "tokens: expected [B, S] i32, got " << tokens.str());
   check_tensor(targets, "targets", DType::i32, 2);
@@ -438,6 +452,34 @@ Batch Model::make_batch(const TensorView& tokens, const TensorView& targets) con
   Tensor pos = Tensor::host(DType::i32, {T});
   for (int64_t t = 0; t < T; ++t) pos.ptr<int32_t>()[t] = int32_t(t % b.seq);
   b.positions = model::to_backend(m.ctx, pos);
+  // The heads' target counts and the MTP module's inputs and targets from a host copy of the
+  // targets (the caller's, usually: no read-back), so that the step does not wait for the device.
+  Tensor copy;
+  if (targets.device != Device::cpu) copy = m.be.to_host(b.targets);
+  const int32_t* next = copy.defined() ? copy.ptr<const int32_t>() : targets.ptr<const int32_t>();
+  Tensor ids = Tensor::host(DType::i32, {T}), tg2 = Tensor::host(DType::i32, {T});
+  int64_t main = 0, mtp = 0;
+  for (int64_t t = 0; t < T; ++t) {  // MTP: input token t+1 (= targets[t]), target token t+2 in the sequence
+    ids.ptr<int32_t>()[t] = next[t] >= 0 ? next[t] : 0;
+    tg2.ptr<int32_t>()[t] = (t % b.seq < b.seq - 1 && next[t] >= 0) ? next[t + 1] : -1;
+    main += next[t] >= 0;
+    mtp += tg2.ptr<int32_t>()[t] >= 0;
+  }
+  b.main_count = std::max<int64_t>(main, 1);
+  b.mtp_count = std::max<int64_t>(mtp, 1);
+  if (m.cfg.num_nextn_predict_layers > 0) {
+    b.mtp_ids = model::to_backend(m.ctx, ids);
+    b.mtp_targets = model::to_backend(m.ctx, tg2);
+  }
+  const int64_t W = stats_width();
+  if (stats.defined()) {
+    FP8MOE_CHECK(stats.dtype() == DType::f64 && stats.view().ndim == 1 && stats.numel() == W &&
+                     stats.device() == m.be.device(),
+                 "make_batch: stats must be [" << W << "] f64 on the backend, got " << stats.view().str());
+    b.stats = stats;
+  } else {
+    b.stats = m.be.zeros(DType::f64, {W});
+  }
   return b;
 }
 
@@ -452,11 +494,11 @@ void Model::embed_backward(const Batch& b, const Tensor& dx0) {
   impl_->be.embedding_backward(b.tokens.view(), dx0.view(), impl_->held("the embedding", impl_->embed)->grad.view());
 }
 
-Tensor Model::head_forward_backward(const Batch& b, const Tensor& h, double grad_scale, StepStats& st, bool backward) {
+Tensor Model::head_forward_backward(const Batch& b, const Tensor& h, double grad_scale, bool backward) {
   auto& m = *impl_;
   m.held("the head", m.head);
   if (!m.accounting && backward) m.memory = MemoryAccount{};
-  return m.heads(b, h, grad_scale, st, backward);
+  return m.heads(b, h, grad_scale, backward);
 }
 
 std::shared_ptr<void> Model::share_weight_conversions() {
@@ -470,8 +512,6 @@ StepStats Model::Impl::run(Model& model, const TensorView& tokens, const TensorV
                                  "(the pipeline executor runs it)");
   Batch b = model.make_batch(tokens, targets);
   b.grad_scale = grad_scale;
-  StepStats st;
-  st.tokens = b.tokens_count();
   if (backward) m.memory = MemoryAccount{};
   struct Accounting {
     bool& on;
@@ -492,17 +532,13 @@ StepStats Model::Impl::run(Model& model, const TensorView& tokens, const TensorV
     x = y;
     if (backward) m.memory.items.insert(m.memory.items.end(), saved.back()->kept.begin(), saved.back()->kept.end());
   }
-  for (size_t i = 0; i < m.trunk.size(); ++i) {
-    st.balance_loss += m.trunk[i]->aux_loss(*saved[i]);
-    auto loads = m.trunk[i]->expert_loads(*saved[i]);
-    if (loads.empty()) continue;
-    m.record(i, m.trunk[i]->name(), "aux", m.trunk[i]->aux_loss(*saved[i]));
-    st.expert_loads.push_back(std::move(loads));
-  }
+  for (size_t i = 0; m.recording && i < m.trunk.size(); ++i)
+    if (i % 2 == 1 && m.cfg.is_moe_layer(int64_t(i) / 2)) m.record(i, m.trunk[i]->name(), "aux", m.trunk[i]->aux_loss(*saved[i]));
   // The trunk output passes to the heads, which release it once the MTP keeps its own copy.
-  Tensor d = m.heads(b, std::move(x), grad_scale, st, backward);
-  st.loss = st.main_loss + m.cfg.mtp_loss_weight * st.mtp_loss + st.balance_loss;
-  if (!backward) return st;
+  Tensor d = m.heads(b, std::move(x), grad_scale, backward);
+  // What the step reports, read back once, after the whole step has been queued.
+  const auto stats = [&] { return model.step_stats(b, be.to_host(b.stats).ptr<double>()); };
+  if (!backward) return stats();
   for (size_t i = m.trunk.size(); i-- > 0;) {
     Tensor dx;
     m.record(i, m.trunk[i]->name(), "dy", d);
@@ -513,7 +549,7 @@ StepStats Model::Impl::run(Model& model, const TensorView& tokens, const TensorV
     d = dx;
   }
   model.embed_backward(b, d);
-  return st;
+  return stats();
 }
 
 StepStats Model::forward_backward(const TensorView& tokens, const TensorView& targets, double grad_scale) {
@@ -541,18 +577,19 @@ void Model::update_routing_bias(const std::vector<std::vector<int64_t>>& loads, 
                                                                              << " experts, expected " << E);
     double mean = 0;
     for (int64_t v : loads[l]) mean += double(v) / double(E);
-    Tensor h = Tensor::host_like(biases[l]->weight.view());  // [E] host copy
-    m.be.copy(h.view(), biases[l]->weight.view());
+    // The steps go to the device and are added there (y += 1 * x: one rounding, as on the host),
+    // so that the update reads nothing back.
+    Tensor h = Tensor::host_like(biases[l]->weight.view());  // [E]
     for (int64_t e = 0; e < E; ++e) {
       const double load = double(loads[l][size_t(e)]);
       const double step = gamma * (load < mean ? 1.0 : load > mean ? -1.0 : 0.0);
       if (h.dtype() == DType::f64) {
-        h.ptr<double>()[e] += step;
+        h.ptr<double>()[e] = step;
       } else {
-        h.ptr<float>()[e] += float(step);
+        h.ptr<float>()[e] = float(step);
       }
     }
-    m.be.copy(biases[l]->weight.view(), h.view());
+    m.be.axpy(1.0, model::to_backend(m.ctx, h).view(), 1.0, biases[l]->weight.view());
   }
 }
 

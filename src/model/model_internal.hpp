@@ -140,10 +140,8 @@ TensorView stacked(const Tensor& first, int64_t groups);
 Tensor weight_bf16(Ctx& c, const Parameter& w, int64_t groups, bool last_use);
 QuantizedTensor weight_fp8(Ctx& c, const Parameter& w, int64_t groups, bool last_use);
 
-// Host <-> backend helpers for small index/weight vectors.
+// A host tensor (small index/weight vectors) on the backend.
 Tensor to_backend(Ctx& c, const Tensor& host);
-Tensor act_vector(Ctx& c, const std::vector<double>& v);  // [n] act dtype on the backend
-std::vector<double> to_doubles(Ctx& c, const Tensor& t);   // any float tensor, via the host
 
 // A sublayer's input x [T, D] as it keeps it for its RMSNorm (Recipe::residual_cache): x itself, or
 // x in BF16; and the norm's input from it, in the activation dtype (x itself, or bf16(x) widened).

@@ -19,8 +19,11 @@
 // rows_dot(d swiglu_out, swiglu_out) of the expert fed w * dy equals w * (dy . expert_out).
 // Ctx::routed (Model::set_routed_experts) runs the routed experts elsewhere, expert-parallel over
 // ranks: the layer then keeps the gate, the routing, the shared expert and the balance loss.
-// One host synchronization per forward: the top-k indices (and scores, for the balance loss)
-// come to the host for the expert loads, the balance loss and the per-expert row ranges.
+// The expert loads and the balance loss are computed on the device into Batch::stats, read once
+// per step. With the FP8 grouped GEMMs nothing else needs the host either: they run over the
+// layout's worst-case bound of rows and find each expert's segment on the device (padding rows
+// skipped). The BF16 segment GEMMs and the per-expert MLPs need each expert's rows on the host:
+// those recipes read the layout's offsets back, one synchronization per forward.
 #include <algorithm>
 
 #include "model_internal.hpp"
@@ -47,6 +50,8 @@ class MoeLayer final : public Layer {
       experts_.push_back({get(ep + "gate_proj.weight"), get(ep + "up_proj.weight"), get(ep + "down_proj.weight")});
     }
     grouped_ = c.recipe.groups_experts();
+    device_rows_ = grouped_ && c.recipe.linear != LinearPrecision::bf16;
+    for (int64_t l = 0; l < layer; ++l) stats_at_ += c.cfg.is_moe_layer(l) ? 1 + c.cfg.n_routed_experts : 0;
     if (grouped_) {
       std::vector<Parameter*> g, u, d;
       for (const MlpParams& p : experts_) {
@@ -62,16 +67,14 @@ class MoeLayer final : public Layer {
   struct State : Saved {
     Tensor x, rstd;              // [T, D], [T]
     Tensor scores, idx, w;       // [T, E] act, [T, k] i32, [T, k] act
-    Tensor scores_h, idx_h;      // host copies (balance loss)
     MlpState shared;
-    Tensor row_slot, slot_row;   // [R used], [T, k] i32: the layout (row_slot a prefix of the table)
+    Tensor row_slot, slot_row;   // [R], [T, k] i32: the layout (row_slot the table, or its used prefix)
     std::vector<MemoryItem> layout_kept;  // the layout tables as allocated
     ExpertGroups groups;         // row_group [R], offsets [E + 1]
     MlpState experts;            // grouped: all rows at once
     std::vector<MlpState> expert;  // per expert: its rows
     Tensor dh, dlogits;          // kept from B for W: [T, D], [T, E]
-    double aux = 0;
-    std::vector<int64_t> loads;
+    Tensor stats;                // [1 + E] f64: the balance loss and the loads (Batch::stats)
     std::unique_ptr<RoutedExperts::State> routed;  // Ctx::routed's state when it runs the experts
   };
 
@@ -106,10 +109,9 @@ class MoeLayer final : public Layer {
                  name_ << ": the model holds routed experts [" << c_.experts.first << ", "
                        << c_.experts.first + c_.experts.count << ") of " << E
                        << "; the others run on other ranks (Model::set_routed_experts)");
-    if (c_.routed) {  // elsewhere (Model::set_routed_experts): only the loads are needed here
-      expert_loads(*s, T);
+    step_stats(b, *s);
+    if (c_.routed) {  // elsewhere (Model::set_routed_experts)
       s->routed = c_.routed->forward(c_, layer_, h, s->idx, s->w, y);
-      s->aux = balance_loss(b, *s, nullptr);
       for (const MemoryItem& m : s->routed->kept) s->kept.push_back(m);
       keep(*s);
       return s;
@@ -142,7 +144,6 @@ class MoeLayer final : public Layer {
       }
     }
     c_.be.moe_combine(ye.view(), s->slot_row.view(), s->w.view(), y.view(), true);
-    s->aux = balance_loss(b, *s, nullptr);
     keep(*s);
     return s;
   }
@@ -214,10 +215,9 @@ class MoeLayer final : public Layer {
     const int64_t T = dy.size(0), E = cfg.n_routed_experts;
     Tensor dscores;
     if (cfg.aux_loss_alpha > 0) {
-      std::vector<double> ds(size_t(T * E), 0.0);
-      balance_loss(b, s, &ds);
       dscores = c_.empty({T, E});
-      c_.be.copy(dscores.view(), reshape(act_vector(c_, ds).view(), {T, E}));
+      c_.be.moe_balance_loss(s.scores.view(), s.idx.view(), b.seq, cfg.aux_loss_alpha, b.grad_scale, TensorView(),
+                             dscores.view());
     }
     s.dlogits = c_.empty({T, E});
     c_.be.moe_route_backward(s.scores.view(), s.idx.view(), dw.view(), dscores.defined() ? dscores.view() : TensorView(),
@@ -247,44 +247,38 @@ class MoeLayer final : public Layer {
     c_.be.gemm(s.dlogits.view(), h.view(), gate_->grad.view(), true, false, true);
     c_.be.rmsnorm_backward(xn.view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), TensorView(),
                            norm_->grad.view(), false);
-    const double aux = s.aux;
-    auto loads = std::move(s.loads);
+    Tensor stats = std::move(s.stats);
     s = State{};
-    s.aux = aux;
-    s.loads = std::move(loads);
+    s.stats = std::move(stats);
   }
 
-  double aux_loss(const Saved& saved) const override { return static_cast<const State&>(saved).aux; }
+  double aux_loss(const Saved& saved) const override {
+    return c_.be.to_host(prefix_rows(static_cast<const State&>(saved).stats, 1)).ptr<double>()[0];
+  }
   std::vector<int64_t> expert_loads(const Saved& saved) const override {
-    return static_cast<const State&>(saved).loads;
+    const Tensor h = c_.be.to_host(static_cast<const State&>(saved).stats);
+    std::vector<int64_t> loads(size_t(h.numel() - 1));
+    for (size_t e = 0; e < loads.size(); ++e) loads[e] = int64_t(h.ptr<double>()[e + 1]);
+    return loads;
   }
 
  private:
-  // The expert-sorted layout on the device, and on the host (one synchronization) the expert loads
-  // and each expert's rows.
-  void expert_loads(State& s, int64_t T) {
-    const int64_t E = c_.cfg.n_routed_experts, K = c_.cfg.num_experts_per_tok;
-    s.idx_h = c_.be.to_host(s.idx);
-    if (c_.cfg.aux_loss_alpha > 0) s.scores_h = c_.be.to_host(s.scores);
-    s.loads.assign(size_t(E), 0);
-    for (int64_t i = 0; i < T * K; ++i) ++s.loads[size_t(s.idx_h.ptr<int32_t>()[i])];
+  // The balance loss and the expert loads, into the layer's part of b.stats (a tensor of its own
+  // where the batch has none).
+  void step_stats(const Batch& b, State& s) const {
+    const int64_t E = c_.cfg.n_routed_experts;
+    s.stats = b.stats.defined() ? rows_of(b.stats, stats_at_, 1 + E) : c_.be.zeros(DType::f64, {1 + E});
+    if (c_.cfg.aux_loss_alpha > 0)
+      c_.be.moe_balance_loss(s.scores.view(), s.idx.view(), b.seq, c_.cfg.aux_loss_alpha, b.grad_scale,
+                             rows_view(s.stats.view(), 0, 1), TensorView());
+    c_.be.moe_expert_loads(s.idx.view(), rows_view(s.stats.view(), 1, E));
   }
+
+  // The expert-sorted layout on the device, in tables of the bound's size (the loads stay on the
+  // device); the rows past the last segment are padding (-1).
   void layout(State& s, int64_t T) {
     const int64_t E = c_.cfg.n_routed_experts, K = c_.cfg.num_experts_per_tok;
-    expert_loads(s, T);
-    // Each expert runs on its whole padded segment: the padding rows are zeros and add nothing,
-    // and GEMM shapes repeat across steps (multiples of 128 rows).
-    s.groups.start.assign(size_t(E), 0);
-    s.groups.count.assign(size_t(E), 0);
-    for (int64_t e = 0; e < E; ++e) {
-      s.groups.count[size_t(e)] = round_up(s.loads[size_t(e)], kAlign);
-      if (e > 0) s.groups.start[size_t(e)] = s.groups.start[size_t(e - 1)] + s.groups.count[size_t(e - 1)];
-    }
-    // The device op fills tables of the bound's size (it cannot know the loads without a host
-    // synchronization); the rows past the last segment are padding (-1), so the activations use
-    // only the rows the loads need.
     const int64_t R = moe_layout_rows(T * K, E, kAlign);
-    const int64_t used = s.groups.start[size_t(E - 1)] + s.groups.count[size_t(E - 1)];
     // moe_layout writes every entry of its tables (-1 where no row or slot).
     Tensor row_slot = c_.be.empty(DType::i32, {R}), row_group = c_.be.empty(DType::i32, {R});
     s.slot_row = c_.be.empty(DType::i32, {T, K});
@@ -292,49 +286,32 @@ class MoeLayer final : public Layer {
     s.groups.offsets = c_.be.empty(DType::i32, {E + 1});
     c_.be.moe_layout(s.idx.view(), kAlign, row_slot.view(), row_group.view(), s.slot_row.view(),
                      s.groups.offsets.view());
-    s.row_slot = prefix_rows(row_slot, used);
-    s.groups.row_group = prefix_rows(row_group, used);
     s.layout_kept = {account_item(name_, "layout", row_slot.view()), account_item(name_, "layout", s.slot_row.view()),
                      account_item(name_, "layout", row_group.view()),
                      account_item(name_, "layout", s.groups.offsets.view())};
+    if (device_rows_) {  // all R rows: the grouped FP8 GEMMs skip the padding past the segments
+      s.row_slot = row_slot;
+      s.groups.row_group = row_group;
+      return;
+    }
+    // Each expert runs on its whole padded segment (the padding rows are zeros and add nothing, and
+    // GEMM shapes repeat across steps), the activations on the rows the segments use.
+    const Tensor off = c_.be.to_host(s.groups.offsets);
+    s.groups.start.assign(size_t(E), 0);
+    s.groups.count.assign(size_t(E), 0);
+    for (int64_t e = 0; e < E; ++e) {
+      s.groups.start[size_t(e)] = off.ptr<int32_t>()[e];
+      s.groups.count[size_t(e)] = off.ptr<int32_t>()[e + 1] - off.ptr<int32_t>()[e];
+    }
+    const int64_t used = off.ptr<int32_t>()[E];
+    s.row_slot = prefix_rows(row_slot, used);
+    s.groups.row_group = prefix_rows(row_group, used);
   }
 
   MlpParams grouped_params(const State& s) const {
     MlpParams p = experts_[0];
     p.grouped = &s.groups;
     return p;
-  }
-
-  // Sequence-wise balance loss alpha * mean_b sum_i f_i P_i; with ds, adds grad_scale * dL/ds [T, E].
-  double balance_loss(const Batch& b, const State& s, std::vector<double>* ds) const {
-    const auto& cfg = c_.cfg;
-    if (cfg.aux_loss_alpha <= 0) return 0;
-    const int64_t E = cfg.n_routed_experts, K = cfg.num_experts_per_tok, S = b.seq, B = b.batch;
-    const std::vector<double> sc = to_doubles(c_, s.scores_h);
-    const Tensor& idx = s.idx_h;
-    double total = 0;
-    for (int64_t bi = 0; bi < B; ++bi) {
-      std::vector<double> f(size_t(E), 0.0), P(size_t(E), 0.0);
-      for (int64_t t = bi * S; t < (bi + 1) * S; ++t) {
-        for (int64_t j = 0; j < K; ++j) f[size_t(idx.ptr<int32_t>()[t * K + j])] += double(E) / double(K * S);
-        double z = 0;
-        for (int64_t e = 0; e < E; ++e) z += sc[size_t(t * E + e)];
-        for (int64_t e = 0; e < E; ++e) P[size_t(e)] += sc[size_t(t * E + e)] / z / double(S);
-      }
-      for (int64_t e = 0; e < E; ++e) total += cfg.aux_loss_alpha * f[size_t(e)] * P[size_t(e)] / double(B);
-      if (ds) {
-        const double c = b.grad_scale * cfg.aux_loss_alpha / double(B * S);
-        for (int64_t t = bi * S; t < (bi + 1) * S; ++t) {
-          double z = 0, fs = 0;
-          for (int64_t e = 0; e < E; ++e) {
-            z += sc[size_t(t * E + e)];
-            fs += f[size_t(e)] * sc[size_t(t * E + e)];
-          }
-          for (int64_t e = 0; e < E; ++e) (*ds)[size_t(t * E + e)] += c * (f[size_t(e)] / z - fs / (z * z));
-        }
-      }
-    }
-    return total;
   }
 
   Ctx& c_;
@@ -344,6 +321,8 @@ class MoeLayer final : public Layer {
   MlpParams shared_;
   std::vector<MlpParams> experts_;
   bool grouped_ = false;  // Recipe::groups_experts
+  bool device_rows_ = false;  // the grouped FP8 GEMMs: segments found on the device
+  int64_t stats_at_ = 2;      // where this layer's balance loss and loads are in Batch::stats
 };
 
 }  // namespace

@@ -188,6 +188,12 @@ class SpyBackend final : public Backend {
     in_->adamw_step(w, g, m, v, p);
   }
   double sum_squares(const TensorView& x) override { return in_->sum_squares(x); }
+  void moe_expert_loads(const TensorView& ids, const TensorView& loads) override { in_->moe_expert_loads(ids, loads); }
+  void moe_balance_loss(const TensorView& s, const TensorView& idx, int64_t seq, double alpha, double gs,
+                        const TensorView& loss, const TensorView& ds) override {
+    in_->moe_balance_loss(s, idx, seq, alpha, gs, loss, ds);
+  }
+  void sum_in_order(const TensorView& x, const TensorView& out) override { in_->sum_in_order(x, out); }
 
   // Records of one op's output.
   std::vector<const Quantized*> of(const std::string& op, const std::string& out = "") const {

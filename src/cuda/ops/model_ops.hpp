@@ -19,6 +19,12 @@
 
 namespace fp8moe::cuda {
 
+// ---- step statistics (step_stats.cu): bit-identical to the CPU ops ----
+void cuda_moe_expert_loads(const TensorView& expert_ids, const TensorView& loads, cudaStream_t stream);
+void cuda_moe_balance_loss(const TensorView& scores, const TensorView& idx, int64_t seq_len, double alpha,
+                           double grad_scale, const TensorView& loss, const TensorView& dscores, cudaStream_t stream);
+void cuda_sum_in_order(const TensorView& x, const TensorView& out, cudaStream_t stream);
+
 // ---- dense (model_ops_gemm.cu, model_ops_elementwise.cu) ----
 void cuda_gemm(const TensorView& a, const TensorView& b, const TensorView& d, bool trans_a, bool trans_b,
                bool accumulate, cudaStream_t stream);

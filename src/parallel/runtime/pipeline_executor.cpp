@@ -19,6 +19,7 @@
 #include "fp8moe/error.hpp"
 #include "fp8moe/paired_chunk.hpp"
 #include "fp8moe/pipeline_executor.hpp"
+#include "model/model_internal.hpp"
 
 namespace fp8moe::pipeline {
 
@@ -55,17 +56,6 @@ void check_message_order(const Schedule& s) {
 
 // The per-micro-batch numbers every rank needs, in one f64 row per micro-batch so that one sum
 // over the pipeline ranks gathers them (each is produced on one rank, zeros elsewhere: exact).
-struct StatsLayout {
-  int sublayers = 0;
-  std::vector<int> moe_trunk;  // trunk sublayers with expert loads
-  int mtp_moe = 0;             // MoE layers of the MTP module
-  int64_t experts = 0;
-  enum : int { kMain, kMtp, kMtpBalance, kFixed };
-  size_t aux(int i) const { return kFixed + size_t(i); }
-  size_t loads(int j) const { return kFixed + size_t(sublayers) + size_t(j) * size_t(experts); }  // j-th MoE layer
-  size_t width() const { return loads(int(moe_trunk.size()) + mtp_moe); }
-};
-
 }  // namespace
 
 struct Executor::Impl {
@@ -76,7 +66,6 @@ struct Executor::Impl {
   int me = 0;
   std::vector<Layer*> trunk;
   std::vector<StageShard> shards;  // what each pipeline rank holds
-  StatsLayout stats;
   std::vector<ExecutedOp> executed;
   int fail_at = -1;
   FbMode fb_mode = FbMode::overlap;
@@ -95,7 +84,7 @@ struct Executor::Impl {
   std::map<Key, std::vector<std::unique_ptr<Saved>>> saved;
   std::map<Key, Tensor> act_in, act_out, grad_in, grad_out, embed_grad;
   std::vector<Posted> pending;
-  std::vector<std::vector<double>> table;  // [micro-batch][stats.width()]
+  Tensor table;  // [micro-batch, Model::stats_width()] f64 on the backend: each batch's Batch::stats
   Clock::time_point t0;
   ExecutedOp* current = nullptr;
   // Bytes each pass's forward kept (counted when kept: a backward may shrink Saved::kept).
@@ -123,17 +112,11 @@ struct Executor::Impl {
                  "pipeline: the split " << split.str() << " does not cut the " << trunk.size() << " trunk sublayers into the "
                                         << schedule.num_stages << " stages of " << method_name(schedule.method));
     check_message_order(schedule);
-    const ModelConfig& cfg = model.config();
     for (int r = 0; r < schedule.num_ranks; ++r) shards.push_back(stage_shard(schedule, split, r));
     const StageShard& held = model.stage_shard();
     FP8MOE_CHECK(held.whole() || (held.sublayers == shards[size_t(me)].sublayers &&
                                   held.embedding == shards[size_t(me)].embedding && held.head == shards[size_t(me)].head),
                  "pipeline: rank " << me << "'s model holds a stage shard other than its stages'");
-    stats.sublayers = int(trunk.size());
-    stats.experts = cfg.n_routed_experts;
-    for (int i = 0; i < stats.sublayers; ++i)
-      if (i % 2 == 1 && cfg.is_moe_layer(i / 2)) stats.moe_trunk.push_back(i);
-    for (int64_t l = cfg.num_hidden_layers; l < cfg.num_layers_total(); ++l) stats.mtp_moe += cfg.is_moe_layer(l);
   }
 
   double now() const { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -177,7 +160,6 @@ struct Executor::Impl {
   // stage or the output's way on. Run in a row by F, interleaved with a B's by F&B.
   Steps forward_steps(const Pass& p) {
     const Batch& b = batches[size_t(p.micro_batch)];
-    std::vector<double>& row = table[size_t(p.micro_batch)];
     auto x = std::make_shared<Tensor>();
     Steps steps;
     steps.push_back([this, p, x, &b] {
@@ -185,7 +167,7 @@ struct Executor::Impl {
       else *x = take(act_in, key(p), "input activation");
     });
     for (int i = split.first[size_t(p.stage)]; i < split.first[size_t(p.stage) + 1]; ++i)
-      steps.push_back([this, p, x, i, &b, &row] {
+      steps.push_back([this, p, x, i, &b] {
         Layer& layer = *trunk[size_t(i)];
         auto& kept = saved[key(p)];
         component("F " + layer.name(), [&] {
@@ -194,26 +176,14 @@ struct Executor::Impl {
           *x = y;
         });
         keep(key(p), *kept.back());
-        row[stats.aux(i)] = layer.aux_loss(*kept.back());
-        const std::vector<int64_t> loads = layer.expert_loads(*kept.back());
-        for (size_t j = 0; j < stats.moe_trunk.size(); ++j)
-          if (stats.moe_trunk[j] == i)
-            for (size_t e = 0; e < loads.size(); ++e) row[stats.loads(int(j)) + e] = double(loads[e]);
       });
-    steps.push_back([this, p, x, &b, &row] {
+    steps.push_back([this, p, x, &b] {
       if (last_stage(p.stage)) {
         // The head's forward and backward end the forward: the B of this stage starts from dh.
         component("F head", [&] {
-          StepStats st;
-          grad_in[key(p)] = model.head_forward_backward(b, *x, b.grad_scale, st, true);
+          grad_in[key(p)] = model.head_forward_backward(b, *x, b.grad_scale, true);
           // The MTP module's kept tensors live only inside the call, on top of the trunk's.
           peak_bytes = std::max(peak_bytes, saved_bytes + model.saved_memory().total_bytes());
-          row[StatsLayout::kMain] = st.main_loss;
-          row[StatsLayout::kMtp] = st.mtp_loss;
-          row[StatsLayout::kMtpBalance] = st.balance_loss;
-          for (size_t j = 0; j < st.expert_loads.size(); ++j)
-            for (size_t e = 0; e < st.expert_loads[j].size(); ++e)
-              row[stats.loads(int(stats.moe_trunk.size() + j)) + e] = double(st.expert_loads[j][e]);
         });
       } else if (here(p.micro_batch, p.stage + 1)) {
         act_in[{p.micro_batch, p.stage + 1}] = *x;  // DualPipeV's turn: the next stage is on this rank
@@ -363,11 +333,13 @@ struct Executor::Impl {
                  "pipeline: " << method_name(schedule.method) << " runs " << M << " micro-batches, given " << tokens.size()
                               << " token and " << targets.size() << " target tensors");
     batches.clear();
+    const int64_t W = model.stats_width();
+    table = model.backend().zeros(DType::f64, {int64_t(M) * W});
     for (int m = 0; m < M; ++m) {
-      batches.push_back(model.make_batch(tokens[size_t(m)].view(), targets[size_t(m)].view()));
+      batches.push_back(model.make_batch(tokens[size_t(m)].view(), targets[size_t(m)].view(),
+                                         model::rows_of(table, m * W, W)));
       batches.back().grad_scale = grad_scale;
     }
-    table.assign(size_t(M), std::vector<double>(stats.width(), 0.0));
     // What a step that failed part-way left behind goes with it.
     for (auto* m : {&act_in, &act_out, &grad_in, &grad_out, &embed_grad}) m->clear();
     saved.clear();
@@ -404,37 +376,16 @@ struct Executor::Impl {
     return gather();
   }
 
-  // Every micro-batch's StepStats, summed in Model's order: trunk balance losses by sublayer,
-  // then the MTP module's; expert loads of the trunk's MoE layers, then the MTP module's.
+  // Every micro-batch's StepStats from the step's one read-back of the table. With several
+  // pipeline ranks each entry is written by the rank that holds its layer (the others' are zeros),
+  // so that the all-reduce's sum is exact.
   std::vector<StepStats> gather() {
     Backend& be = model.backend();
-    const size_t W = stats.width(), M = table.size();
-    if (comm && comm->size() > 1 && W * M > 0) {
-      Tensor h = Tensor::host(DType::f64, {int64_t(M * W)});
-      for (size_t m = 0; m < M; ++m) std::memcpy(h.ptr<double>() + m * W, table[m].data(), W * sizeof(double));
-      Tensor d = be.empty(DType::f64, {int64_t(M * W)});
-      be.copy(d.view(), h.view());
-      comm->all_reduce(d.view(), be.stream());
-      be.copy(h.view(), d.view());
-      be.synchronize();
-      for (size_t m = 0; m < M; ++m) std::memcpy(table[m].data(), h.ptr<double>() + m * W, W * sizeof(double));
-    }
-    std::vector<StepStats> out(M);
-    for (size_t m = 0; m < M; ++m) {
-      const std::vector<double>& row = table[m];
-      StepStats& st = out[m];
-      st.tokens = batches[m].tokens_count();
-      st.main_loss = row[StatsLayout::kMain];
-      st.mtp_loss = row[StatsLayout::kMtp];
-      for (int i = 0; i < stats.sublayers; ++i) st.balance_loss += row[stats.aux(i)];
-      st.balance_loss += row[StatsLayout::kMtpBalance];
-      for (int j = 0; j < int(stats.moe_trunk.size()) + stats.mtp_moe; ++j) {
-        std::vector<int64_t> loads(size_t(stats.experts));
-        for (size_t e = 0; e < loads.size(); ++e) loads[e] = int64_t(row[stats.loads(j) + e]);
-        st.expert_loads.push_back(std::move(loads));
-      }
-      st.loss = st.main_loss + model.config().mtp_loss_weight * st.mtp_loss + st.balance_loss;
-    }
+    if (comm && comm->size() > 1 && table.numel() > 0) comm->all_reduce(table.view(), be.stream());
+    const Tensor h = be.to_host(table);
+    std::vector<StepStats> out;
+    for (size_t m = 0; m < batches.size(); ++m)
+      out.push_back(model.step_stats(batches[m], h.ptr<double>() + int64_t(m) * model.stats_width()));
     return out;
   }
 
@@ -445,9 +396,6 @@ struct Executor::Impl {
     Backend& be = model.backend();
     const Batch b = model.make_batch(tokens.view(), targets.view());
     const std::vector<int>& rank_of = schedule.stage_rank[0];
-    StepStats st;
-    st.tokens = b.tokens_count();
-    std::vector<double> row(3 + size_t(int(stats.moe_trunk.size()) + stats.mtp_moe) * size_t(stats.experts), 0.0);
     Tensor x;
     for (int s = 0; s < schedule.num_stages; ++s) {
       const int r = rank_of[size_t(s)];
@@ -460,47 +408,18 @@ struct Executor::Impl {
       }
       for (int i = split.first[size_t(s)]; i < split.first[size_t(s) + 1]; ++i) {
         Tensor y;
-        const std::unique_ptr<Saved> saved = trunk[size_t(i)]->forward(b, x, y);
-        row[0] += trunk[size_t(i)]->aux_loss(*saved);
-        const std::vector<int64_t> loads = trunk[size_t(i)]->expert_loads(*saved);
-        for (size_t j = 0; j < stats.moe_trunk.size(); ++j)
-          if (stats.moe_trunk[j] == i)
-            for (size_t e = 0; e < loads.size(); ++e) row[3 + j * size_t(stats.experts) + e] = double(loads[e]);
+        trunk[size_t(i)]->forward(b, x, y);
         x = y;
       }
       if (s + 1 < schedule.num_stages) {
         if (rank_of[size_t(s) + 1] != me) comm->send(x.view(), rank_of[size_t(s) + 1], be.stream());
         continue;
       }
-      StepStats head;
-      model.head_forward_backward(b, x, 1.0, head, false);
-      row[1] = head.main_loss;
-      row[2] = head.mtp_loss;
-      row[0] += head.balance_loss;
-      for (size_t j = 0; j < head.expert_loads.size(); ++j)
-        for (size_t e = 0; e < head.expert_loads[j].size(); ++e)
-          row[3 + (stats.moe_trunk.size() + j) * size_t(stats.experts) + e] = double(head.expert_loads[j][e]);
+      model.head_forward_backward(b, x, 1.0, false);
     }
-    if (comm && comm->size() > 1) {  // every rank's part, exact: one rank writes each entry, the others zeros
-      Tensor h = Tensor::host(DType::f64, {int64_t(row.size())});
-      std::memcpy(h.ptr<double>(), row.data(), row.size() * sizeof(double));
-      Tensor d = be.empty(DType::f64, {int64_t(row.size())});
-      be.copy(d.view(), h.view());
-      comm->all_reduce(d.view(), be.stream());
-      be.copy(h.view(), d.view());
-      be.synchronize();
-      std::memcpy(row.data(), h.ptr<double>(), row.size() * sizeof(double));
-    }
-    st.balance_loss = row[0];
-    st.main_loss = row[1];
-    st.mtp_loss = row[2];
-    for (int j = 0; j < int(stats.moe_trunk.size()) + stats.mtp_moe; ++j) {
-      std::vector<int64_t> loads(size_t(stats.experts));
-      for (size_t e = 0; e < loads.size(); ++e) loads[e] = int64_t(row[3 + size_t(j) * size_t(stats.experts) + e]);
-      st.expert_loads.push_back(std::move(loads));
-    }
-    st.loss = st.main_loss + model.config().mtp_loss_weight * st.mtp_loss + st.balance_loss;
-    return st;
+    // Every rank's part, exact: one rank writes each entry, the others zeros.
+    if (comm && comm->size() > 1) comm->all_reduce(b.stats.view(), be.stream());
+    return model.step_stats(b, be.to_host(b.stats).ptr<double>());
   }
 
   // A model holding only its stages' parameters: each parameter's gradient summed over the ranks
