@@ -16,7 +16,9 @@
 namespace fp8moe::testing {
 namespace {
 
-constexpr double kTolerance = 0.05;
+// The size classes' rounding of the kept tensors, at most (tensors of a few blocks round by up to
+// a fifth of a block).
+constexpr double kRounding = 0.1;
 
 int64_t trunk_bytes(const MemoryAccount& m, const std::vector<Layer*>& trunk) {
   const auto per = m.bytes_per_layer();
@@ -111,10 +113,13 @@ TEST_P(ModelMemoryCuda, MediumStepKeepsWhatTheAccountLists) {
             << per_token(saved.total_bytes()) << " per token, all " << saved.bytes_per_layer().size()
             << " layers with the MTP's), predict_memory at balanced routing "
             << predict_memory(c, Recipe::from_name(recipe), T).total_bytes() << "\n";
-  EXPECT_NEAR(double(measured), double(kept_account), kTolerance * double(kept_account))
+  // Each kept tensor is one block of the allocator's size class, so the account rounded so is the
+  // measured figure to the byte; against the account itself the rounding alone is 0-6%, by routing.
+  const int64_t expected = be->device() == Device::cuda ? trunk_blocks(account, trunk) : kept_account;
+  EXPECT_EQ(measured, expected) << recipe << ": the allocator holds what predict_memory lists, block by block";
+  EXPECT_NEAR(double(measured), double(kept_account), kRounding * double(kept_account))
       << recipe << ": the allocator holds what predict_memory lists";
-  EXPECT_NEAR(double(measured), double(kept_saved), kTolerance * double(kept_saved))
-      << recipe << ": the allocator holds what saved_memory lists";
+  EXPECT_EQ(kept_saved, kept_account) << recipe << ": saved_memory lists what predict_memory lists at this routing";
   states.clear();
 }
 
