@@ -89,4 +89,18 @@ ParameterCount count_parameters(const ModelConfig& cfg);
 size_t edit_distance(const std::string& a, const std::string& b);
 std::string closest_match(const std::string& word, const std::vector<std::string>& candidates);
 
+namespace model {
+// Parameter shapes by name (DeepSeek-V3's Hugging Face names), in model order, with their
+// initialization (normal: N(0, initializer_range)); the model allocates them, predict_memory,
+// count_parameters and serve::random_weights use the same list.
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  enum Init { normal, ones, zeros } init = normal;
+  bool trainable = true;
+  bool decay = true;
+};
+std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg);
+}  // namespace model
+
 }  // namespace fp8moe

@@ -201,15 +201,4 @@ std::unique_ptr<Layer> make_attention_layer(Ctx& c, int64_t layer, const ParamLo
 std::unique_ptr<Layer> make_mlp_layer(Ctx& c, int64_t layer, const ParamLookup& get);
 std::unique_ptr<Layer> make_moe_layer(Ctx& c, int64_t layer, const ParamLookup& get);
 
-// Parameter shapes by name, in model order (the model allocates them; predict_memory and
-// count_parameters use the same list).
-struct ParamSpec {
-  std::string name;
-  std::vector<int64_t> shape;
-  enum Init { normal, ones, zeros } init = normal;
-  bool trainable = true;
-  bool decay = true;
-};
-std::vector<ParamSpec> parameter_specs(const ModelConfig& cfg);
-
 }  // namespace fp8moe::model

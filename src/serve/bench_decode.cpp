@@ -5,9 +5,10 @@
 #include <chrono>
 #include <cstdio>
 
+#include "fp8moe/config.hpp"
 #include "fp8moe/error.hpp"
-#include "fp8moe/model.hpp"
 #include "serve/engine.hpp"
+#include "serve/weights.hpp"
 
 namespace fp8moe::serve {
 
@@ -44,14 +45,13 @@ int bench_decode(Backend& be, const DecodeBenchOptions& opt) {
                "bench decode: --context " << opt.context << " + " << opt.iters + 1 << " steps exceeds the context of "
                                           << cfg.max_position_embeddings);
   const double bw = copy_bandwidth(be);
-  Model model(cfg, Recipe::from_name("fp32"), be, 1);  // random weights; the engine converts them
   EngineOptions eo;
   eo.linear = opt.linear;
   eo.cache = cache_dtype_from_name(opt.cache);
   eo.shared_as_routed = opt.shared_as_routed;
   const int64_t per_seq = blocks_for(opt.context + opt.iters + 1);
   eo.cache_blocks = Bmax * per_seq;
-  Engine engine(weights_of(model), be, eo);
+  Engine engine(random_weights(cfg, 1), be, eo);  // the engine converts them (FP8: 128x128 blocks)
   std::printf("bench decode: %s on %s, linear %s, cache %s (%lld bytes/token), context %lld, copy bandwidth %.0f GB/s\n",
               cfg.name.c_str(), be.name().c_str(), opt.linear.c_str(), opt.cache.c_str(),
               static_cast<long long>(engine.cache().bytes_per_token()), static_cast<long long>(opt.context), bw / 1e9);

@@ -29,5 +29,10 @@ WeightSet load_checkpoint_weights(const std::string& path);
 WeightSet load_hf_weights(const std::string& folder);
 // The model's master weights, shared (no copy).
 WeightSet weights_of(Model& model);
+// Random weights of cfg's shapes as host f32 tensors (format "f32"), for benchmarks: the
+// parameter list's initialization (normal: N(0, initializer_range), norms ones, biases zeros)
+// drawn from a counter-based generator in parallel, so a DeepSeek-V3-sized layer takes seconds
+// where Model's sequential draws take minutes. Not Model's values for the same seed.
+WeightSet random_weights(const ModelConfig& cfg, uint64_t seed);
 
 }  // namespace fp8moe::serve

@@ -16,6 +16,7 @@
 #include "fp8moe/safetensors.hpp"
 #include "serve/engine.hpp"
 #include "serve/sampler.hpp"
+#include "serve/weights.hpp"
 #include "serve_testing.hpp"
 #include "testing.hpp"
 
@@ -364,6 +365,45 @@ TEST(ServeEngine, LoadsCheckpointAndExportedFolders) {
   testing::expect_error([&] { load_hf_weights((dir / "missing").string()); }, "no config.json");
   testing::expect_error([&] { load_checkpoint_weights((dir / "hf_bf16" / "model.safetensors").string()); },
                         "expected fp8moe-checkpoint-1");
+}
+
+// The benchmark's random weights: every parameter of the list at its shape, N(0, initializer_range)
+// where the model draws normals (mean and deviation within 3% over ~10^5 values), ones and zeros
+// where it sets them, the same values for the same seed; an engine loads them.
+TEST(ServeEngine, RandomWeightsFollowTheParameterList) {
+  const ModelConfig cfg = load_config(std::string(FP8MOE_SOURCE_DIR) + "/configs/tiny.json");
+  const WeightSet a = random_weights(cfg, 5), b = random_weights(cfg, 5), c = random_weights(cfg, 6);
+  double sum = 0, sq = 0;
+  int64_t n = 0;
+  for (const model::ParamSpec& s : model::parameter_specs(cfg)) {
+    ASSERT_TRUE(a.tensors.count(s.name)) << s.name;
+    const Tensor& t = a.tensors.at(s.name);
+    ASSERT_EQ(t.view().ndim, int(s.shape.size())) << s.name;
+    for (size_t d = 0; d < s.shape.size(); ++d) ASSERT_EQ(t.size(int(d)), s.shape[d]) << s.name;
+    const float* v = t.ptr<float>();
+    EXPECT_EQ(std::vector<float>(v, v + t.numel()),
+              std::vector<float>(b.tensors.at(s.name).ptr<float>(), b.tensors.at(s.name).ptr<float>() + t.numel()));
+    if (s.init == model::ParamSpec::normal) {
+      EXPECT_NE(v[0], c.tensors.at(s.name).ptr<float>()[0]) << s.name << ": another seed, other values";
+      for (int64_t j = 0; j < t.numel(); ++j, ++n) {
+        sum += v[j];
+        sq += double(v[j]) * v[j];
+      }
+    } else {
+      const float want = s.init == model::ParamSpec::ones ? 1.0f : 0.0f;
+      EXPECT_EQ(*std::min_element(v, v + t.numel()), want) << s.name;
+      EXPECT_EQ(*std::max_element(v, v + t.numel()), want) << s.name;
+    }
+  }
+  ASSERT_GT(n, 100000);
+  const double mean = sum / double(n), sd = std::sqrt(sq / double(n) - mean * mean);
+  EXPECT_LT(std::abs(mean), 0.03 * cfg.initializer_range);
+  EXPECT_NEAR(sd, cfg.initializer_range, 0.03 * cfg.initializer_range);
+  auto be = make_backend("cpu");
+  EngineOptions eo;
+  eo.cache_blocks = 4;
+  Engine engine(a, *be, eo);
+  EXPECT_EQ(engine.cache().bytes_per_token() > 0, true);
 }
 
 TEST(ServeSampler, SeedRepeatsAndGreedyLimits) {
