@@ -39,4 +39,10 @@ MoeDispatchDims check_moe_combine_args(Device device, const TensorView& y, const
 MoeDispatchDims check_moe_combine_weight_grad_args(Device device, const TensorView& v, const TensorView& slot_row,
                                                    const TensorView& w, const TensorView& dw);
 
+// The balance loss's arguments: scores [T, E] float (f32; f64 too on the cpu), idx [T, k] i32,
+// T whole sequences of seq_len; loss [1] f64 and dscores [T, E] of the scores' dtype, each
+// optional. Returns tokens T, topk k, groups E.
+MoeDispatchDims check_moe_balance_loss_args(Device device, const TensorView& scores, const TensorView& idx,
+                                            int64_t seq_len, const TensorView& loss, const TensorView& dscores);
+
 }  // namespace fp8moe

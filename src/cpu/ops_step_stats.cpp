@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cpu_ops.hpp"
+#include "fp8moe/moe_dispatch_args.hpp"
 
 namespace fp8moe::cpu {
 
@@ -32,19 +33,8 @@ void moe_balance_loss(const TensorView& scores, const TensorView& idx, int64_t s
                       double grad_scale, const TensorView& loss, const TensorView& dscores) {
   dispatch_float(scores, "moe_balance_loss", "scores", [&](auto tag) {
     using T = decltype(tag);
-    check_op_tensor(scores, "moe_balance_loss", "scores", scores.dtype, 2);
-    check_op_tensor(idx, "moe_balance_loss", "idx", DType::i32, 2);
-    const int64_t T_ = scores.size(0), E = scores.size(1), K = idx.size(1), S = seq_len;
-    check_shape(idx, "moe_balance_loss: idx", {T_, K});
-    FP8MOE_CHECK(S > 0 && T_ % S == 0, "moe_balance_loss: " << T_ << " tokens are not whole sequences of " << S);
-    if (loss.defined()) {
-      check_op_tensor(loss, "moe_balance_loss", "loss", DType::f64, 1);
-      check_shape(loss, "moe_balance_loss: loss", {1});
-    }
-    if (dscores.defined()) {
-      check_op_tensor(dscores, "moe_balance_loss", "dscores", scores.dtype, 2);
-      check_shape(dscores, "moe_balance_loss: dscores", {T_, E});
-    }
+    const MoeDispatchDims dims = check_moe_balance_loss_args(Device::cpu, scores, idx, seq_len, loss, dscores);
+    const int64_t T_ = dims.tokens, E = dims.groups, K = dims.topk, S = seq_len;
     const int32_t* id = idx.ptr<const int32_t>();
     const int64_t B = T_ / S;
     for (int64_t t = 0; t < T_ * K; ++t)

@@ -182,4 +182,27 @@ MoeDispatchDims check_moe_combine_weight_grad_args(Device device, const TensorVi
   return d;
 }
 
+MoeDispatchDims check_moe_balance_loss_args(Device device, const TensorView& scores, const TensorView& idx,
+                                            int64_t seq_len, const TensorView& loss, const TensorView& dscores) {
+  const ArgChecker c{device, "moe_balance_loss"};
+  c.floats(scores, "scores", false, 2);
+  c.tensor(idx, "idx", {DType::i32}, 2);
+  MoeDispatchDims d;
+  d.tokens = scores.size(0);
+  d.groups = scores.size(1);
+  d.topk = idx.size(1);
+  c.shape(idx, "idx", {d.tokens, d.topk});
+  FP8MOE_CHECK(seq_len > 0 && d.tokens % seq_len == 0,
+               "moe_balance_loss: " << d.tokens << " tokens are not whole sequences of " << seq_len);
+  if (loss.defined()) {
+    c.tensor(loss, "loss", {DType::f64}, 1);
+    c.shape(loss, "loss", {1});
+  }
+  if (dscores.defined()) {
+    c.tensor(dscores, "dscores", {scores.dtype}, 2);
+    c.shape(dscores, "dscores", {d.tokens, d.groups});
+  }
+  return d;
+}
+
 }  // namespace fp8moe

@@ -7,6 +7,7 @@
 // sequence's tokens, the experts), so that a thread per sum costs microseconds.
 #include "cuda/ops/model_ops.hpp"
 #include "cuda/ops/model_ops_util.cuh"
+#include "fp8moe/moe_dispatch_args.hpp"
 
 namespace fp8moe::cuda {
 
@@ -104,19 +105,8 @@ void cuda_moe_expert_loads(const TensorView& expert_ids, const TensorView& loads
 
 void cuda_moe_balance_loss(const TensorView& scores, const TensorView& idx, int64_t seq_len, double alpha,
                            double grad_scale, const TensorView& loss, const TensorView& dscores, cudaStream_t stream) {
-  check_f32(scores, "moe_balance_loss", "scores", 2);
-  check_dev(idx, "moe_balance_loss", "idx", DType::i32, 2);
-  const int64_t T = scores.size(0), E = scores.size(1), K = idx.size(1), S = seq_len;
-  check_shape(idx, "moe_balance_loss: idx", {T, K});
-  FP8MOE_CHECK(S > 0 && T % S == 0, "moe_balance_loss: " << T << " tokens are not whole sequences of " << S);
-  if (loss.defined()) {
-    check_dev(loss, "moe_balance_loss", "loss", DType::f64, 1);
-    check_shape(loss, "moe_balance_loss: loss", {1});
-  }
-  if (dscores.defined()) {
-    check_f32(dscores, "moe_balance_loss", "dscores", 2);
-    check_shape(dscores, "moe_balance_loss: dscores", {T, E});
-  }
+  const MoeDispatchDims dims = check_moe_balance_loss_args(Device::cuda, scores, idx, seq_len, loss, dscores);
+  const int64_t T = dims.tokens, E = dims.groups, K = dims.topk, S = seq_len;
   const int64_t B = T / S;
   if (B == 0 || (!loss.defined() && !dscores.defined())) return;
   DeviceBuffer z(sizeof(double) * size_t(T), stream), f(sizeof(double) * size_t(B * E), stream),
