@@ -30,6 +30,10 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
                   "attention GEMM operands: exact (the activations' dtype) | bf16 (BF16, FP32 accumulation)")
       ->capture_default_str();
   cmd->add_option("--moments", o.moments, "AdamW moment precision: bf16 | f32")->capture_default_str();
+  cmd->add_option("--graphs", o.graphs,
+                  "training steps as CUDA graphs, recorded once and replayed while the batch shape stays: auto (one "
+                  "process on a GPU) | on | off")
+      ->capture_default_str();
   cmd->add_option("--ema-decay", o.ema_decay, "decay per step of the CPU-memory parameter EMA")->capture_default_str();
   cmd->add_option("--ema-every", o.ema_every,
                   "steps between EMA snapshots, each weighted as that many steps (large models: the snapshot "

@@ -93,6 +93,12 @@ void Backend::zero(const TensorView& dst) {
   copy(TensorView(dst.data, DType::u8, {int64_t(dst.nbytes())}, dst.device), z.view());
 }
 
+void Backend::begin_capture() { FP8MOE_CHECK(false, "begin_capture: backend " << name() << " cannot record graphs"); }
+Graph Backend::end_capture() {
+  FP8MOE_CHECK(false, "end_capture: backend " << name() << " cannot record graphs");
+  return {};
+}
+
 // Model ops: a backend that does not implement one says so by name.
 #define FP8MOE_UNSUPPORTED(op) FP8MOE_CHECK(false, #op ": unsupported on backend " << name())
 void Backend::gemm(const TensorView&, const TensorView&, const TensorView&, bool, bool, bool) { FP8MOE_UNSUPPORTED(gemm); }

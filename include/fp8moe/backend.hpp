@@ -93,6 +93,18 @@ class Backend {
   virtual Event new_event() { return {}; }
   // Ops after this call go to `s` (a stream of this backend's device). StreamScope below restores.
   virtual void set_stream(const Stream&) {}
+  // Graph capture (stream.hpp): between begin_capture() and end_capture() the ops queued on the
+  // current stream are recorded, not run; the Graph replays them, each replay running them again
+  // on the memory they had when recorded. Tensors allocated while capturing come from a pool kept
+  // for graphs, so that nothing outside a graph reuses the memory it works in. The recorded work
+  // must not wait on the host (no read-back, immediate checks or host synchronization) nor
+  // depend on host values that change between replays: the caller keeps those the same (inputs
+  // are copied into the tensors the graph reads). Deferred checks recorded while capturing are
+  // raised after each replay at synchronize(). A failed capture throws Error and leaves the
+  // backend as before begin_capture(). Only where can_capture().
+  virtual bool can_capture() const { return false; }
+  virtual void begin_capture();
+  virtual Graph end_capture();
 
   // Memory: names as in torch and numpy: `zeros` is filled with zeros, `empty` is not. Copies
   // between any two devices, ordered on the current stream.

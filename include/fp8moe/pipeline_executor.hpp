@@ -114,6 +114,17 @@ class Executor {
   // an overlapped chunk (the serial chunk's components then time each half on its own). Costs
   // the overlap between ops (and between components).
   void set_device_times(DeviceTimes times);
+  // Steps as CUDA graphs (off by default; where the backend can_capture(), the schedule has one
+  // rank, device times are off and the checks are deferred). A step whose micro-batch shapes,
+  // target counts, grad_scale, MTP loss weight and F&B mode are those of the step before is
+  // recorded once, and every later step with the same ones replays the recording: the inputs are
+  // copied into the tensors it reads, the stats table zeroed, and the step's work is one launch.
+  // Another step (new shapes or counts) runs as usual and is recorded when it repeats. The bits
+  // are those of the steps without graphs. A capture that fails turns graphs off for the
+  // executor's life, with the reason in graph_note().
+  void set_graphs(bool on);
+  int64_t graph_replays() const;  // steps run as replays so far (the recording's own included)
+  const std::string& graph_note() const;
 
  private:
   struct Impl;

@@ -8,6 +8,9 @@
 // events always reached, and waits return at once. On CUDA a Stream wraps a cudaStream_t and an
 // Event a cudaEvent_t (native() hands them to code that launches kernels or calls NCCL).
 // Handles are cheap to copy (shared ownership); a default-constructed Stream is the host's.
+// A Graph is a stream's work recorded once (Backend::begin_capture/end_capture) and launched
+// again as one unit: the same kernels with the same arguments and the same memory, without the
+// host's cost of issuing each op (CUDA graphs).
 #pragma once
 #include <memory>
 
@@ -73,6 +76,27 @@ class Event {
   }
   // True when the recorded point has been reached (or nothing was recorded).
   bool query() const { return impl_ ? impl_->query() : true; }
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+class Graph {
+ public:
+  class Impl {
+   public:
+    virtual ~Impl() = default;
+    virtual void replay(const Stream& s) = 0;
+  };
+
+  Graph() = default;  // none
+  explicit Graph(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+  bool defined() const { return impl_ != nullptr; }
+  // Queues the recorded work on `s` (the host does not wait).
+  void replay(const Stream& s) {
+    if (impl_) impl_->replay(s);
+  }
 
  private:
   std::shared_ptr<Impl> impl_;

@@ -51,6 +51,9 @@ struct TrainOptions {
   // batch is dp x batch_size x grad_accum sequences; rank 0 writes the output.
   ParallelOptions parallel;
   std::string trace;  // with --pp: the last step's timeline, FILE.rankN.json per rank (--trace FILE.json)
+  // Steps as CUDA graphs (pipeline::Executor::set_graphs): auto = where the backend records
+  // graphs and the run is one process without --trace; on = the same, refused where it cannot.
+  std::string graphs = "auto";  // auto | on | off
 };
 
 struct TrainSummary {
@@ -64,6 +67,8 @@ struct TrainSummary {
   bool interrupted = false;
   bool writer = true;          // this process writes the output (rank 0 of several)
   std::string checkpoint;      // the checkpoint written last by this run; empty: none
+  int64_t graph_replays = 0;   // steps run as CUDA graph replays (TrainOptions::graphs)
+  std::string graph_note;      // why graphs were turned off (a capture that failed); empty: they were not
 };
 
 // One line that states only what the run measured ("done: step 20 of 20, train loss 2.4123,

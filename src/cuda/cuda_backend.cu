@@ -18,6 +18,7 @@
 
 #include "cuda/runtime/caching_allocator.hpp"
 #include "cuda/runtime/cuda_check.hpp"
+#include "cuda/runtime/cuda_graph.hpp"
 #include "cuda/runtime/cuda_stream.hpp"
 #include "kernel_api.hpp"
 #include "cuda/runtime/device_checks.hpp"
@@ -45,6 +46,8 @@ namespace {
 // the host spent inside each op: an op far above its GPU time waits for the device or the driver.
 // Nothing synchronizes per op, so the run keeps its speed; an op that calls another op counts
 // both, and its events are read only after it has ended.
+// The allocation ops (empty, empty_host) enqueue no device work: they count the host time they
+// take, which is what they cost (two events around nothing would time the events).
 // FP8MOE_PROFILE_OPS=shapes: the GEMMs count per problem (dtypes, M x N x K, transposes), the
 // copies per direction and source shape.
 class OpTimes {
@@ -57,8 +60,16 @@ class OpTimes {
   bool by_shape() const { return by_shape_; }
   // A new op: its id, with its start event recorded on the op's stream. end(id) records its
   // stop event on the same stream.
-  int64_t begin(std::string op, cudaStream_t stream) {
+  int64_t begin(std::string op, cudaStream_t stream, bool host_only = false) {
     if (pending_.size() >= kBatch) resolve();
+    if (!started_) {
+      started_ = true;
+      t0_ = std::chrono::steady_clock::now();
+    }
+    if (host_only) {
+      pending_.push_back({std::move(op), {}, false, std::chrono::steady_clock::now(), 0.0, nullptr, true});
+      return base_ + int64_t(pending_.size()) - 1;
+    }
     if (free_.empty()) {
       cudaEvent_t a = nullptr, b = nullptr;
       FP8MOE_CUDA_CHECK(cudaEventCreate(&a));
@@ -67,17 +78,13 @@ class OpTimes {
     }
     pending_.push_back({std::move(op), free_.back(), false, std::chrono::steady_clock::now(), 0.0});
     free_.pop_back();
-    if (!started_) {
-      started_ = true;
-      t0_ = std::chrono::steady_clock::now();
-    }
     pending_.back().stream = stream;
     FP8MOE_CUDA_CHECK(cudaEventRecord(pending_.back().ev.first, stream));
     return base_ + int64_t(pending_.size()) - 1;
   }
   void end(int64_t id) {
     Pending& p = pending_[size_t(id - base_)];
-    (void)cudaEventRecord(p.ev.second, p.stream);
+    if (!p.host_only) (void)cudaEventRecord(p.ev.second, p.stream);
     p.ended = true;
     p.host = std::chrono::duration<double>(std::chrono::steady_clock::now() - p.host_start).count();
   }
@@ -101,6 +108,19 @@ class OpTimes {
       std::fprintf(stderr, "%-44s %8lld %11.2f %6.1f%% %10.3f %10.4f %10.2f\n", op.c_str(), (long long)e.calls,
                    e.total * 1e3, 100.0 * e.total / total, e.first * 1e3,
                    e.calls > 1 ? (e.total - e.first) * 1e3 / double(e.calls - 1) : 0.0, e.host * 1e3);
+    double alloc = 0, alloc_rest = 0, rest = 0;
+    for (const auto& [op, e] : rows) {
+      rest += e.total - e.first;
+      if (op == "empty" || op == "empty_host") {
+        alloc += e.total;
+        alloc_rest += e.total - e.first;
+      }
+    }
+    std::fprintf(stderr,
+                 "# allocation (empty, empty_host; host time): %.2f ms, %.1f%% of op time; after the first calls "
+                 "(one-time pinned buffers and pool growth) %.2f ms, %.1f%% of the op time after the first calls\n",
+                 alloc * 1e3, total > 0 ? 100.0 * alloc / total : 0.0, alloc_rest * 1e3,
+                 rest > 0 ? 100.0 * alloc_rest / rest : 0.0);
     const cuda::AllocatorStats a = cuda::allocator_stats();
     std::fprintf(stderr,
                  "# caching allocator: %lld requests, %lld from the device pool (the rest from the cache); "
@@ -119,15 +139,19 @@ class OpTimes {
   void resolve() {
     while (!pending_.empty() && pending_.front().ended) {
       const Pending& p = pending_.front();
-      float ms = 0;
-      FP8MOE_CUDA_CHECK(cudaEventSynchronize(p.ev.second));
-      FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, p.ev.first, p.ev.second));
+      double sec = p.host;
+      if (!p.host_only) {
+        float ms = 0;
+        FP8MOE_CUDA_CHECK(cudaEventSynchronize(p.ev.second));
+        FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, p.ev.first, p.ev.second));
+        sec = ms * 1e-3;
+        free_.push_back(p.ev);
+      }
       t_last_ = std::chrono::steady_clock::now();
       auto& e = table_[p.op];
-      if (e.calls++ == 0) e.first = ms * 1e-3;
-      e.total += ms * 1e-3;
+      if (e.calls++ == 0) e.first = sec;
+      e.total += sec;
       e.host += p.host;
-      free_.push_back(p.ev);
       pending_.pop_front();
       ++base_;
     }
@@ -142,6 +166,7 @@ class OpTimes {
     std::chrono::steady_clock::time_point host_start;
     double host;  // seconds the host spent inside the op
     cudaStream_t stream = nullptr;
+    bool host_only = false;  // no events: its time is the host's
   };
   std::deque<Pending> pending_;  // in the order the ops began; pending_[i] has id base_ + i
   int64_t base_ = 0;
@@ -156,6 +181,11 @@ class OpTimes {
 class TimedOp {
  public:
   // `shape` (called only when profiling by shape) names the op's problem.
+  struct HostOnly {};
+  TimedOp(HostOnly, const char* op) {
+    auto& t = OpTimes::get();
+    if (t.enabled()) id_ = t.begin(op, nullptr, true);
+  }
   template <class Shape = std::nullptr_t>
   TimedOp(cudaStream_t stream, const char* op, Shape shape = nullptr) {
     auto& t = OpTimes::get();
@@ -176,6 +206,7 @@ class TimedOp {
   int64_t id_ = -1;
 };
 #define FP8MOE_TIMED_OP(op) const TimedOp timed_op_(s_, op)
+#define FP8MOE_TIMED_HOST_OP(op) const TimedOp timed_op_(TimedOp::HostOnly{}, op)
 #define FP8MOE_TIMED_GEMM(op, a, b, ta, tb) const TimedOp timed_op_(s_, op, [&] { return gemm_shape(a, b, ta, tb); })
 
 // "bf16xbf16 MxNxK NT" for D = op(a) op(b), op = transpose where the flag is set; "f32xf32
@@ -213,6 +244,11 @@ class CudaBackend final : public Backend {
     s_ = cuda::native(s);
   }
 
+  // The op profile's events cannot be read back from a replayed graph: it times eager steps.
+  bool can_capture() const override { return !OpTimes::get().enabled(); }
+  void begin_capture() override { cuda::begin_capture(s_); }
+  Graph end_capture() override { return cuda::end_capture(s_); }
+
   std::string name() const override { return cublaslt_ ? "cublaslt" : "cuda"; }
   Device device() const override { return Device::cuda; }
   // Every op has a kernel here; the grouped FP8 GEMMs have only the sm_90a ones (the dense FP8
@@ -231,7 +267,7 @@ class CudaBackend final : public Backend {
     return allocate(dtype, shape, true);
   }
   Tensor empty(DType dtype, std::initializer_list<int64_t> shape) override {
-    FP8MOE_TIMED_OP("empty");
+    FP8MOE_TIMED_HOST_OP("empty");
     return allocate(dtype, shape, false);
   }
 
@@ -263,7 +299,7 @@ class CudaBackend final : public Backend {
   }
 
   Tensor empty_host(DType dtype, std::initializer_list<int64_t> shape) override {
-    FP8MOE_TIMED_OP("empty_host");
+    FP8MOE_TIMED_HOST_OP("empty_host");
     int64_t n = 1;
     for (int64_t s : shape) n *= s;
     const size_t bytes = dtype_bytes(dtype, n);

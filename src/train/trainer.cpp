@@ -192,6 +192,8 @@ void validate_train_options(const TrainOptions& o) {
   check(o.stop_at >= 0 && o.stop_at <= o.steps, "--stop-at", "stop_at", o.stop_at, "in [0, --steps] (0: no stop)");
   FP8MOE_CHECK(o.moments == "bf16" || o.moments == "f32",
                "train: --moments (moments) = '" << o.moments << "' is not one of bf16, f32");
+  FP8MOE_CHECK(o.graphs == "auto" || o.graphs == "on" || o.graphs == "off",
+               "train: --graphs (graphs) = '" << o.graphs << "' is not one of auto, on, off");
   FP8MOE_CHECK(o.backend == "auto" || o.backend == "cpu" || o.backend == "cuda",
                "train: --backend (backend) = '" << o.backend << "' is not one of auto, cpu, cuda");
   FP8MOE_CHECK(!o.out_dir.empty(), "train: --out (out_dir) must not be empty");
@@ -237,6 +239,7 @@ std::string format_summary(const TrainSummary& s) {
     std::snprintf(buf, sizeof buf, ", %.0f tokens/s", s.tokens_per_s);
     o << buf;
   }
+  if (s.graph_replays > 0) o << ", " << s.graph_replays << " steps as graph replays";
   return o.str();
 }
 
@@ -325,6 +328,13 @@ struct Trainer::Impl {
                                                      pipeline::balanced_split(cfg, 1), nullptr);
       executor = serial.get();
     }
+    FP8MOE_CHECK(opt.graphs != "on" || backend->can_capture(),
+                 "train: --graphs on: backend '" << backend->name() << "' cannot record graphs"
+                                                 << (backend->device() == Device::cuda ? " (FP8MOE_PROFILE_OPS times eager steps)" : ""));
+    FP8MOE_CHECK(opt.graphs != "on" || !par, "train: --graphs on: steps as graphs run in one process (this run has "
+                                                 << par->layout.str() << ")");
+    // Under mpirun the step talks to other ranks; one process records it once and replays it.
+    executor->set_graphs(opt.graphs != "off" && !par && backend->can_capture());
     std::vector<ParamRef> ema_refs;
     for (Parameter* p : all) ema_refs.push_back({p->name, p->weight.view(), p->grad.view(), false});
     // The EMA lives in host memory whatever the device: one asynchronous device-to-host copy every
@@ -721,6 +731,10 @@ struct Trainer::Impl {
     sum.steps_run = step - start_step;
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     sum.tokens_per_s = double(tokens_done) / std::max(wall, 1e-9);
+    sum.graph_replays = executor->graph_replays();
+    sum.graph_note = executor->graph_note();
+    if (!opt.quiet && !sum.graph_note.empty())
+      std::printf("note: --graphs: the steps ran without graphs: %s\n", sum.graph_note.c_str());
     return sum;
   }
 };

@@ -141,6 +141,20 @@ TEST(Trainer, MtpWeightFollowsItsSchedule) {
   fs::remove_all(dir);
 }
 
+// The CPU backend runs ops as they are called: it has no graphs to record, so --graphs on is
+// refused by name (auto trains without them).
+TEST(Trainer, GraphsOnARefusedBackendNameIt) {
+  fs::path dir = scratch();
+  TrainOptions o = tiny_options(dir);
+  o.graphs = "on";
+  fp8moe::testing::expect_error([&] { Trainer t(o); }, "--graphs on: backend 'cpu' cannot record graphs");
+  o.graphs = "auto";
+  o.steps = 2;
+  o.overwrite = true;
+  EXPECT_EQ(Trainer(o).run().graph_replays, 0);
+  fs::remove_all(dir);
+}
+
 TEST(Trainer, TruncatedCheckpointIsRefusedAndKeptIntact) {
   fs::path dir = scratch();
   TrainOptions o = tiny_options(dir);

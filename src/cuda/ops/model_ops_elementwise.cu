@@ -338,7 +338,7 @@ void cuda_embedding_backward(const TensorView& ids, const TensorView& dout, cons
   FP8MOE_CHECK(t < 0, "embedding_backward: ids[" << t << "] = " << bad << " outside [0, " << V << ")");
   if (N == 0 || D == 0) return;
   DeviceBuffer keys(size_t(N) * sizeof(int32_t), stream), pos(size_t(N) * sizeof(int32_t), stream);
-  stable_sort_by_key(ids.ptr<const int32_t>(), N, V, keys.as<int32_t>(), pos.as<int32_t>());
+  stable_sort_by_key(ids.ptr<const int32_t>(), N, V, keys.as<int32_t>(), pos.as<int32_t>(), stream);
   sorted_scatter_add(keys.as<int32_t>(), pos.as<int32_t>(), N, nullptr, dout.ptr<const float>(), dtable.ptr<float>(), D,
                      V, stream);
 }

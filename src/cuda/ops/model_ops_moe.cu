@@ -267,7 +267,7 @@ void cuda_scatter_add_rows(const TensorView& src, const TensorView& idx, const T
   FP8MOE_CHECK(i < 0, "scatter_add_rows: idx[" << i << "] = " << bad << " outside [0, " << R << ")");
   if (N == 0 || D == 0) return;
   DeviceBuffer keys(size_t(N) * sizeof(int32_t), stream), pos(size_t(N) * sizeof(int32_t), stream);
-  stable_sort_by_key(idx.ptr<const int32_t>(), N, R, keys.as<int32_t>(), pos.as<int32_t>());
+  stable_sort_by_key(idx.ptr<const int32_t>(), N, R, keys.as<int32_t>(), pos.as<int32_t>(), stream);
   sorted_scatter_add(keys.as<int32_t>(), pos.as<int32_t>(), N, w.defined() ? w.ptr<const float>() : nullptr,
                      src.ptr<const float>(), dst.ptr<float>(), D, R, stream);
 }

@@ -103,7 +103,7 @@ void attention_gemm_backward(const TensorView& q, const TensorView& k, const Ten
 // NOTES: scatter-adds run over this order (one thread per (key, column), positions in ascending
 // order), which reproduces the CPU's sequential float sums bit for bit and needs no atomics.
 void stable_sort_by_key(const int32_t* keys, int64_t n, int64_t nkeys, int32_t* keys_out, int32_t* pos_out,
-                        cudaStream_t stream = nullptr);
+                        cudaStream_t stream);
 
 inline unsigned grid_for(int64_t n, int threads, int64_t cap = int64_t(1) << 20) {
   int64_t g = (n + threads - 1) / threads;

@@ -1,5 +1,6 @@
 // The caching allocator (caching_allocator.hpp): free lists per (device, stream, size class) and
-// a map from pointer to block; one mutex, held for a hash lookup and a vector push or pop.
+// a map from pointer to block; one mutex, held for a hash lookup and a vector push or pop. Blocks
+// kept for graphs have free lists of their own, with the same keys.
 #include "cuda/runtime/caching_allocator.hpp"
 
 #include <algorithm>
@@ -27,6 +28,7 @@ struct Block {
   size_t size;  // its size class
   cudaStream_t stream;
   int device;
+  bool graph = false;  // kept for graphs
 };
 
 struct Key {
@@ -47,47 +49,73 @@ class Cache {
     const size_t size = allocator_size_class(bytes);
     int device = 0;
     FP8MOE_CUDA_CHECK(cudaGetDevice(&device));
+    const Key key{device, stream, size};
+    bool graph = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++stat(device).allocations;
-      auto it = free_.find(Key{device, stream, size});
-      if (it != free_.end() && !it->second.empty()) {
-        void* p = it->second.back();
-        it->second.pop_back();
-        taken(p, Block{size, stream, device});
-        return p;
+      graph = capturing_ && stream == capture_stream_;
+      if (graph) {
+        if (void* p = pop(graph_free_, key)) return taken(p, Block{size, stream, device, true});
+        if (void* p = pop(free_, key)) {
+          stat(device).graph_reserved += int64_t(size);
+          return taken(p, Block{size, stream, device, true});
+        }
+      } else if (void* p = pop(free_, key)) {
+        return taken(p, Block{size, stream, device});
       }
     }
-    cudaMemPool_t pool = pool_of(device);
     void* p = nullptr;
-    cudaError_t e = cudaMallocAsync(&p, size, pool, stream);
-    if (e == cudaErrorMemoryAllocation) {
-      (void)cudaGetLastError();
-      release(device);
-      e = cudaMallocAsync(&p, size, pool, stream);
+    if (graph) {
+      // Not a stream operation, so the capture records nothing; cudaMallocAsync would add an
+      // allocation node to the graph.
+      FP8MOE_CUDA_CHECK(cudaMalloc(&p, size));
+    } else {
+      cudaMemPool_t pool = pool_of(device);
+      cudaError_t e = cudaMallocAsync(&p, size, pool, stream);
+      if (e == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        release(device);
+        e = cudaMallocAsync(&p, size, pool, stream);
+      }
+      FP8MOE_CUDA_CHECK(e);
     }
-    FP8MOE_CUDA_CHECK(e);
     std::lock_guard<std::mutex> lock(mu_);
     AllocatorStats& st = stat(device);
     ++st.pool_allocations;
     st.reserved += int64_t(size);
+    if (graph) st.graph_reserved += int64_t(size);
     st.peak_reserved = std::max(st.peak_reserved, st.reserved);
-    taken(p, Block{size, stream, device});
-    return p;
+    return taken(p, Block{size, stream, device, graph});
   }
 
   void free(void* p) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = live_.find(p);
     if (it == live_.end()) return;
-    const Block b = it->second;
+    Block b = it->second;
     live_.erase(it);
+    if (!b.graph && capturing_ && b.stream == capture_stream_) {  // a recorded kernel may have used it
+      b.graph = true;
+      stat(b.device).graph_reserved += int64_t(b.size);
+    }
     if (holds_ > 0) {
       held_.emplace_back(p, b);  // still counted as allocated: it is not reusable yet
       return;
     }
-    stat(b.device).allocated -= int64_t(b.size);
-    free_[Key{b.device, b.stream, b.size}].push_back(p);
+    put_back(p, b);
+  }
+
+  void begin_graph(cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    FP8MOE_CHECK(!capturing_, "graph capture: another capture is in progress in this process");
+    capturing_ = true;
+    capture_stream_ = stream;
+  }
+  void end_graph() {
+    std::lock_guard<std::mutex> lock(mu_);
+    capturing_ = false;
+    capture_stream_ = nullptr;
   }
 
   void hold() {
@@ -97,10 +125,7 @@ class Cache {
   void release_held() {
     std::lock_guard<std::mutex> lock(mu_);
     if (holds_ > 0 && --holds_ > 0) return;
-    for (const auto& [p, b] : held_) {
-      stat(b.device).allocated -= int64_t(b.size);
-      free_[Key{b.device, b.stream, b.size}].push_back(p);
-    }
+    for (const auto& [p, b] : held_) put_back(p, b);
     held_.clear();
   }
 
@@ -141,11 +166,24 @@ class Cache {
     if (size_t(device) >= stats_.size()) stats_.resize(size_t(device) + 1);
     return stats_[size_t(device)];
   }
-  void taken(void* p, const Block& b) {
+  void* taken(void* p, const Block& b) {
     live_.emplace(p, b);
     AllocatorStats& st = stat(b.device);
     st.allocated += int64_t(b.size);
     st.peak_allocated = std::max(st.peak_allocated, st.allocated);
+    return p;
+  }
+  void put_back(void* p, const Block& b) {
+    stat(b.device).allocated -= int64_t(b.size);
+    (b.graph ? graph_free_ : free_)[Key{b.device, b.stream, b.size}].push_back(p);
+  }
+  using FreeLists = std::unordered_map<Key, std::vector<void*>, KeyHash>;
+  static void* pop(FreeLists& lists, const Key& k) {
+    auto it = lists.find(k);
+    if (it == lists.end() || it->second.empty()) return nullptr;
+    void* p = it->second.back();
+    it->second.pop_back();
+    return p;
   }
   // The device's stream-ordered pool, set to keep what it is given back for reuse instead of
   // returning it to the driver at every synchronization (release() trims it).
@@ -164,7 +202,10 @@ class Cache {
 
   std::mutex mu_, pool_mu_;
   std::unordered_map<void*, Block> live_;
-  std::unordered_map<Key, std::vector<void*>, KeyHash> free_;
+  FreeLists free_;
+  FreeLists graph_free_;  // blocks kept for graphs (never returned to the pool)
+  bool capturing_ = false;
+  cudaStream_t capture_stream_ = nullptr;
   int holds_ = 0;
   std::vector<std::pair<void*, Block>> held_;  // freed while held
   std::vector<AllocatorStats> stats_;  // per device
@@ -191,6 +232,8 @@ void cached_free(void* p) {
   if (p) cache().free(p);
 }
 void hold_frees() { cache().hold(); }
+void begin_graph_pool(cudaStream_t stream) { cache().begin_graph(stream); }
+void end_graph_pool() { cache().end_graph(); }
 void release_frees() { cache().release_held(); }
 AllocatorStats allocator_stats() { return cache().stats(current_device()); }
 void reset_peak_stats() { cache().reset_peak(current_device()); }

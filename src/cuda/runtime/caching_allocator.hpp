@@ -23,6 +23,7 @@ struct AllocatorStats {
   int64_t peak_reserved = 0;
   int64_t allocations = 0;     // requests served
   int64_t pool_allocations = 0;  // requests that went to the pool (misses)
+  int64_t graph_reserved = 0;    // bytes of `reserved` kept for graphs
 };
 
 // The size class of a request: multiples of 512 bytes up to 1 MiB; above, four classes per power
@@ -41,6 +42,16 @@ void cached_free(void* p);
 // owning streams wait for the other stream before it releases (the allocator does not track uses).
 void hold_frees();
 void release_frees();
+// Graph capture on `stream` (Backend::begin_capture): until end_graph_pool(), that stream's
+// requests take blocks kept for graphs (its graph free list first, then its ordinary free list,
+// then a new cudaMalloc: a capture must not record pool allocations), and every block freed on it
+// meanwhile is kept for graphs too, because a recorded kernel may use it at each replay. A block
+// kept for graphs returns to the graph free list of its stream whenever it is freed, never to the
+// ordinary one: the memory a graph's replays write is never another tensor's outside graphs.
+// One capture at a time per process. The graphs of one stream share its graph blocks: a graph
+// must not be replayed after another one of its stream has been captured.
+void begin_graph_pool(cudaStream_t stream);
+void end_graph_pool();
 AllocatorStats allocator_stats();
 void reset_peak_stats();
 // Returns the cached free blocks to the pool (stream-ordered) and the pool's unused memory to the

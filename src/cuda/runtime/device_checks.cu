@@ -90,6 +90,33 @@ void raise_deferred_checks() {
   FP8MOE_CHECK(failure.empty(), failure << " (deferred check, raised at synchronize)");
 }
 
+struct DeferredChecks {
+  std::vector<RangeRecord> ranges;
+  std::vector<FlagRecord> flags;
+};
+
+std::shared_ptr<const DeferredChecks> take_deferred_checks() {
+  State& s = state();
+  auto out = std::make_shared<DeferredChecks>();
+  std::lock_guard<std::mutex> lock(s.mu);
+  out->ranges.swap(s.ranges);
+  out->flags.swap(s.flags);
+  return out;
+}
+
+void put_deferred_checks(const DeferredChecks& checks) {
+  State& s = state();
+  bool pending = false;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    pending = !s.ranges.empty() || !s.flags.empty();
+  }
+  if (pending) raise_deferred_checks();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.ranges = checks.ranges;
+  s.flags = checks.flags;
+}
+
 void clear_flag(int* flag, cudaStream_t stream) {
   if (!checks_deferred()) FP8MOE_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(int), stream));
 }

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 
 namespace fp8moe::cuda {
 
@@ -18,6 +19,13 @@ void set_checks_deferred(bool deferred);
 
 // Synchronizes the device, raises the first failed deferred check (in issue order) and clears all.
 void raise_deferred_checks();
+
+// The deferred checks recorded since the last raise, taken out of the process's list (a graph's
+// capture), and put back (after each replay of that graph, whose kernels write the same records'
+// slots). put_deferred_checks first raises any recorded since (so that the slots line up).
+struct DeferredChecks;
+std::shared_ptr<const DeferredChecks> take_deferred_checks();
+void put_deferred_checks(const DeferredChecks& checks);
 
 // A device flag a kernel sets to nonzero on failure (e.g. a quantizer's NaN/Inf flag, a __device__
 // int of its translation unit). Immediate mode: clear_flag zeroes it before the kernel and

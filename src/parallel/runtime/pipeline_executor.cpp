@@ -340,6 +340,92 @@ struct Executor::Impl {
                                          model::rows_of(table, m * W, W)));
       batches.back().grad_scale = grad_scale;
     }
+    if (graphs && graph_note.empty() && can_graph()) {
+      const GraphKey k = graph_key(grad_scale);
+      if (recorded.graph.defined() && recorded.key == k) return replay();
+      if (last_key == k && record()) return replay();
+      last_key = k;
+    }
+    run_ops();
+    return gather();
+  }
+
+  // ---- Steps as graphs (set_graphs).
+  struct GraphKey {
+    std::vector<int64_t> shapes;  // per micro-batch: batch, seq, main_count, mtp_count
+    double grad_scale = 0, mtp_weight = 0;
+    FbMode fb = FbMode::overlap;
+    friend bool operator==(const GraphKey&, const GraphKey&) = default;
+  };
+  struct Recorded {
+    GraphKey key;
+    Graph graph;
+    std::vector<Batch> batches;  // the tensors the graph reads and writes
+    Tensor table;
+  };
+  bool graphs = false;
+  std::string graph_note;
+  GraphKey last_key;
+  Recorded recorded;
+  int64_t replays = 0;
+
+  bool can_graph() const {
+    const Backend& be = model.backend();
+    return schedule.num_ranks == 1 && (!comm || comm->size() == 1) && device_times == DeviceTimes::off && fail_at < 0 &&
+           be.can_capture() && be.checks() == Backend::Checks::deferred;
+  }
+  // Everything of the step that the recorded work takes from the host.
+  GraphKey graph_key(double grad_scale) const {
+    GraphKey k;
+    for (const Batch& b : batches) k.shapes.insert(k.shapes.end(), {b.batch, b.seq, b.main_count, b.mtp_count});
+    k.grad_scale = grad_scale;
+    k.mtp_weight = model.config().mtp_loss_weight;
+    k.fb = fb_mode;
+    return k;
+  }
+  // Records this step's work (not run yet: replay() runs it). False, with graphs off and the
+  // reason in graph_note, when the capture fails: nothing ran, so the step runs as usual.
+  bool record() {
+    Backend& be = model.backend();
+    recorded = Recorded{};  // the graph before goes first: its blocks are the new one's to reuse
+    Graph g;
+    try {
+      be.begin_capture();
+      try {
+        run_ops();
+      } catch (...) {
+        try {
+          (void)be.end_capture();
+        } catch (const Error&) {
+        }
+        throw;
+      }
+      g = be.end_capture();
+    } catch (const Error& e) {
+      graph_note = e.what();
+      return false;
+    }
+    recorded = Recorded{graph_key(batches.front().grad_scale), std::move(g), batches, table};
+    return true;
+  }
+  // The step as the recorded graph: this step's inputs copied into the recorded batches'.
+  std::vector<StepStats> replay() {
+    Backend& be = model.backend();
+    for (size_t m = 0; m < batches.size(); ++m) {
+      const Batch &from = batches[m], &to = recorded.batches[m];
+      for (const auto f : {&Batch::tokens, &Batch::targets, &Batch::positions, &Batch::mtp_ids, &Batch::mtp_targets})
+        if ((to.*f).defined() && (to.*f).view().data != (from.*f).view().data) be.copy((to.*f).view(), (from.*f).view());
+    }
+    if (recorded.table.view().data != table.view().data) be.zero(recorded.table.view());
+    batches = recorded.batches;
+    table = recorded.table;
+    recorded.graph.replay(be.stream());
+    ++replays;
+    return gather();
+  }
+
+  // The schedule's ops of this rank over `batches`.
+  void run_ops() {
     // What a step that failed part-way left behind goes with it.
     for (auto* m : {&act_in, &act_out, &grad_in, &grad_out, &embed_grad}) m->clear();
     saved.clear();
@@ -373,7 +459,6 @@ struct Executor::Impl {
     FP8MOE_CHECK(saved.empty() && act_in.empty() && grad_in.empty() && act_out.empty() && grad_out.empty() && embed_grad.empty(),
                  "pipeline rank " << me << ": " << method_name(schedule.method) << " left work undone ("
                                   << saved.size() << " passes without W, " << act_out.size() + grad_out.size() << " unsent)");
-    return gather();
   }
 
   // Every micro-batch's StepStats from the step's one read-back of the table. With several
@@ -518,5 +603,8 @@ void Executor::fail_at(int op_index) { impl_->fail_at = op_index; }
 void Executor::set_fb_mode(FbMode mode) { impl_->fb_mode = mode; }
 FbMode Executor::fb_mode() const { return impl_->fb_mode; }
 void Executor::set_device_times(DeviceTimes times) { impl_->device_times = times; }
+void Executor::set_graphs(bool on) { impl_->graphs = on; }
+int64_t Executor::graph_replays() const { return impl_->replays; }
+const std::string& Executor::graph_note() const { return impl_->graph_note; }
 
 }  // namespace fp8moe::pipeline
