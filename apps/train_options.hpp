@@ -34,10 +34,14 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
                   "training steps as CUDA graphs, recorded once and replayed while the batch shape stays: auto (one "
                   "process on a GPU) | on | off")
       ->capture_default_str();
-  cmd->add_option("--ema-decay", o.ema_decay, "decay per step of the CPU-memory parameter EMA")->capture_default_str();
+  cmd->add_option("--ema-decay", o.ema_decay, "decay per step of the parameter EMA")->capture_default_str();
+  cmd->add_option("--ema-on", o.ema_on,
+                  "where the EMA's averages live: host (the report's; the snapshot crosses the bus) | device | auto "
+                  "(the device where they take at most an eighth of its free memory)")
+      ->capture_default_str();
   cmd->add_option("--ema-every", o.ema_every,
-                  "steps between EMA snapshots, each weighted as that many steps (large models: the snapshot "
-                  "moves every weight to host memory)")
+                  "steps between EMA snapshots, each weighted as that many steps (large models with the EMA on "
+                  "the host: the snapshot moves every weight over the bus)")
       ->capture_default_str();
   cmd->add_option("--mtp-weight-after", o.mtp_weight_after,
                   "MTP loss weight from --mtp-switch on (the report: 0.3, then 0.1); < 0: the config's throughout")

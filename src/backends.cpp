@@ -93,6 +93,10 @@ void Backend::zero(const TensorView& dst) {
   copy(TensorView(dst.data, DType::u8, {int64_t(dst.nbytes())}, dst.device), z.view());
 }
 
+void Backend::ema_fold(const std::vector<TensorView>&, const std::vector<TensorView>&, float) {
+  FP8MOE_CHECK(false, "ema_fold: unsupported on backend " << name() << " (folds_ema() is false)");
+}
+
 void Backend::begin_capture() { FP8MOE_CHECK(false, "begin_capture: backend " << name() << " cannot record graphs"); }
 Graph Backend::end_capture() {
   FP8MOE_CHECK(false, "end_capture: backend " << name() << " cannot record graphs");

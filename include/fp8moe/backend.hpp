@@ -136,6 +136,9 @@ class Backend {
   // Bytes of device memory in use on this backend's device (CUDA: all allocations, not only ours;
   // CPU: the bytes of its live tensors), or -1 where the backend cannot tell.
   virtual int64_t device_memory_in_use() const { return -1; }
+  // Bytes of this backend's device memory that nothing holds yet, or -1 where the backend cannot
+  // tell (the CPU).
+  virtual int64_t device_memory_free() const { return -1; }
   // High-water mark of the bytes of this backend's tensors since it was made, or -1 where the
   // backend cannot tell.
   virtual int64_t device_memory_peak() const { return -1; }
@@ -159,6 +162,11 @@ class Backend {
   virtual void copy_to_host_async(const TensorView& dst, const TensorView& src) { copy(dst, src); }
   virtual void fence_copies() {}
   virtual void wait_copies() {}
+  // The EMA's fold done by the device, where folds_ema(): each averages[i] = decay * averages[i]
+  // + (1 - decay) * values[i] (all f32 on this device), each element as fl(fl(decay a) +
+  // fl((1 - decay) v)), the host fold's arithmetic; queued on the current stream like any op.
+  virtual bool folds_ema() const { return false; }
+  virtual void ema_fold(const std::vector<TensorView>& averages, const std::vector<TensorView>& values, float decay);
   // A host copy of `t` (or `t` itself when it is already on the host).
   Tensor to_host(const Tensor& t);
   // The to_host calls made on this backend so far, host tensors included: each is where a GPU

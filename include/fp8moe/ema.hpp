@@ -1,8 +1,12 @@
-// Exponential moving average of the parameters kept in CPU memory (report §3.2.3): after each step
-// the current weights are copied asynchronously (Backend::copy_to_host_async) into page-locked host
-// staging and a background thread folds them into the average once they have arrived, so the
-// update costs the training loop neither device memory nor waiting: the copies overlap the next
-// step's forward and backward, and only its optimizer waits for them (fence()).
+// Exponential moving average of the parameters (report §3.2.3), updated after each step without
+// the training loop waiting. Two placements, the same arithmetic per element and so the same bits:
+// - host (the report's): the averages in CPU memory, which costs the device no memory; each
+//   update copies the weights asynchronously (Backend::copy_to_host_async) into page-locked
+//   staging and a background thread folds them in once they have arrived. The copy overlaps the
+//   next step's forward and backward; only its optimizer waits for it (fence()), on the device.
+//   The bus and the host's memory bandwidth bound it: 8 bytes per weight each step.
+// - device (Backend::folds_ema): the averages beside the weights, folded in by one pass on the
+//   device in stream order, which takes 12 bytes per weight of device bandwidth and 4 of memory.
 #pragma once
 #include <condition_variable>
 #include <mutex>
@@ -16,27 +20,31 @@ namespace fp8moe {
 
 class ParameterEma {
  public:
-  // The parameters live on `backend`'s device; `threads` host threads fold each snapshot in.
-  ParameterEma(const std::vector<ParamRef>& params, float decay, Backend& backend, int threads = 1);
+  enum class Placement { host, device };
+  // The parameters live on `backend`'s device; on the host, `threads` host threads fold each
+  // snapshot in. Placement::device needs backend.folds_ema().
+  ParameterEma(const std::vector<ParamRef>& params, float decay, Backend& backend, int threads = 1,
+               Placement placement = Placement::host);
   ~ParameterEma();
   ParameterEma(const ParameterEma&) = delete;
   ParameterEma& operator=(const ParameterEma&) = delete;
 
   // Snapshots the parameters now and updates the average in the background. Waits first for the
-  // previous update, so at most one is in flight.
+  // previous update, so at most one is in flight (on the device: in stream order).
   void update_async();
   // Blocks until the average includes every snapshot taken.
   void wait();
   // Device work queued after this (the optimizer's update of the weights) waits for the snapshot's
-  // copies; no host wait.
+  // copies (or the device's fold); no host wait.
   void fence() { backend_.fence_copies(); }
-  // The averaged weights, parallel to the parameters given at construction ([same shape] f32).
-  // Call wait() first.
+  // The averaged weights, parallel to the parameters given at construction ([same shape] f32, in
+  // host memory or on the parameters' device as placed). Call wait() first.
   const std::vector<Tensor>& averages() const { return ema_; }
   std::vector<Tensor>& averages() { return ema_; }
   int64_t updates() const { return updates_; }
   void set_updates(int64_t n) { updates_ = n; }
   float decay() const { return decay_; }
+  Placement placement() const { return on_device_ ? Placement::device : Placement::host; }
 
  private:
   void worker();
@@ -45,6 +53,7 @@ class ParameterEma {
   float decay_;
   Backend& backend_;
   int threads_;
+  bool on_device_;  // Placement::device: no staging, no thread
   std::vector<Tensor> ema_;
   // Every snapshot's staging in one allocation: page-locking costs milliseconds per call, and a
   // model's parameters fall into a hundred or more runs.

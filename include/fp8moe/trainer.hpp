@@ -34,6 +34,10 @@ struct TrainOptions {
   std::string moments = "bf16";     // bf16 | f32
   float ema_decay = 0.999f;         // per step
   int64_t ema_every = 1;            // steps between EMA snapshots (each folds in with decay^ema_every)
+  // Where the EMA's averages live: host (the report's: no device memory, 8 bytes per weight over
+  // the bus per snapshot) | device (one pass on the device) | auto (the device where the backend
+  // folds there and the averages take at most an eighth of its free memory).
+  std::string ema_on = "auto";
   // MTP loss weight schedule (report §4.2: 0.3 for the first 10T of 14.8T tokens, then 0.1): from
   // step mtp_switch * steps on, the weight is mtp_weight_after; < 0 keeps the config's throughout.
   double mtp_weight_after = -1, mtp_switch = 10.0 / 14.8;

@@ -330,6 +330,11 @@ class CudaBackend final : public Backend {
     FP8MOE_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.nbytes(), cudaMemcpyDeviceToHost, copy_stream_));
     FP8MOE_CUDA_CHECK(cudaEventRecord(copied_, copy_stream_));
   }
+  bool folds_ema() const override { return true; }
+  void ema_fold(const std::vector<TensorView>& averages, const std::vector<TensorView>& values, float decay) override {
+    FP8MOE_TIMED_OP("ema_fold");
+    ema_fold_.run(averages, values, decay, s_);
+  }
   void fence_copies() override {
     if (copy_stream_) FP8MOE_CUDA_CHECK(cudaStreamWaitEvent(s_, copied_, 0));
   }
@@ -357,6 +362,11 @@ class CudaBackend final : public Backend {
     FP8MOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &pool_reserved));
     FP8MOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &pool_used));
     return int64_t(total - free) - int64_t(pool_reserved - pool_used) - (a.reserved - a.allocated);
+  }
+  int64_t device_memory_free() const override {
+    size_t free = 0, total = 0;
+    FP8MOE_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return int64_t(free);
   }
   int64_t device_memory_peak() const override { return cuda::allocator_stats().peak_allocated; }
   MemoryStats memory_stats() const override {
@@ -680,6 +690,7 @@ class CudaBackend final : public Backend {
   // NOTES: not destroyed: the backend lives until exit, and destroying them in a static
   // destruction order that outlives the context fails.
   cudaStream_t copy_stream_ = nullptr;
+  cuda::EmaFold ema_fold_;
   cudaEvent_t queued_ = nullptr, copied_ = nullptr;
 };
 

@@ -1,26 +1,43 @@
-// CPU-memory parameter EMA updated on a background thread (include/fp8moe/ema.hpp).
+// Parameter EMA in host memory, folded on a background thread, or on the device (include/fp8moe/ema.hpp).
 #include "fp8moe/ema.hpp"
 
 #include <algorithm>
 
 namespace fp8moe {
 
-ParameterEma::ParameterEma(const std::vector<ParamRef>& params, float decay, Backend& backend, int threads)
-    : params_(params), decay_(decay), backend_(backend), threads_(threads) {
+ParameterEma::ParameterEma(const std::vector<ParamRef>& params, float decay, Backend& backend, int threads,
+                           Placement placement)
+    : params_(params), decay_(decay), backend_(backend), threads_(threads), on_device_(placement == Placement::device) {
   FP8MOE_CHECK(decay > 0 && decay < 1, "ema: decay must be in (0, 1), got " << decay);
   FP8MOE_CHECK(threads >= 1, "ema: threads must be >= 1, got " << threads);
+  FP8MOE_CHECK(!on_device_ || backend.folds_ema(),
+               "ema: averages on the device need a backend that folds them there; '" << backend.name() << "' does not");
+  int64_t total = 0;
   for (auto& p : params_) {
     FP8MOE_CHECK(p.value.dtype == DType::f32 && p.value.is_contiguous(),
                  "ema: " << p.name << " must be a contiguous f32 tensor, got " << p.value.str());
+    total += p.value.numel();
+  }
+  if (on_device_) {  // the averages in one device allocation, each starting at the initial weights
+    auto all = std::make_shared<Tensor>(backend_.empty(DType::f32, {total}));
+    float* next = all->ptr<float>();
+    for (auto& p : params_) {
+      TensorView v = p.value;
+      v.data = next;
+      ema_.emplace_back(std::shared_ptr<void>(all, next), v);
+      backend_.copy(ema_.back().view(), p.value);
+      next += p.value.numel();
+    }
+    return;
+  }
+  for (auto& p : params_) {
     ema_.push_back(Tensor::host_like(p.value));
-    backend_.copy(ema_.back().view(), p.value);  // the average starts at the initial weights
+    backend_.copy(ema_.back().view(), p.value);
   }
   // One snapshot copy per run of parameters that follow each other in memory (the routed
   // experts' stacked matrices), each into its range of one staging tensor.
   staged_.resize(params_.size());
   const std::vector<ParamRun> runs = contiguous_runs(params_, false);
-  int64_t total = 0;
-  for (const ParamRun& r : runs) total += r.numel;
   staging_ = backend_.empty_host(DType::f32, {total});
   float* next = staging_.ptr<float>();
   for (const ParamRun& r : runs) {
@@ -40,6 +57,7 @@ ParameterEma::ParameterEma(const std::vector<ParamRef>& params, float decay, Bac
 }
 
 ParameterEma::~ParameterEma() {
+  if (on_device_) return;  // the averages' memory is stream-ordered like the folds
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -49,6 +67,16 @@ ParameterEma::~ParameterEma() {
 }
 
 void ParameterEma::update_async() {
+  if (on_device_) {
+    std::vector<TensorView> averages, values;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      averages.push_back(ema_[i].view());
+      values.push_back(params_[i].value);
+    }
+    backend_.ema_fold(averages, values, decay_);
+    ++updates_;
+    return;
+  }
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return !pending_; });
   for (const Snapshot& s : snapshots_) backend_.copy_to_host_async(s.staging, s.source);
@@ -57,6 +85,7 @@ void ParameterEma::update_async() {
 }
 
 void ParameterEma::wait() {
+  if (on_device_) return;  // every later op on the device, read-backs included, follows the folds
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return !pending_; });
 }

@@ -26,6 +26,7 @@
 #include "fp8moe/model.hpp"
 #include "fp8moe/safetensors.hpp"
 #include "fp8moe/pipeline_executor.hpp"
+#include "step_phases.hpp"
 #include "trainer_parallel.hpp"
 
 namespace fp8moe {
@@ -192,6 +193,8 @@ void validate_train_options(const TrainOptions& o) {
   check(o.stop_at >= 0 && o.stop_at <= o.steps, "--stop-at", "stop_at", o.stop_at, "in [0, --steps] (0: no stop)");
   FP8MOE_CHECK(o.moments == "bf16" || o.moments == "f32",
                "train: --moments (moments) = '" << o.moments << "' is not one of bf16, f32");
+  FP8MOE_CHECK(o.ema_on == "auto" || o.ema_on == "host" || o.ema_on == "device",
+               "train: --ema-on (ema_on) = '" << o.ema_on << "' is not one of auto, host, device");
   FP8MOE_CHECK(o.graphs == "auto" || o.graphs == "on" || o.graphs == "off",
                "train: --graphs (graphs) = '" << o.graphs << "' is not one of auto, on, off");
   FP8MOE_CHECK(o.backend == "auto" || o.backend == "cpu" || o.backend == "cuda",
@@ -337,13 +340,26 @@ struct Trainer::Impl {
     executor->set_graphs(opt.graphs != "off" && !par && backend->can_capture());
     std::vector<ParamRef> ema_refs;
     for (Parameter* p : all) ema_refs.push_back({p->name, p->weight.view(), p->grad.view(), false});
-    // The EMA lives in host memory whatever the device: one asynchronous device-to-host copy every
-    // ema_every steps, folded in with decay^ema_every. With the model on the CPU its cores train,
-    // so the fold takes one thread; beside a GPU it takes several, leaving two to the training loop.
+    // Every ema_every steps a snapshot, folded in with decay^ema_every. In host memory (the
+    // report's place, which costs the device nothing) one asynchronous copy to the host per
+    // snapshot: the bus and the host's memory bound it, at 8 bytes per weight. On the device one
+    // pass beside the step. auto: on the device where it folds them and the averages take at most
+    // an eighth of its free memory (the report keeps them on the host to leave the device's memory
+    // to the model; where that memory is plentiful the bus is the scarcer thing). With the model on
+    // the CPU its cores train, so the host fold takes one thread; beside a GPU it takes several,
+    // leaving two to the training loop.
+    int64_t ema_bytes = 0;
+    for (const ParamRef& r : ema_refs) ema_bytes += int64_t(r.value.nbytes());
+    const int64_t dev_free = backend->device_memory_free();
+    FP8MOE_CHECK(opt.ema_on != "device" || backend->folds_ema(),
+                 "train: --ema-on device: backend '" << backend->name() << "' keeps the EMA in host memory");
+    const bool ema_device = opt.ema_on == "device" ||
+                            (opt.ema_on == "auto" && backend->folds_ema() && dev_free >= 0 && ema_bytes <= dev_free / 8);
     const int ema_threads =
         backend->device() == Device::cpu ? 1 : std::clamp(int(std::thread::hardware_concurrency()) - 2, 1, 8);
     ema = std::make_unique<ParameterEma>(ema_refs, float(std::pow(double(opt.ema_decay), double(opt.ema_every))),
-                                         *backend, ema_threads);
+                                         *backend, ema_threads,
+                                         ema_device ? ParameterEma::Placement::device : ParameterEma::Placement::host);
     schedule = {opt.lr, opt.lr * opt.min_lr_ratio, std::max<int64_t>(1, int64_t(opt.warmup_frac * float(opt.steps))), opt.steps};
     if (resume_from) {
       load_checkpoint(*resume_from);
@@ -409,7 +425,7 @@ struct Trainer::Impl {
     };
     for (size_t i = 0; i < all.size(); ++i) {
       add(all[i]->name, all[i]->weight);
-      tensors["ema." + all[i]->name] = ema->averages()[i].view();
+      add("ema." + all[i]->name, ema->averages()[i]);
     }
     std::vector<Tensor> m, v;  // the whole moments, gathered from the shards with ZeRO-1
     if (par) par->zero->gather_moments(m, v);
@@ -540,20 +556,23 @@ struct Trainer::Impl {
     const int64_t acts = executor->peak_saved_bytes(), dev = backend->device_memory_in_use(),
                   peak = backend->device_memory_peak();
     j["memory"] = {{"master_weights", params}, {"gradients", params}, {"adam_moments", moments},
-                   {"activations_kept", acts}, {"ema_host", params}, {"device_in_use", dev}, {"device_peak", peak}};
+                   {"activations_kept", acts}, {"ema", params}, {"ema_on", ema_on_device() ? "device" : "host"}, {"device_in_use", dev}, {"device_peak", peak}};
     if (par) par->report_memory(j["memory"], !opt.quiet);
     if (opt.quiet) return;
     const double mib = 1048576.0;
     std::printf("memory (%s, %s): master weights %.1f MiB, gradients %.1f MiB, AdamW moments %.1f MiB (%s), "
-                "activations kept for backward %.1f MiB %s, EMA %.1f MiB in host memory%s\n",
+                "activations kept for backward %.1f MiB %s, EMA %.1f MiB in %s memory%s\n",
                 backend->name().c_str(), recipe.name.c_str(), double(params) / mib, double(params) / mib,
                 double(moments) / mib, opt.moments.c_str(), double(acts) / mib,
                 par && par->executor ? "at the pipeline's peak" : "per micro-batch", double(params) / mib,
+                ema_on_device() ? "device" : "host",
                 dev >= 0 ? (", device in use " + std::to_string(dev / 1048576) + " MiB, tensors at peak " +
                             std::to_string(peak / 1048576) + " MiB")
                                .c_str()
                          : "");
   }
+
+  bool ema_on_device() const { return ema->placement() == ParameterEma::Placement::device; }
 
   TrainSummary run() {
     const int64_t B = cfg.batch_size, S = cfg.seq_len;
@@ -582,6 +601,8 @@ struct Trainer::Impl {
     int64_t loss_n = 0;
     auto t_start = std::chrono::steady_clock::now();
     int64_t tokens_done = 0;
+    StepPhases phases;
+    phases.set_first_step(step);
     for (; step < opt.steps; ++step) {
       bool stop = stop_flag().load();
       if (par) stop = par->any(*backend, stop);  // every rank stops at the same step
@@ -591,6 +612,7 @@ struct Trainer::Impl {
       }
       if (opt.stop_at > 0 && step >= opt.stop_at) break;
       const auto t0 = std::chrono::steady_clock::now();
+      phases.begin_step(step);
       model->zero_grad();
       const double mtp_weight = opt.mtp_weight_after >= 0 && double(step) >= opt.mtp_switch * double(opt.steps)
                                     ? opt.mtp_weight_after
@@ -612,6 +634,7 @@ struct Trainer::Impl {
         fill_batch(windows.data(), toks.back(), tgts.back());
       }
       std::vector<StepStats> sts;
+      phases.mark(0);
       try {
         if (par) par->begin_step(step);
         sts = executor->run(toks, tgts, 1.0 / double(micro));
@@ -629,6 +652,7 @@ struct Trainer::Impl {
                                     << (bad.starts_with("(none") ? "" : "; first non-finite tensor: " + bad)
                                     << ". Nothing was saved over the last checkpoint.");
       }
+      phases.mark(1);
       for (const StepStats& st : sts) {
         agg.loss += st.loss / double(micro);
         agg.main_loss += st.main_loss / double(micro);
@@ -654,11 +678,14 @@ struct Trainer::Impl {
                            << agg.loss << ", grad norm " << norm << "); first non-finite tensor: " << first_non_finite()
                            << ". Nothing was saved over the last checkpoint.");
       const float lr = schedule.at(step);
+      phases.mark(2);
       ema->fence();  // the last snapshot's copies finish before the weights change
       if (par) par->zero->step(lr, clip_scale(norm, opt.clip));
       else adamw->step(lr, clip_scale(norm, opt.clip));
       if (!loads.empty()) model->update_routing_bias(loads, cfg.bias_update_speed);
+      phases.mark(3);
       if ((step + 1) % opt.ema_every == 0) ema->update_async();
+      phases.mark(4);
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const double tok_s = double(B * S * micro) / dt;  // the global batch's
       tokens_done += B * S * micro;
@@ -716,7 +743,9 @@ struct Trainer::Impl {
         --step;
         sum.checkpoint = ckpt_path;
       }
+      phases.mark(5);
     }
+    phases.print();
     if (sum.interrupted && opt.ckpt_every > 0) {
       save_checkpoint();
       sum.checkpoint = ckpt_path;

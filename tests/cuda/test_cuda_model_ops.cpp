@@ -903,31 +903,63 @@ TEST(CudaChecks, DeferredChecksRaiseAtSynchronize) {
   expect_error([&] { be->quantize_1x128(x.view(), q, ScaleMode::fp32); }, "non-finite");
 }
 
-// The EMA's snapshots are asynchronous device-to-host copies into page-locked memory: with the
-// fence before each change of the weights, the average equals the sequential one.
-TEST(CudaEma, AsyncSnapshotsMatchSequentialAverage) {
+// The EMA with its averages on the device (Backend::ema_fold): the averages are the host fold's
+// bit for bit (the CPU backend's ParameterEma over the same weights), for a parameter of many
+// float4s and for one that starts off 16-byte alignment in its allocation (the kernel's scalar
+// path and tails).
+TEST(CudaEma, DeviceFoldIsTheHostFoldBitForBit) {
   FP8MOE_REQUIRE_GPU();
   auto be = make_backend("cuda");
+  auto cpu = make_backend("cpu");
+  ASSERT_TRUE(be->folds_ema());
   auto rng = make_rng();
-  const int64_t n = 1 << 20;
-  Tensor wh = random_normal(rng, DType::f32, {n});
-  Tensor w = be->zeros(DType::f32, {n}), g = be->zeros(DType::f32, {n});
-  be->copy(w.view(), wh.view());
-  std::vector<double> ref(to_doubles(wh));
-  ParameterEma ema({{"w", w.view(), g.view(), true}}, 0.9f, *be);
+  const int64_t n = (1 << 20) + 3, m = 1001;
+  Tensor all = be->zeros(DType::f32, {n + 1 + m});  // b starts at an odd float: not 16-byte aligned
+  const TensorView a(all.ptr<float>(), DType::f32, {n}, Device::cuda);
+  const TensorView b(all.ptr<float>() + n + 1, DType::f32, {m}, Device::cuda);
+  Tensor ah = random_normal(rng, DType::f32, {n}), bh = random_normal(rng, DType::f32, {m});
+  Tensor ga = Tensor::host_like(ah.view()), gb = Tensor::host_like(bh.view());
+  be->copy(a, ah.view());
+  be->copy(b, bh.view());
+  Tensor gd = be->zeros(DType::f32, {n + 1 + m});
+  ParameterEma dev({{"a", a, gd.view(), true}, {"b", b, gd.view(), true}}, 0.9f, *be, 1,
+                   ParameterEma::Placement::device);
+  ParameterEma host({{"a", ah.view(), ga.view(), true}, {"b", bh.view(), gb.view(), true}}, 0.9f, *cpu, 2);
+  ASSERT_EQ(dev.averages()[0].device(), Device::cuda);
   std::normal_distribution<float> dist;
   for (int step = 0; step < 10; ++step) {
-    for (int64_t i = 0; i < n; ++i) wh.ptr<float>()[i] += dist(rng);
-    ema.fence();  // the weights change only after the last snapshot's copies
-    be->copy(w.view(), wh.view());
-    ema.update_async();
-    for (int64_t i = 0; i < n; ++i) ref[size_t(i)] = double(0.9f * float(ref[size_t(i)]) + 0.1f * wh.ptr<float>()[i]);
+    for (Tensor* t : {&ah, &bh})
+      for (int64_t i = 0; i < t->numel(); ++i) t->ptr<float>()[i] += dist(rng);
+    host.wait();
+    be->copy(a, ah.view());
+    be->copy(b, bh.view());
+    dev.update_async();
+    host.update_async();
   }
-  ema.wait();
-  double worst = 0;
-  for (int64_t i = 0; i < n; ++i) worst = std::max(worst, std::abs(double(ema.averages()[0].ptr<float>()[i]) - ref[size_t(i)]));
-  EXPECT_LT(worst, 1e-5);
-  EXPECT_EQ(ema.updates(), 10);
+  dev.wait();
+  host.wait();
+  EXPECT_EQ(dev.updates(), 10);
+  for (size_t p = 0; p < 2; ++p) {
+    const Tensor got = be->to_host(dev.averages()[p]);
+    EXPECT_EQ(std::memcmp(got.ptr<float>(), host.averages()[p].ptr<float>(), size_t(got.numel()) * sizeof(float)), 0)
+        << "parameter " << p;
+  }
+  // Other tensors on the same backend: the launch's table is built again for them.
+  ParameterEma dev_b({{"b", b, gd.view(), true}}, 0.5f, *be, 1, ParameterEma::Placement::device);
+  ParameterEma host_b({{"b", bh.view(), gb.view(), true}}, 0.5f, *cpu);
+  for (int64_t i = 0; i < m; ++i) bh.ptr<float>()[i] += dist(rng);
+  be->copy(b, bh.view());
+  dev_b.update_async();
+  host_b.update_async();
+  host_b.wait();
+  const Tensor got_b = be->to_host(dev_b.averages()[0]);
+  EXPECT_EQ(std::memcmp(got_b.ptr<float>(), host_b.averages()[0].ptr<float>(), size_t(m) * sizeof(float)), 0);
+  // Averages in host memory: refused by name.
+  Tensor h = Tensor::host(DType::f32, {m});
+  expect_error([&] { be->ema_fold({h.view()}, {b}, 0.9f); }, "must be on the device");
+  expect_error([&] { be->ema_fold({b}, {b, a}, 0.9f); }, "1 averages for 2 values");
+  expect_error([&] { ParameterEma({{"b", bh.view(), gb.view(), true}}, 0.9f, *cpu, 1, ParameterEma::Placement::device); },
+               "does not");
 }
 
 }  // namespace

@@ -155,6 +155,15 @@ TEST(Trainer, GraphsOnARefusedBackendNameIt) {
   fs::remove_all(dir);
 }
 
+// The CPU backend keeps the EMA in host memory: --ema-on device is refused by name.
+TEST(Trainer, EmaOnTheDeviceOfTheCpuBackendIsRefused) {
+  fs::path dir = scratch();
+  TrainOptions o = tiny_options(dir);
+  o.ema_on = "device";
+  fp8moe::testing::expect_error([&] { Trainer t(o); }, "--ema-on device: backend 'cpu' keeps the EMA in host memory");
+  fs::remove_all(dir);
+}
+
 TEST(Trainer, TruncatedCheckpointIsRefusedAndKeptIntact) {
   fs::path dir = scratch();
   TrainOptions o = tiny_options(dir);

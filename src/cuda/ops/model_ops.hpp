@@ -107,5 +107,22 @@ void cuda_adamw_step(const TensorView& w, const TensorView& g, const TensorView&
 // Backend::sum_squares of an f32 tensor, FP64 accumulation in a fixed order (deterministic).
 // Over all of xs in order; one kernel pass per 65535 tensors and one read back.
 double cuda_sum_squares(const std::vector<TensorView>& xs, cudaStream_t stream);
+// Backend::ema_fold (ema_fold.cu): every average = decay * average + (1 - decay) * value (all f32
+// on the device), with the host fold's roundings, in one launch on `stream`. Keeps the launch's
+// table of the tensors on the device, built again when the tensors change.
+class EmaFold {
+ public:
+  EmaFold() = default;
+  ~EmaFold();
+  EmaFold(const EmaFold&) = delete;
+  EmaFold& operator=(const EmaFold&) = delete;
+  void run(const std::vector<TensorView>& averages, const std::vector<TensorView>& values, float decay,
+           cudaStream_t stream);
+
+ private:
+  std::vector<const void*> key_;  // each pair's pointers and size, as the table holds them
+  void* table_ = nullptr;
+  int64_t chunks_ = 0;
+};
 
 }  // namespace fp8moe::cuda

@@ -4,7 +4,8 @@
 // them back once at its end. The FP64 sums are bit-identical to the CPU's: each one is a single
 // thread's loop in the CPU's index order, with the products, quotients and sums rounded one by
 // one (__dmul_rn, __ddiv_rn, __dadd_rn: nvcc contracts nothing into FMAs). They are small (a
-// sequence's tokens, the experts), so that a thread per sum costs microseconds.
+// sequence's tokens, the experts), so that a thread per sum costs microseconds; what lies between
+// the sums runs a thread per element.
 #include "cuda/ops/model_ops.hpp"
 #include "cuda/ops/model_ops_util.cuh"
 #include "fp8moe/moe_dispatch_args.hpp"
@@ -38,39 +39,60 @@ __device__ double score_sum(const float* __restrict__ s, int64_t E) {
   return z;
 }
 
-// One block per sequence b: z [T] for its tokens, then f, P [B, E] with one thread per expert,
-// then (with ds) the score gradient with one thread per token.
-__global__ void __launch_bounds__(kThreads) balance_kernel(const float* __restrict__ scores, const int32_t* __restrict__ idx,
-                                                           int64_t S, int64_t E, int64_t K, double f_unit, double c,
-                                                           double* __restrict__ z, double* __restrict__ f,
-                                                           double* __restrict__ P, float* __restrict__ ds) {
-  const int64_t b = blockIdx.x, t0 = b * S;
-  for (int64_t t = t0 + threadIdx.x; t < t0 + S; t += kThreads) z[t] = score_sum(scores + t * E, E);
+// Tokens per block of the balance kernels: a tile of whole tokens' score rows.
+__host__ __device__ inline int64_t tile_tokens(int64_t E) { return E >= kThreads ? 1 : kThreads / E; }
+
+// A tile of tokens: z_t by one thread per token, then q_{t,e} = s_{t,e} / z_t / S by one thread
+// per score.
+__global__ void __launch_bounds__(kThreads) balance_share_kernel(const float* __restrict__ scores, int64_t T, int64_t E,
+                                                                 double Sd, double* __restrict__ z,
+                                                                 double* __restrict__ q) {
+  __shared__ double zs[kThreads];
+  const int64_t n = tile_tokens(E), t0 = int64_t(blockIdx.x) * n, nt = min(n, T - t0);
+  if (threadIdx.x < nt) zs[threadIdx.x] = z[t0 + threadIdx.x] = score_sum(scores + (t0 + threadIdx.x) * E, E);
   __syncthreads();
-  const double Sd = double(S);
-  for (int64_t e = threadIdx.x; e < E; e += kThreads) {
-    double fe = 0, pe = 0;
-    for (int64_t t = t0; t < t0 + S; ++t) {
-      for (int64_t j = 0; j < K; ++j)
-        if (idx[t * K + j] == e) fe = __dadd_rn(fe, f_unit);
-      pe = __dadd_rn(pe, __ddiv_rn(__ddiv_rn(double(scores[t * E + e]), z[t]), Sd));
-    }
-    f[b * E + e] = fe;
-    P[b * E + e] = pe;
-  }
-  if (!ds) return;
-  __syncthreads();
-  const double* fb = f + b * E;
-  for (int64_t t = t0 + threadIdx.x; t < t0 + S; t += kThreads) {
+  for (int64_t i = threadIdx.x; i < nt * E; i += kThreads)
+    q[t0 * E + i] = __ddiv_rn(__ddiv_rn(double(scores[t0 * E + i]), zs[i / E]), Sd);
+}
+
+// One thread per (sequence b, expert e): f adds f_unit once per pick of e (the same value each
+// time, so only the count matters to the bits), P sums q over the sequence's tokens in order.
+__global__ void __launch_bounds__(kThreads) balance_fp_kernel(const int32_t* __restrict__ idx, const double* __restrict__ q,
+                                                              int64_t B, int64_t S, int64_t E, int64_t K, double f_unit,
+                                                              double* __restrict__ f, double* __restrict__ P) {
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= B * E) return;
+  const int64_t b = i / E, e = i % E, t0 = b * S;
+  int64_t picks = 0;
+  for (int64_t j = t0 * K; j < (t0 + S) * K; ++j) picks += idx[j] == e;
+  double fe = 0, pe = 0;
+  for (int64_t n = 0; n < picks; ++n) fe = __dadd_rn(fe, f_unit);
+  for (int64_t t = t0; t < t0 + S; ++t) pe = __dadd_rn(pe, q[t * E + e]);
+  f[i] = fe;
+  P[i] = pe;
+}
+
+// A tile of tokens: fs_t = sum_e f_{b,e} s_{t,e} in order e by one thread per token, then the
+// score gradient by one thread per score.
+__global__ void __launch_bounds__(kThreads) balance_grad_kernel(const float* __restrict__ scores, const double* __restrict__ z,
+                                                                const double* __restrict__ f, int64_t T, int64_t S,
+                                                                int64_t E, double c, float* __restrict__ ds) {
+  __shared__ double fss[kThreads];
+  const int64_t n = tile_tokens(E), t0 = int64_t(blockIdx.x) * n, nt = min(n, T - t0);
+  if (threadIdx.x < nt) {
+    const int64_t t = t0 + threadIdx.x;
     const float* s = scores + t * E;
-    const double zt = z[t];
+    const double* fb = f + (t / S) * E;
     double fs = 0;
     for (int64_t e = 0; e < E; ++e) fs = __dadd_rn(fs, __dmul_rn(fb[e], double(s[e])));
-    const double z2 = __dmul_rn(zt, zt);
-    for (int64_t e = 0; e < E; ++e) {
-      const double g = __dmul_rn(c, __dsub_rn(__ddiv_rn(fb[e], zt), __ddiv_rn(fs, z2)));
-      ds[t * E + e] = __double2float_rn(__dadd_rn(0.0, g));  // onto +0, as the CPU's
-    }
+    fss[threadIdx.x] = fs;
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < nt * E; i += kThreads) {
+    const int64_t t = t0 + i / E, e = i % E;
+    const double zt = z[t], z2 = __dmul_rn(zt, zt);
+    const double g = __dmul_rn(c, __dsub_rn(__ddiv_rn(f[(t / S) * E + e], zt), __ddiv_rn(fss[i / E], z2)));
+    ds[t * E + e] = __double2float_rn(__dadd_rn(0.0, g));  // onto +0, as the CPU's
   }
 }
 
@@ -109,14 +131,24 @@ void cuda_moe_balance_loss(const TensorView& scores, const TensorView& idx, int6
   const int64_t T = dims.tokens, E = dims.groups, K = dims.topk, S = seq_len;
   const int64_t B = T / S;
   if (B == 0 || (!loss.defined() && !dscores.defined())) return;
-  DeviceBuffer z(sizeof(double) * size_t(T), stream), f(sizeof(double) * size_t(B * E), stream),
-      P(sizeof(double) * size_t(B * E), stream);
+  // Every sum of the CPU's loops is one thread's, in its order; the work between the sums (the
+  // quotients, the gradient's terms) is spread one thread per score.
+  DeviceBuffer z(sizeof(double) * size_t(T), stream), q(sizeof(double) * size_t(T * E), stream),
+      f(sizeof(double) * size_t(B * E), stream), P(sizeof(double) * size_t(B * E), stream);
   // The CPU's constants, computed as it computes them.
   const double f_unit = double(E) / double(K * S), c = grad_scale * alpha / double(B * S);
-  balance_kernel<<<unsigned(B), kThreads, 0, stream>>>(scores.ptr<const float>(), idx.ptr<const int32_t>(), S, E, K,
-                                                       f_unit, c, z.as<double>(), f.as<double>(), P.as<double>(),
-                                                       dscores.defined() ? dscores.ptr<float>() : nullptr);
-  FP8MOE_CUDA_CHECK_LAUNCH("balance_kernel");
+  const unsigned tiles = unsigned(ceil_div(T, tile_tokens(E)));
+  balance_share_kernel<<<tiles, kThreads, 0, stream>>>(scores.ptr<const float>(), T, E, double(S), z.as<double>(),
+                                                       q.as<double>());
+  FP8MOE_CUDA_CHECK_LAUNCH("balance_share_kernel");
+  balance_fp_kernel<<<unsigned(ceil_div(B * E, kThreads)), kThreads, 0, stream>>>(
+      idx.ptr<const int32_t>(), q.as<double>(), B, S, E, K, f_unit, f.as<double>(), P.as<double>());
+  FP8MOE_CUDA_CHECK_LAUNCH("balance_fp_kernel");
+  if (dscores.defined()) {
+    balance_grad_kernel<<<tiles, kThreads, 0, stream>>>(scores.ptr<const float>(), z.as<double>(), f.as<double>(), T, S,
+                                                        E, c, dscores.ptr<float>());
+    FP8MOE_CUDA_CHECK_LAUNCH("balance_grad_kernel");
+  }
   if (!loss.defined()) return;
   balance_total_kernel<<<1, 1, 0, stream>>>(f.as<double>(), P.as<double>(), B, E, alpha, loss.ptr<double>());
   FP8MOE_CUDA_CHECK_LAUNCH("balance_total_kernel");
