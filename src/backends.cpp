@@ -243,6 +243,13 @@ void Backend::grouped_wgrad_fp8(const QuantizedView&, const QuantizedView&, cons
 void Backend::adamw_step(const TensorView&, const TensorView&, const TensorView&, const TensorView&, const AdamWStep&) {
   FP8MOE_UNSUPPORTED(adamw_step);
 }
+void Backend::adamw_steps(const std::vector<AdamWTensors>& ts, const AdamWStep& p) {
+  for (const AdamWTensors& t : ts) {
+    AdamWStep q = p;
+    q.weight_decay = t.weight_decay;
+    adamw_step(t.w, t.g, t.m, t.v, q);
+  }
+}
 void Backend::moe_expert_loads(const TensorView&, const TensorView&) { FP8MOE_UNSUPPORTED(moe_expert_loads); }
 void Backend::moe_balance_loss(const TensorView&, const TensorView&, int64_t, double, double, const TensorView&,
                                const TensorView&) {

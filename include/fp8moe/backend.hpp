@@ -392,6 +392,13 @@ class Backend {
   };
   virtual void adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
                           const AdamWStep& p);
+  // adamw_step over several parameters, each with its own weight decay (p.weight_decay is not
+  // used): on a GPU one launch for all of them. The default calls adamw_step for each.
+  struct AdamWTensors {
+    TensorView w, g, m, v;
+    float weight_decay = 0;
+  };
+  virtual void adamw_steps(const std::vector<AdamWTensors>& ts, const AdamWStep& p);
   // sum of x^2 over a float tensor (f32 | f64), accumulated in FP64; NaN/Inf propagate.
   virtual double sum_squares(const TensorView& x);
   // The sum over all of xs (in order), with one host synchronization where the backend can.

@@ -333,7 +333,7 @@ class CudaBackend final : public Backend {
   bool folds_ema() const override { return true; }
   void ema_fold(const std::vector<TensorView>& averages, const std::vector<TensorView>& values, float decay) override {
     FP8MOE_TIMED_OP("ema_fold");
-    ema_fold_.run(averages, values, decay, s_);
+    cuda::cuda_ema_fold(averages, values, decay, ema_table_, s_);
   }
   void fence_copies() override {
     if (copy_stream_) FP8MOE_CUDA_CHECK(cudaStreamWaitEvent(s_, copied_, 0));
@@ -624,6 +624,10 @@ class CudaBackend final : public Backend {
     FP8MOE_TIMED_OP("adamw_step");
     cuda::cuda_adamw_step(w, g, m, v, p, s_);
   }
+  void adamw_steps(const std::vector<AdamWTensors>& ts, const AdamWStep& p) override {
+    FP8MOE_TIMED_OP("adamw_steps");
+    cuda::cuda_adamw_steps(ts, p, adamw_table_, s_);
+  }
   double sum_squares(const TensorView& x) override {
     FP8MOE_TIMED_OP("sum_squares");
     ++host_waits_;
@@ -690,7 +694,7 @@ class CudaBackend final : public Backend {
   // NOTES: not destroyed: the backend lives until exit, and destroying them in a static
   // destruction order that outlives the context fails.
   cudaStream_t copy_stream_ = nullptr;
-  cuda::EmaFold ema_fold_;
+  cuda::DeviceTable ema_table_, adamw_table_;  // the launch tables of ema_fold and adamw_steps
   cudaEvent_t queued_ = nullptr, copied_ = nullptr;
 };
 

@@ -66,7 +66,7 @@ AdamW::AdamW(Backend& backend, std::vector<ParamRef> params, AdamWConfig cfg)
                                                           << backend.name() << "' works on " << device_name(backend.device()));
   }
   // Parameters whose values and gradients follow each other in memory are updated as one run:
-  // one adamw_step each, the same numbers (the update is elementwise). Their moments are slices of
+  // one entry of adamw_steps each, the same numbers (the update is elementwise). Their moments are slices of
   // one run tensor.
   m_.resize(params_.size());
   v_.resize(params_.size());
@@ -84,10 +84,9 @@ AdamW::AdamW(Backend& backend, std::vector<ParamRef> params, AdamWConfig cfg)
 
 void AdamW::step(float lr, float grad_scale) {
   ++t_;
-  for (const Run& r : runs_) {
-    Backend::AdamWStep s{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, r.decay ? cfg_.weight_decay : 0.0f, grad_scale, t_};
-    backend_.adamw_step(r.value, r.grad, r.m.view(), r.v.view(), s);
-  }
+  std::vector<Backend::AdamWTensors> ts;
+  for (const Run& r : runs_) ts.push_back({r.value, r.grad, r.m.view(), r.v.view(), r.decay ? cfg_.weight_decay : 0.0f});
+  backend_.adamw_steps(ts, {lr, cfg_.beta1, cfg_.beta2, cfg_.eps, 0.0f, grad_scale, t_});
 }
 
 double global_grad_norm(Backend& backend, const std::vector<ParamRef>& params) {

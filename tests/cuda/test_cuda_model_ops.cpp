@@ -830,20 +830,28 @@ TEST_F(CudaModelOps, AdamWMatchesCpuBitExact) {
   for (MomentPrecision mp : {MomentPrecision::bf16, MomentPrecision::f32}) {
     AdamWConfig cfg;
     cfg.moments = mp;
-    Tensor w1 = randn({37, 29}), w2 = randn({1001}, 0.02f);
-    Tensor g1 = Tensor::host(DType::f32, {37, 29}), g2 = Tensor::host(DType::f32, {1001});
-    std::vector<ParamRef> params{{"w1", w1.view(), g1.view(), true}, {"w2", w2.view(), g2.view(), false}};
-    Tensor dw1 = dev(w1), dw2 = dev(w2);
-    Tensor dg1 = dev(g1), dg2 = dev(g2);
-    std::vector<ParamRef> dparams{{"w1", dw1.view(), dg1.view(), true}, {"w2", dw2.view(), dg2.view(), false}};
+    // w3 spans two of adamw_steps' chunks of 64K elements and ends off a multiple of four.
+    Tensor w1 = randn({37, 29}), w2 = randn({1001}, 0.02f), w3 = randn({70001}, 0.5f);
+    Tensor g1 = Tensor::host(DType::f32, {37, 29}), g2 = Tensor::host(DType::f32, {1001}),
+           g3 = Tensor::host(DType::f32, {70001});
+    std::vector<ParamRef> params{{"w1", w1.view(), g1.view(), true},
+                                 {"w2", w2.view(), g2.view(), false},
+                                 {"w3", w3.view(), g3.view(), true}};
+    Tensor dw1 = dev(w1), dw2 = dev(w2), dw3 = dev(w3);
+    Tensor dg1 = dev(g1), dg2 = dev(g2), dg3 = dev(g3);
+    std::vector<ParamRef> dparams{{"w1", dw1.view(), dg1.view(), true},
+                                  {"w2", dw2.view(), dg2.view(), false},
+                                  {"w3", dw3.view(), dg3.view(), true}};
     auto cpu = make_backend("cpu");
     AdamW opt(*cpu, params, cfg), gopt(*gpu_, dparams, cfg);
     for (int step = 0; step < 4; ++step) {
-      Tensor ng1 = randn({37, 29}, 0.1f), ng2 = randn({1001}, 1e-3f);
+      Tensor ng1 = randn({37, 29}, 0.1f), ng2 = randn({1001}, 1e-3f), ng3 = randn({70001}, 0.01f);
       std::memcpy(g1.view().data, ng1.view().data, ng1.view().nbytes());
       std::memcpy(g2.view().data, ng2.view().data, ng2.view().nbytes());
+      std::memcpy(g3.view().data, ng3.view().data, ng3.view().nbytes());
       gpu_->copy(dg1.view(), g1.view());
       gpu_->copy(dg2.view(), g2.view());
+      gpu_->copy(dg3.view(), g3.view());
       const float lr = 3e-4f * float(step + 1), gs = step == 2 ? 0.5f : 1.0f;
       opt.step(lr, gs);
       gopt.step(lr, gs);
@@ -851,7 +859,8 @@ TEST_F(CudaModelOps, AdamWMatchesCpuBitExact) {
     const std::string what = std::string(" moments ") + (mp == MomentPrecision::bf16 ? "bf16" : "f32");
     expect_bits(host(dw1), w1, "adamw w1" + what);
     expect_bits(host(dw2), w2, "adamw w2" + what);
-    for (size_t i = 0; i < 2; ++i) {
+    expect_bits(host(dw3), w3, "adamw w3" + what);
+    for (size_t i = 0; i < 3; ++i) {
       expect_bits(host(gopt.first_moments()[i]), opt.first_moments()[i], "adamw m" + std::to_string(i + 1) + what);
       expect_bits(host(gopt.second_moments()[i]), opt.second_moments()[i], "adamw v" + std::to_string(i + 1) + what);
     }

@@ -48,16 +48,11 @@ __global__ void __launch_bounds__(256) ema_fold_kernel(const Chunk* __restrict__
 
 }  // namespace
 
-EmaFold::~EmaFold() {
-  if (table_) cudaFree(table_);
-}
-
-void EmaFold::run(const std::vector<TensorView>& averages, const std::vector<TensorView>& values, float decay,
-                  cudaStream_t stream) {
+void cuda_ema_fold(const std::vector<TensorView>& averages, const std::vector<TensorView>& values, float decay,
+                   DeviceTable& table, cudaStream_t stream) {
   FP8MOE_CHECK(averages.size() == values.size(),
                "ema_fold: " << averages.size() << " averages for " << values.size() << " values");
-  std::vector<const void*> key;
-  key.reserve(3 * averages.size());
+  std::vector<Chunk> chunks;
   for (size_t i = 0; i < averages.size(); ++i) {
     const TensorView &a = averages[i], &v = values[i];
     FP8MOE_CHECK(a.dtype == DType::f32 && v.dtype == DType::f32 && a.is_contiguous() && v.is_contiguous() &&
@@ -66,32 +61,17 @@ void EmaFold::run(const std::vector<TensorView>& averages, const std::vector<Ten
                                       << " must be contiguous f32 tensors of one size");
     FP8MOE_CHECK(a.device == Device::cuda && v.device == Device::cuda,
                  "ema_fold: average " << a.str() << " and value " << v.str() << " must be on the device");
-    key.insert(key.end(), {a.data, v.data, reinterpret_cast<const void*>(a.numel())});
+    auto* ap = static_cast<float*>(a.data);
+    const auto* vp = static_cast<const float*>(v.data);
+    const int vec = (reinterpret_cast<uintptr_t>(ap) | reinterpret_cast<uintptr_t>(vp)) % 16 == 0;
+    for (int64_t j = 0; j < a.numel(); j += kChunk) chunks.push_back({ap + j, vp + j, std::min(kChunk, a.numel() - j), vec});
   }
-  // The EMA folds the same tensors every step: the table is built once and kept on the device (a
-  // copy from pageable host memory each call would make the host wait for the stream).
-  if (key != key_) {
-    std::vector<Chunk> chunks;
-    for (size_t i = 0; i < averages.size(); ++i) {
-      auto* a = static_cast<float*>(averages[i].data);
-      const auto* v = static_cast<const float*>(values[i].data);
-      const int vec = (reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(v)) % 16 == 0;
-      for (int64_t j = 0; j < averages[i].numel(); j += kChunk)
-        chunks.push_back({a + j, v + j, std::min(kChunk, averages[i].numel() - j), vec});
-    }
-    FP8MOE_CHECK(chunks.size() < (size_t(1) << 31), "ema_fold: " << chunks.size() << " chunks exceed the grid");
-    if (table_) FP8MOE_CUDA_CHECK(cudaFree(table_));  // synchronizes: the old table is no longer read
-    table_ = nullptr;
-    if (!chunks.empty()) {
-      FP8MOE_CUDA_CHECK(cudaMalloc(&table_, chunks.size() * sizeof(Chunk)));
-      FP8MOE_CUDA_CHECK(cudaMemcpy(table_, chunks.data(), chunks.size() * sizeof(Chunk), cudaMemcpyHostToDevice));
-    }
-    chunks_ = int64_t(chunks.size());
-    key_ = std::move(key);
-  }
-  if (chunks_ == 0) return;
+  FP8MOE_CHECK(chunks.size() < (size_t(1) << 31), "ema_fold: " << chunks.size() << " chunks exceed the grid");
+  // The same tensors every step: the table is copied to the device once.
+  const auto* dev = static_cast<const Chunk*>(table.get(chunks.data(), chunks.size() * sizeof(Chunk)));
+  if (chunks.empty()) return;
   const float w = 1 - decay;  // as the host computes it
-  ema_fold_kernel<<<unsigned(chunks_), 256, 0, stream>>>(static_cast<const Chunk*>(table_), decay, w);
+  ema_fold_kernel<<<unsigned(chunks.size()), 256, 0, stream>>>(dev, decay, w);
   FP8MOE_CUDA_CHECK_LAUNCH("ema_fold_kernel");
 }
 

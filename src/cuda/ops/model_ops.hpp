@@ -13,11 +13,31 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "fp8moe/backend.hpp"
 #include "fp8moe/tensor.hpp"
 
 namespace fp8moe::cuda {
+
+// ---- launch tables (model_ops_util.cu) ----
+// A launch's table of arguments (one entry per block: pointers into the tensors it works on) kept
+// on the device and copied again only when its bytes change: ops that run over the same tensors
+// every step (the EMA's fold, AdamW) would otherwise copy it from pageable memory per launch, which
+// makes the host wait for the stream. Not for use while a stream is being captured.
+class DeviceTable {
+ public:
+  DeviceTable() = default;
+  ~DeviceTable();
+  DeviceTable(const DeviceTable&) = delete;
+  DeviceTable& operator=(const DeviceTable&) = delete;
+  // The device copy of `bytes` bytes at `host` (nullptr when bytes is 0).
+  const void* get(const void* host, size_t bytes);
+
+ private:
+  std::vector<unsigned char> last_;
+  void* dev_ = nullptr;
+};
 
 // ---- step statistics (step_stats.cu): bit-identical to the CPU ops ----
 void cuda_moe_expert_loads(const TensorView& expert_ids, const TensorView& loads, cudaStream_t stream);
@@ -104,25 +124,16 @@ void cuda_rows_dot(const TensorView& a, const TensorView& b, const TensorView& o
 // Backend::adamw_step: bit-identical to the CPU op (src/cpu/ops_optim.cpp).
 void cuda_adamw_step(const TensorView& w, const TensorView& g, const TensorView& m, const TensorView& v,
                      const Backend::AdamWStep& p, cudaStream_t stream);
+// Backend::adamw_steps: cuda_adamw_step over every entry in one launch over `table`'s chunks.
+void cuda_adamw_steps(const std::vector<Backend::AdamWTensors>& ts, const Backend::AdamWStep& p, DeviceTable& table,
+                      cudaStream_t stream);
 // Backend::sum_squares of an f32 tensor, FP64 accumulation in a fixed order (deterministic).
 // Over all of xs in order; one kernel pass per 65535 tensors and one read back.
 double cuda_sum_squares(const std::vector<TensorView>& xs, cudaStream_t stream);
-// Backend::ema_fold (ema_fold.cu): every average = decay * average + (1 - decay) * value (all f32
-// on the device), with the host fold's roundings, in one launch on `stream`. Keeps the launch's
-// table of the tensors on the device, built again when the tensors change.
-class EmaFold {
- public:
-  EmaFold() = default;
-  ~EmaFold();
-  EmaFold(const EmaFold&) = delete;
-  EmaFold& operator=(const EmaFold&) = delete;
-  void run(const std::vector<TensorView>& averages, const std::vector<TensorView>& values, float decay,
-           cudaStream_t stream);
 
- private:
-  std::vector<const void*> key_;  // each pair's pointers and size, as the table holds them
-  void* table_ = nullptr;
-  int64_t chunks_ = 0;
-};
+// Backend::ema_fold (ema_fold.cu): every average = decay * average + (1 - decay) * value (all f32
+// on the device), with the host fold's roundings, in one launch on `stream` over `table`'s chunks.
+void cuda_ema_fold(const std::vector<TensorView>& averages, const std::vector<TensorView>& values, float decay,
+                   DeviceTable& table, cudaStream_t stream);
 
 }  // namespace fp8moe::cuda

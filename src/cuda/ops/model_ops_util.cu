@@ -1,7 +1,10 @@
 // Host helpers of the CUDA model ops (see model_ops_util.cuh): argument checks, stream-ordered
-// scratch, and the stable key sort (CUB radix sort) behind the deterministic scatter-adds.
+// scratch, device tables of launch arguments, and the stable key sort (CUB radix sort) behind the deterministic scatter-adds.
 #include <cub/device/device_radix_sort.cuh>
 
+#include <cstring>
+
+#include "cuda/ops/model_ops.hpp"
 #include "cuda/ops/model_ops_util.cuh"
 #include "cuda/runtime/caching_allocator.hpp"
 
@@ -121,3 +124,24 @@ void sorted_scatter_add(const int32_t* keys, const int32_t* pos, int64_t n, cons
 }
 
 }  // namespace fp8moe::cuda::ops
+
+namespace fp8moe::cuda {
+
+DeviceTable::~DeviceTable() {
+  if (dev_) cudaFree(dev_);
+}
+
+const void* DeviceTable::get(const void* host, size_t bytes) {
+  const auto* b = static_cast<const unsigned char*>(host);
+  if (bytes == last_.size() && (bytes == 0 || std::memcmp(b, last_.data(), bytes) == 0)) return dev_;
+  if (dev_) FP8MOE_CUDA_CHECK(cudaFree(dev_));  // synchronizes: no launch reads the old table any more
+  dev_ = nullptr;
+  if (bytes > 0) {
+    FP8MOE_CUDA_CHECK(cudaMalloc(&dev_, bytes));
+    FP8MOE_CUDA_CHECK(cudaMemcpy(dev_, b, bytes, cudaMemcpyHostToDevice));
+  }
+  last_.assign(b, b + bytes);
+  return dev_;
+}
+
+}  // namespace fp8moe::cuda

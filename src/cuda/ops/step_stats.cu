@@ -35,6 +35,7 @@ __global__ void __launch_bounds__(kThreads) expert_loads_kernel(const int32_t* _
 // z_t = sum_e s_{t,e} in order e = 0..E-1, as the CPU's loop.
 __device__ double score_sum(const float* __restrict__ s, int64_t E) {
   double z = 0;
+#pragma unroll 8
   for (int64_t e = 0; e < E; ++e) z = __dadd_rn(z, double(s[e]));
   return z;
 }
@@ -57,6 +58,7 @@ __global__ void __launch_bounds__(kThreads) balance_share_kernel(const float* __
 
 // One thread per (sequence b, expert e): f adds f_unit once per pick of e (the same value each
 // time, so only the count matters to the bits), P sums q over the sequence's tokens in order.
+// NOTES: the unrolled loops keep several loads in flight ahead of each thread's chain of adds.
 __global__ void __launch_bounds__(kThreads) balance_fp_kernel(const int32_t* __restrict__ idx, const double* __restrict__ q,
                                                               int64_t B, int64_t S, int64_t E, int64_t K, double f_unit,
                                                               double* __restrict__ f, double* __restrict__ P) {
@@ -64,9 +66,11 @@ __global__ void __launch_bounds__(kThreads) balance_fp_kernel(const int32_t* __r
   if (i >= B * E) return;
   const int64_t b = i / E, e = i % E, t0 = b * S;
   int64_t picks = 0;
+#pragma unroll 8
   for (int64_t j = t0 * K; j < (t0 + S) * K; ++j) picks += idx[j] == e;
   double fe = 0, pe = 0;
   for (int64_t n = 0; n < picks; ++n) fe = __dadd_rn(fe, f_unit);
+#pragma unroll 8
   for (int64_t t = t0; t < t0 + S; ++t) pe = __dadd_rn(pe, q[t * E + e]);
   f[i] = fe;
   P[i] = pe;
@@ -84,6 +88,7 @@ __global__ void __launch_bounds__(kThreads) balance_grad_kernel(const float* __r
     const float* s = scores + t * E;
     const double* fb = f + (t / S) * E;
     double fs = 0;
+#pragma unroll 8
     for (int64_t e = 0; e < E; ++e) fs = __dadd_rn(fs, __dmul_rn(fb[e], double(s[e])));
     fss[threadIdx.x] = fs;
   }
@@ -101,12 +106,14 @@ __global__ void balance_total_kernel(const double* __restrict__ f, const double*
                                      double alpha, double* __restrict__ loss) {
   double total = 0;
   const double Bd = double(B);
+#pragma unroll 8
   for (int64_t i = 0; i < B * E; ++i) total = __dadd_rn(total, __ddiv_rn(__dmul_rn(__dmul_rn(alpha, f[i]), P[i]), Bd));
   *loss = total;
 }
 
 __global__ void sum_in_order_kernel(const float* __restrict__ x, int64_t n, double* __restrict__ out) {
   double s = 0;
+#pragma unroll 8
   for (int64_t i = 0; i < n; ++i) s = __dadd_rn(s, double(x[i]));
   *out = s;
 }
