@@ -30,12 +30,12 @@ class ParameterEma {
   ParameterEma& operator=(const ParameterEma&) = delete;
 
   // Snapshots the parameters now and updates the average in the background. Waits first for the
-  // previous update, so at most one is in flight (on the device: in stream order).
+  // previous update, so at most one is in flight (on the device: queued in stream order).
   void update_async();
   // Blocks until the average includes every snapshot taken.
   void wait();
   // Device work queued after this (the optimizer's update of the weights) waits for the snapshot's
-  // copies (or the device's fold); no host wait.
+  // copies; no host wait. The device's fold needs none: it is in the stream's order.
   void fence() { backend_.fence_copies(); }
   // The averaged weights, parallel to the parameters given at construction ([same shape] f32, in
   // host memory or on the parameters' device as placed). Call wait() first.
