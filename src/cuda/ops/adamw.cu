@@ -125,6 +125,7 @@ struct Chunk {
   float weight_decay;
   int vec;  // the pointers aligned for adamw_four
 };
+static_assert(sizeof(Chunk) == 4 * sizeof(void*) + 16, "no padding: DeviceTable compares entries as bytes");
 template <bool kBf16>
 __global__ void __launch_bounds__(256) adamw_chunks_kernel(const Chunk* __restrict__ chunks, AdamWArgs a) {
   const Chunk c = chunks[blockIdx.x];
@@ -219,7 +220,7 @@ void cuda_adamw_steps(const std::vector<Backend::AdamWTensors>& ts, const Backen
   FP8MOE_CHECK(chunks.size() < (size_t(1) << 31), "adamw_steps: " << chunks.size() << " chunks exceed the grid");
   // The same tensors every step: the table is copied to the device once (lr, the gradient's scale
   // and the bias corrections, which change, are the launch's arguments).
-  const auto* dev = static_cast<const Chunk*>(table.get(chunks.data(), chunks.size() * sizeof(Chunk)));
+  const Chunk* dev = table.get(chunks);
   if (chunks.empty()) return;
   if (md == DType::bf16)
     adamw_chunks_kernel<true><<<unsigned(chunks.size()), 256, 0, stream>>>(dev, a);

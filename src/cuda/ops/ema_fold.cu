@@ -16,8 +16,9 @@ struct Chunk {  // one block's piece of one parameter
   float* avg;
   const float* x;
   int64_t n;
-  int vec;  // both pointers 16-byte aligned: float4 accesses
+  int64_t vec;  // both pointers 16-byte aligned: float4 accesses
 };
+static_assert(sizeof(Chunk) == 2 * sizeof(void*) + 16, "no padding: DeviceTable compares entries as bytes");
 
 // NOTES: __fmul_rn/__fadd_rn keep nvcc from contracting into an FMA; the host compiles its loop
 // for baseline x86-64 (no FMA), so both round each product and the sum.
@@ -63,12 +64,12 @@ void cuda_ema_fold(const std::vector<TensorView>& averages, const std::vector<Te
                  "ema_fold: average " << a.str() << " and value " << v.str() << " must be on the device");
     auto* ap = static_cast<float*>(a.data);
     const auto* vp = static_cast<const float*>(v.data);
-    const int vec = (reinterpret_cast<uintptr_t>(ap) | reinterpret_cast<uintptr_t>(vp)) % 16 == 0;
+    const int64_t vec = (reinterpret_cast<uintptr_t>(ap) | reinterpret_cast<uintptr_t>(vp)) % 16 == 0;
     for (int64_t j = 0; j < a.numel(); j += kChunk) chunks.push_back({ap + j, vp + j, std::min(kChunk, a.numel() - j), vec});
   }
   FP8MOE_CHECK(chunks.size() < (size_t(1) << 31), "ema_fold: " << chunks.size() << " chunks exceed the grid");
   // The same tensors every step: the table is copied to the device once.
-  const auto* dev = static_cast<const Chunk*>(table.get(chunks.data(), chunks.size() * sizeof(Chunk)));
+  const Chunk* dev = table.get(chunks);
   if (chunks.empty()) return;
   const float w = 1 - decay;  // as the host computes it
   ema_fold_kernel<<<unsigned(chunks.size()), 256, 0, stream>>>(dev, decay, w);

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "fp8moe/backend.hpp"
@@ -31,10 +32,17 @@ class DeviceTable {
   ~DeviceTable();
   DeviceTable(const DeviceTable&) = delete;
   DeviceTable& operator=(const DeviceTable&) = delete;
-  // The device copy of `bytes` bytes at `host` (nullptr when bytes is 0).
-  const void* get(const void* host, size_t bytes);
+  // The device copy of `host`'s entries (nullptr when it is empty). The entries are compared byte
+  // for byte, so they must have no padding (uninitialized bytes would copy the table every call):
+  // each entry type asserts its size.
+  template <class T>
+  const T* get(const std::vector<T>& host) {
+    static_assert(std::is_trivially_copyable_v<T>, "a launch table's entries are copied as bytes");
+    return static_cast<const T*>(get_bytes(host.data(), host.size() * sizeof(T)));
+  }
 
  private:
+  const void* get_bytes(const void* host, size_t bytes);
   std::vector<unsigned char> last_;
   void* dev_ = nullptr;
 };

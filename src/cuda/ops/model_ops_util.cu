@@ -131,7 +131,7 @@ DeviceTable::~DeviceTable() {
   if (dev_) cudaFree(dev_);
 }
 
-const void* DeviceTable::get(const void* host, size_t bytes) {
+const void* DeviceTable::get_bytes(const void* host, size_t bytes) {
   const auto* b = static_cast<const unsigned char*>(host);
   if (bytes == last_.size() && (bytes == 0 || std::memcmp(b, last_.data(), bytes) == 0)) return dev_;
   if (dev_) FP8MOE_CUDA_CHECK(cudaFree(dev_));  // synchronizes: no launch reads the old table any more
