@@ -1,5 +1,5 @@
-// `fp8moe bench attention` (bench.hpp): the CUDA causal attention's two paths (model_ops.hpp,
-// AttentionPath) side by side on one shape, by default the hidden-2048 config's (B = 8 sequences of
+// `fp8moe bench attention` (bench.hpp): the CUDA causal attention's paths (model_ops.hpp,
+// AttentionPath: flash, the GEMM path looped and batched) side by side on one shape, by default the hidden-2048 config's (B = 8 sequences of
 // 512 tokens, 16 heads, Dk 192, Dv 128), in FP32 or (--compute bf16) with BF16 GEMM operands.
 // Timing as in bench.cpp (bench_util.hpp): L2 flushed before every timed run, median. The backward
 // is timed on the forward's out and lse.
@@ -8,13 +8,17 @@
 // the scores not counted).
 // Check: the GEMM path's outputs against the flash kernels', max |gemm - flash| / max |flash| per
 // tensor below 1e-4 in FP32; 1e-2 in bf16, where the two paths' FP32 values of P and dS differ in
-// the last bits and so may round to neighbouring BF16 values (2^-8 apart) before they multiply.
+// the last bits and so may round to neighbouring BF16 values (2^-8 apart) before they multiply;
+// the batched GEMMs' bits against the looped ones'.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <random>
+#include <vector>
 
 #include "bench/bench.hpp"
 #include "bench/bench_util.hpp"
@@ -65,10 +69,20 @@ int run_attention_bench(const AttentionBenchOptions& opt) {
                "bench attention: compute '" << opt.compute << "' must be f32 or bf16");
   const DType compute = opt.compute == "bf16" ? DType::bf16 : DType::f32;
   const double tolerance = compute == DType::bf16 ? 1e-2 : 1e-4;
-  Heads q(T, H, Dk), k(T, H, Dk), v(T, H, Dv), dout(T, H, Dv), dq(T, H, Dk), dk(T, H, Dk), dv(T, H, Dv);
-  Heads out_f(T, H, Dv), out_g(T, H, Dv), dq_g(T, H, Dk), dk_g(T, H, Dk), dv_g(T, H, Dv);
-  DeviceBuffer lse_f(size_t(H * T) * 4), lse_g(size_t(H * T) * 4);
-  const TensorView lse_fv(lse_f.p, DType::f32, {H, T}, Device::cuda), lse_gv(lse_g.p, DType::f32, {H, T}, Device::cuda);
+  Heads q(T, H, Dk), k(T, H, Dk), v(T, H, Dv), dout(T, H, Dv);
+  // Per path: out, lse [H, T] (as a [H, T, 1] array), dq, dk, dv.
+  struct Outputs {
+    Heads out, lse, dq, dk, dv;
+    Outputs(int64_t T, int64_t H, int64_t Dk, int64_t Dv)
+        : out(T, H, Dv), lse(H, T, 1), dq(T, H, Dk), dk(T, H, Dk), dv(T, H, Dv) {}
+    TensorView lse_view() const { return TensorView(lse.buf.p, DType::f32, {lse.view.size(0), lse.view.size(1)}, Device::cuda); }
+  };
+  constexpr int kPaths = 3;
+  const AttentionPath paths[kPaths] = {AttentionPath::flash, AttentionPath::gemm_looped, AttentionPath::gemm};
+  const char* names[kPaths] = {"flash (CUDA cores)", "gemm, looped (cuBLASLt, a GEMM per sequence)",
+                               "gemm (cuBLASLt, one GEMM over sequences and heads)"};
+  std::vector<std::unique_ptr<Outputs>> outs;
+  for (int p = 0; p < kPaths; ++p) outs.push_back(std::make_unique<Outputs>(T, H, Dk, Dv));
   q.randomize(seed);
   k.randomize(seed + 1);
   v.randomize(seed + 2);
@@ -90,36 +104,43 @@ int run_attention_bench(const AttentionBenchOptions& opt) {
   std::fflush(stdout);
 
   Timer timer;
-  double us[2][2];
-  const AttentionPath paths[2] = {AttentionPath::flash, AttentionPath::gemm};
-  for (int p = 0; p < 2; ++p) {
-    const bool gemm = paths[p] == AttentionPath::gemm;
-    const TensorView& out = gemm ? out_g.view : out_f.view;
-    const TensorView& lse = gemm ? lse_gv : lse_fv;
-    us[p][0] = timer.median_us([&] { cuda_attention_forward(q.view, k.view, v.view, out, lse, S, scale, compute, nullptr, paths[p]); },
-                               opt.warmup, opt.iters);
-    // Both backwards take the flash forward's out and lse.
+  double us[kPaths][2];
+  for (int p = 0; p < kPaths; ++p) {
+    Outputs& o = *outs[size_t(p)];
+    us[p][0] = timer.median_us(
+        [&] { cuda_attention_forward(q.view, k.view, v.view, o.out.view, o.lse_view(), S, scale, compute, nullptr, paths[p]); },
+        opt.warmup, opt.iters);
+    // Every backward takes the flash forward's out and lse.
     us[p][1] = timer.median_us(
         [&] {
-          cuda_attention_backward(q.view, k.view, v.view, out_f.view, lse_fv, dout.view, gemm ? dq_g.view : dq.view,
-                                  gemm ? dk_g.view : dk.view, gemm ? dv_g.view : dv.view, S, scale, compute, nullptr,
-                                  paths[p]);
+          cuda_attention_backward(q.view, k.view, v.view, outs[0]->out.view, outs[0]->lse_view(), dout.view, o.dq.view,
+                                  o.dk.view, o.dv.view, S, scale, compute, nullptr, paths[p]);
         },
         opt.warmup, opt.iters);
-    std::printf("| %s | %.1f | %.2f | %.1f | %.2f |\n", gemm ? "gemm (cuBLASLt)" : "flash (CUDA cores)",
-                us[p][0], fwd_flops / (us[p][0] * 1e6), us[p][1], bwd_flops / (us[p][1] * 1e6));
+    std::printf("| %s | %.1f | %.2f | %.1f | %.2f |\n", names[p], us[p][0], fwd_flops / (us[p][0] * 1e6), us[p][1],
+                bwd_flops / (us[p][1] * 1e6));
     std::fflush(stdout);
   }
 
   FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  const size_t nq = size_t(T * H * Dk), nv = size_t(T * H * Dv);
-  const double diffs[5] = {rel_diff(out_g.buf.p, out_f.buf.p, nv), rel_diff(lse_g.p, lse_f.p, size_t(H * T)),
-                           rel_diff(dq_g.buf.p, dq.buf.p, nq), rel_diff(dk_g.buf.p, dk.buf.p, nq),
-                           rel_diff(dv_g.buf.p, dv.buf.p, nv)};
+  const auto tensors = [](const Outputs& o) {
+    return std::array<const Heads*, 5>{&o.out, &o.lse, &o.dq, &o.dk, &o.dv};
+  };
+  const auto f = tensors(*outs[0]), l = tensors(*outs[1]), g = tensors(*outs[2]);
+  double diffs[5];
+  bool same_bits = true;
+  for (int i = 0; i < 5; ++i) {
+    const size_t n = size_t(g[i]->view.numel());
+    diffs[i] = rel_diff(g[i]->buf.p, f[i]->buf.p, n);
+    same_bits = same_bits && to_host<uint32_t>(g[i]->buf.p, n) == to_host<uint32_t>(l[i]->buf.p, n);
+  }
   const double worst = *std::max_element(diffs, diffs + 5);
-  std::printf("# speedup gemm / flash: forward %.2fx, backward %.2fx\n", us[0][0] / us[1][0], us[0][1] / us[1][1]);
+  std::printf("# speedup gemm / flash: forward %.2fx, backward %.2fx; gemm / looped: forward %.2fx, backward %.2fx\n",
+              us[0][0] / us[2][0], us[0][1] / us[2][1], us[1][0] / us[2][0], us[1][1] / us[2][1]);
   std::printf("# gemm vs flash, max |diff| / max |flash|: out %.1e, lse %.1e, dq %.1e, dk %.1e, dv %.1e (%s)\n",
               diffs[0], diffs[1], diffs[2], diffs[3], diffs[4], worst < tolerance ? "ok" : "MISMATCH");
+  std::printf("# gemm vs looped: %s\n", same_bits ? "bitwise equal" : "BITS DIFFER");
+  if (!same_bits) return 1;
   return worst < tolerance ? 0 : 1;
 }
 

@@ -493,7 +493,10 @@ struct AttnCase {
 };
 
 const char* path_name(AttentionPath p) {
-  return p == AttentionPath::gemm ? " gemm" : p == AttentionPath::flash ? " flash" : " automatic";
+  return p == AttentionPath::gemm          ? " gemm"
+         : p == AttentionPath::gemm_looped ? " gemm looped"
+         : p == AttentionPath::flash       ? " flash"
+                                           : " automatic";
 }
 
 // ||got - want|| / ||want|| over a tensor.
@@ -612,23 +615,23 @@ class CudaAttention : public CudaModelOps {
   static double scale(const AttnCase& c) { return 1.0 / std::sqrt(double(c.Dk)); }
 };
 
-TEST_F(CudaAttention, BothPathsMatchCpu) {
+TEST_F(CudaAttention, EveryPathMatchesCpu) {
   for (const AttnCase& c : kAttnCases) {
     const Want w = reference(c, DType::f32);
-    for (AttentionPath path : {AttentionPath::flash, AttentionPath::gemm}) {
+    for (AttentionPath path : {AttentionPath::flash, AttentionPath::gemm, AttentionPath::gemm_looped}) {
       if (path == AttentionPath::flash && std::max(c.Dk, c.Dv) > 256) continue;
       expect_matches(c, run(c, w, path), w, c.str() + path_name(path));
     }
   }
 }
 
-// BF16 GEMM operands (the bf16 and FP8 recipes) on both paths against the CPU op's bf16; the
+// BF16 GEMM operands (the bf16 and FP8 recipes) on every path against the CPU op's bf16; the
 // same results are out of that tolerance against the exact CPU op, so the check tells the two
 // computes apart (with S = 1 the exact dq, dk are 0: not compared).
-TEST_F(CudaAttention, Bf16BothPathsMatchCpu) {
+TEST_F(CudaAttention, Bf16EveryPathMatchesCpu) {
   for (const AttnCase& c : kAttnCases) {
     const Want w = reference(c, DType::bf16), exact = cpu_outputs(c, w, DType::f32);
-    for (AttentionPath path : {AttentionPath::flash, AttentionPath::gemm}) {
+    for (AttentionPath path : {AttentionPath::flash, AttentionPath::gemm, AttentionPath::gemm_looped}) {
       if (path == AttentionPath::flash && std::max(c.Dk, c.Dv) > 256) continue;
       const std::string what = c.str() + path_name(path) + " bf16";
       const Got g = run(c, w, path);
@@ -669,6 +672,25 @@ TEST_F(CudaAttention, GemmPathChunksAndDispatch) {
     expect_same_bits(run(c, w, AttentionPath::automatic, fwd - 1), run(c, w, AttentionPath::flash),
                      what + " automatic over the cap vs flash");
     expect_error([&] { run(c, w, AttentionPath::gemm, fwd - 1); }, "over the cap");
+  }
+}
+
+// The GEMM path's one GEMM per product over a chunk's sequences and heads runs the algorithm the
+// looped GEMMs' heuristic chose: bitwise equal to them in both computes, over the cases above,
+// one more of more sequences than heads, and the medium config's attention (B = 8 x 256, H = 8,
+// Dk 96, Dv 64), whose looped GEMMs keep most SMs idle. (GemmPathChunksAndDispatch runs the
+// batched GEMMs over several chunks.)
+TEST_F(CudaAttention, BatchedGemmsAreTheLoopedOnesBitForBit) {
+  std::vector<AttnCase> cases(std::begin(kAttnCases), std::end(kAttnCases));
+  cases.push_back({8, 256, 8, 96, 64});
+  cases.push_back({6, 40, 2, 24, 16});
+  for (DType compute : {DType::f32, DType::bf16}) {
+    for (const AttnCase& c : cases) {
+      const Want w = reference(c, compute);
+      const std::string what = c.str() + " " + std::string(dtype_name(compute));
+      expect_same_bits(run(c, w, AttentionPath::gemm), run(c, w, AttentionPath::gemm_looped),
+                       what + " batched vs looped");
+    }
   }
 }
 

@@ -88,16 +88,19 @@ void cuda_rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView&
 // one of two paths (model_ops_attention.cu): `gemm` materializes the scores of a chunk of
 // sequences in a stream-ordered workspace ([chunk, H, seq_len, seq_len] f32 per score buffer, one
 // forward, two backward; in bf16 also their BF16 copies and BF16 copies of the chunk's operands)
-// and does the matrix work as cuBLASLt GEMMs with FP32 accumulation; `flash` is the
-// FlashAttention-2-style kernels (no workspace; head dims up to 256). `automatic` takes `gemm`
-// when one sequence's workspace fits in `workspace_cap` bytes, `flash` otherwise. The Backend
-// uses the defaults; tests and the benchmark force a path or a smaller cap (more chunks).
-enum class AttentionPath { automatic, gemm, flash };
+// and does the matrix work as cuBLASLt GEMMs with FP32 accumulation, one per product over all
+// the chunk's sequences and heads (operands and results copied head-major in the workspace);
+// `gemm_looped` runs the same GEMMs a sequence or a head at a time on the tensors as they lie,
+// bitwise equal; `flash` is the FlashAttention-2-style kernels (no workspace; head dims up to
+// 256). `automatic` takes `gemm` when one sequence's workspace fits in `workspace_cap` bytes,
+// `flash` otherwise. The Backend uses the defaults; tests and the benchmark force a path or a
+// smaller cap (more chunks).
+enum class AttentionPath { automatic, gemm, gemm_looped, flash };
 constexpr size_t kAttentionWorkspaceCap = size_t(512) << 20;
-// Bytes of the GEMM path's workspace per sequence, forward or backward (a chunk of n sequences
-// takes at most n times this).
+// Bytes of the GEMM path's workspace per sequence, forward or backward, batched (`gemm`) or
+// looped (a chunk of n sequences takes at most n times this).
 size_t cuda_attention_workspace_bytes(int64_t seq_len, int64_t H, int64_t Dk, int64_t Dv, DType compute,
-                                      bool backward);
+                                      bool backward, bool batched = true);
 void cuda_attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                             const TensorView& lse, int64_t seq_len, double scale, DType compute,
                             cudaStream_t stream, AttentionPath path = AttentionPath::automatic,

@@ -373,7 +373,7 @@ bool check_attention(const TensorView& q, const TensorView& k, const TensorView&
 int64_t gemm_chunk(AttentionPath path, int64_t B, int64_t S, int64_t H, int64_t Dk, int64_t Dv, DType compute,
                    bool backward, size_t cap, const char* op) {
   if (path == AttentionPath::flash) return 0;
-  const size_t per = cuda_attention_workspace_bytes(S, H, Dk, Dv, compute, backward);
+  const size_t per = cuda_attention_workspace_bytes(S, H, Dk, Dv, compute, backward, path != AttentionPath::gemm_looped);
   const int64_t chunk = attention_gemm_chunk(B, per, cap);
   FP8MOE_CHECK(chunk > 0 || path == AttentionPath::automatic,
                op << ": the GEMM path needs " << per << " bytes of workspace for one sequence (H = " << H
@@ -429,7 +429,7 @@ void cuda_attention_forward(const TensorView& q, const TensorView& k, const Tens
   const int Dk = int(q.size(2)), Dv = int(v.size(2));
   if (T == 0 || H == 0) return;
   if (const int64_t chunk = gemm_chunk(path, B, S, H, Dk, Dv, compute, false, workspace_cap, op)) {
-    attention_gemm_forward(q, k, v, out, lse, seq_len, scale, bf16, chunk, stream);
+    attention_gemm_forward(q, k, v, out, lse, seq_len, scale, bf16, chunk, path != AttentionPath::gemm_looped, stream);
     return;
   }
   check_flash(H, B, Dk, Dv, op);
@@ -470,7 +470,8 @@ void cuda_attention_backward(const TensorView& q, const TensorView& k, const Ten
                                                                      di.as<float>(), T, H, Dv);
   FP8MOE_CUDA_CHECK_LAUNCH("attention_di_kernel");
   if (chunk) {
-    attention_gemm_backward(q, k, v, lse, di.as<const float>(), dout, dq, dk, dv, seq_len, scale, bf16, chunk, stream);
+    attention_gemm_backward(q, k, v, lse, di.as<const float>(), dout, dq, dk, dv, seq_len, scale, bf16, chunk,
+                            path != AttentionPath::gemm_looped, stream);
     return;
   }
   const dim3 grid(unsigned(ceil_div(S, kTile)), unsigned(H), unsigned(B));

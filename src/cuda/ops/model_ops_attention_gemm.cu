@@ -22,11 +22,19 @@
 // The GEMMs cover the whole S x S square (the zeros above the diagonal are multiplied, not
 // skipped); the row kernels neither read nor exponentiate above the diagonal.
 // Operands are per (sequence, head) views into [T, H, D] tensors (or their BF16 copies [T, H, Dp],
-// likewise with Dp): row stride H * D, head h at offset h * D, sequence b at b * S * H * D. One
-// strided-batched GEMM covers the heads of one sequence (batch stride D) or, when a chunk has more
-// sequences than heads, one head of every sequence (batch stride S * H * D); the GEMM loops over
-// the other index. Alignment prefs are the least of the base pointer's and the strides'
-// alignments, so one plan serves every call of the loop. Plans are cached per problem.
+// likewise with Dp): row stride H * D, head h at offset h * D, sequence b at b * S * H * D. Such
+// a view is two-dimensional in (sequence, head), so one strided-batched GEMM covers only the
+// heads of one sequence (batch stride D) or, when a chunk has more sequences than heads, one head
+// of every sequence (batch stride S * H * D), and loops over the other index (`looped`): a few
+// dozen blocks per GEMM at small head counts, most SMs idle. `batched` (the default) copies the
+// chunk's operands head-major, [nb, H, S, D] (in bf16 the BF16 copies are made so, at no extra
+// pass), runs each product as one GEMM over all nb * H matrices, and copies the results back to
+// [T, H, D]. It runs the algorithm the looped GEMM's heuristic chose for the same product, so
+// every element is the same sum in the same order: the two are bitwise equal (the tests check),
+// and where cuBLASLt refuses that algorithm for the batched layouts the product runs looped.
+// Alignment prefs are the least of the base pointer's and the strides' alignments, so one plan
+// serves every call of the loop; the batched views are at least as aligned. Plans are cached per
+// problem.
 // Every result is written once, by one GEMM or one row kernel (no atomics), and cuBLASLt's GEMMs
 // repeat their bits on one GPU: runs are deterministic (the tests check run to run).
 #include <algorithm>
@@ -55,10 +63,12 @@ int64_t head_ld_bf16(int64_t D) { return round_up(D, 8); }
 // The workspace of a chunk of nb sequences, carved from one stream-ordered allocation in
 // 256-byte aligned pieces (byte offsets): the FP32 score buffers (one forward, two backward) and,
 // in bf16, their BF16 counterparts and the BF16 copies of the chunk's Q, K, V (and dout).
+// Batched in f32, also the head-major FP32 copies of the operands and the head-major results
+// (out; dq, dk, dv), which are then copied back.
 struct Workspace {
   size_t bytes = 0;
-  size_t scores[2] = {}, scores_bf16[2] = {}, q = 0, k = 0, v = 0, dout = 0;
-  Workspace(int64_t nb, int64_t S, int64_t H, int64_t Dk, int64_t Dv, bool bf16, bool backward) {
+  size_t scores[2] = {}, scores_bf16[2] = {}, q = 0, k = 0, v = 0, dout = 0, res[3] = {};
+  Workspace(int64_t nb, int64_t S, int64_t H, int64_t Dk, int64_t Dv, bool bf16, bool backward, bool batched) {
     const auto take = [this](int64_t n) {
       const size_t at = bytes;
       bytes += size_t(round_up(n, 256));
@@ -66,12 +76,23 @@ struct Workspace {
     };
     const int buffers = backward ? 2 : 1;
     for (int i = 0; i < buffers; ++i) scores[i] = take(nb * H * S * score_ld(S) * 4);
-    if (!bf16) return;
-    for (int i = 0; i < buffers; ++i) scores_bf16[i] = take(nb * H * S * score_ld_bf16(S) * 2);
-    q = take(nb * S * H * head_ld_bf16(Dk) * 2);
-    k = take(nb * S * H * head_ld_bf16(Dk) * 2);
-    v = take(nb * S * H * head_ld_bf16(Dv) * 2);
-    if (backward) dout = take(nb * S * H * head_ld_bf16(Dv) * 2);
+    if (bf16)
+      for (int i = 0; i < buffers; ++i) scores_bf16[i] = take(nb * H * S * score_ld_bf16(S) * 2);
+    if (bf16 || batched) {  // operand copies: BF16 with padded heads, or FP32
+      const auto copy = [&](int64_t D) { return take(nb * S * H * (bf16 ? head_ld_bf16(D) * 2 : D * 4)); };
+      q = copy(Dk);
+      k = copy(Dk);
+      v = copy(Dv);
+      if (backward) dout = copy(Dv);
+    }
+    if (!batched) return;
+    if (backward) {
+      res[0] = take(nb * S * H * Dk * 4);  // dq
+      res[1] = take(nb * S * H * Dk * 4);  // dk
+      res[2] = take(nb * S * H * Dv * 4);  // dv
+    } else {
+      res[0] = take(nb * S * H * Dv * 4);  // out
+    }
   }
 };
 
@@ -156,6 +177,27 @@ __global__ void __launch_bounds__(kRowThreads) attention_dscores_kernel(float* _
   }
 }
 
+// ---- head-major copies (the batched GEMMs' operands and results) ----
+
+__device__ __forceinline__ void store_operand(float& d, float x) { d = x; }
+__device__ __forceinline__ void store_operand(uint16_t& d, float x) { d = f32_to_bf16(x); }
+
+// Between the rows of nb sequences of x [nb * S, H, D] (token-major) and hm [nb, H, S, ld]
+// (head-major, ld >= D; the padding columns are neither read nor written): kToHeads copies x to
+// hm, converted to Out (f32, or bf16 rounded as cuda_convert rounds); otherwise hm (f32) to x.
+template <bool kToHeads, class Out>
+__global__ void head_major_kernel(const float* __restrict__ src, Out* __restrict__ dst, int64_t S, int64_t H,
+                                  int64_t D, int64_t ld, int64_t n) {
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t d = e % D, r = e / D, s = r % S, bh = r / S, h = bh % H, b = bh / H;  // e in [nb, H, S, D]
+    const int64_t token = ((b * S + s) * H + h) * D + d, head = r * ld + d;
+    if constexpr (kToHeads)
+      store_operand(dst[head], src[token]);
+    else
+      dst[token] = src[head];
+  }
+}
+
 // ---- strided-batched GEMMs: FP32 or BF16 operands, FP32 accumulation and output ----
 
 // One strided-batched row-major GEMM, d_i [M, N] = alpha * op(a_i) op(b_i) for i < batch, with
@@ -169,14 +211,28 @@ struct Problem {
   }
 };
 
+// Plans per (device, problem) for the looped GEMMs (the heuristic's algorithm; the second half of
+// the key zero) and per (device, looped problem, batched problem) for the batched ones (the looped
+// problem's algorithm; nullptr where cuBLASLt refuses it).
 struct PlanCache {
   std::mutex mu;
-  std::map<std::pair<int, std::array<int64_t, 16>>, std::unique_ptr<CublasLtPlan>> plans;  // (device, problem)
+  std::map<std::pair<int, std::array<int64_t, 32>>, std::unique_ptr<CublasLtPlan>> plans;
 };
 
 PlanCache& plan_cache() {
   static PlanCache* cache = new PlanCache;  // leaked on purpose, as model_ops_gemm.cu's context
   return *cache;
+}
+
+std::array<int64_t, 32> plan_key(const Problem& looped, const Problem* batched) {
+  std::array<int64_t, 32> k{};
+  const auto a = looped.key();
+  std::copy(a.begin(), a.end(), k.begin());
+  if (batched) {
+    const auto b = batched->key();
+    std::copy(b.begin(), b.end(), k.begin() + 16);
+  }
+  return k;
 }
 
 // Column-major layout of `type`, rows x cols (ld) with `batch` matrices `stride` elements apart.
@@ -195,9 +251,9 @@ cublasLtMatrixLayout_t layout(cudaDataType_t type, uint64_t rows, uint64_t cols,
   return l;
 }
 
-// Row-major d = op(a) op(b) is column-major d^T = op(b)^T op(a)^T (as in model_ops_gemm.cu):
-// cuBLAS "A" is our b, "B" our a, and d the column-major N x M matrix.
-std::unique_ptr<CublasLtPlan> make_plan(const CublasLtShared& lt, const Problem& p) {
+// The descriptors of a problem. Row-major d = op(a) op(b) is column-major d^T = op(b)^T op(a)^T
+// (as in model_ops_gemm.cu): cuBLAS "A" is our b, "B" our a, and d the column-major N x M matrix.
+std::unique_ptr<CublasLtPlan> describe(const Problem& p) {
   auto plan = std::make_unique<CublasLtPlan>();
   FP8MOE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t opa = p.tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = p.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -211,7 +267,11 @@ std::unique_ptr<CublasLtPlan> make_plan(const CublasLtShared& lt, const Problem&
   plan->lb = p.ta ? layout(in, uint64_t(p.M), uint64_t(p.K), p.lda, p.batch, p.sa)
                   : layout(in, uint64_t(p.K), uint64_t(p.M), p.lda, p.batch, p.sa);
   plan->lc = layout(CUDA_R_32F, uint64_t(p.N), uint64_t(p.M), p.ldd, p.batch, p.sd);
+  return plan;
+}
 
+std::unique_ptr<CublasLtPlan> make_plan(const CublasLtShared& lt, const Problem& p) {
+  auto plan = describe(p);
   cublasLtMatmulHeuristicResult_t res{};
   int found = 0;
   // NOTES: head views are offset by h * D elements; the alignments say so (cuBLASLt assumes 256 bytes).
@@ -226,6 +286,32 @@ std::unique_ptr<CublasLtPlan> make_plan(const CublasLtShared& lt, const Problem&
                               << p.align_b << "/" << p.align_d << " bytes");
   plan->algo = res.algo;
   return plan;
+}
+
+// The batched problem's plan with the looped one's algorithm, or nullptr where cuBLASLt does not
+// run that algorithm on these layouts or within the shared workspace.
+std::unique_ptr<CublasLtPlan> make_pinned_plan(const CublasLtShared& lt, const CublasLtPlan& looped,
+                                               const Problem& p) {
+  auto plan = describe(p);
+  cublasLtMatmulHeuristicResult_t res{};
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoCheck(lt.handle, plan->op, plan->la, plan->lb, plan->lc, plan->lc, &looped.algo, &res);
+  if (st != CUBLAS_STATUS_SUCCESS || res.workspaceSize > lt.workspace_bytes) return nullptr;
+  plan->algo = looped.algo;
+  return plan;
+}
+
+// The cached plan of a looped problem, and (batched given) of the batched problem pinned to its
+// algorithm (nullptr when refused). Under the cache's lock.
+const CublasLtPlan* cached_plan(PlanCache& cache, const CublasLtShared& lt, int dev, const Problem& looped,
+                                const Problem* batched) {
+  auto& slot = cache.plans[{dev, plan_key(looped, nullptr)}];
+  if (!slot) slot = make_plan(lt, looped);
+  if (!batched) return slot.get();
+  const auto key = std::make_pair(dev, plan_key(looped, batched));
+  auto it = cache.plans.find(key);
+  if (it == cache.plans.end()) it = cache.plans.emplace(key, make_pinned_plan(lt, *slot, *batched)).first;
+  return it->second.get();
 }
 
 // The (sequence, head) matrices of an FP32 or (bf16) BF16 array: matrix (b, h) of the chunk starts
@@ -245,53 +331,107 @@ struct Operand {
   const void* at(int64_t elements) const { return static_cast<const char*>(base) + elements * element_bytes(); }
 };
 
-// d(b, h) [M, N] = alpha * op(a(b, h)) op(b(b, h)) for the nb sequences and H heads of a chunk:
-// batched over the heads and looping over the sequences, or the other way when nb > H. a and b
-// both FP32 or both BF16; d FP32.
-void chunk_gemm(int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha, const Operand& a, const Operand& b,
-                const Operand& d, int64_t nb, int64_t H, cudaStream_t stream) {
+// A product of a chunk of nb sequences and H heads, d(b, h) [M, N] = alpha * op(a(b, h))
+// op(b(b, h)) (a and b both FP32 or both BF16; d FP32), in its looped views and, for the batched
+// GEMM, its head-major ones (matrix (b, h) at (b * H + h) * head: seq = H * head).
+struct Product {
+  int64_t M, N, K;
+  bool ta, tb;
+  float alpha;
+  Operand a, b, d;     // looped
+  Operand ha, hb, hd;  // head-major
+};
+
+// The looped GEMM: batched over the heads and looping over the sequences, or the other way when
+// nb > H.
+struct Looped {
+  Problem p;
+  bool over_heads;
+  int64_t loops;
+};
+Looped looped_problem(const Product& g, int64_t nb, int64_t H) {
   const bool over_heads = H >= nb;
   const int64_t batch = over_heads ? H : nb, loops = over_heads ? nb : H;
-  const auto batch_stride = [&](const Operand& o) { return over_heads ? o.head : o.seq; };
-  const auto loop_stride = [&](const Operand& o) { return over_heads ? o.seq : o.head; };
+  const auto stride = [&](const Operand& o) { return over_heads ? o.head : o.seq; };
   FP8MOE_CHECK(batch <= INT32_MAX, "attention: " << batch << " batched GEMMs exceed cuBLASLt's batch count");
-  const Problem p{M, N, K, ta, tb, a.ld, b.ld, d.ld, batch, batch_stride(a), batch_stride(b), batch_stride(d),
-                  a.align(), b.align(), d.align(), a.bf16};
+  return {Problem{g.M, g.N, g.K, g.ta, g.tb, g.a.ld, g.b.ld, g.d.ld, batch, stride(g.a), stride(g.b), stride(g.d),
+                  g.a.align(), g.b.align(), g.d.align(), g.a.bf16},
+          over_heads, loops};
+}
+Problem batched_problem(const Product& g, int64_t nb, int64_t H) {
+  return Problem{g.M,    g.N,          g.K,          g.ta,         g.tb,         g.ha.ld,     g.hb.ld,    g.hd.ld,
+                 nb * H, g.ha.head,    g.hb.head,    g.hd.head,    g.ha.align(), g.hb.align(), g.hd.align(),
+                 g.ha.bf16};
+}
+
+// The batched plans of a chunk's products, or an empty vector when one of them is refused (then
+// the chunk runs looped) or nb * H is over cuBLASLt's batch count.
+std::vector<const CublasLtPlan*> batched_plans(const std::vector<Product>& gs, int64_t nb, int64_t H,
+                                               cudaStream_t stream) {
+  if (nb * H > INT32_MAX) return {};
   const CublasLtShared lt = cublaslt_shared(stream);
   int dev = 0;
   FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
   PlanCache& cache = plan_cache();
   std::lock_guard<std::mutex> lock(cache.mu);
-  auto& slot = cache.plans[{dev, p.key()}];
-  if (!slot) slot = make_plan(lt, p);
-  const CublasLtPlan& plan = *slot;
+  std::vector<const CublasLtPlan*> plans;
+  for (const Product& g : gs) {
+    const Problem b = batched_problem(g, nb, H);
+    const CublasLtPlan* plan = cached_plan(cache, lt, dev, looped_problem(g, nb, H).p, &b);
+    if (!plan) return {};
+    plans.push_back(plan);
+  }
+  return plans;
+}
+
+void run_looped(const Product& g, int64_t nb, int64_t H, cudaStream_t stream) {
+  const Looped lp = looped_problem(g, nb, H);
+  const CublasLtShared lt = cublaslt_shared(stream);
+  int dev = 0;
+  FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  PlanCache& cache = plan_cache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  const CublasLtPlan& plan = *cached_plan(cache, lt, dev, lp.p, nullptr);
+  const auto stride = [&](const Operand& o) { return lp.over_heads ? o.seq : o.head; };
   const float beta = 0.0f;
-  for (int64_t l = 0; l < loops; ++l) {
-    void* dl = const_cast<void*>(d.at(l * loop_stride(d)));
-    FP8MOE_CUBLAS_CHECK(cublasLtMatmul(lt.handle, plan.op, &alpha, b.at(l * loop_stride(b)), plan.la,
-                                       a.at(l * loop_stride(a)), plan.lb, &beta, dl, plan.lc, dl, plan.lc,
-                                       &plan.algo, lt.workspace, lt.workspace_bytes, stream));
+  for (int64_t l = 0; l < lp.loops; ++l) {
+    void* dl = const_cast<void*>(g.d.at(l * stride(g.d)));
+    FP8MOE_CUBLAS_CHECK(cublasLtMatmul(lt.handle, plan.op, &g.alpha, g.b.at(l * stride(g.b)), plan.la,
+                                       g.a.at(l * stride(g.a)), plan.lb, &beta, dl, plan.lc, dl, plan.lc, &plan.algo,
+                                       lt.workspace, lt.workspace_bytes, stream));
   }
 }
 
-// Operand views: a [T, H, D] f32 tensor from sequence b0, and the score workspaces.
-Operand heads(const TensorView& x, int64_t b0, int64_t S) {
-  const int64_t H = x.size(1), D = x.size(2);
-  return {x.ptr<const float>() + b0 * S * H * D, H * D, S * H * D, D, false};
-}
-Operand scores(const float* w, int64_t S, int64_t H) {
-  const int64_t ldw = score_ld(S);
-  return {w, ldw, H * S * ldw, S * ldw, false};
-}
-Operand scores_bf16(const uint16_t* w, int64_t S, int64_t H) {
-  const int64_t ldb = score_ld_bf16(S);
-  return {w, ldb, H * S * ldb, S * ldb, true};
+void run_batched(const Product& g, const CublasLtPlan& plan, cudaStream_t stream) {
+  const CublasLtShared lt = cublaslt_shared(stream);
+  const float beta = 0.0f;
+  void* d = const_cast<void*>(g.hd.base);
+  FP8MOE_CUBLAS_CHECK(cublasLtMatmul(lt.handle, plan.op, &g.alpha, g.hb.base, plan.la, g.ha.base, plan.lb, &beta, d,
+                                     plan.lc, d, plan.lc, &plan.algo, lt.workspace, lt.workspace_bytes, stream));
 }
 
-// Sequences b0 .. b0 + nb - 1 of x [T, H, D] f32 converted to BF16 into dst [nb * S, H, Dp]
-// (Dp = head_ld_bf16(D); the padding columns are never read), as the chunk's operand: one
-// elementwise pass.
-Operand heads_bf16(const TensorView& x, int64_t b0, int64_t nb, int64_t S, void* dst, cudaStream_t stream) {
+// ---- operand views and copies ----
+
+// The looped view of sequences b0.. of x [T, H, D] f32: the tensor itself, or (bf16) its BF16
+// copy at `copy`, [nb * S, H, Dp] (Dp = head_ld_bf16(D); the padding columns are never read).
+Operand token_major(const TensorView& x, int64_t b0, int64_t S, bool bf16, const void* copy) {
+  const int64_t H = x.size(1), D = x.size(2);
+  if (!bf16) return {x.ptr<const float>() + b0 * S * H * D, H * D, S * H * D, D, false};
+  const int64_t Dp = head_ld_bf16(D);
+  return {copy, H * Dp, S * H * Dp, Dp, true};
+}
+// A head-major array [nb, H, S, ld] at `base` as an operand (or result) of the batched GEMMs.
+Operand head_major(const void* base, int64_t S, int64_t H, int64_t ld, bool bf16) {
+  return {base, ld, H * S * ld, S * ld, bf16};
+}
+Operand scores(const float* w, int64_t S, int64_t H) { return head_major(w, S, H, score_ld(S), false); }
+Operand scores_bf16(const uint16_t* w, int64_t S, int64_t H) {
+  return head_major(w, S, H, score_ld_bf16(S), true);
+}
+
+// The BF16 copy of sequences b0 .. b0 + nb - 1 of x [T, H, D] f32 into dst [nb * S, H, Dp] (the
+// looped operand): one elementwise pass.
+void copy_token_major_bf16(const TensorView& x, int64_t b0, int64_t nb, int64_t S, void* dst, cudaStream_t stream) {
   const int64_t H = x.size(1), D = x.size(2), Dp = head_ld_bf16(D), rows = nb * S * H;
   float* src = const_cast<float*>(x.ptr<const float>()) + b0 * S * H * D;
   if (Dp == D)
@@ -300,14 +440,81 @@ Operand heads_bf16(const TensorView& x, int64_t b0, int64_t nb, int64_t S, void*
   else
     cuda_copy_cols(TensorView(src, DType::f32, {rows, D}, Device::cuda), 0,
                    TensorView(dst, DType::bf16, {rows, Dp}, Device::cuda), 0, D, false, stream);
-  return {dst, H * Dp, S * H * Dp, Dp, true};
 }
+
+// Sequences b0 .. b0 + nb - 1 of x [T, H, D] f32 copied head-major into dst [nb, H, S, ld]: FP32,
+// or BF16 (ld = Dp), the batched operand.
+void copy_head_major(const TensorView& x, int64_t b0, int64_t nb, int64_t S, bool bf16, void* dst,
+                     cudaStream_t stream) {
+  const int64_t H = x.size(1), D = x.size(2), n = nb * S * H * D;
+  const float* src = x.ptr<const float>() + b0 * S * H * D;
+  constexpr int kThreads = 256;
+  if (bf16)
+    head_major_kernel<true, uint16_t><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+        src, static_cast<uint16_t*>(dst), S, H, D, head_ld_bf16(D), n);
+  else
+    head_major_kernel<true, float><<<grid_for(n, kThreads), kThreads, 0, stream>>>(src, static_cast<float*>(dst), S,
+                                                                                   H, D, D, n);
+  FP8MOE_CUDA_CHECK_LAUNCH("head_major_kernel");
+}
+
+// The head-major result src [nb, H, S, D] back into sequences b0.. of x [T, H, D].
+void copy_back_head_major(const float* src, const TensorView& x, int64_t b0, int64_t nb, int64_t S, cudaStream_t stream) {
+  const int64_t H = x.size(1), D = x.size(2), n = nb * S * H * D;
+  constexpr int kThreads = 256;
+  head_major_kernel<false, float><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+      src, x.ptr<float>() + b0 * S * H * D, S, H, D, D, n);
+  FP8MOE_CUDA_CHECK_LAUNCH("head_major_kernel");
+}
+
+// The views of a chunk's operand x [T, H, D] whose copy (the BF16 one, or the head-major one) is
+// at `copy`: looped and head-major, known before the copy is made.
+std::pair<Operand, Operand> operand_views(const TensorView& x, int64_t b0, int64_t S, bool bf16, const void* copy) {
+  const int64_t H = x.size(1), D = x.size(2);
+  return {token_major(x, b0, S, bf16, copy), head_major(copy, S, H, bf16 ? head_ld_bf16(D) : D, bf16)};
+}
+// The views of a result x [T, H, D] f32: the tensor itself, and the head-major result at `res`.
+std::pair<Operand, Operand> result_views(const TensorView& x, int64_t b0, int64_t S, const void* res) {
+  return {token_major(x, b0, S, false, nullptr), head_major(res, S, x.size(1), x.size(2), false)};
+}
+Product product(int64_t M, int64_t N, int64_t K, bool ta, bool tb, float alpha, std::pair<Operand, Operand> a,
+                std::pair<Operand, Operand> b, std::pair<Operand, Operand> d) {
+  return {M, N, K, ta, tb, alpha, a.first, b.first, d.first, a.second, b.second, d.second};
+}
+
+// A chunk of nb sequences from b0, run batched (plans: the products' batched plans) or looped.
+struct Chunk {
+  int64_t b0, nb, S, H;
+  bool bf16;
+  std::vector<const CublasLtPlan*> plans;  // empty: looped
+  char* base;                              // the workspace
+  cudaStream_t stream;
+  bool batched() const { return !plans.empty(); }
+  // Makes the copy of operand x at `at` of the workspace that the chunk's GEMMs read (none for a
+  // looped FP32 chunk: it reads the tensor).
+  void copy(const TensorView& x, size_t at) const {
+    if (batched())
+      copy_head_major(x, b0, nb, S, bf16, base + at, stream);
+    else if (bf16)
+      copy_token_major_bf16(x, b0, nb, S, base + at, stream);
+  }
+  void run(const Product& g, size_t i) const {
+    if (batched())
+      run_batched(g, *plans[i], stream);
+    else
+      run_looped(g, nb, H, stream);
+  }
+  // A result of the batched GEMMs, at `at`, into x (the looped ones wrote x).
+  void copy_back(size_t at, const TensorView& x) const {
+    if (batched()) copy_back_head_major(reinterpret_cast<const float*>(base + at), x, b0, nb, S, stream);
+  }
+};
 
 }  // namespace
 
 size_t cuda_attention_workspace_bytes(int64_t seq_len, int64_t H, int64_t Dk, int64_t Dv, DType compute,
-                                      bool backward) {
-  return Workspace(1, seq_len, H, Dk, Dv, compute == DType::bf16, backward).bytes;
+                                      bool backward, bool batched) {
+  return Workspace(1, seq_len, H, Dk, Dv, compute == DType::bf16, backward, batched).bytes;
 }
 
 namespace ops {
@@ -320,58 +527,79 @@ int64_t attention_gemm_chunk(int64_t B, size_t per_sequence, size_t cap) {
 }
 
 void attention_gemm_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                            const TensorView& lse, int64_t seq_len, double scale, bool bf16, int64_t chunk, cudaStream_t stream) {
+                            const TensorView& lse, int64_t seq_len, double scale, bool bf16, int64_t chunk,
+                            bool batched, cudaStream_t stream) {
   const int64_t T = q.size(0), H = q.size(1), S = seq_len, B = T / S, Dk = q.size(2), Dv = v.size(2);
   const int64_t ldw = score_ld(S), ldb = score_ld_bf16(S);
-  const Workspace ws(chunk, S, H, Dk, Dv, bf16, false);
+  const Workspace ws(chunk, S, H, Dk, Dv, bf16, false, batched);
   DeviceBuffer buf(ws.bytes, stream);
   char* base = buf.as<char>();
   float* w = reinterpret_cast<float*>(base + ws.scores[0]);
   uint16_t* wb = bf16 ? reinterpret_cast<uint16_t*>(base + ws.scores_bf16[0]) : nullptr;
+  const Operand W = scores(w, S, H), P = bf16 ? scores_bf16(wb, S, H) : W;  // scores are head-major already
   auto* softmax = bf16 ? attention_softmax_kernel<true> : attention_softmax_kernel<false>;
   for (int64_t b0 = 0; b0 < B; b0 += chunk) {
     const int64_t nb = std::min(chunk, B - b0), rows = nb * H * S;
-    const Operand Q = bf16 ? heads_bf16(q, b0, nb, S, base + ws.q, stream) : heads(q, b0, S);
-    const Operand K = bf16 ? heads_bf16(k, b0, nb, S, base + ws.k, stream) : heads(k, b0, S);
-    const Operand V = bf16 ? heads_bf16(v, b0, nb, S, base + ws.v, stream) : heads(v, b0, S);
-    chunk_gemm(S, S, Dk, false, true, float(scale), Q, K, scores(w, S, H), nb, H, stream);
-    softmax<<<grid_for(rows * 32, kRowThreads, INT32_MAX), kRowThreads, 0, stream>>>(w, wb, ldb, lse.ptr<float>(), rows, S, ldw,
-                                                                         H, T, b0);
+    const auto view = [&](const TensorView& x, size_t at) { return operand_views(x, b0, S, bf16, base + at); };
+    const std::vector<Product> gs{
+        product(S, S, Dk, false, true, float(scale), view(q, ws.q), view(k, ws.k), {W, W}),
+        product(S, Dv, S, false, false, 1.0f, {P, P}, view(v, ws.v), result_views(out, b0, S, base + ws.res[0]))};
+    const Chunk c{b0, nb, S, H, bf16, batched ? batched_plans(gs, nb, H, stream) : std::vector<const CublasLtPlan*>{},
+                  base, stream};
+    c.copy(q, ws.q);
+    c.copy(k, ws.k);
+    c.copy(v, ws.v);
+    c.run(gs[0], 0);
+    softmax<<<grid_for(rows * 32, kRowThreads, INT32_MAX), kRowThreads, 0, stream>>>(w, wb, ldb, lse.ptr<float>(),
+                                                                                      rows, S, ldw, H, T, b0);
     FP8MOE_CUDA_CHECK_LAUNCH("attention_softmax_kernel");
-    const Operand P = bf16 ? scores_bf16(wb, S, H) : scores(w, S, H);
-    chunk_gemm(S, Dv, S, false, false, 1.0f, P, V, heads(out, b0, S), nb, H, stream);
+    c.run(gs[1], 1);
+    c.copy_back(ws.res[0], out);
   }
 }
 
 void attention_gemm_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& lse,
                              const float* di, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                             const TensorView& dv, int64_t seq_len, double scale, bool bf16, int64_t chunk, cudaStream_t stream) {
+                             const TensorView& dv, int64_t seq_len, double scale, bool bf16, int64_t chunk,
+                             bool batched, cudaStream_t stream) {
   const int64_t T = q.size(0), H = q.size(1), S = seq_len, B = T / S, Dk = q.size(2), Dv = v.size(2);
   const int64_t ldw = score_ld(S), ldb = score_ld_bf16(S);
-  const Workspace ws(chunk, S, H, Dk, Dv, bf16, true);
+  const Workspace ws(chunk, S, H, Dk, Dv, bf16, true, batched);
   DeviceBuffer buf(ws.bytes, stream);
   char* base = buf.as<char>();
   float* w1 = reinterpret_cast<float*>(base + ws.scores[0]);
   float* w2 = reinterpret_cast<float*>(base + ws.scores[1]);
   uint16_t* wb1 = bf16 ? reinterpret_cast<uint16_t*>(base + ws.scores_bf16[0]) : nullptr;
   uint16_t* wb2 = bf16 ? reinterpret_cast<uint16_t*>(base + ws.scores_bf16[1]) : nullptr;
+  const Operand W1 = scores(w1, S, H), W2 = scores(w2, S, H);
+  const Operand P = bf16 ? scores_bf16(wb1, S, H) : W1, dS = bf16 ? scores_bf16(wb2, S, H) : W2;
   auto* dscores = bf16 ? attention_dscores_kernel<true> : attention_dscores_kernel<false>;
   for (int64_t b0 = 0; b0 < B; b0 += chunk) {
     const int64_t nb = std::min(chunk, B - b0), rows = nb * H * S;
-    const Operand Q = bf16 ? heads_bf16(q, b0, nb, S, base + ws.q, stream) : heads(q, b0, S);
-    const Operand K = bf16 ? heads_bf16(k, b0, nb, S, base + ws.k, stream) : heads(k, b0, S);
-    const Operand V = bf16 ? heads_bf16(v, b0, nb, S, base + ws.v, stream) : heads(v, b0, S);
-    const Operand G = bf16 ? heads_bf16(dout, b0, nb, S, base + ws.dout, stream) : heads(dout, b0, S);
-    chunk_gemm(S, S, Dk, false, true, float(scale), Q, K, scores(w1, S, H), nb, H, stream);  // scaled scores
-    chunk_gemm(S, S, Dv, false, true, 1.0f, G, V, scores(w2, S, H), nb, H, stream);          // dP = dout V^T
+    const auto view = [&](const TensorView& x, size_t at) { return operand_views(x, b0, S, bf16, base + at); };
+    const auto result = [&](const TensorView& x, size_t at) { return result_views(x, b0, S, base + at); };
+    const auto Q = view(q, ws.q), K = view(k, ws.k), V = view(v, ws.v), G = view(dout, ws.dout);
+    const std::vector<Product> gs{
+        product(S, S, Dk, false, true, float(scale), Q, K, {W1, W1}),         // scaled scores
+        product(S, S, Dv, false, true, 1.0f, G, V, {W2, W2}),                 // dP = dout V^T
+        product(S, Dv, S, true, false, 1.0f, {P, P}, G, result(dv, ws.res[2])),     // dv = P^T dout
+        product(S, Dk, S, false, false, 1.0f, {dS, dS}, K, result(dq, ws.res[0])),  // dq = dS K
+        product(S, Dk, S, true, false, 1.0f, {dS, dS}, Q, result(dk, ws.res[1]))};  // dk = dS^T Q
+    const Chunk c{b0, nb, S, H, bf16, batched ? batched_plans(gs, nb, H, stream) : std::vector<const CublasLtPlan*>{},
+                  base, stream};
+    c.copy(q, ws.q);
+    c.copy(k, ws.k);
+    c.copy(v, ws.v);
+    c.copy(dout, ws.dout);
+    c.run(gs[0], 0);
+    c.run(gs[1], 1);
     dscores<<<grid_for(rows * 32, kRowThreads, INT32_MAX), kRowThreads, 0, stream>>>(
         w1, w2, wb1, wb2, ldb, lse.ptr<const float>(), di, rows, S, ldw, H, T, b0, float(scale));
     FP8MOE_CUDA_CHECK_LAUNCH("attention_dscores_kernel");
-    const Operand P = bf16 ? scores_bf16(wb1, S, H) : scores(w1, S, H);
-    const Operand dS = bf16 ? scores_bf16(wb2, S, H) : scores(w2, S, H);
-    chunk_gemm(S, Dv, S, true, false, 1.0f, P, G, heads(dv, b0, S), nb, H, stream);    // dv = P^T dout
-    chunk_gemm(S, Dk, S, false, false, 1.0f, dS, K, heads(dq, b0, S), nb, H, stream);  // dq = dS K
-    chunk_gemm(S, Dk, S, true, false, 1.0f, dS, Q, heads(dk, b0, S), nb, H, stream);   // dk = dS^T Q
+    for (size_t i = 2; i < gs.size(); ++i) c.run(gs[i], i);
+    c.copy_back(ws.res[2], dv);
+    c.copy_back(ws.res[0], dq);
+    c.copy_back(ws.res[1], dk);
   }
 }
 

@@ -90,12 +90,16 @@ cublasStatus_t cublaslt_heuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t 
 int64_t attention_gemm_chunk(int64_t B, size_t per_sequence, size_t cap);
 // cuda_attention_forward / _backward's contracts with checked arguments, T > 0, H > 0, BF16
 // operands when bf16, and `chunk` from attention_gemm_chunk (with the forward's or the
-// backward's workspace); di [H, T] = rowsum(dout * out).
+// backward's workspace, batched or looped as `batched` says); di [H, T] = rowsum(dout * out).
+// batched: one GEMM per product over a chunk's sequences and heads, bitwise equal to the looped
+// GEMMs (AttentionPath::gemm); otherwise those (AttentionPath::gemm_looped).
 void attention_gemm_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                            const TensorView& lse, int64_t seq_len, double scale, bool bf16, int64_t chunk, cudaStream_t stream);
+                            const TensorView& lse, int64_t seq_len, double scale, bool bf16, int64_t chunk,
+                            bool batched, cudaStream_t stream);
 void attention_gemm_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& lse,
                              const float* di, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                             const TensorView& dv, int64_t seq_len, double scale, bool bf16, int64_t chunk, cudaStream_t stream);
+                             const TensorView& dv, int64_t seq_len, double scale, bool bf16, int64_t chunk,
+                             bool batched, cudaStream_t stream);
 
 // Stable sort of the positions 0..n-1 by key: keys_out [n] = sorted keys, pos_out [n] = the
 // positions, ascending within one key. keys [n] i32 device, each in [0, nkeys). Queued on

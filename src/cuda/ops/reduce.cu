@@ -32,8 +32,14 @@ struct Span {
 };
 
 // Block (b, i) reduces its grid-stride slice of tensor i: partial[i * kBlocks + b].
+// NOTES: a block past a small tensor's end writes its +0 at once instead of summing zeros through
+// the tree (the same bits): most of a step's tensors (norms, biases) leave most blocks empty.
 __global__ void sum_squares_partial(const Span* __restrict__ xs, double* __restrict__ partial) {
   const Span x = xs[blockIdx.y];
+  if (int64_t(blockIdx.x) * kThreads >= x.n) {
+    if (threadIdx.x == 0) partial[int64_t(blockIdx.y) * kBlocks + blockIdx.x] = 0.0;
+    return;
+  }
   double acc = 0;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < x.n; i += int64_t(kBlocks) * kThreads) {
     const double v = x.p[i];

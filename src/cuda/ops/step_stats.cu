@@ -56,24 +56,35 @@ __global__ void __launch_bounds__(kThreads) balance_share_kernel(const float* __
     q[t0 * E + i] = __ddiv_rn(__ddiv_rn(double(scores[t0 * E + i]), zs[i / E]), Sd);
 }
 
-// One thread per (sequence b, expert e): f adds f_unit once per pick of e (the same value each
-// time, so only the count matters to the bits), P sums q over the sequence's tokens in order.
-// NOTES: the unrolled loops keep several loads in flight ahead of each thread's chain of adds.
+// A block per sequence b: the picks of each expert counted in shared memory (integers, exact in
+// any order), then one thread per expert e: f adds f_unit once per pick of e (the same value each
+// time, so only the count matters to the bits), P sums q over the sequence's tokens in order, and
+// the loss's term alpha * f * P / B, rounded as the CPU rounds it, for balance_total_kernel's sum.
+// NOTES: the unrolled loop keeps several loads in flight ahead of each thread's chain of adds.
 __global__ void __launch_bounds__(kThreads) balance_fp_kernel(const int32_t* __restrict__ idx, const double* __restrict__ q,
                                                               int64_t B, int64_t S, int64_t E, int64_t K, double f_unit,
-                                                              double* __restrict__ f, double* __restrict__ P) {
-  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= B * E) return;
-  const int64_t b = i / E, e = i % E, t0 = b * S;
-  int64_t picks = 0;
+                                                              double alpha, double* __restrict__ f,
+                                                              double* __restrict__ P, double* __restrict__ term) {
+  extern __shared__ int picks[];  // [E]
+  const int64_t b = blockIdx.x, t0 = b * S;
+  for (int64_t e = threadIdx.x; e < E; e += kThreads) picks[e] = 0;
+  __syncthreads();
+  for (int64_t j = t0 * K + threadIdx.x; j < (t0 + S) * K; j += kThreads) {
+    const int32_t e = idx[j];
+    if (e >= 0 && e < E) atomicAdd(&picks[e], 1);
+  }
+  __syncthreads();
+  const double Bd = double(B);
+  for (int64_t e = threadIdx.x; e < E; e += kThreads) {
+    double fe = 0, pe = 0;
+    for (int n = 0; n < picks[e]; ++n) fe = __dadd_rn(fe, f_unit);
 #pragma unroll 8
-  for (int64_t j = t0 * K; j < (t0 + S) * K; ++j) picks += idx[j] == e;
-  double fe = 0, pe = 0;
-  for (int64_t n = 0; n < picks; ++n) fe = __dadd_rn(fe, f_unit);
-#pragma unroll 8
-  for (int64_t t = t0; t < t0 + S; ++t) pe = __dadd_rn(pe, q[t * E + e]);
-  f[i] = fe;
-  P[i] = pe;
+    for (int64_t t = t0; t < t0 + S; ++t) pe = __dadd_rn(pe, q[t * E + e]);
+    const int64_t i = b * E + e;
+    f[i] = fe;
+    P[i] = pe;
+    term[i] = __ddiv_rn(__dmul_rn(__dmul_rn(alpha, fe), pe), Bd);
+  }
 }
 
 // A tile of tokens: fs_t = sum_e f_{b,e} s_{t,e} in order e by one thread per token, then the
@@ -101,13 +112,11 @@ __global__ void __launch_bounds__(kThreads) balance_grad_kernel(const float* __r
   }
 }
 
-// loss = sum over b, then e, of alpha * f * P / B, in that order, by one thread.
-__global__ void balance_total_kernel(const double* __restrict__ f, const double* __restrict__ P, int64_t B, int64_t E,
-                                     double alpha, double* __restrict__ loss) {
+// loss = the sum over b, then e, of the terms alpha * f * P / B, in that order, by one thread.
+__global__ void balance_total_kernel(const double* __restrict__ term, int64_t n, double* __restrict__ loss) {
   double total = 0;
-  const double Bd = double(B);
 #pragma unroll 8
-  for (int64_t i = 0; i < B * E; ++i) total = __dadd_rn(total, __ddiv_rn(__dmul_rn(__dmul_rn(alpha, f[i]), P[i]), Bd));
+  for (int64_t i = 0; i < n; ++i) total = __dadd_rn(total, term[i]);
   *loss = total;
 }
 
@@ -141,15 +150,20 @@ void cuda_moe_balance_loss(const TensorView& scores, const TensorView& idx, int6
   // Every sum of the CPU's loops is one thread's, in its order; the work between the sums (the
   // quotients, the gradient's terms) is spread one thread per score.
   DeviceBuffer z(sizeof(double) * size_t(T), stream), q(sizeof(double) * size_t(T * E), stream),
-      f(sizeof(double) * size_t(B * E), stream), P(sizeof(double) * size_t(B * E), stream);
+      f(sizeof(double) * size_t(B * E), stream), P(sizeof(double) * size_t(B * E), stream),
+      term(sizeof(double) * size_t(B * E), stream);
   // The CPU's constants, computed as it computes them.
   const double f_unit = double(E) / double(K * S), c = grad_scale * alpha / double(B * S);
   const unsigned tiles = unsigned(ceil_div(T, tile_tokens(E)));
   balance_share_kernel<<<tiles, kThreads, 0, stream>>>(scores.ptr<const float>(), T, E, double(S), z.as<double>(),
                                                        q.as<double>());
   FP8MOE_CUDA_CHECK_LAUNCH("balance_share_kernel");
-  balance_fp_kernel<<<unsigned(ceil_div(B * E, kThreads)), kThreads, 0, stream>>>(
-      idx.ptr<const int32_t>(), q.as<double>(), B, S, E, K, f_unit, f.as<double>(), P.as<double>());
+  const size_t picks_bytes = sizeof(int) * size_t(E);
+  FP8MOE_CHECK(picks_bytes <= 48 * 1024 && B <= INT32_MAX,
+               "moe_balance_loss: " << E << " experts or " << B << " sequences exceed the kernel's limits");
+  balance_fp_kernel<<<unsigned(B), kThreads, picks_bytes, stream>>>(idx.ptr<const int32_t>(), q.as<double>(), B, S, E,
+                                                                    K, f_unit, alpha, f.as<double>(), P.as<double>(),
+                                                                    term.as<double>());
   FP8MOE_CUDA_CHECK_LAUNCH("balance_fp_kernel");
   if (dscores.defined()) {
     balance_grad_kernel<<<tiles, kThreads, 0, stream>>>(scores.ptr<const float>(), z.as<double>(), f.as<double>(), T, S,
@@ -157,7 +171,7 @@ void cuda_moe_balance_loss(const TensorView& scores, const TensorView& idx, int6
     FP8MOE_CUDA_CHECK_LAUNCH("balance_grad_kernel");
   }
   if (!loss.defined()) return;
-  balance_total_kernel<<<1, 1, 0, stream>>>(f.as<double>(), P.as<double>(), B, E, alpha, loss.ptr<double>());
+  balance_total_kernel<<<1, 1, 0, stream>>>(term.as<double>(), B * E, loss.ptr<double>());
   FP8MOE_CUDA_CHECK_LAUNCH("balance_total_kernel");
 }
 
