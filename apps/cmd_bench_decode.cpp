@@ -21,8 +21,13 @@ void add_bench_decode(CLI::App& bench) {
   c->add_option("--cache", o->cache, "Latent cache dtype")->check(CLI::IsMember({"f32", "bf16", "fp8"}));
   c->add_option("--iters", o->iters, "Timed steps per batch size (median)")->check(CLI::PositiveNumber);
   c->add_flag("--shared-as-routed", o->shared_as_routed, "The shared expert as a routed expert");
+  auto graphs = std::make_shared<std::string>("on");
+  c->add_option("--graphs", *graphs, "decode steps as CUDA graphs where the backend captures them: on | off")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   c->add_option("--backend", *backend, "auto | cpu | cuda | cublaslt");
-  c->callback([o, backend] {
+  c->callback([o, backend, graphs] {
+    o->graphs = *graphs == "on";
     auto be = make_backend(*backend == "auto" ? default_backend_name() : *backend);
     serve::bench_decode(*be, *o);
   });

@@ -41,21 +41,27 @@ int bench_decode(Backend& be, const DecodeBenchOptions& opt) {
   FP8MOE_CHECK(opt.context >= 0 && opt.iters >= 1, "bench decode: --context must be >= 0 and --iters >= 1");
   const ModelConfig cfg = load_config(opt.config);
   const int64_t Bmax = *std::max_element(opt.batches.begin(), opt.batches.end());
-  FP8MOE_CHECK(opt.context + opt.iters + 1 <= cfg.max_position_embeddings,
-               "bench decode: --context " << opt.context << " + " << opt.iters + 1 << " steps exceeds the context of "
-                                          << cfg.max_position_embeddings);
+  // Two untimed steps first: with graphs the second records the step that the timed ones replay.
+  constexpr int kWarmup = 2;
+  FP8MOE_CHECK(opt.context + opt.iters + kWarmup <= cfg.max_position_embeddings,
+               "bench decode: --context " << opt.context << " + " << opt.iters + kWarmup
+                                          << " steps exceeds the context of " << cfg.max_position_embeddings);
   const double bw = copy_bandwidth(be);
   EngineOptions eo;
   eo.linear = opt.linear;
   eo.cache = cache_dtype_from_name(opt.cache);
   eo.shared_as_routed = opt.shared_as_routed;
-  const int64_t per_seq = blocks_for(opt.context + opt.iters + 1);
+  eo.graphs = opt.graphs;
+  const int64_t per_seq = blocks_for(opt.context + opt.iters + kWarmup);
   eo.cache_blocks = Bmax * per_seq;
   Engine engine(random_weights(cfg, 1), be, eo);  // the engine converts them (FP8: 128x128 blocks)
-  std::printf("bench decode: %s on %s, linear %s, cache %s (%lld bytes/token), context %lld, copy bandwidth %.0f GB/s\n",
+  std::printf("bench decode: %s on %s, linear %s, cache %s (%lld bytes/token), context %lld, copy bandwidth %.0f GB/s, "
+              "graphs %s\n",
               cfg.name.c_str(), be.name().c_str(), opt.linear.c_str(), opt.cache.c_str(),
-              static_cast<long long>(engine.cache().bytes_per_token()), static_cast<long long>(opt.context), bw / 1e9);
-  std::printf("| batch | step ms | tokens/s | MB read/step | roofline ms | of roofline |\n|---|---|---|---|---|---|\n");
+              static_cast<long long>(engine.cache().bytes_per_token()), static_cast<long long>(opt.context), bw / 1e9,
+              opt.graphs ? "on" : "off");
+  std::printf("| batch | step ms | tokens/s | MB read/step | roofline ms | of roofline | replays |\n"
+              "|---|---|---|---|---|---|---|\n");
   // The cache content does not change the step's work: the tables point at zero latents.
   std::vector<std::vector<int32_t>> tables(static_cast<size_t>(Bmax));
   for (int64_t b = 0; b < Bmax; ++b)
@@ -69,18 +75,21 @@ int bench_decode(Backend& be, const DecodeBenchOptions& opt) {
                                   {int32_t((b * 7 + i) % std::min<int64_t>(cfg.vocab_size, 256))}, 1});
       engine.step(chunks);  // returns the logits on the host: synchronized
     };
-    step(0);  // warm-up
+    for (int i = 0; i < kWarmup; ++i) step(i);
+    const int64_t replays = engine.graph_replays();
     std::vector<double> t;
-    for (int i = 1; i <= opt.iters; ++i) {
+    for (int i = kWarmup; i < kWarmup + opt.iters; ++i) {
       const auto t0 = Clock::now();
       step(i);
       t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
     }
     std::sort(t.begin(), t.end());
     const double s = t[t.size() / 2], bytes = engine.decode_step_bytes(B, opt.context), roof = bytes / bw;
-    std::printf("| %lld | %.3f | %.1f | %.1f | %.3f | %.1f%% |\n", static_cast<long long>(B), s * 1e3, double(B) / s,
-                bytes / 1e6, roof * 1e3, 100.0 * roof / s);
+    std::printf("| %lld | %.3f | %.1f | %.1f | %.3f | %.1f%% | %lld of %d |\n", static_cast<long long>(B), s * 1e3,
+                double(B) / s, bytes / 1e6, roof * 1e3, 100.0 * roof / s,
+                static_cast<long long>(engine.graph_replays() - replays), opt.iters);
   }
+  if (!engine.graph_note().empty()) std::printf("# graphs off: %s\n", engine.graph_note().c_str());
   return 0;
 }
 

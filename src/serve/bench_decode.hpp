@@ -20,6 +20,7 @@ struct DecodeBenchOptions {
   std::string linear = "fp8", cache = "fp8";
   int iters = 5;
   bool shared_as_routed = false;
+  bool graphs = true;  // EngineOptions::graphs
 };
 
 // Prints one row per batch size; returns 0.

@@ -448,6 +448,7 @@ struct Engine::Impl {
   // ---- Attention of one layer: x [T, D] += o_proj(MLA(x)).
   struct StepRows {
     std::vector<int64_t> row0;  // first row of each chunk in the step's rows
+    Tensor tokens;              // [T] i32
     Tensor positions;           // [T] i32
     std::vector<int64_t> slots; // [T] cache slot of each row
     Tensor slot_index;          // the same [T] i32 on the backend
@@ -724,6 +725,7 @@ struct Engine::Impl {
       }
       for (int64_t r = n - c.logits_rows; r < n; ++r) out_rows.push_back(int32_t(sr.row0.back() + r));
     }
+    sr.tokens = i32(tokens);
     sr.positions = i32(pos);
     sr.slot_index = i32(std::vector<int32_t>(sr.slots.begin(), sr.slots.end()));
     sr.decode.assign(chunks.size(), false);
@@ -757,8 +759,8 @@ struct Engine::Impl {
     return sr;
   }
 
-  // logits [R, V] (host) of rows `out` of x [T, D] through `final_norm` and the head (x itself
-  // where out is every row in order, as in a step of decode rows).
+  // logits [R, V] (on the backend) of rows `out` of x [T, D] through `final_norm` and the head (x
+  // itself where out is every row in order, as in a step of decode rows).
   Tensor head_logits(const Tensor& x, const std::vector<int32_t>& out, const Tensor& final_norm) {
     bool every = int64_t(out.size()) == x.size(0);
     for (size_t i = 0; every && i < out.size(); ++i) every = out[i] == int32_t(i);
@@ -767,7 +769,22 @@ struct Engine::Impl {
       xl = f32({int64_t(out.size()), D});
       be.gather_rows(x.view(), i32(out).view(), TensorView(), xl.view());
     }
-    return be.to_host(run(head, rmsnorm(xl.view(), final_norm).view()));
+    return run(head, rmsnorm(xl.view(), final_norm).view());
+  }
+
+  // The step's work from its rows on the backend to its logits there (the residual stream in
+  // *hidden when asked).
+  Tensor forward(const std::vector<SeqChunk>& chunks, const StepRows& sr, const std::vector<int32_t>& out,
+                 Tensor* hidden) {
+    const int64_t T = sr.tokens.size(0);
+    Tensor x = f32({T, D});  // [T, D] the residual stream
+    be.embedding_forward(sr.tokens.view(), embed.view(), x.view());
+    for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+      attention(l, chunks, sr, x);
+      ffn(l, x);
+    }
+    if (hidden) *hidden = x;
+    return head_logits(x, out, norm);
   }
 
   Tensor step(const std::vector<SeqChunk>& chunks, Tensor* hidden) {
@@ -775,18 +792,92 @@ struct Engine::Impl {
     StepChecks checks(be);
     std::vector<int32_t> tokens, out;
     const StepRows sr = rows_of(chunks, tokens, out);
-    const int64_t T = int64_t(tokens.size());
-    Tensor x = f32({T, D});  // [T, D] the residual stream
-    be.embedding_forward(i32(tokens).view(), embed.view(), x.view());
-    for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-      attention(l, chunks, sr, x);
-      ffn(l, x);
+    Tensor logits;
+    if (!hidden && graphable(chunks, sr)) {
+      const GraphKey k{sr.B, sr.dec_table.size(1)};
+      if (recorded.graph.defined() && recorded.key == k) {
+        logits = replay(sr);
+      } else if (last_key == k && record(chunks, sr, out)) {
+        logits = replay(sr);
+      } else {
+        last_key = k;
+        logits = forward(chunks, sr, out, nullptr);
+      }
+    } else {
+      logits = forward(chunks, sr, out, hidden);
     }
-    if (hidden) *hidden = x;
-    Tensor logits = head_logits(x, out, norm);
+    logits = be.to_host(logits);
     checks.raise();
     if (opt.rebalance_every > 0 && ++steps % opt.rebalance_every == 0) rebalance();
     return logits;
+  }
+
+  // ---- Decode steps as graphs (EngineOptions::graphs): a step of B single-token decode rows
+  // whose tables are `width` blocks wide is recorded the second time that shape comes in a row
+  // and replayed while it stays, its rows copied into the recorded step's. Only where the step
+  // asks the host nothing on the way: the FP8 experts' layouts on the device, no redundant
+  // experts (their copies take turns on the host), the shared expert not routed (its weights are
+  // uploaded per step). The fit_batch splits of the decode attention depend on B and the width
+  // alone, so a replay computes what the step would compute eagerly, bit for bit.
+  struct GraphKey {
+    int64_t B = 0, width = 0;
+    friend bool operator==(const GraphKey&, const GraphKey&) = default;
+  };
+  struct Recorded {
+    GraphKey key;
+    Graph graph;
+    StepRows sr;    // the tensors the graph reads
+    Tensor logits;  // and the one it writes
+  };
+  GraphKey last_key;
+  Recorded recorded;
+  std::string graph_note;  // why graphs are off, after a capture failed
+  int64_t replays = 0;
+
+  bool graphable(const std::vector<SeqChunk>& chunks, const StepRows& sr) const {
+    if (!opt.graphs || !graph_note.empty() || !be.can_capture() || prec != LinearPrecision::fp8 || redundant ||
+        layers_extra() || sr.B != int64_t(chunks.size()) || sr.B != sr.tokens.size(0))
+      return false;
+    for (const SeqChunk& c : chunks)
+      if (c.tokens.size() != 1) return false;
+    return cfg.n_routed_experts * round_up(sr.B, 64) <= kDeviceLayoutRows;  // ffn's on_device
+  }
+  // Records the step (nothing runs yet: replay() runs it). False, with graphs off and the reason
+  // in graph_note, when the capture fails: then the step runs as usual.
+  bool record(const std::vector<SeqChunk>& chunks, const StepRows& sr, const std::vector<int32_t>& out) {
+    recorded = Recorded{};  // the graph before goes first: its blocks are the new one's to reuse
+    Graph g;
+    Tensor logits;
+    try {
+      be.begin_capture();
+      try {
+        logits = forward(chunks, sr, out, nullptr);
+      } catch (...) {
+        try {
+          (void)be.end_capture();
+        } catch (const Error&) {
+        }
+        throw;
+      }
+      g = be.end_capture();
+    } catch (const Error& e) {
+      graph_note = e.what();
+      return false;
+    }
+    recorded = Recorded{GraphKey{sr.B, sr.dec_table.size(1)}, std::move(g), sr, logits};
+    return true;
+  }
+  // The step as the recorded graph, this step's rows copied into the recorded ones; its logits.
+  Tensor replay(const StepRows& sr) {
+    for (int64_t s : sr.slots)  // LatentCache::write's check, which the replay does not call
+      FP8MOE_CHECK(s >= 0 && s < cache->blocks() * kBlockTokens, "LatentCache::write: slot " << s << " outside the cache");
+    StepRows& to = recorded.sr;
+    for (const auto f : {&StepRows::tokens, &StepRows::positions, &StepRows::slot_index, &StepRows::dec_rows,
+                         &StepRows::dec_table, &StepRows::dec_lengths})
+      if ((to.*f).view().data != (sr.*f).view().data) be.copy((to.*f).view(), (sr.*f).view());
+    recorded.graph.replay(be.stream());
+    ++replays;
+    return recorded.logits;
   }
 
   Tensor mtp_step(const std::vector<SeqChunk>& chunks, const TensorView& hidden) {
@@ -800,14 +891,14 @@ struct Engine::Impl {
     FP8MOE_CHECK(hidden.size(0) == T && hidden.size(1) == D,
                  "Engine::mtp_step: hidden must be [" << T << ", " << D << "], got " << hidden.str());
     Tensor e = f32({T, D});
-    be.embedding_forward(i32(tokens).view(), embed.view(), e.view());
+    be.embedding_forward(sr.tokens.view(), embed.view(), e.view());
     Tensor cat = f32({T, 2 * D});  // [enorm(embed(t + 1)); hnorm(h_t)]
     be.copy_cols(rmsnorm(e.view(), enorm).view(), 0, cat.view(), 0, D, false);
     be.copy_cols(rmsnorm(hidden, hnorm).view(), 0, cat.view(), D, D, false);
     Tensor x = run(eh, cat.view());  // [T, D]
     attention(L, last_only, sr, x);
     ffn(L, x);
-    Tensor logits = head_logits(x, out, mtp_norm);
+    Tensor logits = be.to_host(head_logits(x, out, mtp_norm));
     checks.raise();
     return logits;
   }
@@ -861,6 +952,8 @@ const EngineOptions& Engine::options() const { return impl_->opt; }
 LinearPrecision Engine::linear_precision() const { return impl_->prec; }
 Backend& Engine::backend() const { return impl_->be; }
 LatentCache& Engine::cache() { return *impl_->cache; }
+int64_t Engine::graph_replays() const { return impl_->replays; }
+const std::string& Engine::graph_note() const { return impl_->graph_note; }
 Tensor Engine::step(const std::vector<SeqChunk>& chunks, Tensor* hidden) { return impl_->step(chunks, hidden); }
 const ExpertPlacement& Engine::placement() const { return impl_->placement; }
 const ExpertLoads& Engine::expert_loads() const {

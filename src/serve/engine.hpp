@@ -50,6 +50,11 @@ struct EngineOptions {
   // masked expert GEMM up to 64 tokens per expert (one layout). Speculative decoding needs it.
   // Off by default: at large batches by_length runs more splits than a wave needs.
   bool batch_invariant = false;
+  // Decode steps as CUDA graphs where the backend can capture them: a step of single-token decode
+  // rows with the FP8 experts' layouts on the device (no redundant experts, the shared expert not
+  // routed) is recorded the second time its batch and table width come in a row and replayed
+  // while they stay, bit for bit the eager step; other steps run as they come.
+  bool graphs = true;
   // Redundant experts (report §3.4, fp8moe/placement.hpp) on virtual GPUs: expert_slots > 0 holds
   // that many copies of the routed experts over expert_gpus GPUs of expert_nodes nodes, each
   // token's choice going to one copy of its expert; every rebalance_every steps (0: never) the
@@ -103,6 +108,10 @@ class Engine {
   // Linear weights in their format (of the routed experts, those the batch is expected to touch
   // with uniform routing), the head, the router, the absorption's FP32 kv_b_proj, the cache.
   double decode_step_bytes(int64_t batch, int64_t context) const;
+  // Decode steps run as replays of a recorded graph so far (EngineOptions::graphs), and why
+  // graphs are off where a capture failed (empty otherwise).
+  int64_t graph_replays() const;
+  const std::string& graph_note() const;
 
   // Redundant experts, over the trunk's MoE layers in order (the MTP block keeps one copy each).
   // The placement in use (EngineOptions::expert_slots > 0), the tokens routed to each logical

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <set>
 
@@ -304,6 +305,49 @@ TEST(ServeEngine, DecodeStepReadsBackOnlyTheLogits) {
       EXPECT_EQ(routed, double(tokens * k)) << "MoE layer " << ml;
       EXPECT_EQ(on_gpus, tokens * k) << "MoE layer " << ml;
     }
+  }
+}
+
+// Decode steps as graphs (EngineOptions::graphs) against the same engine eagerly: the same logits
+// bit for bit over decode steps that cross a block boundary (the tables widen: a new recording)
+// and drop a sequence (a new batch), in both cache formats, and most steps are replays.
+TEST(ServeEngine, DecodeGraphsAreTheEagerStepsBitForBit) {
+  Fixture f("fp8");
+  if (!f.be->can_capture()) GTEST_SKIP() << "backend " << f.be->name() << " does not capture graphs";
+  for (const CacheDType cache : {CacheDType::bf16, CacheDType::fp8}) {
+    EngineOptions o;
+    o.cache = cache;
+    o.cache_blocks = 12;
+    EngineOptions eager_o = o;
+    eager_o.graphs = false;
+    auto graphs = f.engine(o), eager = f.engine(eager_o);
+    std::vector<std::vector<int32_t>> tables(3);
+    for (size_t s = 0; s < tables.size(); ++s)
+      for (int32_t b = 0; b < 4; ++b) tables[s].push_back(int32_t(s) * 4 + b);
+    std::vector<int64_t> pos(3, 0);
+    const auto both = [&](const std::vector<SeqChunk>& chunks, const std::string& what) {
+      const Tensor a = graphs->step(chunks), b = eager->step(chunks);
+      EXPECT_TRUE(a.numel() == b.numel() && std::memcmp(a.ptr<float>(), b.ptr<float>(), size_t(a.numel()) * 4) == 0)
+          << what;
+      return a;
+    };
+    for (size_t s = 0; s < tables.size(); ++s) {
+      const auto p = prompt_tokens(int64_t(50 + 3 * s), int(s) + 1);
+      both({{&tables[s], 0, p}}, "prefill " + std::to_string(s));
+      pos[s] = int64_t(p.size());
+    }
+    std::vector<int32_t> next(3, 7);
+    for (int i = 0; i < 24; ++i) {
+      const size_t live = i < 16 ? 3 : 2;  // the last sequence ends after 16 steps
+      std::vector<SeqChunk> chunks;
+      for (size_t s = 0; s < live; ++s) chunks.push_back({&tables[s], pos[s]++, {next[s]}});
+      const Tensor l = both(chunks, std::string(cache_dtype_name(cache)) + " decode step " + std::to_string(i));
+      const int64_t V = f.model->config().vocab_size;
+      for (size_t s = 0; s < live; ++s) next[s] = argmax(l.ptr<float>() + s * V, V);
+    }
+    EXPECT_TRUE(graphs->graph_note().empty()) << graphs->graph_note();
+    EXPECT_GE(graphs->graph_replays(), 16) << cache_dtype_name(cache);
+    EXPECT_EQ(eager->graph_replays(), 0);
   }
 }
 
