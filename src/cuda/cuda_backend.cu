@@ -6,13 +6,11 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
-#include <memory_resource>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -673,16 +671,8 @@ class CudaBackend final : public Backend {
       if (e != cudaSuccess) cuda::cached_free(p);
       FP8MOE_CUDA_CHECK(e);
     }
-    std::shared_ptr<void> storage(p, [](void* q) { cuda::cached_free(q); },
-                                  std::pmr::polymorphic_allocator<std::byte>(storage_control_blocks()));
+    std::shared_ptr<void> storage(p, [](void* q) { cuda::cached_free(q); });
     return Tensor(std::move(storage), dtype, shape, Device::cuda);
-  }
-  // The device tensors' shared_ptr control blocks: from a pool rather than the heap, as the
-  // caching allocator's own map (a step makes thousands); synchronized, because a tensor may be
-  // dropped on any thread. Never destroyed: tensors may outlive static destruction.
-  static std::pmr::memory_resource* storage_control_blocks() {
-    static auto* pool = new std::pmr::synchronized_pool_resource;
-    return pool;
   }
 
   static bool is_page_locked(const void* p) {

@@ -493,10 +493,11 @@ struct AttnCase {
 };
 
 const char* path_name(AttentionPath p) {
-  return p == AttentionPath::gemm          ? " gemm"
-         : p == AttentionPath::gemm_looped ? " gemm looped"
-         : p == AttentionPath::flash       ? " flash"
-                                           : " automatic";
+  return p == AttentionPath::gemm           ? " gemm"
+         : p == AttentionPath::gemm_looped  ? " gemm looped"
+         : p == AttentionPath::gemm_batched ? " gemm batched"
+         : p == AttentionPath::flash        ? " flash"
+                                            : " automatic";
 }
 
 // ||got - want|| / ||want|| over a tensor.
@@ -618,7 +619,7 @@ class CudaAttention : public CudaModelOps {
 TEST_F(CudaAttention, EveryPathMatchesCpu) {
   for (const AttnCase& c : kAttnCases) {
     const Want w = reference(c, DType::f32);
-    for (AttentionPath path : {AttentionPath::flash, AttentionPath::gemm, AttentionPath::gemm_looped}) {
+    for (AttentionPath path : {AttentionPath::flash, AttentionPath::gemm_batched, AttentionPath::gemm_looped}) {
       if (path == AttentionPath::flash && std::max(c.Dk, c.Dv) > 256) continue;
       expect_matches(c, run(c, w, path), w, c.str() + path_name(path));
     }
@@ -631,7 +632,7 @@ TEST_F(CudaAttention, EveryPathMatchesCpu) {
 TEST_F(CudaAttention, Bf16EveryPathMatchesCpu) {
   for (const AttnCase& c : kAttnCases) {
     const Want w = reference(c, DType::bf16), exact = cpu_outputs(c, w, DType::f32);
-    for (AttentionPath path : {AttentionPath::flash, AttentionPath::gemm, AttentionPath::gemm_looped}) {
+    for (AttentionPath path : {AttentionPath::flash, AttentionPath::gemm_batched, AttentionPath::gemm_looped}) {
       if (path == AttentionPath::flash && std::max(c.Dk, c.Dv) > 256) continue;
       const std::string what = c.str() + path_name(path) + " bf16";
       const Got g = run(c, w, path);
@@ -676,7 +677,8 @@ TEST_F(CudaAttention, GemmPathChunksAndDispatch) {
 }
 
 // The GEMM path's one GEMM per product over a chunk's sequences and heads runs the algorithm the
-// looped GEMMs' heuristic chose: bitwise equal to them in both computes, over the cases above,
+// looped GEMMs' heuristic chose: bitwise equal to them (and so is `gemm`, whichever it takes) in
+// both computes, over the cases above,
 // one more of more sequences than heads, and the medium config's attention (B = 8 x 256, H = 8,
 // Dk 96, Dv 64), whose looped GEMMs keep most SMs idle. (GemmPathChunksAndDispatch runs the
 // batched GEMMs over several chunks.)
@@ -688,8 +690,9 @@ TEST_F(CudaAttention, BatchedGemmsAreTheLoopedOnesBitForBit) {
     for (const AttnCase& c : cases) {
       const Want w = reference(c, compute);
       const std::string what = c.str() + " " + std::string(dtype_name(compute));
-      expect_same_bits(run(c, w, AttentionPath::gemm), run(c, w, AttentionPath::gemm_looped),
-                       what + " batched vs looped");
+      const Got looped = run(c, w, AttentionPath::gemm_looped);
+      expect_same_bits(run(c, w, AttentionPath::gemm_batched), looped, what + " batched vs looped");
+      expect_same_bits(run(c, w, AttentionPath::gemm), looped, what + " gemm vs looped");
     }
   }
 }
@@ -847,6 +850,50 @@ TEST_F(CudaModelOps, ScatterRowsBitExact) {
 }
 
 // ---- optimizer ----
+
+// The gradient norm's sum of squares in its fixed order (src/cuda/ops/reduce.cu: 264 blocks of 256
+// threads per tensor, each thread's grid-stride FMAs in FP64, a tree per block, then one block
+// adding the partials thread-strided and by a tree), emulated on the host bit for bit, over
+// tensors that leave most blocks empty (the blocks past a tensor's end write their +0 at once),
+// and ones past a whole grid's slice.
+TEST_F(CudaModelOps, SumSquaresIsItsFixedOrderBitForBit) {
+  constexpr int kThreads = 256, kBlocks = 264;
+  const auto tree = [](std::vector<double> part) {
+    for (int s = kThreads / 2; s > 0; s >>= 1)
+      for (int t = 0; t < s; ++t) part[size_t(t)] += part[size_t(t + s)];
+    return part[0];
+  };
+  std::vector<Tensor> hosts{randn({5}), randn({1000}, 0.01f), randn({70001}, 3.0f), randn({300, 1001})};
+  std::vector<Tensor> devs;
+  std::vector<TensorView> views;
+  std::vector<double> partials;
+  for (const Tensor& h : hosts) {
+    devs.push_back(dev(h));
+    views.push_back(devs.back().view());
+    const int64_t n = h.numel();
+    if (n == 0) continue;
+    for (int b = 0; b < kBlocks; ++b) {
+      std::vector<double> part(kThreads);
+      for (int t = 0; t < kThreads; ++t) {
+        double acc = 0;
+        for (int64_t i = int64_t(b) * kThreads + t; i < n; i += int64_t(kBlocks) * kThreads) {
+          const double v = h.ptr<float>()[i];
+          acc = std::fma(v, v, acc);
+        }
+        part[size_t(t)] = acc;
+      }
+      partials.push_back(tree(part));
+    }
+  }
+  std::vector<double> part(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    double acc = 0;
+    for (size_t i = size_t(t); i < partials.size(); i += kThreads) acc += partials[i];
+    part[size_t(t)] = acc;
+  }
+  const double want = tree(part), got = cuda_sum_squares(views, nullptr);
+  EXPECT_EQ(std::memcmp(&want, &got, sizeof want), 0) << "got " << got << ", want " << want;
+}
 
 TEST_F(CudaModelOps, AdamWMatchesCpuBitExact) {
   for (MomentPrecision mp : {MomentPrecision::bf16, MomentPrecision::f32}) {

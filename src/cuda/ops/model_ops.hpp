@@ -88,14 +88,19 @@ void cuda_rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView&
 // one of two paths (model_ops_attention.cu): `gemm` materializes the scores of a chunk of
 // sequences in a stream-ordered workspace ([chunk, H, seq_len, seq_len] f32 per score buffer, one
 // forward, two backward; in bf16 also their BF16 copies and BF16 copies of the chunk's operands)
-// and does the matrix work as cuBLASLt GEMMs with FP32 accumulation, one per product over all
-// the chunk's sequences and heads (operands and results copied head-major in the workspace);
-// `gemm_looped` runs the same GEMMs a sequence or a head at a time on the tensors as they lie,
-// bitwise equal; `flash` is the FlashAttention-2-style kernels (no workspace; head dims up to
+// and does the matrix work as cuBLASLt GEMMs with FP32 accumulation, in one of two bitwise equal
+// forms: `gemm_looped` a GEMM per sequence or per head on the tensors as they lie,
+// `gemm_batched` one per product over all the chunk's sequences and heads (operands and results
+// copied head-major in the workspace); `gemm` takes the batched form where the looped GEMMs would
+// give the device fewer 128 x 128 tiles than it has SMs (few heads, short sequences), the looped
+// one otherwise. `flash` is the FlashAttention-2-style kernels (no workspace; head dims up to
 // 256). `automatic` takes `gemm` when one sequence's workspace fits in `workspace_cap` bytes,
 // `flash` otherwise. The Backend uses the defaults; tests and the benchmark force a path or a
 // smaller cap (more chunks).
-enum class AttentionPath { automatic, gemm, gemm_looped, flash };
+enum class AttentionPath { automatic, gemm, gemm_looped, gemm_batched, flash };
+// Whether `gemm` (and `automatic`, on the GEMM path) runs batched for B sequences of S tokens
+// and H heads on the current device.
+bool cuda_attention_batched(int64_t B, int64_t S, int64_t H);
 constexpr size_t kAttentionWorkspaceCap = size_t(512) << 20;
 // Bytes of the GEMM path's workspace per sequence, forward or backward, batched (`gemm`) or
 // looped (a chunk of n sequences takes at most n times this).

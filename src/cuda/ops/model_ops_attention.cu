@@ -7,8 +7,9 @@
 // the unrounded FP32 tensors, dq = bf(dS) bf(K), dk = bf(dS)^T bf(Q). Both paths
 // (model_ops.hpp, AttentionPath) compute either:
 //   gemm    scores materialized per chunk of sequences and the matrix work as cuBLASLt GEMMs
-//           (FP32 or BF16 operands, FP32 accumulation; model_ops_attention_gemm.cu); taken
-//           whenever one sequence's workspace fits under the cap (512 MiB by default).
+//           (FP32 or BF16 operands, FP32 accumulation; model_ops_attention_gemm.cu), looped or
+//           batched over the chunk (bitwise equal); taken whenever one sequence's workspace fits
+//           under the cap (512 MiB by default).
 //   flash   the kernels below, FlashAttention-2 style on the CUDA cores in FP32, no workspace:
 //           the fallback for sequences too long for the workspace. In bf16 they round the
 //           operands to BF16 as they stage them and P, dS before they multiply.
@@ -368,12 +369,19 @@ bool check_attention(const TensorView& q, const TensorView& k, const TensorView&
   return compute == DType::bf16;
 }
 
+// Whether the GEMM path runs batched (AttentionPath::gemm_batched) for this call.
+bool gemm_batched(AttentionPath path, int64_t B, int64_t S, int64_t H) {
+  if (path == AttentionPath::gemm_looped || path == AttentionPath::gemm_batched)
+    return path == AttentionPath::gemm_batched;
+  return cuda_attention_batched(B, S, H);
+}
+
 // The GEMM path's sequences per chunk for this call (the forward's or the backward's
 // workspace), or 0 for the flash kernels.
 int64_t gemm_chunk(AttentionPath path, int64_t B, int64_t S, int64_t H, int64_t Dk, int64_t Dv, DType compute,
                    bool backward, size_t cap, const char* op) {
   if (path == AttentionPath::flash) return 0;
-  const size_t per = cuda_attention_workspace_bytes(S, H, Dk, Dv, compute, backward, path != AttentionPath::gemm_looped);
+  const size_t per = cuda_attention_workspace_bytes(S, H, Dk, Dv, compute, backward, gemm_batched(path, B, S, H));
   const int64_t chunk = attention_gemm_chunk(B, per, cap);
   FP8MOE_CHECK(chunk > 0 || path == AttentionPath::automatic,
                op << ": the GEMM path needs " << per << " bytes of workspace for one sequence (H = " << H
@@ -420,6 +428,14 @@ void allow_smem(Kernel kernel, size_t bytes) {
 
 }  // namespace
 
+bool cuda_attention_batched(int64_t B, int64_t S, int64_t H) {
+  int dev = 0, sms = 0;
+  FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  FP8MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int64_t tiles = std::max(B, H) * ceil_div(S, 128) * ceil_div(S, 128);  // a looped scores GEMM's
+  return tiles < sms;
+}
+
 void cuda_attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                             const TensorView& lse, int64_t seq_len, double scale, DType compute, cudaStream_t stream, AttentionPath path,
                             size_t workspace_cap) {
@@ -429,7 +445,7 @@ void cuda_attention_forward(const TensorView& q, const TensorView& k, const Tens
   const int Dk = int(q.size(2)), Dv = int(v.size(2));
   if (T == 0 || H == 0) return;
   if (const int64_t chunk = gemm_chunk(path, B, S, H, Dk, Dv, compute, false, workspace_cap, op)) {
-    attention_gemm_forward(q, k, v, out, lse, seq_len, scale, bf16, chunk, path != AttentionPath::gemm_looped, stream);
+    attention_gemm_forward(q, k, v, out, lse, seq_len, scale, bf16, chunk, gemm_batched(path, B, S, H), stream);
     return;
   }
   check_flash(H, B, Dk, Dv, op);
@@ -471,7 +487,7 @@ void cuda_attention_backward(const TensorView& q, const TensorView& k, const Ten
   FP8MOE_CUDA_CHECK_LAUNCH("attention_di_kernel");
   if (chunk) {
     attention_gemm_backward(q, k, v, lse, di.as<const float>(), dout, dq, dk, dv, seq_len, scale, bf16, chunk,
-                            path != AttentionPath::gemm_looped, stream);
+                            gemm_batched(path, B, S, H), stream);
     return;
   }
   const dim3 grid(unsigned(ceil_div(S, kTile)), unsigned(H), unsigned(B));

@@ -92,7 +92,7 @@ int64_t attention_gemm_chunk(int64_t B, size_t per_sequence, size_t cap);
 // operands when bf16, and `chunk` from attention_gemm_chunk (with the forward's or the
 // backward's workspace, batched or looped as `batched` says); di [H, T] = rowsum(dout * out).
 // batched: one GEMM per product over a chunk's sequences and heads, bitwise equal to the looped
-// GEMMs (AttentionPath::gemm); otherwise those (AttentionPath::gemm_looped).
+// GEMMs (AttentionPath::gemm_batched); otherwise those (AttentionPath::gemm_looped).
 void attention_gemm_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                             const TensorView& lse, int64_t seq_len, double scale, bool bf16, int64_t chunk,
                             bool batched, cudaStream_t stream);
