@@ -102,6 +102,19 @@ Graph Backend::end_capture() {
   FP8MOE_CHECK(false, "end_capture: backend " << name() << " cannot record graphs");
   return {};
 }
+Graph Backend::capture(const std::function<void()>& work) {
+  begin_capture();
+  try {
+    work();
+  } catch (...) {
+    try {
+      (void)end_capture();
+    } catch (const Error&) {
+    }
+    throw;
+  }
+  return end_capture();
+}
 
 // Model ops: a backend that does not implement one says so by name.
 #define FP8MOE_UNSUPPORTED(op) FP8MOE_CHECK(false, #op ": unsupported on backend " << name())

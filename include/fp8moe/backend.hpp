@@ -4,6 +4,7 @@
 // As in ggml, `supports(op)` lets a test or a caller report "unsupported" instead of failing.
 // Op contracts (shapes, dtypes, layouts, errors) are those of quantize.hpp and gemm_ref.hpp.
 #pragma once
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -105,6 +106,9 @@ class Backend {
   virtual bool can_capture() const { return false; }
   virtual void begin_capture();
   virtual Graph end_capture();
+  // begin_capture(), work(), end_capture(): the Graph of work's ops. When work throws, the
+  // capture is ended (its own error dropped) and work's exception goes on.
+  Graph capture(const std::function<void()>& work);
 
   // Memory: names as in torch and numpy: `zeros` is filled with zeros, `empty` is not. Copies
   // between any two devices, ordered on the current stream.

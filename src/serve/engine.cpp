@@ -797,7 +797,7 @@ struct Engine::Impl {
       const GraphKey k{sr.B, sr.dec_table.size(1)};
       if (recorded.graph.defined() && recorded.key == k) {
         logits = replay(sr);
-      } else if (last_key == k && record(chunks, sr, out)) {
+      } else if (last_key == k && record(k, chunks, sr, out)) {
         logits = replay(sr);
       } else {
         last_key = k;
@@ -836,7 +836,7 @@ struct Engine::Impl {
 
   bool graphable(const std::vector<SeqChunk>& chunks, const StepRows& sr) const {
     if (!opt.graphs || !graph_note.empty() || !be.can_capture() || prec != LinearPrecision::fp8 || redundant ||
-        layers_extra() || sr.B != int64_t(chunks.size()) || sr.B != sr.tokens.size(0))
+        layers_extra() || sr.B != int64_t(chunks.size()))
       return false;
     for (const SeqChunk& c : chunks)
       if (c.tokens.size() != 1) return false;
@@ -844,33 +844,23 @@ struct Engine::Impl {
   }
   // Records the step (nothing runs yet: replay() runs it). False, with graphs off and the reason
   // in graph_note, when the capture fails: then the step runs as usual.
-  bool record(const std::vector<SeqChunk>& chunks, const StepRows& sr, const std::vector<int32_t>& out) {
+  bool record(const GraphKey& k, const std::vector<SeqChunk>& chunks, const StepRows& sr,
+              const std::vector<int32_t>& out) {
     recorded = Recorded{};  // the graph before goes first: its blocks are the new one's to reuse
     Graph g;
     Tensor logits;
     try {
-      be.begin_capture();
-      try {
-        logits = forward(chunks, sr, out, nullptr);
-      } catch (...) {
-        try {
-          (void)be.end_capture();
-        } catch (const Error&) {
-        }
-        throw;
-      }
-      g = be.end_capture();
+      g = be.capture([&] { logits = forward(chunks, sr, out, nullptr); });
     } catch (const Error& e) {
       graph_note = e.what();
       return false;
     }
-    recorded = Recorded{GraphKey{sr.B, sr.dec_table.size(1)}, std::move(g), sr, logits};
+    recorded = Recorded{k, std::move(g), sr, logits};
     return true;
   }
   // The step as the recorded graph, this step's rows copied into the recorded ones; its logits.
   Tensor replay(const StepRows& sr) {
-    for (int64_t s : sr.slots)  // LatentCache::write's check, which the replay does not call
-      FP8MOE_CHECK(s >= 0 && s < cache->blocks() * kBlockTokens, "LatentCache::write: slot " << s << " outside the cache");
+    cache->check_slots(sr.slots);  // LatentCache::write's check: the replay does not call it
     StepRows& to = recorded.sr;
     for (const auto f : {&StepRows::tokens, &StepRows::positions, &StepRows::slot_index, &StepRows::dec_rows,
                          &StepRows::dec_table, &StepRows::dec_lengths})

@@ -69,6 +69,11 @@ int64_t LatentCache::bytes_per_token() const {
   return per_layer * layers_;
 }
 
+void LatentCache::check_slots(const std::vector<int64_t>& slots) const {
+  for (int64_t s : slots)
+    FP8MOE_CHECK(s >= 0 && s < blocks_ * kBlockTokens, "LatentCache::write: slot " << s << " outside the cache");
+}
+
 void LatentCache::write(int64_t layer, const TensorView& src, const std::vector<int64_t>& slots) {
   const int64_t T = src.size(0);
   FP8MOE_CHECK(src.ndim == 2 && src.dtype == DType::f32 && src.size(1) == rkv_ + dr_,
@@ -87,8 +92,7 @@ void LatentCache::write(int64_t layer, const TensorView& latent, const TensorVie
                "LatentCache::write: latent and RoPE key must be [T, " << rkv_ << "] and [T, " << dr_ << "] f32, got "
                                                                       << latent.str() << " and " << rope.str());
   FP8MOE_CHECK(int64_t(slots.size()) == T, "LatentCache::write: " << slots.size() << " slots for " << T << " rows");
-  for (int64_t s : slots)
-    FP8MOE_CHECK(s >= 0 && s < blocks_ * kBlockTokens, "LatentCache::write: slot " << s << " outside the cache");
+  check_slots(slots);
   if (T == 0) return;
   Tensor uploaded;
   TensorView idx = slot_index;

@@ -47,6 +47,9 @@ class LatentCache {
  public:
   LatentCache(Backend& be, int64_t layers, int64_t blocks, int64_t kv_lora_rank, int64_t rope_dim, CacheDType dtype);
   int64_t blocks() const { return blocks_; }
+  // Every slot in [0, blocks() * kBlockTokens), or Error naming the first that is not (write's
+  // check, for callers that replay a recorded write).
+  void check_slots(const std::vector<int64_t>& slots) const;
   int64_t width() const { return rkv_ + dr_; }
   CacheDType dtype() const { return dtype_; }
   // Bytes one token takes over all layers (scales included).

@@ -1,12 +1,10 @@
 // The caching allocator (caching_allocator.hpp): free lists per (device, stream, size class) and
 // a map from pointer to block; one mutex, held for a hash lookup and a vector push or pop. Blocks
-// kept for graphs have free lists of their own, with the same keys. The map's nodes come from a
-// pool of the allocator's own, so that a request makes no call to the heap: a step makes thousands.
+// kept for graphs have free lists of their own, with the same keys.
 #include "cuda/runtime/caching_allocator.hpp"
 
 #include <algorithm>
 #include <bit>
-#include <memory_resource>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -203,8 +201,7 @@ class Cache {
   }
 
   std::mutex mu_, pool_mu_;
-  std::pmr::unsynchronized_pool_resource nodes_;  // live_'s nodes, under mu_
-  std::pmr::unordered_map<void*, Block> live_{&nodes_};
+  std::unordered_map<void*, Block> live_;
   FreeLists free_;
   FreeLists graph_free_;  // blocks kept for graphs (never returned to the pool)
   bool capturing_ = false;

@@ -390,17 +390,7 @@ struct Executor::Impl {
     recorded = Recorded{};  // the graph before goes first: its blocks are the new one's to reuse
     Graph g;
     try {
-      be.begin_capture();
-      try {
-        run_ops();
-      } catch (...) {
-        try {
-          (void)be.end_capture();
-        } catch (const Error&) {
-        }
-        throw;
-      }
-      g = be.end_capture();
+      g = be.capture([&] { run_ops(); });
     } catch (const Error& e) {
       graph_note = e.what();
       return false;
