@@ -75,12 +75,16 @@ int run_small_m_bench(const SmallMBenchOptions& opt) {
               "before each launch; device copy %.0f GB/s (1 GiB, read + write)\n",
               copy_gbs);
   std::printf("# B GB/s: bytes of B and its scales over the time; of copy: that against the copy bandwidth; "
-              "launch: the few-rows kernel's k_split / row_warps / ctas_per_sm / stages; ours/X: X's time over ours\n");
-  std::printf("| M | N | K | ours us | B GB/s | of copy | launch | WGMMA tile | WGMMA us | cuBLASLt us | "
-              "ours/WGMMA | ours/cuBLASLt | rel err vs WGMMA |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+              "read us: a plain read of as many bytes (the read sweep), flushed and timed in turn with the GEMMs, "
+              "and of read: its time over ours (the limit at this size: a launch's start and ramp do not shrink "
+              "with the bytes); launch: the few-rows kernel's k_split / row_warps / ctas_per_sm / stages; ours/X: "
+              "X's time over ours\n");
+  std::printf("| M | N | K | ours us | B GB/s | of copy | read us | of read | launch | WGMMA tile | WGMMA us | "
+              "cuBLASLt us | ours/WGMMA | ours/cuBLASLt | rel err vs WGMMA |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   const std::vector<SmallMConfig> tries = configs_from_env();
   std::string tries_table;
-  std::vector<double> r_wg, r_lt, r_copy;
+  std::vector<double> r_wg, r_lt, r_copy, r_read;
   uint64_t seed = 20261202;
   for (const auto& nk : opt.shapes) {
     const int64_t N = nk.first, K = nk.second;
@@ -89,6 +93,8 @@ int run_small_m_bench(const SmallMBenchOptions& opt) {
     DeviceQuantized bq(N, K, ScaleKind::block_128x128);
     quantize_128x128_cuda(dview(b16.p, DType::bf16, N, K), bq.view, ScaleMode::fp32, nullptr, false);
     const double b_bytes = double(N * K) + double(bq.scales.bytes);
+    const DeviceBuffer same_bytes(size_t(b_bytes) / 16 * 16 + 16);
+    FP8MOE_CUDA_CHECK(cudaMemset(same_bytes.p, 0, same_bytes.bytes));
     for (const int64_t M : opt.rows) {
       DeviceBuffer a16(size_t(M * K) * 2);
       fill_normal_bf16(a16.p, M * K, ++seed);
@@ -112,7 +118,8 @@ int run_small_m_bench(const SmallMBenchOptions& opt) {
       const double err = rel_error(d_to_doubles(d_ours.p, M, N, true), d_to_doubles(d_wg.p, M, N, true));
       std::vector<std::function<void()>> fns = {
           [&] { gemm_fp8_small_m(aq.view, bq.view, dv_ours, false, nullptr); },
-          [&] { gemm_fp8_sm90(aq.view, bq.view, dv_wg, false, nullptr, &tile); }};
+          [&] { gemm_fp8_sm90(aq.view, bq.view, dv_wg, false, nullptr, &tile); },
+          [&] { l2_read_sweep(same_bytes, nullptr); }};
       if (lt_ok) fns.push_back([&] { gemm_fp8_cublaslt(aq.view, bq.view, dv_lt, false, nullptr); });
       // The tried launches that fit this shape (the others print "n/a").
       std::vector<std::string> tried_names;
@@ -129,14 +136,17 @@ int run_small_m_bench(const SmallMBenchOptions& opt) {
         }
       }
       const std::vector<Timing> t = timer.interleaved(fns, opt.warmup, opt.iters, flush);
-      const double t_ours = t[0].us, t_wg = t[1].us, t_lt = lt_ok ? t[2].us : NAN;
+      const double t_ours = t[0].us, t_wg = t[1].us, t_read = t[2].us, t_lt = lt_ok ? t[3].us : NAN;
       const double gbs = b_bytes / t_ours * 1e-3;
       r_wg.push_back(t_wg / t_ours);
       if (lt_ok) r_lt.push_back(t_lt / t_ours);
       r_copy.push_back(gbs / copy_gbs);
       const std::string chosen = small_m_config_name(gemm_fp8_small_m_config(M, N, K));
-      std::printf("| %lld | %lld | %lld | %.2f | %.0f | %.1f%% | %s | %s | %.2f | %.2f | %.2fx | %.2fx | %.1e |\n",
-                  (long long)M, (long long)N, (long long)K, t_ours, gbs, 100.0 * gbs / copy_gbs, chosen.c_str(),
+      r_read.push_back(t_read / t_ours);
+      std::printf("| %lld | %lld | %lld | %.2f | %.0f | %.1f%% | %.2f | %.1f%% | %s | %s | %.2f | %.2f | %.2fx | %.2fx "
+                  "| %.1e |\n",
+                  (long long)M, (long long)N, (long long)K, t_ours, gbs, 100.0 * gbs / copy_gbs, t_read,
+                  100.0 * t_read / t_ours, chosen.c_str(),
                   tile_name(tile).c_str(), t_wg, t_lt, t_wg / t_ours, t_lt / t_ours, err);
       if (!tries.empty()) {
         char cell[96];
@@ -158,8 +168,9 @@ int run_small_m_bench(const SmallMBenchOptions& opt) {
       }
     }
   }
-  std::printf("# geomean: WGMMA time / ours %.2fx, cuBLASLt time / ours %.2fx, B bandwidth of copy %.1f%%\n",
-              geomean(r_wg), geomean(r_lt), 100.0 * geomean(r_copy));
+  std::printf("# geomean: WGMMA time / ours %.2fx, cuBLASLt time / ours %.2fx, B bandwidth of copy %.1f%%, "
+              "of a same-size read %.1f%%\n",
+              geomean(r_wg), geomean(r_lt), 100.0 * geomean(r_copy), 100.0 * geomean(r_read));
   if (!tries.empty()) {
     std::printf("\n# FP8MOE_SMALL_M_CONFIGS: the tried launches' us (resolved launch), timed with the rows above; "
                 "n/a: does not fit\n| M | N | K | chosen us |");

@@ -1,5 +1,5 @@
 // The CUDA MLA decode attention (src/cuda/attention/mla_decode.cu) against the CPU op (FP64): f32,
-// bf16 and fp8 caches; DeepSeek-V3's (rkv, dr) = (512, 64) and a small config's (128, 32); 1, 16
+// bf16 and fp8 caches; DeepSeek-V3's (rkv, dr) = (512, 64), (256, 32) and a small config's (128, 32); 1, 16
 // and 128 heads; lengths 1, 63, 64, 65, 1000 and 4097 in one batch over non-contiguous tables;
 // both paths, with one split, a forced three and the automatic choice; bit-identical reruns; the
 // by_length rule's batch invariance.
@@ -67,7 +67,8 @@ class CudaMlaDecode : public ::testing::Test {
   }
   void check_case(std::mt19937_64& rng, const MlaCase& c) {
     MlaInputs in = make_mla_inputs(rng, c);
-    const bool tc = c.cache != DType::f32 && ((c.rkv == 512 && c.dr == 64) || (c.rkv == 128 && c.dr == 32));
+    const bool tc = c.cache != DType::f32 && ((c.rkv == 512 && c.dr == 64) || (c.rkv == 256 && c.dr == 32) ||
+                                              (c.rkv == 128 && c.dr == 32));
     for (cuda::MlaDecodePath path : {cuda::MlaDecodePath::cuda_core, cuda::MlaDecodePath::tensor_core}) {
       const bool tensor = path == cuda::MlaDecodePath::tensor_core;
       if (tensor && !tc) continue;
@@ -105,6 +106,13 @@ TEST_F(CudaMlaDecode, SmallConfigShapeMatchesCpu) {
   auto rng = make_rng();
   for (DType cache : {DType::bf16, DType::e4m3, DType::f32})
     for (int64_t H : {1, 2, 16, 40}) check_case(rng, MlaCase{H, 128, 32, kLengths, cache});
+}
+
+// (256, 32): each warp's half of the output columns is one 128-wide scale group of the fp8 cache.
+TEST_F(CudaMlaDecode, MiddleShapeMatchesCpu) {
+  auto rng = make_rng();
+  for (DType cache : {DType::bf16, DType::e4m3})
+    for (int64_t H : {16, 64}) check_case(rng, MlaCase{H, 256, 32, kLengths, cache});
 }
 
 TEST_F(CudaMlaDecode, SeveralBatchSizes) {

@@ -130,6 +130,21 @@ struct TcOperand<true> {
   }
 };
 
+// e4m3 x 4 (a 32-bit word, byte i the lower) -> two FP16 pairs: bytes (0, 1) and (2, 3). The codes
+// are exact in FP16, one conversion per pair.
+__device__ __forceinline__ void e4m3x4_to_f16(uint32_t v, uint32_t& lo, uint32_t& hi) {
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(v));
+}
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t v) {
+  return pack_f16(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+__device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, __half2 b) {
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), b);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
 // The CTA: kMH warp pairs, pair i owning heads [16 i, 16 i + 16) of the CTA's tile. Per tile of
 // kTok = 32 tokens (half a cache block, so its slots are consecutive) warp j of a pair scores
 // tokens [16 j, 16 j + 16) of the tile for its 16 heads; the pair shares its row maxima and sums
@@ -137,25 +152,51 @@ struct TcOperand<true> {
 // probabilities to shared memory, and warp j accumulates output columns [j rkv / 2, (j + 1) rkv / 2)
 // over all kTok tokens. Rows in shared memory are padded by 8 operands so that the eight rows an
 // ldmatrix reads fall in distinct 16-byte bank groups (row stride an odd number of 16 bytes).
+//
+// The fp8 cache's tiles stay in shared memory as stored (e4m3 codes, their scales, BF16 RoPE keys)
+// and each warp widens the codes its MMA fragments take in registers, so that a tile crosses
+// shared memory once. That needs fragments of whole words of one row, which the MMA's layout gives
+// only up to a permutation of each product's inner dimension (and of the output's columns), free
+// to choose because a dot product does not depend on the order of its terms:
+//   QK^T  the thread's four values of a k-step (k = 2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9) are the
+//         latent dims 8 t4 + 4 s + [0, 4) of a 32-dim chunk (k-step s of the chunk's two): one
+//         8-byte read per chunk and token. Q is stored in that order (q_column below). A K-scale
+//         is one per 128 dims and token, so it multiplies each group's FP32 partial score;
+//   PV    the thread's tokens of a k-step are t4 + {0, 4, 8, 12} and its column g of n-tile 4 c + i
+//         is dim 32 c + 4 g + i of the warp's columns: one 4-byte read per token and chunk, the
+//         four words transposed with byte permutes. P is stored in that token order (p_column);
+//         the V codes are scaled by their token's scale in FP16, as the codes' dequantization.
+// Row strides: latent rows 32 bytes past a multiple of 128 (the QK's 8-byte reads of four rows and
+// the PV's 4-byte reads of four rows hit distinct banks), RoPE rows 16 bytes past one.
 template <int kRkv, int kDr, int kMH>
 struct TcConfig {
   static constexpr int W = kRkv + kDr, kStride = W + 8, kTok = 32, kPStride = kTok + 8;
   static constexpr int kHeads = 16 * kMH, kThreads = 64 * kMH;
   static constexpr int kVCols = kRkv / 2, kNTiles = kVCols / 8;
-  static_assert(W % 16 == 0 && kDr % 8 == 0 && kRkv % 128 == 0, "shape");
+  static_assert(W % 16 == 0 && kDr % 16 == 0 && kRkv % 128 == 0, "shape");
   static_assert((kStride / 8) % 2 == 1 && (kPStride / 8) % 2 == 1, "padding keeps ldmatrix conflict-free");
-  static_assert(kNTiles % 2 == 0, "output n-tiles go in pairs");
+  static_assert(kNTiles % 4 == 0, "output n-tiles go in fours");
   static constexpr int kG = kRkv / 128;
-  // Shared memory, in bytes: Q, the operand rows (two buffers for bf16, one plus two raw fp8
-  // buffers for fp8), probabilities, the pairs' maxima and sums.
+  static constexpr int kLatStride = kRkv + 32, kRopeStride = 2 * kDr + 16;  // bytes
+  // Shared memory, in bytes: Q, two buffers of operand rows (bf16) or of stored rows (fp8),
+  // probabilities, the pairs' maxima and sums.
   static constexpr size_t kQBytes = size_t(kHeads) * kStride * 2, kRowsBytes = size_t(kTok) * kStride * 2;
-  static constexpr size_t kRawLat = size_t(kTok) * kRkv, kRawScale = size_t(kTok) * kG * 4,
-                          kRawRope = size_t(kTok) * kDr * 2, kRawBytes = kRawLat + kRawScale + kRawRope;
+  static constexpr size_t kRawLat = size_t(kTok) * kLatStride, kRawScale = size_t(kTok) * kG * 4,
+                          kRawRope = size_t(kTok) * kRopeStride, kRawBytes = kRawLat + kRawScale + kRawRope;
   static constexpr size_t kPBytes = size_t(kHeads) * kPStride * 2, kStatBytes = size_t(4) * kHeads * 4;
-  static constexpr size_t smem(bool fp8) {
-    return kQBytes + (fp8 ? kRowsBytes + 2 * kRawBytes : 2 * kRowsBytes) + kPBytes + kStatBytes;
-  }
+  static constexpr size_t smem(bool fp8) { return kQBytes + 2 * (fp8 ? kRawBytes : kRowsBytes) + kPBytes + kStatBytes; }
 };
+
+// The fp8 path's Q column of latent dim d (QK^T above); RoPE dims keep their place.
+__device__ __forceinline__ int q_column(int d) {
+  const int c = d & ~31, t4 = (d >> 3) & 3, s = (d >> 2) & 1, hi = (d >> 1) & 1, lo = d & 1;
+  return c + 16 * s + 2 * t4 + lo + 8 * hi;
+}
+// The fp8 path's P column of token u of a 16-token k-step (PV above).
+__device__ __forceinline__ int p_column(int u) {
+  const int t4 = u & 3, r = u >> 2;
+  return 2 * t4 + (r & 1) + 8 * (r >> 1);
+}
 
 template <int kRkv, int kDr, int kMH, bool kFp8>
 __global__ void __launch_bounds__(64 * kMH, 1)
@@ -169,11 +210,12 @@ __global__ void __launch_bounds__(64 * kMH, 1)
   using Op = TcOperand<kFp8>;
   using E = typename Op::T;
   constexpr int W = C::W, S = C::kStride, kTok = C::kTok, PS = C::kPStride, NT = C::kThreads, G = C::kG;
+  constexpr int LS = C::kLatStride, RS = C::kRopeStride;
+  constexpr size_t kBufBytes = kFp8 ? C::kRawBytes : C::kRowsBytes;
   extern __shared__ __align__(16) unsigned char smem[];
   E* sQ = reinterpret_cast<E*>(smem);
-  E* sRows = reinterpret_cast<E*>(smem + C::kQBytes);
-  unsigned char* sRaw = smem + C::kQBytes + (kFp8 ? 1 : 2) * C::kRowsBytes;  // fp8 only
-  E* sP = reinterpret_cast<E*>(smem + C::kQBytes + (kFp8 ? C::kRowsBytes + 2 * C::kRawBytes : 2 * C::kRowsBytes));
+  unsigned char* sBuf = smem + C::kQBytes;  // two tile buffers
+  E* sP = reinterpret_cast<E*>(sBuf + 2 * kBufBytes);
   float* sMax = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sP) + C::kPBytes);  // [2][kHeads]
   float* sSum = sMax + 2 * C::kHeads;                                                         // [2][kHeads]
 
@@ -184,54 +226,55 @@ __global__ void __launch_bounds__(64 * kMH, 1)
   const SplitRange range = split_range(lengths, b, sp, blocks_per_split, length_target, max_blocks);
   const int ntiles = (range.end - range.begin + kTok - 1) / kTok;
 
-  // Q of the tile's heads as operands (heads past H: zero rows, their outputs are not stored).
+  // Q of the tile's heads as operands (heads past H: zero rows, their outputs are not stored); the
+  // fp8 path's latent dims in q_column's order, in pairs: dims d + {0, 1} and d + {2, 3} of four.
   for (int i = tid; i < C::kHeads * (W / 4); i += NT) {
     const int r = i / (W / 4), c = (i % (W / 4)) * 4, h = h0 + r;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
     if (h < H) v = *reinterpret_cast<const float4*>(q + (int64_t(b) * H + h) * W + c);
-    uint2 packed = make_uint2(Op::pack(v.x, v.y), Op::pack(v.z, v.w));
-    *reinterpret_cast<uint2*>(sQ + r * S + c) = packed;
+    if (kFp8 && c < kRkv) {
+      *reinterpret_cast<uint32_t*>(sQ + r * S + q_column(c)) = Op::pack(v.x, v.y);
+      *reinterpret_cast<uint32_t*>(sQ + r * S + q_column(c + 2)) = Op::pack(v.z, v.w);
+    } else {
+      *reinterpret_cast<uint2*>(sQ + r * S + c) = make_uint2(Op::pack(v.x, v.y), Op::pack(v.z, v.w));
+    }
   }
 
   // Issues the copies of tile `it` into buffer `buf` (rows past the range or in a block outside
-  // the cache: zeros, and masked below).
+  // the cache: zeros, and masked below; zero codes and scales keep the products finite).
   auto load_tile = [&](int it, int buf) {
     const int t0 = range.begin + it * kTok;
     const int64_t base = block_slot(table, b, max_blocks, t0, slots);
     const int64_t slot0 = base + t0 % int(kMlaBlockTokens);
+    unsigned char* dst = sBuf + buf * kBufBytes;
+    auto copy16 = [&](int r, void* to, const void* from) {
+      if (base >= 0 && t0 + r < range.end)
+        cp_async16(to, from);
+      else
+        *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
+    };
     if constexpr (!kFp8) {
-      E* dst = sRows + buf * kTok * S;
       for (int i = tid; i < kTok * (W / 8); i += NT) {
         const int r = i / (W / 8), c = (i % (W / 8)) * 8;
-        if (base >= 0 && t0 + r < range.end)
-          cp_async16(dst + r * S + c, rows + (slot0 + r) * W + c);
-        else
-          *reinterpret_cast<uint4*>(dst + r * S + c) = make_uint4(0, 0, 0, 0);
+        copy16(r, reinterpret_cast<E*>(dst) + r * S + c, rows + (slot0 + r) * W + c);
       }
     } else {
-      unsigned char* raw = sRaw + buf * C::kRawBytes;
-      float* rs = reinterpret_cast<float*>(raw + C::kRawLat);
-      __nv_bfloat16* rr = reinterpret_cast<__nv_bfloat16*>(raw + C::kRawLat + C::kRawScale);
+      float* rs = reinterpret_cast<float*>(dst + C::kRawLat);  // [G][kTok]
+      unsigned char* rr = dst + C::kRawLat + C::kRawScale;
       for (int i = tid; i < kTok * (kRkv / 16); i += NT) {
         const int r = i / (kRkv / 16), c = (i % (kRkv / 16)) * 16;
-        if (base >= 0 && t0 + r < range.end)
-          cp_async16(raw + r * kRkv + c, lat + (slot0 + r) * kRkv + c);
-        else
-          *reinterpret_cast<uint4*>(raw + r * kRkv + c) = make_uint4(0, 0, 0, 0);
+        copy16(r, dst + r * LS + c, lat + (slot0 + r) * kRkv + c);
       }
       for (int i = tid; i < kTok * G; i += NT) {
-        const int r = i / G;
+        const int r = i / G, gi = i % G;
         if (base >= 0 && t0 + r < range.end)
-          cp_async4(rs + i, lat_scale + (slot0 + r) * G + i % G);
+          cp_async4(rs + gi * kTok + r, lat_scale + (slot0 + r) * G + gi);
         else
-          rs[i] = 0.f;
+          rs[gi * kTok + r] = 0.f;
       }
       for (int i = tid; i < kTok * (kDr / 8); i += NT) {
         const int r = i / (kDr / 8), c = (i % (kDr / 8)) * 8;
-        if (base >= 0 && t0 + r < range.end)
-          cp_async16(rr + r * kDr + c, rope + (slot0 + r) * kDr + c);
-        else
-          *reinterpret_cast<uint4*>(rr + r * kDr + c) = make_uint4(0, 0, 0, 0);
+        copy16(r, rr + r * RS + 2 * c, rope + (slot0 + r) * kDr + c);
       }
     }
     cp_async_commit();
@@ -242,6 +285,7 @@ __global__ void __launch_bounds__(64 * kMH, 1)
   for (int n = 0; n < C::kNTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
   float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.f, 0.f};  // rows g and g + 8
   const int row0 = mh * 16 + g;                                 // the thread's first row in the tile
+  const E* qa = sQ + (mh * 16 + (lane & 15)) * S + (lane >> 4) * 8;
 
   if (ntiles > 0) load_tile(0, 0);
   for (int it = 0; it < ntiles; ++it) {
@@ -253,45 +297,62 @@ __global__ void __launch_bounds__(64 * kMH, 1)
       cp_async_wait<0>();
     }
     __syncthreads();
-    const E* K = sRows + (kFp8 ? 0 : buf * kTok * S);
-    if constexpr (kFp8) {  // e4m3 x scale -> FP16 rows; the BF16 RoPE key converted
-      const unsigned char* raw = sRaw + buf * C::kRawBytes;
-      const float* rs = reinterpret_cast<const float*>(raw + C::kRawLat);
-      const __nv_bfloat16* rr = reinterpret_cast<const __nv_bfloat16*>(raw + C::kRawLat + C::kRawScale);
-      E* dst = sRows;
-      for (int i = tid; i < kTok * (kRkv / 8); i += NT) {
-        const int r = i / (kRkv / 8), c = (i % (kRkv / 8)) * 8;
-        const uint2 v = *reinterpret_cast<const uint2*>(raw + r * kRkv + c);
-        const __half2 sc = __float2half2_rn(rs[r * G + c / 128]);
-        const uint32_t w[2] = {v.x, v.y};
-        __half2 out[4];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const __nv_fp8x2_storage_t lo = __nv_fp8x2_storage_t(w[j] & 0xffff), hi = __nv_fp8x2_storage_t(w[j] >> 16);
-          out[2 * j] = __hmul2(__half2(__nv_cvt_fp8x2_to_halfraw2(lo, __NV_E4M3)), sc);
-          out[2 * j + 1] = __hmul2(__half2(__nv_cvt_fp8x2_to_halfraw2(hi, __NV_E4M3)), sc);
-        }
-        *reinterpret_cast<uint4*>(dst + r * S + c) = *reinterpret_cast<const uint4*>(out);
-      }
-      for (int i = tid; i < kTok * (kDr / 2); i += NT) {
-        const int r = i / (kDr / 2), c = (i % (kDr / 2)) * 2;
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(rr + r * kDr + c));
-        *reinterpret_cast<__half2*>(dst + r * S + kRkv + c) = __floats2half2_rn(f.x, f.y);
-      }
-      __syncthreads();
-    }
+    const unsigned char* tile = sBuf + buf * kBufBytes;
 
     // Scores of 16 heads x 16 tokens: s[j] is tokens 16 nw + 8 j + [0, 8).
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    const E* qa = sQ + (mh * 16 + (lane & 15)) * S + (lane >> 4) * 8;
-    const E* kb = K + (nw * 16 + ((lane >> 4) & 1) * 8 + (lane & 7)) * S + ((lane >> 3) & 1) * 8;
+    if constexpr (!kFp8) {
+      const E* K = reinterpret_cast<const E*>(tile);
+      const E* kb = K + (nw * 16 + ((lane >> 4) & 1) * 8 + (lane & 7)) * S + ((lane >> 3) & 1) * 8;
 #pragma unroll 4
-    for (int k0 = 0; k0 < W; k0 += 16) {
-      uint32_t a[4], bb[4];
-      ldmatrix_x4(a, qa + k0);
-      ldmatrix_x4(bb, kb + k0);
-      Op::mma(s[0], a, bb[0], bb[1]);
-      Op::mma(s[1], a, bb[2], bb[3]);
+      for (int k0 = 0; k0 < W; k0 += 16) {
+        uint32_t a[4], bb[4];
+        ldmatrix_x4(a, qa + k0);
+        ldmatrix_x4(bb, kb + k0);
+        Op::mma(s[0], a, bb[0], bb[1]);
+        Op::mma(s[1], a, bb[2], bb[3]);
+      }
+    } else {
+      const float* rs = reinterpret_cast<const float*>(tile + C::kRawLat);
+      const unsigned char* rr = tile + C::kRawLat + C::kRawScale;
+#pragma unroll
+      for (int gi = 0; gi < G; ++gi) {  // the group's FP32 partial score times its tokens' scales
+        float t[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int c = gi * 128; c < gi * 128 + 128; c += 32) {
+          uint32_t a0[4], a1[4];
+          ldmatrix_x4(a0, qa + c);
+          ldmatrix_x4(a1, qa + c + 16);
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const uint2 v = *reinterpret_cast<const uint2*>(tile + (nw * 16 + 8 * j + g) * LS + c + 8 * t4);
+            uint32_t bb[4];
+            e4m3x4_to_f16(v.x, bb[0], bb[1]);
+            e4m3x4_to_f16(v.y, bb[2], bb[3]);
+            Op::mma(t[j], a0, bb[0], bb[1]);
+            Op::mma(t[j], a1, bb[2], bb[3]);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float2 sc = *reinterpret_cast<const float2*>(rs + gi * kTok + nw * 16 + 8 * j + 2 * t4);
+          s[j][0] = fmaf(t[j][0], sc.x, s[j][0]);
+          s[j][1] = fmaf(t[j][1], sc.y, s[j][1]);
+          s[j][2] = fmaf(t[j][2], sc.x, s[j][2]);
+          s[j][3] = fmaf(t[j][3], sc.y, s[j][3]);
+        }
+      }
+#pragma unroll
+      for (int k0 = 0; k0 < kDr; k0 += 16) {  // the RoPE keys, BF16 -> FP16
+        uint32_t a[4];
+        ldmatrix_x4(a, qa + kRkv + k0);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const unsigned char* row = rr + (nw * 16 + 8 * j + g) * RS + 2 * (k0 + 2 * t4);
+          Op::mma(s[j], a, bf16x2_to_f16x2(*reinterpret_cast<const uint32_t*>(row)),
+                  bf16x2_to_f16x2(*reinterpret_cast<const uint32_t*>(row + 16)));
+        }
+      }
     }
     const int t0 = range.begin + it * kTok;
     const bool tile_ok = block_slot(table, b, max_blocks, t0, slots) >= 0;
@@ -330,7 +391,13 @@ __global__ void __launch_bounds__(64 * kMH, 1)
         const uint32_t p = Op::pack(exp2f(s[j][2 * r] - m_use[r]), exp2f(s[j][2 * r + 1] - m_use[r]));
         const E* pe = reinterpret_cast<const E*>(&p);  // the sum of the probabilities the products use
         sum[r] += float(pe[0]) + float(pe[1]);
-        *reinterpret_cast<uint32_t*>(sP + (row0 + 8 * r) * PS + nw * 16 + j * 8 + 2 * t4) = p;
+        E* prow = sP + (row0 + 8 * r) * PS + nw * 16;
+        if constexpr (kFp8) {
+          prow[p_column(j * 8 + 2 * t4)] = pe[0];
+          prow[p_column(j * 8 + 2 * t4 + 1)] = pe[1];
+        } else {
+          *reinterpret_cast<uint32_t*>(prow + j * 8 + 2 * t4) = p;
+        }
       }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -354,17 +421,47 @@ __global__ void __launch_bounds__(64 * kMH, 1)
     }
     // o[16 heads, the warp's columns] += P [16, kTok] V [kTok, columns].
     const E* pa = sP + (mh * 16 + (lane & 15)) * PS + (lane >> 4) * 8;
-    const E* vb = K + (((lane >> 3) & 1) * 8 + (lane & 7)) * S + nw * C::kVCols + (lane >> 4) * 8;
+    if constexpr (!kFp8) {
+      const E* vb = reinterpret_cast<const E*>(tile) + (((lane >> 3) & 1) * 8 + (lane & 7)) * S + nw * C::kVCols +
+                    (lane >> 4) * 8;
 #pragma unroll
-    for (int kk = 0; kk < kTok; kk += 16) {
-      uint32_t a[4];
-      ldmatrix_x4(a, pa + kk);
+      for (int kk = 0; kk < kTok; kk += 16) {
+        uint32_t a[4];
+        ldmatrix_x4(a, pa + kk);
 #pragma unroll
-      for (int np = 0; np < C::kNTiles / 2; ++np) {
-        uint32_t bb[4];
-        ldmatrix_x4_trans(bb, vb + kk * S + np * 16);
-        Op::mma(acc[2 * np], a, bb[0], bb[1]);
-        Op::mma(acc[2 * np + 1], a, bb[2], bb[3]);
+        for (int np = 0; np < C::kNTiles / 2; ++np) {
+          uint32_t bb[4];
+          ldmatrix_x4_trans(bb, vb + kk * S + np * 16);
+          Op::mma(acc[2 * np], a, bb[0], bb[1]);
+          Op::mma(acc[2 * np + 1], a, bb[2], bb[3]);
+        }
+      }
+    } else {
+      const float* rs = reinterpret_cast<const float*>(tile + C::kRawLat);
+#pragma unroll
+      for (int kk = 0; kk < kTok; kk += 16) {
+        uint32_t a[4];
+        ldmatrix_x4(a, pa + kk);
+        const unsigned char* vrow = tile + (kk + t4) * LS + nw * C::kVCols + 4 * g;  // tokens kk + t4 + 4 i
+#pragma unroll
+        for (int c = 0; c < C::kVCols; c += 32) {
+          const int gi = (nw * C::kVCols + c) / 128;
+          const float* sc = rs + gi * kTok + kk + t4;
+          const __half2 s01 = __floats2half2_rn(sc[0], sc[4]), s23 = __floats2half2_rn(sc[8], sc[12]);
+          uint32_t w[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) w[i] = *reinterpret_cast<const uint32_t*>(vrow + i * 4 * LS + c);
+          // Per dim pair: (token 0, token 4) and (token 8, token 12) interleaved byte by byte.
+          const uint32_t x01 = __byte_perm(w[0], w[1], 0x5140), x23 = __byte_perm(w[0], w[1], 0x7362);
+          const uint32_t y01 = __byte_perm(w[2], w[3], 0x5140), y23 = __byte_perm(w[2], w[3], 0x7362);
+          uint32_t b0[4], b1[4];
+          e4m3x4_to_f16(x01, b0[0], b0[1]);
+          e4m3x4_to_f16(x23, b0[2], b0[3]);
+          e4m3x4_to_f16(y01, b1[0], b1[1]);
+          e4m3x4_to_f16(y23, b1[2], b1[3]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) Op::mma(acc[c / 8 + i], a, hmul2_u32(b0[i], s01), hmul2_u32(b1[i], s23));
+        }
       }
     }
     __syncthreads();  // the buffers, P and the statistics are rewritten by the next tile
@@ -376,13 +473,22 @@ __global__ void __launch_bounds__(64 * kMH, 1)
     if (h >= H) continue;
     const float inv = l_run[r] > 0.f ? 1.f / l_run[r] : 0.f;
     const int64_t orow = int64_t(b) * H + h;
-    float* dst = splits == 1 ? o + orow * kRkv : part + ((int64_t(b) * splits + sp) * H + h) * kRkv;
+    float* dst = (splits == 1 ? o + orow * kRkv : part + ((int64_t(b) * splits + sp) * H + h) * kRkv) + nw * C::kVCols;
     if (splits > 1 && nw == 0 && t4 == 0)
       part_lse[(int64_t(b) * splits + sp) * H + h] = l_run[r] > 0.f ? m_run[r] + log2f(l_run[r]) : kNegInf;
+    if constexpr (!kFp8) {
 #pragma unroll
-    for (int n = 0; n < C::kNTiles; ++n)
-      *reinterpret_cast<float2*>(dst + nw * C::kVCols + n * 8 + 2 * t4) =
-          make_float2(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+      for (int n = 0; n < C::kNTiles; ++n)
+        *reinterpret_cast<float2*>(dst + n * 8 + 2 * t4) = make_float2(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+    } else {  // column e of n-tile 4 c + i is dim 32 c + 8 t4 + 4 e + i
+#pragma unroll
+      for (int c = 0; c < C::kNTiles / 4; ++c)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          *reinterpret_cast<float4*>(dst + 32 * c + 8 * t4 + 4 * e) =
+              make_float4(acc[4 * c][2 * r + e] * inv, acc[4 * c + 1][2 * r + e] * inv,
+                          acc[4 * c + 2][2 * r + e] * inv, acc[4 * c + 3][2 * r + e] * inv);
+    }
   }
 }
 

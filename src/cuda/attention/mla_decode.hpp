@@ -6,8 +6,9 @@
 //   tensor_core  bf16 and fp8 caches, (rkv, dr) in {(512, 64), (256, 32), (128, 32)}: q, the
 //                rows and the probabilities as operands of mma.sync m16n8k16 with FP32
 //                accumulation, up to 64 heads per CTA: BF16 for a bf16 cache, FP16 for an fp8 one
-//                (e4m3 x scale dequantized in shared memory; q and the cache's values must stay
-//                within FP16's range, 65504);
+//                (the e4m3 codes widened in registers from the tile as stored; the K scales
+//                applied to FP32 partial scores per 128 dims, the V codes scaled in FP16; q, the
+//                RoPE keys and the scaled V values must stay within FP16's range, 65504);
 //   cuda_core    every cache dtype and shape (rkv + dr <= 1024), FP32 throughout: the f32 cache
 //                (the exact oracle the serve tests compare the absorbed form with) and the rest.
 #pragma once
