@@ -580,26 +580,50 @@ __global__ void __launch_bounds__(kCcWarps * 32)
 }
 
 // ---- the merge of the splits: o = sum_s exp2(lse_s - lse) o_s, s in order ----
-__global__ void mla_decode_combine_kernel(const float* __restrict__ part, const float* __restrict__ part_lse, int H,
-                                          int rkv, int splits, float* __restrict__ o) {
-  const int row = blockIdx.x, b = row / H, h = row % H;
+// Block (row, 64 columns): the row's split weights once into shared memory (their maximum by a
+// reduction, exact in any order; their sum L in split order by one thread), then a thread per
+// column sums the splits' partial outputs in split order. The loads do not depend on the sums, so
+// the unrolled loop keeps many in flight: a long context's 128 splits at B = 1 cost their bytes,
+// not a DRAM round trip each. The arithmetic and its order are those of one thread per row and
+// column, so the bits are too.
+constexpr int kMergeThreads = 64;
+__global__ void __launch_bounds__(kMergeThreads)
+    mla_decode_combine_kernel(const float* __restrict__ part, const float* __restrict__ part_lse, int H, int rkv,
+                              int splits, float* __restrict__ o) {
+  __shared__ float w[kMaxSplits];
+  __shared__ float red[kMergeThreads / 32], sL;
+  const int row = blockIdx.x, b = row / H, h = row % H, tid = threadIdx.x;
   const float* lse = part_lse + int64_t(b) * splits * H + h;  // split s at lse[s * H]
   float M = kNegInf;
-  for (int s = 0; s < splits; ++s) M = fmaxf(M, lse[int64_t(s) * H]);
-  float L = 0.f;
-  if (M != kNegInf)
-    for (int s = 0; s < splits; ++s) L += exp2f(lse[int64_t(s) * H] - M);
-  for (int c = threadIdx.x; c < rkv; c += blockDim.x) {
-    // -0 is the sum's identity: one nonempty split passes through bit for bit, as when a
-    // sequence of one split writes o directly (by_length's empty splits add nothing either).
-    float v = -0.f;
-    if (M != kNegInf)
-      for (int s = 0; s < splits; ++s) {
-        const float w = exp2f(lse[int64_t(s) * H] - M);
-        if (w > 0.f) v += w * part[((int64_t(b) * splits + s) * H + h) * rkv + c];
-      }
-    o[int64_t(row) * rkv + c] = M != kNegInf ? v / L : 0.f;
+  for (int s = tid; s < splits; s += kMergeThreads) M = fmaxf(M, lse[int64_t(s) * H]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+  if (tid % 32 == 0) red[tid / 32] = M;
+  __syncthreads();
+  M = red[0];
+#pragma unroll
+  for (int i = 1; i < kMergeThreads / 32; ++i) M = fmaxf(M, red[i]);
+  for (int s = tid; s < splits; s += kMergeThreads) w[s] = M != kNegInf ? exp2f(lse[int64_t(s) * H] - M) : 0.f;
+  __syncthreads();
+  if (tid == 0) {
+    float L = 0.f;
+    for (int s = 0; s < splits; ++s) L += w[s];
+    sL = L;
   }
+  __syncthreads();
+  const int c = blockIdx.y * kMergeThreads + tid;
+  if (c >= rkv) return;
+  const float* src = part + (int64_t(b) * splits * H + h) * rkv + c;  // split s at src[s * H * rkv]
+  const int64_t stride = int64_t(H) * rkv;
+  // -0 is the sum's identity: one nonempty split passes through bit for bit, as when a sequence of
+  // one split writes o directly (by_length's empty splits add nothing either).
+  float v = -0.f;
+#pragma unroll 16
+  for (int s = 0; s < splits; ++s) {
+    const float x = src[s * stride];
+    if (w[s] > 0.f) v += w[s] * x;
+  }
+  o[int64_t(row) * rkv + c] = M != kNegInf ? v / sL : 0.f;
 }
 
 // The tensor-core instantiations: (rkv, dr).
@@ -760,7 +784,8 @@ void mla_decode_attention_cuda(const TensorView& q, const MlaCacheView& cache, c
     launch_cc<0>(a);
   }
   if (plan.splits > 1) {
-    mla_decode_combine_kernel<<<unsigned(rows), 128, 0, stream>>>(part.as<float>(), part_lse.as<float>(), int(s.H),
+    const dim3 grid(unsigned(rows), unsigned((s.rkv + kMergeThreads - 1) / kMergeThreads));
+    mla_decode_combine_kernel<<<grid, kMergeThreads, 0, stream>>>(part.as<float>(), part_lse.as<float>(), int(s.H),
                                                                   int(s.rkv), int(plan.splits), o.ptr<float>());
     FP8MOE_CUDA_CHECK_LAUNCH("mla_decode_combine_kernel");
   }
