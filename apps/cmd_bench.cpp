@@ -161,6 +161,9 @@ void add_bench(CLI::App& app) {
   auto ep_no_check = std::make_shared<bool>(false);
   epc->add_flag("--no-check", *ep_no_check, "skip the comparison with the host reference");
   epc->add_flag("--gemm", ep->gemm, "time an FP8 GEMM alone and beside the kernels");
+  epc->add_option("--ranks-per-node", ep->ranks_per_node,
+                  "ranks per (virtual) node: below the rank count, the dispatch goes in two hops and the bytes "
+                  "crossing nodes are printed beside the single-hop layout's");
   epc->add_flag("--pull", ep->pull, "combine by the sources' reads of the expert ranks' rows (one pass over them)");
   epc->add_flag("--low-latency", ep->low_latency,
                 "the low-latency mode (decode): no notify, no host read, CUDA-graph capturable; 128 tokens per rank "

@@ -130,6 +130,7 @@ struct EpBenchOptions {
   bool gemm = false;            // an FP8 GEMM's slowdown beside the kernels
   bool pull = false;            // the combine's sources read the rows (EpConfig::pull_combine)
   bool low_latency = false;     // the low-latency mode (EpConfig::low_latency)
+  int ranks_per_node = 0;       // below a rank count: the two-hop dispatch over nodes of this many ranks
   uint64_t seed = 0;            // 0: fresh random seed (printed)
 };
 

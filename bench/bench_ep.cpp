@@ -340,6 +340,8 @@ int run_ep_bench(const EpBenchOptions& opt) {
   for (int P : parse_ranks(opt.ranks)) {
     ep::EpConfig cfg = ep_config(P, T, D, k, E, opt.num_sms);
     cfg.pull_combine = opt.pull;
+    const int R = opt.ranks_per_node > 0 && opt.ranks_per_node < P ? opt.ranks_per_node : P;
+    cfg.ranks_per_node = R;
     auto g = EpGroup::local(cfg);
     const int64_t epr = E / P;
     std::vector<RankData> rd(static_cast<size_t>(P));
@@ -385,6 +387,26 @@ int run_ep_bench(const EpBenchOptions& opt) {
         disp_out += double(n0.tokens_to(p, d)) * row_bytes;
         comb_out += double(n0.slots_to(p, d)) * double(D) * 2;
       }
+    if (R < P) {
+      // Bytes crossing a node boundary: the two-hop dispatch's first hop (a row, and the rows it
+      // lands at on that node's R ranks, once per other node holding one of its experts) against
+      // the single-hop layout (a row per other-node rank holding one).
+      double hop1 = 0, direct = 0;
+      for (int p = 0; p < P; ++p) {
+        const std::vector<int32_t>& idx = rd[size_t(p)].tok.idx;
+        for (int64_t t = 0; t < T; ++t) {
+          uint32_t nodes = 0;
+          for (int64_t j = 0; j < k; ++j) nodes |= 1u << (idx[size_t(t * k + j)] / epr / R);
+          nodes &= ~(1u << (p / R));
+          hop1 += double(__builtin_popcount(nodes)) * (row_bytes + 4.0 * R);
+        }
+        for (int d = 0; d < P; ++d)
+          if (d / R != p / R) direct += double(n0.tokens_to(p, d)) * row_bytes;
+      }
+      std::printf("# %d ranks as %d nodes of %d: the dispatch's bytes crossing nodes %.1f MiB in two hops (first "
+                  "hop), %.1f MiB in one (%.2fx)\n",
+                  P, P / R, R, hop1 / (1 << 20), direct / (1 << 20), direct / hop1);
+    }
     // The experts' rows: BF16 values of a random pool, each row from a random place in it.
     std::vector<uint16_t> pool(size_t(1) << 20);
     std::uniform_real_distribution<float> val(-4.0f, 4.0f);

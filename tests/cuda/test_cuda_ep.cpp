@@ -66,6 +66,7 @@ struct Case {
   std::vector<int64_t> empty;   // experts never chosen
   int steps = 2;                // routings run one after the other on one group
   bool pull = false;            // EpConfig::pull_combine
+  int ranks_per_node = 0;       // EpConfig::ranks_per_node: below `ranks`, the two-hop dispatch
 };
 
 std::string describe(const Case& c) {
@@ -73,7 +74,8 @@ std::string describe(const Case& c) {
                   std::to_string(c.hidden) + ", tokens";
   for (int64_t t : c.tokens) s += " " + std::to_string(t);
   return s + ", skew " + std::to_string(c.skew) + ", " + std::to_string(c.empty.size()) + " empty experts" +
-         (c.pull ? ", pull combine" : "");
+         (c.pull ? ", pull combine" : "") +
+         (c.ranks_per_node ? ", " + std::to_string(c.ranks_per_node) + " ranks per node" : "");
 }
 
 constexpr int64_t kExperts = 256, kTopk = 8;
@@ -93,6 +95,7 @@ void run_case(const Case& cs) {
   cfg.experts = kExperts;
   cfg.num_sms = cs.num_sms;
   cfg.pull_combine = cs.pull;
+  cfg.ranks_per_node = cs.ranks_per_node;
   auto group = EpGroup::local(cfg);
   auto cpu = make_cpu_backend();
   std::uniform_int_distribution<int> byte(0, 255), e(-3, 3);
@@ -313,6 +316,48 @@ TEST(CudaEp, FourRanksOddChannelCount) {
   run_case({4, 14, 384, {97, 250, 301, 5}, 0, {}, 2});
 }
 
+// The two-hop dispatch (ranks as nodes of ranks_per_node): the same bytes on every rank as the
+// reference (the single-hop layout), with rows that reach two or more ranks of one node, ranks and
+// whole nodes that send nothing, one rank per node, and the combine after it.
+TEST(CudaEp, FourRanksAsTwoNodesWithASilentRank) {
+  FP8MOE_REQUIRE_GPU();
+  std::vector<int64_t> empty;
+  for (int64_t e = 0; e < 64; ++e) empty.push_back(e);
+  for (int64_t e : {100, 101, 200, 255}) empty.push_back(e);
+  Case c{4, 20, 1024, {640, 33, 0, 1000}, 1.0, empty, 2};
+  c.ranks_per_node = 2;
+  run_case(c);
+}
+
+TEST(CudaEp, EightRanksAsTwoNodesOfFour) {
+  FP8MOE_REQUIRE_GPU();
+  Case c{8, 20, 512, {256, 511, 1, 0, 300, 129, 64, 400}, 0.5, {7, 8, 9}, 2};
+  c.ranks_per_node = 4;
+  run_case(c);
+}
+
+TEST(CudaEp, EightRanksAsFourNodesPullCombineWithASilentNode) {
+  FP8MOE_REQUIRE_GPU();
+  Case c{8, 20, 256, {256, 11, 0, 0, 300, 129, 64, 400}, 0, {3, 4}, 2};
+  c.ranks_per_node = 2;
+  c.pull = true;
+  run_case(c);
+}
+
+TEST(CudaEp, TwoRanksAsTwoNodesFullHidden) {
+  FP8MOE_REQUIRE_GPU();
+  Case c{2, 20, 7168, {1024, 777}, 1.5, {}, 2};
+  c.ranks_per_node = 1;
+  run_case(c);
+}
+
+TEST(CudaEp, EightRanksAsEightNodesFewChannels) {
+  FP8MOE_REQUIRE_GPU();
+  Case c{8, 2, 256, {100, 200, 0, 50, 3, 90, 77, 128}, 0, {}, 2};
+  c.ranks_per_node = 1;
+  run_case(c);
+}
+
 EpConfig small_config(int ranks) {
   EpConfig c;
   c.ranks = ranks;
@@ -349,6 +394,12 @@ TEST(CudaEp, BadConfigurationsAreRefused) {
   c = small_config(8);
   c.num_sms = sms;  // 8 ranks x all SMs cannot be resident together on one GPU
   expect_error([&] { EpGroup::local(c); }, "resident");
+  c = small_config(4);
+  c.ranks_per_node = 3;
+  expect_error([&] { EpGroup::local(c); }, "ranks_per_node 3 must divide the 4 ranks");
+  c.ranks_per_node = 2;
+  c.low_latency = true;
+  expect_error([&] { EpGroup::local(c); }, "is the normal mode's");
 }
 
 TEST(CudaEp, TooManyTokensAndBadIdsAreRefused) {

@@ -59,6 +59,12 @@ struct EpConfig {
   // the rows instead of two (written, then read for the sum), for a region of the worst case,
   // P * T_max * k rows.
   bool pull_combine = false;
+  // Ranks per node, R (0: all of them, one node). Below `ranks`, ranks [m R, (m + 1) R) are node m
+  // and the dispatch goes in two hops (ep_dispatch_two_hop.cu): a row crosses to another node once
+  // per node that holds its experts, to the rank of its source's in-node index there, which
+  // forwards it inside that node; the rows land as in one hop, bit for bit. The combine goes
+  // straight back. Normal mode only.
+  int ranks_per_node = 0;
   // The low-latency mode: the group serves only low_latency_dispatch and low_latency_combine,
   // for at most max_tokens (N) tokens per rank, num_sms blocks per kernel.
   bool low_latency = false;

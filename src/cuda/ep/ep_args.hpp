@@ -30,6 +30,7 @@ struct BufferLayout {
   size_t notify_flag = 0;    // [P] u64: rank q's counts are in `notify`
   size_t dispatch_flag = 0;  // [P][kMaxChannels] u64: channel c of rank q has written its rows here
   size_t combine_flag = 0;   // [P][kMaxChannels] u64: likewise for the combine's rows
+  size_t stage_flag = 0;     // [P][kMaxChannels] u64: channel c of rank p has staged its rows here (two-hop)
   size_t error = 0;          // 8 x u32: set, step, Failure, peer (token), channel (slot) of the first
   // Low-latency mode (EpConfig::low_latency; the normal mode's regions are then empty, and these
   // are empty in the normal mode). N = T_max, M = P * N, E_l = experts per rank, G = D / 128.
@@ -53,6 +54,14 @@ struct BufferLayout {
   size_t ll_src_count = 0;     // [E_l][P] i32 rows of each local expert from each source
   size_t ll_src_slot = 0;      // [E_l * M] i32 the source slot of each packed row
   size_t ll_back = 0;          // [N * k, D] bf16: the experts' rows back, at their slot t * k + j
+  // Two-hop dispatch (EpConfig::ranks_per_node below ranks; else empty): what the rank of this
+  // in-node index on node m stages here, at its tokens' indices. R = ranks_per_node.
+  size_t stage_range = 0;    // [P][kMaxChannels] i32 x 2: the token range [begin, end) of that channel
+  size_t stage_x = 0;        // [nodes][T_max, D] e4m3
+  size_t stage_scales = 0;   // [nodes][T_max, G] f32, token-major
+  size_t stage_weights = 0;  // [nodes][T_max, k] f32
+  size_t stage_ids = 0;      // [nodes][T_max, k] i32
+  size_t stage_dest = 0;     // [nodes][T_max, R] i32: the row on each rank of this node, or -1
   size_t total = 0;
   int64_t max_recv = 0;      // P * T_max
 };
@@ -75,6 +84,8 @@ struct StepArgs {
   uint64_t timeout_ns = 0;
   int blocks_per_sm = 1;  // the kernels' variant: 2 where the ranks share one GPU's SMs
   bool pull = false;      // combine: the sources read the rows from the experts' buffers
+  int ranks_per_node = 0;  // R: the dispatch goes in two hops where R < ranks
+  int64_t max_tokens = 0;  // T_max (the staging regions' rows per node)
 };
 
 // One rank's low-latency step. The step number is not here: it lives in the rank's buffer

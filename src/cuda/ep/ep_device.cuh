@@ -78,10 +78,12 @@ __device__ __forceinline__ bool wait_ready(const StepArgs& a, int q, Step step) 
   return wait_flag(a, region<uint64_t>(a.peer[a.me], a.layout.ready) + q, step, Failure::ready, q, 0);
 }
 
-// A warp copies n 16-byte words, kUnroll loads in flight per lane before the stores.
+// A warp copies n 16-byte words, kUnroll loads in flight per lane before the stores. kStable:
+// the source does not change while the kernel runs (the read-only path may cache it); a source a
+// peer writes during the kernel (a forwarder's staged rows) is read with plain loads.
 // NOTES: the lane's pointers advance by whole rounds, so the unrolled accesses of a round are
 // immediate offsets of one address (few registers however large kUnroll is).
-template <int kUnroll>
+template <int kUnroll, bool kStable = true>
 __device__ __forceinline__ void warp_copy16(int4* __restrict__ dst, const int4* __restrict__ src, int64_t n, int lane) {
   const int4* s = src + lane;
   int4* d = dst + lane;
@@ -89,7 +91,7 @@ __device__ __forceinline__ void warp_copy16(int4* __restrict__ dst, const int4* 
     int4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (u * 32 < rem) v[u] = __ldg(s + u * 32);
+      if (u * 32 < rem) v[u] = kStable ? __ldg(s + u * 32) : s[u * 32];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (u * 32 < rem) d[u * 32] = v[u];
@@ -158,6 +160,58 @@ __device__ __forceinline__ int64_t return_base(const RankSums& s, int d, int p) 
 
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---- the dispatch's parts (ep_dispatch.cu, ep_dispatch_two_hop.cu) ----
+
+// Expert e on rank d (ids out of range, which notify reports, on none).
+__device__ __forceinline__ bool on_rank(int32_t e, int d, int epr) { return e >= 0 && e / epr == d; }
+
+__device__ __forceinline__ int64_t scale_ld_dev(int64_t rows) { return (rows + 3) / 4 * 4; }
+
+// One row into row r of a rank's receive regions (x, scales group-major at ld, weights, ids): the
+// values' D / 16 words, G scales (scale g at s[g * s_stride]), k weights and ids.
+// NOTES: every load of the row (its values' first round, two scales, its weight and id per lane)
+// is issued before the first store: one DRAM round trip per row instead of three.
+template <int kUnroll, bool kStable>
+__device__ __forceinline__ void store_row(const uint8_t* x, const float* s, int64_t s_stride, const float* w,
+                                          const int32_t* id, uint8_t* dx, float* ds, float* dw, int32_t* di, int r,
+                                          int ld, int D, int G, int k, int lane) {
+  float s0 = 0.0f, s1 = 0.0f, wv = 0.0f;
+  int32_t iv = 0;
+  if (lane < G) s0 = s[int64_t(lane) * s_stride];
+  if (lane + 32 < G) s1 = s[int64_t(lane + 32) * s_stride];
+  if (lane < k) {
+    wv = w[lane];
+    iv = id[lane];
+  }
+  warp_copy16<kUnroll, kStable>(reinterpret_cast<int4*>(dx + int64_t(r) * D),
+                                reinterpret_cast<const int4*>(x), D / 16, lane);
+  if (lane < G) ds[int64_t(lane) * ld + r] = s0;
+  if (lane + 32 < G) ds[int64_t(lane + 32) * ld + r] = s1;
+  for (int g = lane + 64; g < G; g += 32) ds[int64_t(g) * ld + r] = s[int64_t(g) * s_stride];
+  if (lane < k) {
+    dw[int64_t(r) * k + lane] = wv;
+    di[int64_t(r) * k + lane] = iv;
+  }
+}
+
+// The dispatch's receive warps (w of `warps`) of block (channel c, half): wait for the flags of the
+// sources p with p % 2 == half on this channel, so that the step ends on this rank only once its
+// rows are all here; block 0's first warp writes the scale padding rows.
+__device__ __forceinline__ void dispatch_receive(const StepArgs& a, const RankSums& sums, int c, int half, int w,
+                                                 int warps, int lane) {
+  const int P = a.ranks, me = a.me, G = int(a.hidden / 128);
+  if (blockIdx.x == 0 && w == 0 && scale_ld_dev(rows_at(sums, P, me)) > rows_at(sums, P, me)) {
+    // Scale padding rows [rows, scale_ld(rows)) of each group: 1, as the quantized layout has.
+    const int64_t n = rows_at(sums, P, me), ld = scale_ld_dev(n);
+    float* s = region<float>(a.peer[me], a.layout.scales);
+    for (int64_t i = lane; i < G * (ld - n); i += 32) s[(i / (ld - n)) * ld + n + i % (ld - n)] = 1.0f;
+  }
+  if (lane == 0)
+    for (int p = half + 2 * w; p < P; p += 2 * warps)
+      wait_flag(a, region<uint64_t>(a.peer[me], a.layout.dispatch_flag) + p * kMaxChannels + c, Step::dispatch,
+                Failure::rows, p, c);
 }
 
 }  // namespace fp8moe::cuda::ep

@@ -23,11 +23,6 @@ namespace {
 
 constexpr int kSendWarps = 14, kRecvWarps = 2, kThreads = 32 * (kSendWarps + kRecvWarps);
 
-// Expert e on rank d (ids out of range, which notify reports, on none).
-__device__ __forceinline__ bool on_rank(int32_t e, int d, int epr) { return e >= 0 && e / epr == d; }
-
-__device__ __forceinline__ int64_t scale_ld_dev(int64_t rows) { return (rows + 3) / 4 * 4; }
-
 // kBlocksPerSm 2 where the ranks of one GPU need two blocks per SM to be resident together (fewer
 // registers, fewer loads in flight), else 1.
 template <int kBlocksPerSm>
@@ -43,18 +38,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const int32_t* counts = region<int32_t>(a.peer[me], a.layout.counts);
   load_sums(a, counts, sums);
 
-  if (warp >= kSendWarps) {  // receive
-    const int w = warp - kSendWarps;
-    if (blockIdx.x == 0 && w == 0 && scale_ld_dev(rows_at(sums, P, me)) > rows_at(sums, P, me)) {
-      // Scale padding rows [rows, scale_ld(rows)) of each group: 1, as the quantized layout has.
-      const int64_t n = rows_at(sums, P, me), ld = scale_ld_dev(n);
-      float* s = region<float>(a.peer[me], a.layout.scales);
-      for (int64_t i = lane; i < G * (ld - n); i += 32) s[(i / (ld - n)) * ld + n + i % (ld - n)] = 1.0f;
-    }
-    if (lane == 0)
-      for (int p = half + 2 * w; p < P; p += 2 * kRecvWarps)
-        wait_flag(a, region<uint64_t>(a.peer[me], a.layout.dispatch_flag) + p * kMaxChannels + c, Step::dispatch,
-                  Failure::rows, p, c);
+  if (warp >= kSendWarps) {
+    dispatch_receive(a, sums, c, half, warp - kSendWarps, kRecvWarps, lane);
     return;
   }
 
@@ -102,29 +87,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     slot += __shfl_sync(~0u, incl, 31);
     for (uint32_t m = goes; m != 0; m &= m - 1, ++ordinal) {
       if (ordinal % team_warps != wit) continue;
-      const int src = t0 + __ffs(m) - 1, r = row + ordinal;
-      // NOTES: every load of the row (its values' first round, two scales, its weight and id per
-      // lane) is issued before the first store: one DRAM round trip per row instead of three.
-      constexpr int kUnroll = kBlocksPerSm == 1 ? 16 : 4;
-      const int4* xs = reinterpret_cast<const int4*>(x + int64_t(src) * D) + lane;
-      int4* xd = reinterpret_cast<int4*>(dx + int64_t(r) * D) + lane;
-      const int words = int(D / 16);
-      float s0 = 0.0f, s1 = 0.0f, wv = 0.0f;
-      int32_t iv = 0;
-      if (lane < Gi) s0 = x_scales[int64_t(lane) * x_ld + src];
-      if (lane + 32 < Gi) s1 = x_scales[int64_t(lane + 32) * x_ld + src];
-      if (lane < ki) {
-        wv = weights[src * ki + lane];
-        iv = idx[src * ki + lane];
-      }
-      warp_copy16<kUnroll>(xd - lane, xs - lane, words, lane);
-      if (lane < Gi) ds[int64_t(lane) * ld + r] = s0;
-      if (lane + 32 < Gi) ds[int64_t(lane + 32) * ld + r] = s1;
-      for (int g = lane + 64; g < Gi; g += 32) ds[int64_t(g) * ld + r] = x_scales[g * x_ld + src];
-      if (lane < ki) {
-        dw[r * ki + lane] = wv;
-        di[r * ki + lane] = iv;
-      }
+      const int src = t0 + __ffs(m) - 1;
+      store_row<kBlocksPerSm == 1 ? 16 : 4, true>(x + int64_t(src) * D, x_scales + src, x_ld, weights + src * ki,
+                                                  idx + src * ki, dx, ds, dw, di, row + ordinal, ld, int(D), Gi, ki,
+                                                  lane);
     }
   }
   __threadfence_system();

@@ -46,6 +46,12 @@ void check_config(const EpConfig& c) {
   FP8MOE_CHECK(c.num_sms / 2 <= kMaxChannels, "ep: num_sms " << c.num_sms << " above " << 2 * kMaxChannels);
   FP8MOE_CHECK(c.timeout_s > 0, "ep: timeout " << c.timeout_s << " s must be positive");
   FP8MOE_CHECK(!(c.low_latency && c.pull_combine), "ep: pull_combine is an option of the normal mode, not the low-latency one");
+  FP8MOE_CHECK(c.ranks_per_node >= 0 && c.ranks_per_node <= c.ranks &&
+                   (c.ranks_per_node == 0 || c.ranks % c.ranks_per_node == 0),
+               "ep: ranks_per_node " << c.ranks_per_node << " must divide the " << c.ranks << " ranks (0: one node)");
+  FP8MOE_CHECK(!(c.low_latency && c.ranks_per_node > 0 && c.ranks_per_node < c.ranks),
+               "ep: the two-hop dispatch (ranks_per_node " << c.ranks_per_node << " of " << c.ranks
+                                                            << ") is the normal mode's, not the low-latency one's");
 }
 
 }  // namespace
@@ -71,6 +77,9 @@ BufferLayout buffer_layout(const EpConfig& c) {
   l.notify_flag = take(nm * kMaxRanks * 8);
   l.dispatch_flag = take(nm * kMaxRanks * kMaxChannels * 8);
   l.combine_flag = take(nm * kMaxRanks * kMaxChannels * 8);
+  const int Rn = c.ranks_per_node > 0 ? c.ranks_per_node : P, nodes = P / Rn;
+  const size_t th = !ll && nodes > 1 ? 1 : 0;  // the two-hop regions
+  l.stage_flag = take(th * kMaxRanks * kMaxChannels * 8);
   l.error = take(32);
   l.ll_step = take(lm * 16);
   l.ll_count_flag = take(lm * size_t(epr * P) * 8);
@@ -92,6 +101,12 @@ BufferLayout buffer_layout(const EpConfig& c) {
   l.ll_src_count = take(lm * size_t(epr * P) * 4);
   l.ll_src_slot = take(lm * size_t(R) * 4);
   l.ll_back = take(lm * size_t(N * k * c.hidden) * 2);
+  l.stage_range = take(th * kMaxRanks * kMaxChannels * 8);
+  l.stage_x = take(th * size_t(nodes * N * c.hidden));
+  l.stage_scales = take(th * size_t(nodes * N * G) * 4);
+  l.stage_weights = take(th * size_t(nodes * N * k) * 4);
+  l.stage_ids = take(th * size_t(nodes * N * k) * 4);
+  l.stage_dest = take(th * size_t(nodes * N * Rn) * 4);
   l.total = o;
   l.max_recv = ll ? R : n;
   if (ll)
@@ -219,8 +234,10 @@ std::unique_ptr<EpGroup> EpGroup::local(const EpConfig& cfg) {
     FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_d, ll_dispatch_kernel_ptr(), ll_threads(), 0));
     FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_c, ll_combine_kernel_ptr(), ll_threads(), 0));
   } else {
+    const bool two_hop = cfg.ranks_per_node > 0 && cfg.ranks_per_node < P;
     FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm_d, dispatch_kernel_ptr(g->blocks_per_sm_), dispatch_threads(), 0));
+        &per_sm_d, two_hop ? two_hop_dispatch_kernel_ptr(g->blocks_per_sm_) : dispatch_kernel_ptr(g->blocks_per_sm_),
+        dispatch_threads(), 0));
     FP8MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &per_sm_c, combine_kernel_ptr(g->blocks_per_sm_), combine_threads(), 0));
   }
@@ -322,6 +339,8 @@ StepArgs EpRank::next_step(int64_t tokens) {
   a.timeout_ns = uint64_t(c.timeout_s * 1e9);
   a.blocks_per_sm = group_->blocks_per_sm();
   a.pull = c.pull_combine;
+  a.ranks_per_node = c.ranks_per_node > 0 ? c.ranks_per_node : c.ranks;
+  a.max_tokens = c.max_tokens;
   return a;
 }
 
@@ -401,8 +420,9 @@ void EpRank::dispatch(const QuantizedView& x, const TensorView& weights, const T
   }
   FP8MOE_CHECK(aligned16(x.values.data), "ep dispatch: x values must start on a 16-byte boundary");
   const StepArgs a = next_step(T);
-  launch_dispatch(a, x.values.ptr<const uint8_t>(), x.scales.ptr<const float>(), x.scales.size(1),
-                  weights.ptr<const float>(), idx.ptr<const int32_t>(), slot_row.ptr<int32_t>(), stream_);
+  (a.ranks_per_node < a.ranks ? launch_two_hop_dispatch : launch_dispatch)(
+      a, x.values.ptr<const uint8_t>(), x.scales.ptr<const float>(), x.scales.size(1), weights.ptr<const float>(),
+      idx.ptr<const int32_t>(), slot_row.ptr<int32_t>(), stream_);
 }
 
 EpRank::Received EpRank::received() const {

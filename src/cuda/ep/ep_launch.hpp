@@ -11,12 +11,16 @@ namespace fp8moe::cuda::ep {
 void launch_notify(const StepArgs& a, const int32_t* idx, cudaStream_t stream);
 void launch_dispatch(const StepArgs& a, const uint8_t* x, const float* x_scales, int64_t x_ld, const float* weights,
                      const int32_t* idx, int32_t* slot_row, cudaStream_t stream);
+// Over several nodes (StepArgs::ranks_per_node < ranks): ep_dispatch_two_hop.cu.
+void launch_two_hop_dispatch(const StepArgs& a, const uint8_t* x, const float* x_scales, int64_t x_ld,
+                             const float* weights, const int32_t* idx, int32_t* slot_row, cudaStream_t stream);
 void launch_combine(const StepArgs& a, const void* rows, const int32_t* slot_row, const float* weights, float* out,
                     bool accumulate, cudaStream_t stream);
 // For the residency check: the kernels' block sizes and entry points.
 int dispatch_threads();
 int combine_threads();
 const void* dispatch_kernel_ptr(int blocks_per_sm);
+const void* two_hop_dispatch_kernel_ptr(int blocks_per_sm);
 const void* combine_kernel_ptr(int blocks_per_sm);
 
 // Low-latency mode (ep_low_latency.cu). phases: kPhaseSend, kPhaseReceive or both (one launch).
