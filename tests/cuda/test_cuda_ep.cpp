@@ -2,8 +2,8 @@
 // Comm path (src/parallel/runtime/ep_reference.hpp, built on its dispatch layout) and the CPU
 // backend's moe_combine, byte for byte: P ranks as P buffers on one GPU, one stream each, for 2,
 // 4 and 8 ranks, top-8 of 256 experts, uniform and skewed loads, experts and whole ranks with no
-// tokens, ranks that send nothing, several channel counts, and several steps in a row on one group
-// (the step counters and the buffers' reuse). Outputs are poisoned before every step. Bad
+// tokens, ranks that send nothing, several channel counts, the two-hop dispatch over nodes of 1, 2
+// and 4 ranks, and several steps in a row on one group (the step counters and the buffers' reuse). Outputs are poisoned before every step. Bad
 // arguments and a peer that never joins fail with fp8moe::Error, the latter after the timeout.
 // Skips without a GPU. Run: build/tests/cuda/test_cuda_ep (FP8MOE_SEED=<n> replays a seed).
 #include <cuda_runtime.h>
