@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# Training with --ep 2 on the two expert-parallel transports (registered with ctest by
-# tests/parallel/CMakeLists.txt): the same run with --ep-transport comm and nvlink, two processes
+# Training with --ep NP on the two expert-parallel transports (registered with ctest by
+# tests/parallel/CMakeLists.txt): the same run with --ep-transport comm and nvlink, NP processes
 # under mpirun on the CUDA backend (they may share one GPU), prints both loss lists and requires
-# them bitwise equal at every step, and the nvlink run to have said it used nvlink.
-#   ep_transport_train.sh FP8MOE MPIRUN CONFIG [STEPS]
+# them bitwise equal at every step, and the nvlink run to have said it used nvlink. EXTRA, e.g.
+# "--ranks-per-node 2", is added to both runs (nodes of ranks: the two-hop dispatch).
+#   ep_transport_train.sh FP8MOE MPIRUN CONFIG [STEPS [NP [EXTRA]]]
 # Exits 77 (skipped) without a GPU.
 set -euo pipefail
-bin=$1 mpirun=$2 cfg=$3 steps=${4:-10}
+bin=$1 mpirun=$2 cfg=$3 steps=${4:-10} np=${5:-2}
+read -r -a extra <<< "${6:-}"
 if ! nvidia-smi -L >/dev/null 2>&1; then
   echo "no GPU: skipped"
   exit 77
 fi
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-common=(train -c "$cfg" --backend cuda --ep 2 --comm mpi --steps "$steps" --seq-len 64 --ckpt-every 0
-        --eval-every 1000 --eval-batches 1 --seed 11)
+common=(train -c "$cfg" --backend cuda --ep "$np" --comm mpi --steps "$steps" --seq-len 64 --ckpt-every 0
+        --eval-every 1000 --eval-batches 1 --seed 11 "${extra[@]}")
 for t in comm nvlink; do
-  "$mpirun" --oversubscribe -np 2 "$bin" "${common[@]}" --ep-transport "$t" -o "$dir/$t" > "$dir/$t.log" 2>&1 ||
+  "$mpirun" --oversubscribe -np "$np" "$bin" "${common[@]}" --ep-transport "$t" -o "$dir/$t" > "$dir/$t.log" 2>&1 ||
     { cat "$dir/$t.log"; exit 1; }
   grep -q "^expert-parallel transport: $t\$" "$dir/$t.log" || { echo "--ep-transport $t: the run did not use $t"; cat "$dir/$t.log"; exit 1; }
 done

@@ -2,10 +2,11 @@
 //   on GPUs (CUDA, sm_90, every rank on one host; several processes may share one GPU), a model
 //   forward and backward with --ep-transport comm and nvlink on the same weights and tokens: every
 //   MoE layer's output y, input gradient dh and combine-weight gradient dw, the loss and every
-//   parameter's gradient byte for byte;
+//   parameter's gradient byte for byte, as one node and (an even number of ranks) as two nodes,
+//   where both take two hops and count the same rows across nodes and inside them;
 //   on CPU ranks, nvlink refused with an error on every rank and auto falling back to comm.
 // Skips the GPU case without a GPU.
-//   mpirun --oversubscribe -np 2 build/tests/parallel/test_ep_transport_mpi
+//   mpirun --oversubscribe -np 2 build/tests/parallel/test_ep_transport_mpi   (and -np 4)
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -58,24 +59,14 @@ class Recorder final : public RoutedExperts {
   std::vector<LayerCall> calls;
 
  private:
-  static Backend& c_be(model::Ctx& c);
   std::shared_ptr<RoutedExperts> inner_;
 };
-
-}  // namespace
-}  // namespace fp8moe
-
-#include "model/model_internal.hpp"
-
-namespace fp8moe {
-namespace {
-
-Backend& Recorder::c_be(model::Ctx& c) { return c.be; }
 
 struct Outcome {
   double loss = 0;
   std::vector<LayerCall> calls;
   std::vector<Tensor> grads;  // every parameter's, on the host
+  DispatchTraffic traffic;
 };
 
 // The tiny config: from the source tree the test was built in, or from the working directory (a
@@ -86,8 +77,9 @@ std::string tiny_config() {
 }
 
 // One forward and backward of the tiny model (hidden 384: three 1x128 tiles; no MTP) on this
-// rank's tokens, its routed experts expert-parallel over the world with `transport`.
-Outcome run(Backend& be, const std::string& transport, const char* expect) {
+// rank's tokens, its routed experts expert-parallel over the world with `transport` (nodes of
+// `ranks_per_node` ranks; 0: one node).
+Outcome run(Backend& be, const std::string& transport, const char* expect, int ranks_per_node = 0) {
   Comm& world = *g_world;
   const int P = world.size(), me = world.rank();
   ModelConfig cfg = load_config(tiny_config());
@@ -97,6 +89,7 @@ Outcome run(Backend& be, const std::string& transport, const char* expect) {
   ParallelOptions opt;
   opt.ep = P;
   opt.ep_transport = transport;
+  opt.ranks_per_node = ranks_per_node;
   const ParallelLayout layout = make_parallel_layout(opt, P, me, cfg);
   ParallelGroups groups = make_parallel_groups(world, layout);
   Model model(cfg, Recipe::from_name("fp8"), be, 5, {layout.first_expert(), layout.experts_per_rank});
@@ -116,6 +109,7 @@ Outcome run(Backend& be, const std::string& transport, const char* expect) {
   be.synchronize();
   r.calls = rec->calls;
   for (Parameter& p : model.parameters()) r.grads.push_back(be.to_host(p.grad));
+  r.traffic = dispatch_traffic(rec->inner());
   return r;
 }
 
@@ -131,13 +125,8 @@ bool have_gpu() {
 #endif
 }
 
-TEST(EpTransport, NvlinkBitwiseTheCommPath) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  if (g_world->size() < 2) GTEST_SKIP() << "nothing crosses ranks on one";
-  select_local_gpu(launch_info());
-  auto be = make_backend("cuda");
-  const Outcome comm = run(*be, "comm", "comm");
-  const Outcome nvlink = run(*be, "nvlink", "nvlink");
+// The two transports' outcomes byte for byte: every MoE call's outputs, the loss, the gradients.
+void expect_same(const Outcome& comm, const Outcome& nvlink) {
   ASSERT_EQ(comm.calls.size(), nvlink.calls.size());
   ASSERT_GE(comm.calls.size(), 2u);
   int64_t bytes = 0;
@@ -159,6 +148,35 @@ TEST(EpTransport, NvlinkBitwiseTheCommPath) {
   if (g_world->rank() == 0)
     std::cout << "[ compared ] " << comm.calls.size() << " MoE calls (" << bytes << " bytes of y, dh, dw) and "
               << comm.grads.size() << " gradients on rank 0, loss " << comm.loss << "\n";
+}
+
+TEST(EpTransport, NvlinkBitwiseTheCommPath) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (g_world->size() < 2) GTEST_SKIP() << "nothing crosses ranks on one";
+  select_local_gpu(launch_info());
+  auto be = make_backend("cuda");
+  const Outcome comm = run(*be, "comm", "comm");
+  expect_same(comm, run(*be, "nvlink", "nvlink"));
+}
+
+// The ranks as two nodes: the transport's two-hop dispatch against the Comm path's two hops, the
+// same bytes and the same rows counted across nodes and inside them.
+TEST(EpTransport, NvlinkTwoHopBitwiseTheCommPath) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int P = g_world->size();
+  if (P < 2 || P % 2 != 0) GTEST_SKIP() << "two nodes need an even number of ranks, not " << P;
+  select_local_gpu(launch_info());
+  auto be = make_backend("cuda");
+  const Outcome comm = run(*be, "comm", "comm", P / 2);
+  const Outcome nvlink = run(*be, "nvlink", "nvlink", P / 2);
+  expect_same(comm, nvlink);
+  const DispatchTraffic &a = comm.traffic, &b = nvlink.traffic;
+  EXPECT_GT(a.cross_node_rows, 0);
+  EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_EQ(a.token_nodes, b.token_nodes);
+  EXPECT_EQ(a.cross_node_rows, b.cross_node_rows) << "rows of the first hop across nodes";
+  EXPECT_EQ(a.in_node_rows, b.in_node_rows) << "rows sent inside the node";
+  EXPECT_EQ(a.one_hop_cross_rows, b.one_hop_cross_rows);
 }
 
 TEST(EpTransport, NvlinkRefusedOnCpuRanks) {

@@ -55,11 +55,7 @@ std::string why_not(const ParallelLayout& l, DType act, const std::vector<std::s
                 << "': peer memory reaches the GPUs of one host",
               o.str());
   }
-  if (l.nodes > 1)
-    return (o << "--ranks-per-node " << l.ranks_per_node << " makes " << l.nodes
-              << " nodes of the expert-parallel group: the transport's dispatch is single-hop, inside one node",
-            o.str());
-  if (l.ep > 8) return (o << "--ep " << l.ep << ": the kernels serve at most 8 ranks (one node)", o.str());
+  if (l.ep > 8) return (o << "--ep " << l.ep << ": the kernels serve at most 8 ranks of one host", o.str());
   if (act != DType::f32)
     return (o << "activations in " << dtype_name(act) << ": the kernels combine into f32 with f32 weights", o.str());
   return "";
@@ -91,6 +87,10 @@ class CudaNvlink final : public NvlinkTransport {
     cfg_.hidden = hidden;
     cfg_.topk = topk;
     cfg_.experts = l.experts;
+    // --ranks-per-node: the group's nodes are runs of ranks of this host, and the dispatch takes
+    // two hops (one across to the same in-node index of each node holding a row's experts, then
+    // inside that node), as it would over several nodes.
+    cfg_.ranks_per_node = l.nodes > 1 ? int(l.ranks_per_node) : 0;
     if (l.comm_sms > 0) cfg_.num_sms = int(l.comm_sms);  // --comm-sms; else the kernels' default
     // A peer late by a checkpoint write or a slow first step is not a dead one: the kernels wait
     // as long as the communicator's blocking calls do.
@@ -126,8 +126,11 @@ class CudaNvlink final : public NvlinkTransport {
       be.copy(d.ids.view(), got.ids);
     }
     d.recv_counts = counts.recv_counts(r.rank());
-    for (int q = 0; q < cfg_.ranks; ++q)
-      if (q != r.rank()) d.sent_rows += counts.tokens_to(r.rank(), q);
+    const int me = r.rank(), R = cfg_.ranks_per_node > 0 ? cfg_.ranks_per_node : cfg_.ranks;
+    for (int q = 0; q < cfg_.ranks; ++q) {
+      if (q == me || q / R != me / R) continue;
+      for (int p = me % R; p < cfg_.ranks; p += R) d.in_node_rows += counts.tokens_to(p, q);
+    }
     return d;
   }
 

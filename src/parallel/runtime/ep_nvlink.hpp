@@ -18,8 +18,9 @@ namespace fp8moe::ep {
 
 // Whether the layer of `layout` over `ep` runs on the NVLink transport: "comm" no; "nvlink" yes,
 // or an fp8moe::Error naming why not (the same on every rank); "auto" where every rank can: the
-// CUDA backend on sm_90, every rank on one host, one node in the group, at most 8 ranks, f32
-// activations. Collective over ep (the ranks exchange what they are) unless "comm".
+// CUDA backend on sm_90, every rank on one host (--ranks-per-node: the group's nodes are runs of
+// its ranks, and the dispatch takes two hops), at most 8 ranks, f32 activations. Collective over
+// ep (the ranks exchange what they are) unless "comm".
 bool use_nvlink(Backend& be, Comm& ep, const ParallelLayout& layout, DType act);
 
 class NvlinkTransport {
@@ -29,7 +30,10 @@ class NvlinkTransport {
     Tensor x;                          // [n, D] f32: the rows that reached this rank, dequantized
     Tensor weights, ids;               // [n, k] f32, i32 global expert ids: their sources' routing
     std::vector<int64_t> recv_counts;  // rows from each source rank
-    int64_t sent_rows = 0;             // rows this rank sent to the other ranks
+    // Rows this rank sent to another rank of its node (two hops: its own tokens and those it
+    // forwards; one node: every row to another rank). The first hop's rows across nodes, one per
+    // (token, other node holding one of its experts), the caller counts from the routing.
+    int64_t in_node_rows = 0;
   };
   // x [T, D] f32 quantized to 1x128 E4M3 tiles with `mode` scales (one quantization per token),
   // sent once to each rank holding one of the token's experts idx [T, k] with w [T, k] f32.

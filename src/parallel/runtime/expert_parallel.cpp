@@ -18,6 +18,7 @@
 // the in-process one (src/model/moe.cpp) by those roundings; with --ep 1 it runs on one rank.
 // Tested through training against one rank: ctest -R ParallelTrain (tests/parallel/parallel_train.sh).
 #include <cstring>
+#include <optional>
 
 #include "dispatch_layout.hpp"
 #include "ep_exchange.hpp"
@@ -108,7 +109,7 @@ class ExpertParallel final : public RoutedExperts {
       ep::NvlinkTransport::Dispatched d = nvlink_->dispatch(c.be, h, w, idx, c.recipe.pow2_mode);
       s->idx = idx;
       s->recv_counts = d.recv_counts;
-      count_traffic(idx_h.ptr<int32_t>(), T, K, 0, d.sent_rows);
+      count_traffic(idx_h.ptr<int32_t>(), T, K, std::nullopt, d.in_node_rows);
       xr = d.x;
       s->w_recv = d.weights;
       ids = d.ids;
@@ -145,8 +146,16 @@ class ExpertParallel final : public RoutedExperts {
     for (int64_t p = 0; p < P; ++p) s->ret_send[size_t(p)] = s->src[size_t(p)].ret;
     s->ret_recv = s->plan.slots_per_rank;
     s->back = std::make_unique<ep::CombineRoute>(c.be, ep_, rail_.get(), node_.get(), s->ret_send, s->ret_recv);
-    traffic_.combine_cross_node_rows += s->back->cross_node_rows();
-    traffic_.combine_in_node_rows += s->back->in_node_rows();
+    if (nvlink_) {  // its combine is one hop, across nodes where the expert rank is on another
+      for (int64_t p = 0; p < P; ++p)
+        if (p != l_.ep_rank())
+          (p / l_.ranks_per_node == l_.ep_rank() / l_.ranks_per_node ? traffic_.combine_in_node_rows
+                                                                     : traffic_.combine_cross_node_rows) +=
+              s->ret_send[size_t(p)];
+    } else {
+      traffic_.combine_cross_node_rows += s->back->cross_node_rows();
+      traffic_.combine_in_node_rows += s->back->in_node_rows();
+    }
     // Combine: the expert outputs back in BF16, one row per slot.
     s->slot_row = i32_tensor(c, s->plan.slot_row, T, K);
     if (nvlink_) {
@@ -273,10 +282,13 @@ class ExpertParallel final : public RoutedExperts {
     return rows;
   }
 
-  void count_traffic(const int32_t* idx, int64_t T, int64_t K, int64_t cross_node_rows, int64_t in_node_rows) {
+  // cross_node_rows: the transport's count, or none for the two-hop dispatch's first hop over
+  // peer memory (a row per token and other node holding one of its experts: counted here).
+  void count_traffic(const int32_t* idx, int64_t T, int64_t K, std::optional<int64_t> cross_node_rows,
+                     int64_t in_node_rows) {
     const int64_t G = l_.ranks_per_node, me = l_.ep_rank() / G;
     traffic_.tokens += T;
-    traffic_.cross_node_rows += cross_node_rows;
+    traffic_.cross_node_rows += cross_node_rows.value_or(0);
     traffic_.in_node_rows += in_node_rows;
     std::vector<int64_t> seen_rank(size_t(l_.ep), -1), seen_node(size_t(l_.nodes), -1);
     for (int64_t t = 0; t < T; ++t)
@@ -285,6 +297,7 @@ class ExpertParallel final : public RoutedExperts {
         if (seen_node[size_t(n)] != t) {
           seen_node[size_t(n)] = t;
           ++traffic_.token_nodes;
+          if (!cross_node_rows && n != me) ++traffic_.cross_node_rows;
         }
         if (seen_rank[size_t(r)] != t) {
           seen_rank[size_t(r)] = t;
