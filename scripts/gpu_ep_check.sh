@@ -18,11 +18,11 @@ gpu_bins fp8moe_cli test_cuda_ep
 gpu_info
 
 step "test_cuda_ep" 60 "$OUT/tests.log" "$BIN_T/test_cuda_ep"
-SMALL='*TwoRanksUniform*:*EightRanksFewChannels*:*FourRanksPullCombine*:*TooManyTokens*'
-step "memcheck ep" 40 "$OUT/memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
+SMALL='*TwoRanksUniform*:*EightRanksFewChannels*:*FourRanksPullCombine*:*TooManyTokens*:*FourRanksAsTwoNodesWithASilentRank*:*TwoRanksAsTwoNodesFullHidden*'
+step "memcheck ep" 80 "$OUT/memcheck.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
   "$BIN_T/test_cuda_ep" --gtest_filter="$SMALL"
-step "racecheck ep" 30 "$OUT/racecheck.log" compute-sanitizer --tool racecheck --error-exitcode 3 \
-  "$BIN_T/test_cuda_ep" --gtest_filter='*TwoRanksUniform*'
+step "racecheck ep" 60 "$OUT/racecheck.log" compute-sanitizer --tool racecheck --error-exitcode 3 \
+  "$BIN_T/test_cuda_ep" --gtest_filter='*TwoRanksUniform*:*FourRanksAsTwoNodesWithASilentRank*'
 step "bench ep" 80 "$OUT/bench_ep.md" "$BIN_CLI" bench ep --iters "$ITERS" --gemm
 step "bench ep pull" 80 "$OUT/bench_ep_pull.md" "$BIN_CLI" bench ep --iters "$ITERS" --gemm --pull
 # Other SM budgets: more SMs per rank, and 8 ranks that fit one block per SM (num_sms 16).

@@ -632,12 +632,12 @@ class CudaBackend final : public Backend {
   double sum_squares(const TensorView& x) override {
     FP8MOE_TIMED_OP("sum_squares");
     ++host_waits_;
-    return cuda::cuda_sum_squares({x}, nullptr, s_);
+    return cuda::cuda_sum_squares({x}, s_);
   }
   double sum_squares_all(const std::vector<TensorView>& xs) override {
     FP8MOE_TIMED_OP("sum_squares_all");
     ++host_waits_;
-    return cuda::cuda_sum_squares(xs, &norm_table_, s_);
+    return cuda::cuda_sum_squares(xs, s_);
   }
 
   // ---- Step statistics.
@@ -695,7 +695,7 @@ class CudaBackend final : public Backend {
   // NOTES: not destroyed: the backend lives until exit, and destroying them in a static
   // destruction order that outlives the context fails.
   cudaStream_t copy_stream_ = nullptr;
-  cuda::DeviceTable ema_table_, adamw_table_, norm_table_;  // of ema_fold, adamw_steps, sum_squares_all
+  cuda::DeviceTable ema_table_, adamw_table_;  // the launch tables of ema_fold and adamw_steps
   cudaEvent_t queued_ = nullptr, copied_ = nullptr;
 };
 

@@ -143,11 +143,9 @@ void cuda_adamw_step(const TensorView& w, const TensorView& g, const TensorView&
 // Backend::adamw_steps: cuda_adamw_step over every entry in one launch over `table`'s chunks.
 void cuda_adamw_steps(const std::vector<Backend::AdamWTensors>& ts, const Backend::AdamWStep& p, DeviceTable& table,
                       cudaStream_t stream);
-// Backend::sum_squares of an f32 tensor, FP64 accumulation in a fixed order (deterministic), over
-// all of xs in order: one kernel over the tensors' slices, one over their partials, one read back.
-// The list of tensors goes to the device through `table` (kept there while it is the same list:
-// a step's gradients), or, without one, uploaded for this call.
-double cuda_sum_squares(const std::vector<TensorView>& xs, DeviceTable* table, cudaStream_t stream);
+// Backend::sum_squares of an f32 tensor, FP64 accumulation in a fixed order (deterministic).
+// Over all of xs in order; one kernel pass per 65535 tensors and one read back.
+double cuda_sum_squares(const std::vector<TensorView>& xs, cudaStream_t stream);
 
 // Backend::ema_fold (ema_fold.cu): every average = decay * average + (1 - decay) * value (all f32
 // on the device), with the host fold's roundings, in one launch on `stream` over `table`'s chunks.
