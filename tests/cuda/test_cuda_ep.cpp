@@ -351,6 +351,13 @@ TEST(CudaEp, TwoRanksAsTwoNodesFullHidden) {
   run_case(c);
 }
 
+TEST(CudaEp, FourRanksAsTwoNodesOneScaleGroup) {  // D 128: a row is one 1x128 tile
+  FP8MOE_REQUIRE_GPU();
+  Case c{4, 20, 128, {128, 128, 97, 128}, 0, {}, 3};
+  c.ranks_per_node = 2;
+  run_case(c);
+}
+
 TEST(CudaEp, EightRanksAsEightNodesFewChannels) {
   FP8MOE_REQUIRE_GPU();
   Case c{8, 2, 256, {100, 200, 0, 50, 3, 90, 77, 128}, 0, {}, 2};
