@@ -67,8 +67,6 @@ bool use_nvlink(Backend& be, Comm& ep, const ParallelLayout& l, DType act) {
   if (l.ep_transport == "comm") return false;
   FP8MOE_CHECK(l.ep_transport == "nvlink" || l.ep_transport == "auto",
                "--ep-transport must be comm, nvlink or auto, got '" << l.ep_transport << "'");
-  // Several nodes: the two-hop kernels on request only (the same on every rank: one layout).
-  if (l.ep_transport == "auto" && l.nodes > 1) return false;
   const std::string why = why_not(l, act, ep.exchange(host_name() + "\n" + why_not_here(be)));
   FP8MOE_CHECK(why.empty() || l.ep_transport == "auto", "--ep-transport nvlink: " << why);
   return why.empty();

@@ -17,11 +17,10 @@
 namespace fp8moe::ep {
 
 // Whether the layer of `layout` over `ep` runs on the NVLink transport: "comm" no; "nvlink" yes,
-// or an fp8moe::Error naming why not (the same on every rank); "auto" where every rank can and
-// the group is one node: the CUDA backend on sm_90, every rank on one host, at most 8 ranks, f32
-// activations. With --ranks-per-node (the group's nodes are runs of its ranks) "nvlink" takes the
-// two-hop dispatch and "auto" the Comm path. Collective over ep (the ranks exchange what they
-// are) unless "comm" or "auto" over several nodes.
+// or an fp8moe::Error naming why not (the same on every rank); "auto" where every rank can: the
+// CUDA backend on sm_90, every rank on one host (--ranks-per-node: the group's nodes are runs of
+// its ranks, and the dispatch takes two hops), at most 8 ranks, f32 activations. Collective over
+// ep (the ranks exchange what they are) unless "comm".
 bool use_nvlink(Backend& be, Comm& ep, const ParallelLayout& layout, DType act);
 
 class NvlinkTransport {
