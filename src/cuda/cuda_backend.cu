@@ -665,13 +665,15 @@ class CudaBackend final : public Backend {
       n *= s;
     }
     const size_t bytes = dtype_bytes(dtype, n);
-    void* p = cuda::cached_malloc(bytes, s_);
-    if (p && zero) {
-      const cudaError_t e = cudaMemsetAsync(p, 0, bytes, s_);
-      if (e != cudaSuccess) cuda::cached_free(p);
+    const cuda::CachedBlock block = cuda::cached_malloc(bytes, s_, device_);
+    if (block.ptr && zero) {
+      const cudaError_t e = cudaMemsetAsync(block.ptr, 0, bytes, s_);
+      if (e != cudaSuccess) cuda::cached_free(block);
       FP8MOE_CUDA_CHECK(e);
     }
-    std::shared_ptr<void> storage(p, [](void* q) { cuda::cached_free(q); });
+    // The deleter keeps the block's description (in the control block the shared pointer makes
+    // anyway).
+    std::shared_ptr<void> storage(block.ptr, [block](void*) { cuda::cached_free(block); });
     return Tensor(std::move(storage), dtype, shape, Device::cuda);
   }
 

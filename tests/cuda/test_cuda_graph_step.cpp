@@ -66,29 +66,30 @@ TEST(GraphStepCuda, BlocksOfARecordingStayWithGraphs) {
   FP8MOE_REQUIRE_GPU();
   const Stream stream = cuda::make_stream();
   const cudaStream_t s = cuda::native(stream);
-  void* before = cuda::cached_malloc(4096, s);
-  void* freed_inside = cuda::cached_malloc(8192, s);
+  const cuda::CachedBlock before = cuda::cached_malloc(4096, s);
+  const cuda::CachedBlock freed_inside = cuda::cached_malloc(8192, s);
   cuda::cached_free(before);
   const int64_t kept = cuda::allocator_stats().graph_reserved;
   cuda::begin_graph_pool(s);
-  void* g1 = cuda::cached_malloc(4096, s);  // the ordinary free block, now the graphs'
-  EXPECT_EQ(g1, before);
+  const cuda::CachedBlock g1 = cuda::cached_malloc(4096, s);  // the ordinary free block, now the graphs'
+  EXPECT_EQ(g1.ptr, before.ptr);
+  EXPECT_TRUE(g1.graph);
   cuda::cached_free(g1);
-  void* g2 = cuda::cached_malloc(4096, s);
-  EXPECT_EQ(g2, g1);
+  const cuda::CachedBlock g2 = cuda::cached_malloc(4096, s);
+  EXPECT_EQ(g2.ptr, g1.ptr);
   cuda::cached_free(freed_inside);  // a recorded kernel may have used it
   cuda::end_graph_pool();
   cuda::cached_free(g2);
-  void* after = cuda::cached_malloc(4096, s);
-  void* after2 = cuda::cached_malloc(8192, s);
-  EXPECT_NE(after, before);
-  EXPECT_NE(after2, freed_inside);
+  const cuda::CachedBlock after = cuda::cached_malloc(4096, s);
+  const cuda::CachedBlock after2 = cuda::cached_malloc(8192, s);
+  EXPECT_NE(after.ptr, before.ptr);
+  EXPECT_NE(after2.ptr, freed_inside.ptr);
   EXPECT_EQ(cuda::allocator_stats().graph_reserved - kept, 4096 + 8192);
   cuda::begin_graph_pool(s);  // the next recording finds them again
-  void* again = cuda::cached_malloc(4096, s);
-  EXPECT_EQ(again, before);
+  const cuda::CachedBlock again = cuda::cached_malloc(4096, s);
+  EXPECT_EQ(again.ptr, before.ptr);
   cuda::end_graph_pool();
-  for (void* p : {after, after2, again}) cuda::cached_free(p);
+  for (const cuda::CachedBlock& b : {after, after2, again}) cuda::cached_free(b);
   stream.synchronize();
 }
 

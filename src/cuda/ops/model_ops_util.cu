@@ -41,9 +41,9 @@ __global__ void iota_kernel(int32_t* p, int64_t n) {
 
 }  // namespace
 
-DeviceBuffer::DeviceBuffer(size_t bytes, cudaStream_t stream) : p_(cached_malloc(bytes, stream)) {}
+DeviceBuffer::DeviceBuffer(size_t bytes, cudaStream_t stream) : block_(cached_malloc(bytes, stream)) {}
 
-DeviceBuffer::~DeviceBuffer() { cached_free(p_); }
+DeviceBuffer::~DeviceBuffer() { cached_free(block_); }
 
 void stable_sort_by_key(const int32_t* keys, int64_t n, int64_t nkeys, int32_t* keys_out, int32_t* pos_out,
                         cudaStream_t stream) {

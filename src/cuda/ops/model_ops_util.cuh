@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "cuda/runtime/caching_allocator.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "fp8moe/tensor.hpp"
 
@@ -37,10 +38,10 @@ class DeviceBuffer {
   ~DeviceBuffer();
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  template <class T> T* as() const { return static_cast<T*>(p_); }
+  template <class T> T* as() const { return static_cast<T*>(block_.ptr); }
 
  private:
-  void* p_ = nullptr;
+  CachedBlock block_;
 };
 
 // The current device's cuBLASLt handle and the workspace of the model ops' GEMMs on `stream`

@@ -1,6 +1,6 @@
-// The caching allocator (caching_allocator.hpp): free lists per (device, stream, size class) and
-// a map from pointer to block; one mutex, held for a hash lookup and a vector push or pop. Blocks
-// kept for graphs have free lists of their own, with the same keys.
+// The caching allocator (caching_allocator.hpp): free lists per (device, stream, size class); one
+// mutex, held for a hash lookup and a vector push or pop. Blocks kept for graphs have free lists
+// of their own, with the same keys. The callers hold their blocks' descriptions.
 #include "cuda/runtime/caching_allocator.hpp"
 
 #include <algorithm>
@@ -24,12 +24,7 @@ size_t allocator_size_class(size_t bytes) {
 
 namespace {
 
-struct Block {
-  size_t size;  // its size class
-  cudaStream_t stream;
-  int device;
-  bool graph = false;  // kept for graphs
-};
+using Block = CachedBlock;
 
 struct Key {
   int device;
@@ -45,10 +40,8 @@ struct KeyHash {
 
 class Cache {
  public:
-  void* allocate(size_t bytes, cudaStream_t stream) {
+  Block allocate(size_t bytes, cudaStream_t stream, int device) {
     const size_t size = allocator_size_class(bytes);
-    int device = 0;
-    FP8MOE_CUDA_CHECK(cudaGetDevice(&device));
     const Key key{device, stream, size};
     bool graph = false;
     {
@@ -56,13 +49,13 @@ class Cache {
       ++stat(device).allocations;
       graph = capturing_ && stream == capture_stream_;
       if (graph) {
-        if (void* p = pop(graph_free_, key)) return taken(p, Block{size, stream, device, true});
+        if (void* p = pop(graph_free_, key)) return taken(Block{p, size, stream, device, true});
         if (void* p = pop(free_, key)) {
           stat(device).graph_reserved += int64_t(size);
-          return taken(p, Block{size, stream, device, true});
+          return taken(Block{p, size, stream, device, true});
         }
       } else if (void* p = pop(free_, key)) {
-        return taken(p, Block{size, stream, device});
+        return taken(Block{p, size, stream, device});
       }
     }
     void* p = nullptr;
@@ -86,24 +79,20 @@ class Cache {
     st.reserved += int64_t(size);
     if (graph) st.graph_reserved += int64_t(size);
     st.peak_reserved = std::max(st.peak_reserved, st.reserved);
-    return taken(p, Block{size, stream, device, graph});
+    return taken(Block{p, size, stream, device, graph});
   }
 
-  void free(void* p) {
+  void free(Block b) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = live_.find(p);
-    if (it == live_.end()) return;
-    Block b = it->second;
-    live_.erase(it);
     if (!b.graph && capturing_ && b.stream == capture_stream_) {  // a recorded kernel may have used it
       b.graph = true;
       stat(b.device).graph_reserved += int64_t(b.size);
     }
     if (holds_ > 0) {
-      held_.emplace_back(p, b);  // still counted as allocated: it is not reusable yet
+      held_.push_back(b);  // still counted as allocated: it is not reusable yet
       return;
     }
-    put_back(p, b);
+    put_back(b);
   }
 
   void begin_graph(cudaStream_t stream) {
@@ -125,7 +114,7 @@ class Cache {
   void release_held() {
     std::lock_guard<std::mutex> lock(mu_);
     if (holds_ > 0 && --holds_ > 0) return;
-    for (const auto& [p, b] : held_) put_back(p, b);
+    for (const Block& b : held_) put_back(b);
     held_.clear();
   }
 
@@ -166,16 +155,15 @@ class Cache {
     if (size_t(device) >= stats_.size()) stats_.resize(size_t(device) + 1);
     return stats_[size_t(device)];
   }
-  void* taken(void* p, const Block& b) {
-    live_.emplace(p, b);
+  Block taken(const Block& b) {
     AllocatorStats& st = stat(b.device);
     st.allocated += int64_t(b.size);
     st.peak_allocated = std::max(st.peak_allocated, st.allocated);
-    return p;
+    return b;
   }
-  void put_back(void* p, const Block& b) {
+  void put_back(const Block& b) {
     stat(b.device).allocated -= int64_t(b.size);
-    (b.graph ? graph_free_ : free_)[Key{b.device, b.stream, b.size}].push_back(p);
+    (b.graph ? graph_free_ : free_)[Key{b.device, b.stream, b.size}].push_back(b.ptr);
   }
   using FreeLists = std::unordered_map<Key, std::vector<void*>, KeyHash>;
   static void* pop(FreeLists& lists, const Key& k) {
@@ -201,13 +189,12 @@ class Cache {
   }
 
   std::mutex mu_, pool_mu_;
-  std::unordered_map<void*, Block> live_;
   FreeLists free_;
   FreeLists graph_free_;  // blocks kept for graphs (never returned to the pool)
   bool capturing_ = false;
   cudaStream_t capture_stream_ = nullptr;
   int holds_ = 0;
-  std::vector<std::pair<void*, Block>> held_;  // freed while held
+  std::vector<Block> held_;  // freed while held
   std::vector<AllocatorStats> stats_;  // per device
   std::vector<cudaMemPool_t> pools_;
 };
@@ -227,9 +214,12 @@ int current_device() {
 
 }  // namespace
 
-void* cached_malloc(size_t bytes, cudaStream_t stream) { return bytes == 0 ? nullptr : cache().allocate(bytes, stream); }
-void cached_free(void* p) {
-  if (p) cache().free(p);
+CachedBlock cached_malloc(size_t bytes, cudaStream_t stream, int device) {
+  return bytes == 0 ? CachedBlock{} : cache().allocate(bytes, stream, device);
+}
+CachedBlock cached_malloc(size_t bytes, cudaStream_t stream) { return cached_malloc(bytes, stream, current_device()); }
+void cached_free(const CachedBlock& b) {
+  if (b.ptr) cache().free(b);
 }
 void hold_frees() { cache().hold(); }
 void begin_graph_pool(cudaStream_t stream) { cache().begin_graph(stream); }

@@ -31,11 +31,24 @@ struct AllocatorStats {
 // segments) share blocks and at most a fifth of a block is unused.
 size_t allocator_size_class(size_t bytes);
 
-// Thread-safe; one per device, for the device current at the call.
-void* cached_malloc(size_t bytes, cudaStream_t stream);
-// `p` from cached_malloc (nullptr is ignored); its block becomes free on its own stream, or, while
-// frees are held, at the end of the hold.
-void cached_free(void* p);
+// A block of the cache: its memory, and what the allocator needs to take it back (the caller
+// keeps it, so that no table maps pointers to blocks).
+struct CachedBlock {
+  void* ptr = nullptr;  // nullptr: no block (a request of 0 bytes)
+  size_t size = 0;      // its size class
+  cudaStream_t stream = nullptr;
+  int device = 0;
+  bool graph = false;  // kept for graphs
+};
+
+// Thread-safe; one cache per device. `device` is the device current at the call, which the
+// backend knows (asking the runtime costs as much as the cache's own work); without it, the
+// runtime is asked.
+CachedBlock cached_malloc(size_t bytes, cudaStream_t stream, int device);
+CachedBlock cached_malloc(size_t bytes, cudaStream_t stream);
+// A block from cached_malloc, once (no block is ignored): it becomes free on its own stream, or,
+// while frees are held, at the end of the hold.
+void cached_free(const CachedBlock& b);
 // While held (nested holds count), freed blocks are set aside and return to their streams' free
 // lists only at release_frees(): for work on two streams whose tensors cross between them, where
 // the host drops a tensor of one stream while the other may still use it. The caller makes the
