@@ -145,12 +145,12 @@ __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, __half2 b) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// The CTA: kMH warp pairs, pair i owning heads [16 i, 16 i + 16) of the CTA's tile. Per tile of
-// kTok = 32 tokens (half a cache block, so its slots are consecutive) warp j of a pair scores
-// tokens [16 j, 16 j + 16) of the tile for its 16 heads; the pair shares its row maxima and sums
-// through shared memory (both warps then hold the same running max and sum), writes the
-// probabilities to shared memory, and warp j accumulates output columns [j rkv / 2, (j + 1) rkv / 2)
-// over all kTok tokens. Rows in shared memory are padded by 8 operands so that the eight rows an
+// The CTA: kMH groups of kNW warps, group i owning heads [16 i, 16 i + 16) of the CTA's tile. Per
+// tile of kTok = 32 tokens (half a cache block, so its slots are consecutive) warp j of a group
+// scores tokens [kTok / kNW j, kTok / kNW (j + 1)) of the tile for its 16 heads; the group shares
+// its row maxima and sums through shared memory (its warps then hold the same running max and
+// sum), writes the probabilities to shared memory, and warp j accumulates output columns
+// [j rkv / kNW, (j + 1) rkv / kNW) over all kTok tokens (kNW: TcConfig). Rows in shared memory are padded by 8 operands so that the eight rows an
 // ldmatrix reads fall in distinct 16-byte bank groups (row stride an odd number of 16 bytes).
 //
 // The fp8 cache's tiles stay in shared memory as stored (e4m3 codes, their scales, BF16 RoPE keys)
@@ -165,15 +165,24 @@ __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, __half2 b) {
 //   PV    the thread's tokens of a k-step are t4 + {0, 4, 8, 12} and its column g of n-tile 4 c + i
 //         is dim 32 c + 4 g + i of the warp's columns: one 4-byte read per token and chunk, the
 //         four words transposed with byte permutes. P is stored in that token order (p_column);
-//         the V codes are scaled by their token's scale in FP16, as the codes' dequantization.
+//         the V codes are scaled by their token's scale in FP16 (or, where a warp's columns lie in
+//         one group, its column of P).
 // Row strides: latent rows 32 bytes past a multiple of 128 (the QK's 8-byte reads of four rows and
 // the PV's 4-byte reads of four rows hit distinct banks), RoPE rows 16 bytes past one.
 template <int kRkv, int kDr, int kMH>
 struct TcConfig {
   static constexpr int W = kRkv + kDr, kStride = W + 8, kTok = 32, kPStride = kTok + 8;
-  static constexpr int kHeads = 16 * kMH, kThreads = 64 * kMH;
-  static constexpr int kVCols = kRkv / 2, kNTiles = kVCols / 8;
-  static_assert(W % 16 == 0 && kDr % 16 == 0 && kRkv % 128 == 0, "shape");
+  // Warps per 16 heads: four where a CTA has 16 heads (its small Q leaves room for three CTAs per
+  // SM, and the warps they bring hide the latency of the shared-memory reads, the conversions and
+  // the MMAs that feed one another); two where more heads make the MMAs bind, as the Q fragments
+  // each warp reads once per tile would double.
+  static constexpr int kNW = kMH == 1 ? 4 : 2, kWarpTok = kTok / kNW, kOct = kWarpTok / 8;  // token octets per warp
+  static constexpr int kHeads = 16 * kMH, kThreads = 32 * kNW * kMH;
+  // CTAs per SM the registers must allow: the shared memory of a 16-head CTA lets three run.
+  static constexpr int kMinCtas = kMH == 1 ? 3 : 1;
+  static constexpr int kVCols = kRkv / kNW, kNTiles = kVCols / 8;
+  static_assert(W % 32 == 0 && kDr % 16 == 0 && kRkv % 128 == 0, "shape");
+  static_assert(kOct >= 1 && kWarpTok % 8 == 0, "whole token octets per warp");
   static_assert((kStride / 8) % 2 == 1 && (kPStride / 8) % 2 == 1, "padding keeps ldmatrix conflict-free");
   static_assert(kNTiles % 4 == 0, "output n-tiles go in fours");
   static constexpr int kG = kRkv / 128;
@@ -183,7 +192,7 @@ struct TcConfig {
   static constexpr size_t kQBytes = size_t(kHeads) * kStride * 2, kRowsBytes = size_t(kTok) * kStride * 2;
   static constexpr size_t kRawLat = size_t(kTok) * kLatStride, kRawScale = size_t(kTok) * kG * 4,
                           kRawRope = size_t(kTok) * kRopeStride, kRawBytes = kRawLat + kRawScale + kRawRope;
-  static constexpr size_t kPBytes = size_t(kHeads) * kPStride * 2, kStatBytes = size_t(4) * kHeads * 4;
+  static constexpr size_t kPBytes = size_t(kHeads) * kPStride * 2, kStatBytes = size_t(2) * kNW * kHeads * 4;
   static constexpr size_t smem(bool fp8) { return kQBytes + 2 * (fp8 ? kRawBytes : kRowsBytes) + kPBytes + kStatBytes; }
 };
 
@@ -199,7 +208,7 @@ __device__ __forceinline__ int p_column(int u) {
 }
 
 template <int kRkv, int kDr, int kMH, bool kFp8>
-__global__ void __launch_bounds__(64 * kMH, 1)
+__global__ void __launch_bounds__(TcConfig<kRkv, kDr, kMH>::kThreads, TcConfig<kRkv, kDr, kMH>::kMinCtas)
     mla_decode_tc_kernel(const float* __restrict__ q, const __nv_bfloat16* __restrict__ rows,
                          const uint8_t* __restrict__ lat, const float* __restrict__ lat_scale,
                          const __nv_bfloat16* __restrict__ rope, const int32_t* __restrict__ table,
@@ -210,16 +219,17 @@ __global__ void __launch_bounds__(64 * kMH, 1)
   using Op = TcOperand<kFp8>;
   using E = typename Op::T;
   constexpr int W = C::W, S = C::kStride, kTok = C::kTok, PS = C::kPStride, NT = C::kThreads, G = C::kG;
-  constexpr int LS = C::kLatStride, RS = C::kRopeStride;
+  constexpr int LS = C::kLatStride, RS = C::kRopeStride, NW = C::kNW, OCT = C::kOct;
   constexpr size_t kBufBytes = kFp8 ? C::kRawBytes : C::kRowsBytes;
   extern __shared__ __align__(16) unsigned char smem[];
   E* sQ = reinterpret_cast<E*>(smem);
   unsigned char* sBuf = smem + C::kQBytes;  // two tile buffers
   E* sP = reinterpret_cast<E*>(sBuf + 2 * kBufBytes);
-  float* sMax = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sP) + C::kPBytes);  // [2][kHeads]
-  float* sSum = sMax + 2 * C::kHeads;                                                         // [2][kHeads]
+  float* sMax = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sP) + C::kPBytes);  // [NW][kHeads]
+  float* sSum = sMax + NW * C::kHeads;                                                        // [NW][kHeads]
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, mh = warp >> 1, nw = warp & 1;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, mh = warp / NW, nw = warp % NW;
+  const int tw = nw * C::kWarpTok;  // the warp's first token of a tile
   const int g = lane >> 2, t4 = lane & 3;
   const int b = blockIdx.y, ht = blockIdx.x % head_tiles, sp = blockIdx.x / head_tiles;
   const int h0 = ht * C::kHeads;
@@ -299,33 +309,49 @@ __global__ void __launch_bounds__(64 * kMH, 1)
     __syncthreads();
     const unsigned char* tile = sBuf + buf * kBufBytes;
 
-    // Scores of 16 heads x 16 tokens: s[j] is tokens 16 nw + 8 j + [0, 8).
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    // Scores of 16 heads x the warp's tokens: s[j] is tokens tw + 8 j + [0, 8).
+    float s[OCT][4] = {};
     if constexpr (!kFp8) {
       const E* K = reinterpret_cast<const E*>(tile);
-      const E* kb = K + (nw * 16 + ((lane >> 4) & 1) * 8 + (lane & 7)) * S + ((lane >> 3) & 1) * 8;
+      if constexpr (OCT == 2) {  // one ldmatrix: both octets' k-step
+        const E* kb = K + (tw + ((lane >> 4) & 1) * 8 + (lane & 7)) * S + ((lane >> 3) & 1) * 8;
 #pragma unroll 4
-      for (int k0 = 0; k0 < W; k0 += 16) {
-        uint32_t a[4], bb[4];
-        ldmatrix_x4(a, qa + k0);
-        ldmatrix_x4(bb, kb + k0);
-        Op::mma(s[0], a, bb[0], bb[1]);
-        Op::mma(s[1], a, bb[2], bb[3]);
+        for (int k0 = 0; k0 < W; k0 += 16) {
+          uint32_t a[4], bb[4];
+          ldmatrix_x4(a, qa + k0);
+          ldmatrix_x4(bb, kb + k0);
+          Op::mma(s[0], a, bb[0], bb[1]);
+          Op::mma(s[OCT - 1], a, bb[2], bb[3]);
+        }
+      } else {  // one ldmatrix: the octet's two k-steps, into two accumulators
+        const E* kb = K + (tw + (lane & 7)) * S + (lane >> 3) * 8;
+        float s2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+        for (int k0 = 0; k0 < W; k0 += 32) {
+          uint32_t a0[4], a1[4], bb[4];
+          ldmatrix_x4(a0, qa + k0);
+          ldmatrix_x4(a1, qa + k0 + 16);
+          ldmatrix_x4(bb, kb + k0);
+          Op::mma(s[0], a0, bb[0], bb[1]);
+          Op::mma(s2, a1, bb[2], bb[3]);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][e] += s2[e];
       }
     } else {
       const float* rs = reinterpret_cast<const float*>(tile + C::kRawLat);
       const unsigned char* rr = tile + C::kRawLat + C::kRawScale;
 #pragma unroll
       for (int gi = 0; gi < G; ++gi) {  // the group's FP32 partial score times its tokens' scales
-        float t[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        float t[OCT][4] = {};
 #pragma unroll
         for (int c = gi * 128; c < gi * 128 + 128; c += 32) {
           uint32_t a0[4], a1[4];
           ldmatrix_x4(a0, qa + c);
           ldmatrix_x4(a1, qa + c + 16);
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const uint2 v = *reinterpret_cast<const uint2*>(tile + (nw * 16 + 8 * j + g) * LS + c + 8 * t4);
+          for (int j = 0; j < OCT; ++j) {
+            const uint2 v = *reinterpret_cast<const uint2*>(tile + (tw + 8 * j + g) * LS + c + 8 * t4);
             uint32_t bb[4];
             e4m3x4_to_f16(v.x, bb[0], bb[1]);
             e4m3x4_to_f16(v.y, bb[2], bb[3]);
@@ -334,8 +360,8 @@ __global__ void __launch_bounds__(64 * kMH, 1)
           }
         }
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float2 sc = *reinterpret_cast<const float2*>(rs + gi * kTok + nw * 16 + 8 * j + 2 * t4);
+        for (int j = 0; j < OCT; ++j) {
+          const float2 sc = *reinterpret_cast<const float2*>(rs + gi * kTok + tw + 8 * j + 2 * t4);
           s[j][0] = fmaf(t[j][0], sc.x, s[j][0]);
           s[j][1] = fmaf(t[j][1], sc.y, s[j][1]);
           s[j][2] = fmaf(t[j][2], sc.x, s[j][2]);
@@ -347,8 +373,8 @@ __global__ void __launch_bounds__(64 * kMH, 1)
         uint32_t a[4];
         ldmatrix_x4(a, qa + kRkv + k0);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const unsigned char* row = rr + (nw * 16 + 8 * j + g) * RS + 2 * (k0 + 2 * t4);
+        for (int j = 0; j < OCT; ++j) {
+          const unsigned char* row = rr + (tw + 8 * j + g) * RS + 2 * (k0 + 2 * t4);
           Op::mma(s[j], a, bf16x2_to_f16x2(*reinterpret_cast<const uint32_t*>(row)),
                   bf16x2_to_f16x2(*reinterpret_cast<const uint32_t*>(row + 16)));
         }
@@ -358,10 +384,10 @@ __global__ void __launch_bounds__(64 * kMH, 1)
     const bool tile_ok = block_slot(table, b, max_blocks, t0, slots) >= 0;
     float mx[2] = {kNegInf, kNegInf};
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+    for (int j = 0; j < OCT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int tok = t0 + nw * 16 + j * 8 + 2 * t4 + (e & 1);
+        const int tok = t0 + tw + j * 8 + 2 * t4 + (e & 1);
         s[j][e] = tile_ok && tok < range.end ? s[j][e] * scale_log2 : kNegInf;
         mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
       }
@@ -378,25 +404,28 @@ __global__ void __launch_bounds__(64 * kMH, 1)
     float alpha[2], m_use[2], sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float m_tile = fmaxf(sMax[row0 + 8 * r], sMax[C::kHeads + row0 + 8 * r]);
+      float m_tile = sMax[row0 + 8 * r];
+#pragma unroll
+      for (int w = 1; w < NW; ++w) m_tile = fmaxf(m_tile, sMax[w * C::kHeads + row0 + 8 * r]);
       const float m_new = fmaxf(m_run[r], m_tile);
       m_use[r] = m_new == kNegInf ? 0.f : m_new;  // no valid token yet: exp2(-inf - 0) = 0, no NaN
       alpha[r] = exp2f(m_run[r] - m_use[r]);
       m_run[r] = m_new;
     }
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+    for (int j = 0; j < OCT; ++j)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const uint32_t p = Op::pack(exp2f(s[j][2 * r] - m_use[r]), exp2f(s[j][2 * r + 1] - m_use[r]));
         const E* pe = reinterpret_cast<const E*>(&p);  // the sum of the probabilities the products use
         sum[r] += float(pe[0]) + float(pe[1]);
-        E* prow = sP + (row0 + 8 * r) * PS + nw * 16;
+        const int u = tw + j * 8;  // the octet's first token: k-step u / 16, from u % 16 in it
+        E* prow = sP + (row0 + 8 * r) * PS + u / 16 * 16;
         if constexpr (kFp8) {
-          prow[p_column(j * 8 + 2 * t4)] = pe[0];
-          prow[p_column(j * 8 + 2 * t4 + 1)] = pe[1];
+          prow[p_column(u % 16 + 2 * t4)] = pe[0];
+          prow[p_column(u % 16 + 2 * t4 + 1)] = pe[1];
         } else {
-          *reinterpret_cast<uint32_t*>(prow + j * 8 + 2 * t4) = p;
+          *reinterpret_cast<uint32_t*>(prow + u % 16 + 2 * t4) = p;
         }
       }
 #pragma unroll
@@ -410,8 +439,12 @@ __global__ void __launch_bounds__(64 * kMH, 1)
     }
     __syncthreads();
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-      l_run[r] = l_run[r] * alpha[r] + (sSum[row0 + 8 * r] + sSum[C::kHeads + row0 + 8 * r]);
+    for (int r = 0; r < 2; ++r) {
+      float l_tile = sSum[row0 + 8 * r];
+#pragma unroll
+      for (int w = 1; w < NW; ++w) l_tile += sSum[w * C::kHeads + row0 + 8 * r];
+      l_run[r] = l_run[r] * alpha[r] + l_tile;
+    }
 #pragma unroll
     for (int n = 0; n < C::kNTiles; ++n) {
       acc[n][0] *= alpha[0];
@@ -437,17 +470,33 @@ __global__ void __launch_bounds__(64 * kMH, 1)
         }
       }
     } else {
+      // Where the warp's columns lie in one 128-dim group, its tokens' V scales multiply P's
+      // columns (tokens t4 + {0, 4} and t4 + {8, 12} of the k-step in the thread's fragment) once
+      // per k-step; else each V fragment by its group's.
+      constexpr bool kScaleP = C::kVCols <= 128;
       const float* rs = reinterpret_cast<const float*>(tile + C::kRawLat);
+      // The scales of the thread's tokens of k-step kk in group gi, as (t4, t4 + 4), (t4 + 8, t4 + 12).
+      auto v_scales = [&](int gi, int kk, __half2& s01, __half2& s23) {
+        const float* sc = rs + gi * kTok + kk + t4;
+        s01 = __floats2half2_rn(sc[0], sc[4]);
+        s23 = __floats2half2_rn(sc[8], sc[12]);
+      };
 #pragma unroll
       for (int kk = 0; kk < kTok; kk += 16) {
         uint32_t a[4];
         ldmatrix_x4(a, pa + kk);
+        __half2 s01, s23;
+        if constexpr (kScaleP) {
+          v_scales(nw * C::kVCols / 128, kk, s01, s23);
+          a[0] = hmul2_u32(a[0], s01);
+          a[1] = hmul2_u32(a[1], s01);
+          a[2] = hmul2_u32(a[2], s23);
+          a[3] = hmul2_u32(a[3], s23);
+        }
         const unsigned char* vrow = tile + (kk + t4) * LS + nw * C::kVCols + 4 * g;  // tokens kk + t4 + 4 i
 #pragma unroll
         for (int c = 0; c < C::kVCols; c += 32) {
-          const int gi = (nw * C::kVCols + c) / 128;
-          const float* sc = rs + gi * kTok + kk + t4;
-          const __half2 s01 = __floats2half2_rn(sc[0], sc[4]), s23 = __floats2half2_rn(sc[8], sc[12]);
+          if constexpr (!kScaleP) v_scales((nw * C::kVCols + c) / 128, kk, s01, s23);
           uint32_t w[4];
 #pragma unroll
           for (int i = 0; i < 4; ++i) w[i] = *reinterpret_cast<const uint32_t*>(vrow + i * 4 * LS + c);
@@ -460,7 +509,8 @@ __global__ void __launch_bounds__(64 * kMH, 1)
           e4m3x4_to_f16(y01, b1[0], b1[1]);
           e4m3x4_to_f16(y23, b1[2], b1[3]);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) Op::mma(acc[c / 8 + i], a, hmul2_u32(b0[i], s01), hmul2_u32(b1[i], s23));
+          for (int i = 0; i < 4; ++i)
+            Op::mma(acc[c / 8 + i], a, kScaleP ? b0[i] : hmul2_u32(b0[i], s01), kScaleP ? b1[i] : hmul2_u32(b1[i], s23));
         }
       }
     }
