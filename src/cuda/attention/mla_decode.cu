@@ -150,8 +150,9 @@ __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, __half2 b) {
 // scores tokens [kTok / kNW j, kTok / kNW (j + 1)) of the tile for its 16 heads; the group shares
 // its row maxima and sums through shared memory (its warps then hold the same running max and
 // sum), writes the probabilities to shared memory, and warp j accumulates output columns
-// [j rkv / kNW, (j + 1) rkv / kNW) over all kTok tokens (kNW: TcConfig). Rows in shared memory are padded by 8 operands so that the eight rows an
-// ldmatrix reads fall in distinct 16-byte bank groups (row stride an odd number of 16 bytes).
+// [j rkv / kNW, (j + 1) rkv / kNW) over all kTok tokens (kNW: TcConfig). Rows in shared memory
+// are padded by 8 operands so that the eight rows an ldmatrix reads fall in distinct 16-byte bank
+// groups (row stride an odd number of 16 bytes).
 //
 // The fp8 cache's tiles stay in shared memory as stored (e4m3 codes, their scales, BF16 RoPE keys)
 // and each warp widens the codes its MMA fragments take in registers, so that a tile crosses
@@ -176,7 +177,8 @@ struct TcConfig {
   // SM, and the warps they bring hide the latency of the shared-memory reads, the conversions and
   // the MMAs that feed one another); two where more heads make the MMAs bind, as the Q fragments
   // each warp reads once per tile would double.
-  static constexpr int kNW = kMH == 1 ? 4 : 2, kWarpTok = kTok / kNW, kOct = kWarpTok / 8;  // token octets per warp
+  static constexpr int kNW = kMH == 1 ? 4 : 2, kWarpTok = kTok / kNW;
+  static constexpr int kOct = kWarpTok / 8;  // token octets per warp
   static constexpr int kHeads = 16 * kMH, kThreads = 32 * kNW * kMH;
   // CTAs per SM the registers must allow: the shared memory of a 16-head CTA lets three run.
   static constexpr int kMinCtas = kMH == 1 ? 3 : 1;
@@ -188,7 +190,7 @@ struct TcConfig {
   static constexpr int kG = kRkv / 128;
   static constexpr int kLatStride = kRkv + 32, kRopeStride = 2 * kDr + 16;  // bytes
   // Shared memory, in bytes: Q, two buffers of operand rows (bf16) or of stored rows (fp8),
-  // probabilities, the pairs' maxima and sums.
+  // probabilities, the warp groups' maxima and sums.
   static constexpr size_t kQBytes = size_t(kHeads) * kStride * 2, kRowsBytes = size_t(kTok) * kStride * 2;
   static constexpr size_t kRawLat = size_t(kTok) * kLatStride, kRawScale = size_t(kTok) * kG * 4,
                           kRawRope = size_t(kTok) * kRopeStride, kRawBytes = kRawLat + kRawScale + kRawRope;
@@ -510,7 +512,8 @@ __global__ void __launch_bounds__(TcConfig<kRkv, kDr, kMH>::kThreads, TcConfig<k
           e4m3x4_to_f16(y23, b1[2], b1[3]);
 #pragma unroll
           for (int i = 0; i < 4; ++i)
-            Op::mma(acc[c / 8 + i], a, kScaleP ? b0[i] : hmul2_u32(b0[i], s01), kScaleP ? b1[i] : hmul2_u32(b1[i], s23));
+            Op::mma(acc[c / 8 + i], a, kScaleP ? b0[i] : hmul2_u32(b0[i], s01),
+                    kScaleP ? b1[i] : hmul2_u32(b1[i], s23));
         }
       }
     }
