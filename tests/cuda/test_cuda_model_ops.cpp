@@ -857,13 +857,17 @@ TEST_F(CudaModelOps, ScatterRowsBitExact) {
 // tensors that leave most blocks empty (the blocks past a tensor's end write their +0 at once),
 // and ones past a whole grid's slice.
 TEST_F(CudaModelOps, SumSquaresIsItsFixedOrderBitForBit) {
-  constexpr int kThreads = 256, kBlocks = 264;
+  // src/cuda/ops/reduce.cu's order: a tensor of n elements in min(ceil(n / (256 * 32)), 264)
+  // grid-stride slices of 256 threads, the slices' tree sums in tensor and slice order.
+  constexpr int kThreads = 256, kMaxBlocks = 264, kPerThread = 32;
   const auto tree = [](std::vector<double> part) {
     for (int s = kThreads / 2; s > 0; s >>= 1)
       for (int t = 0; t < s; ++t) part[size_t(t)] += part[size_t(t + s)];
     return part[0];
   };
-  std::vector<Tensor> hosts{randn({5}), randn({1000}, 0.01f), randn({70001}, 3.0f), randn({300, 1001})};
+  // Sizes: one slice, a few, the most (264) with 34 elements to some threads and 35 to others.
+  std::vector<Tensor> hosts{randn({5}), randn({1000}, 0.01f), randn({70001}, 3.0f), randn({300, 1001}),
+                            randn({264 * 256 * 34 + 777}, 0.5f)};
   std::vector<Tensor> devs;
   std::vector<TensorView> views;
   std::vector<double> partials;
@@ -872,11 +876,12 @@ TEST_F(CudaModelOps, SumSquaresIsItsFixedOrderBitForBit) {
     views.push_back(devs.back().view());
     const int64_t n = h.numel();
     if (n == 0) continue;
-    for (int b = 0; b < kBlocks; ++b) {
+    const int64_t blocks = std::clamp<int64_t>(ceil_div(n, int64_t(kThreads) * kPerThread), 1, kMaxBlocks);
+    for (int64_t b = 0; b < blocks; ++b) {
       std::vector<double> part(kThreads);
       for (int t = 0; t < kThreads; ++t) {
         double acc = 0;
-        for (int64_t i = int64_t(b) * kThreads + t; i < n; i += int64_t(kBlocks) * kThreads) {
+        for (int64_t i = b * kThreads + t; i < n; i += blocks * kThreads) {
           const double v = h.ptr<float>()[i];
           acc = std::fma(v, v, acc);
         }
