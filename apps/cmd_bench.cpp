@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "commands.hpp"
+#include "fp8moe/comm.hpp"
 #include "fp8moe/error.hpp"
 #ifdef FP8MOE_HAVE_CUDA
 #include "bench/bench.hpp"
@@ -147,8 +148,9 @@ void add_bench(CLI::App& app) {
       throw CLI::RuntimeError("bench mla-decode: the tensor-core path disagrees with the CUDA-core path", 2);
   });
   auto ep = std::make_shared<fp8moe::cuda::EpBenchOptions>();
-  auto* epc = bench->add_subcommand("ep", "Expert-parallel dispatch and combine over peer memory, P ranks on this GPU: "
-                                          "GB/s of the bytes that leave a rank against the device copy bandwidth");
+  auto* epc = bench->add_subcommand("ep", "Expert-parallel dispatch and combine over peer memory, P ranks on this GPU "
+                                          "(or, under mpirun, a process per rank): GB/s of the bytes that leave a "
+                                          "rank against the device copy bandwidth (and the all-to-all, the peer copy)");
   epc->add_option("--iters", ep->iters, "timed runs per step (median)");
   epc->add_option("--warmup", ep->warmup, "untimed runs per step");
   epc->add_option("--ranks", ep->ranks, "rank counts, e.g. 2,4,8");
@@ -169,6 +171,14 @@ void add_bench(CLI::App& app) {
                 "the low-latency mode (decode): no notify, no host read, CUDA-graph capturable; 128 tokens per rank "
                 "unless --tokens");
   epc->callback([ep, ep_no_check, epc] {
+    // Under mpirun a process per rank, on the GPU of its local rank (before any CUDA call).
+    const fp8moe::LaunchInfo launch = fp8moe::launch_info();
+    if (launch.under_mpirun && launch.size > 1) {
+      FP8MOE_CHECK(epc->count("--ranks") == 0, "bench ep under mpirun: the ranks are the " << launch.size
+                                                   << " processes; --ranks counts ranks as buffers on one GPU, "
+                                                      "without mpirun");
+      fp8moe::select_local_gpu(launch);
+    }
     fp8moe::cuda::ep::prepare_local_ranks();  // before require_gpu's first CUDA call
     require_gpu();
     ep->check = !*ep_no_check;

@@ -18,22 +18,32 @@
 // README, EP 8, 128 tokens, hidden 7168, top-8 of 256) printed beside.
 // With --gemm, an FP8 GEMM (4096 x 7168 x 7168, ours) is timed alone and while the ranks run
 // dispatch and combine back to back on their SMs: its slowdown.
+// Under mpirun (more than one process), a process per rank on the GPU of its local rank (several
+// processes may share one), the buffers shared by CUDA IPC (EpGroup::ipc): dispatch and combine
+// per rank, beside the communicator's all-to-all of the same bytes (NCCL where every rank has a
+// GPU of its own, else the MPI engine through the host) and a copy into the next rank's memory
+// (the peer copy), all measured in the same run (run_ep_bench_ranks).
 #include <cuda_runtime.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "bench/bench.hpp"
 #include "bench/bench_util.hpp"
+#include "comm/comm_checks.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cuda/ep/ep_api.hpp"
 #include "cuda/ep/ep_launch.hpp"
 #include "cuda/kernel_api.hpp"
+#include "cuda/runtime/cuda_stream.hpp"
+#include "fp8moe/comm.hpp"
 #include "fp8moe/error.hpp"
 #include "parallel/runtime/ep_reference.hpp"
 
@@ -43,6 +53,7 @@ namespace {
 
 using namespace bench;
 using ep::EpGroup;
+using ep::EpRank;
 
 std::vector<int> parse_ranks(const std::string& s) {
   std::vector<int> v;
@@ -138,6 +149,48 @@ struct RankData {
   std::vector<uint16_t> rows_h;
 };
 
+// A rank's T tokens: a uniform top-k of E routing, random E4M3 codes (no NaN) of D columns and
+// power-of-two 1x128 scales, uploaded (idx, w, x, and the scales as [G, scale_ld(T)]), each device
+// buffer `pad` bytes longer; out [T, D] f32 allocated.
+void make_tokens(std::mt19937_64& rng, int64_t T, int64_t k, int64_t E, int64_t D, RankData& r, size_t pad = 0) {
+  const int64_t G = D / 128;
+  std::uniform_int_distribution<int> ex(-3, 3);
+  r.tok.tokens = T;
+  ::fp8moe::ep::route_uniformly(rng, T, k, E, r.tok.idx, r.tok.w);
+  r.tok.x.resize(size_t(T * D));
+  for (size_t i = 0; i < r.tok.x.size(); i += 8) {
+    const uint64_t v = rng() & 0x7777777777777777ull;
+    std::memcpy(&r.tok.x[i], &v, std::min<size_t>(8, r.tok.x.size() - i));
+  }
+  r.tok.scales.resize(size_t(T * G));
+  for (auto& s : r.tok.scales) s = std::ldexp(1.0f, ex(rng));
+  std::vector<float> sc(size_t(G * scale_ld(T)), 1.0f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t gg = 0; gg < G; ++gg) sc[size_t(gg * scale_ld(T) + t)] = r.tok.scales[size_t(t * G + gg)];
+  r.idx = std::make_unique<DeviceBuffer>(r.tok.idx.size() * 4 + pad);
+  r.w = std::make_unique<DeviceBuffer>(r.tok.w.size() * 4 + pad);
+  r.x = std::make_unique<DeviceBuffer>(r.tok.x.size() + pad);
+  r.scales = std::make_unique<DeviceBuffer>(sc.size() * 4);
+  r.out = std::make_unique<DeviceBuffer>(size_t(T * D) * 4 + pad);
+  upload(r.idx->p, r.tok.idx);
+  upload(r.w->p, r.tok.w);
+  upload(r.x->p, r.tok.x);
+  upload(r.scales->p, sc);
+}
+
+// BF16 values drawn from [-4, 4), as their bit patterns.
+std::vector<uint16_t> bf16_pool(std::mt19937_64& rng, size_t n) {
+  std::vector<uint16_t> pool(n);
+  std::uniform_real_distribution<float> val(-4.0f, 4.0f);
+  for (auto& h : pool) {
+    const float f = val(rng);
+    uint32_t b;
+    std::memcpy(&b, &f, 4);
+    h = uint16_t(b >> 16);
+  }
+  return pool;
+}
+
 // The low-latency mode (EpConfig::low_latency): see the header comment.
 int run_ep_low_latency_bench(const EpBenchOptions& opt, double copy) {
   const int64_t T = opt.tokens, D = opt.hidden, k = opt.topk, E = opt.experts, G = D / 128;
@@ -160,49 +213,25 @@ int run_ep_low_latency_bench(const EpBenchOptions& opt, double copy) {
     auto g = EpGroup::local(cfg);
     const int64_t epr = E / P, M = P * T, R = epr * M;
     std::vector<RankData> rd(static_cast<size_t>(P));
-    std::uniform_int_distribution<int> ex(-3, 3);
-    std::uniform_real_distribution<float> val(-4.0f, 4.0f);
     std::vector<int64_t> count(size_t(E), 0);
     double disp_out = 0, comb_out = 0;
     for (int p = 0; p < P; ++p) {
       RankData& r = rd[size_t(p)];
-      r.tok.tokens = T;
-      ::fp8moe::ep::route_uniformly(rng, T, k, E, r.tok.idx, r.tok.w);
+      make_tokens(rng, T, k, E, D, r, 16);
       for (const int32_t e : r.tok.idx) {
         ++count[size_t(e)];
         if (e / epr != p) disp_out += double(D + G * 4 + 4), comb_out += double(D) * 2;
       }
-      r.tok.x.resize(size_t(T * D));
-      for (size_t i = 0; i < r.tok.x.size(); i += 8) {  // random codes, no NaN
-        const uint64_t v = rng() & 0x7777777777777777ull;
-        std::memcpy(&r.tok.x[i], &v, std::min<size_t>(8, r.tok.x.size() - i));
-      }
-      r.tok.scales.resize(size_t(T * G));
-      for (auto& sc : r.tok.scales) sc = std::ldexp(1.0f, ex(rng));
-      std::vector<float> sc(size_t(G * scale_ld(T)), 1.0f);
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t gg = 0; gg < G; ++gg) sc[size_t(gg * scale_ld(T) + t)] = r.tok.scales[size_t(t * G + gg)];
-      r.idx = std::make_unique<DeviceBuffer>(r.tok.idx.size() * 4 + 16);
-      r.w = std::make_unique<DeviceBuffer>(r.tok.w.size() * 4 + 16);
-      r.x = std::make_unique<DeviceBuffer>(r.tok.x.size() + 16);
-      r.scales = std::make_unique<DeviceBuffer>(sc.size() * 4);
-      r.out = std::make_unique<DeviceBuffer>(size_t(T * D) * 4 + 16);
-      upload(r.idx->p, r.tok.idx);
-      upload(r.w->p, r.tok.w);
-      upload(r.x->p, r.tok.x);
-      upload(r.scales->p, sc);
     }
     // The experts' rows in the masked layout, random below each expert's count.
     for (int d = 0; d < P; ++d) {
       RankData& r = rd[size_t(d)];
       r.rows_h.assign(size_t(R * D), 0);
-      for (int64_t e = 0; e < epr; ++e)
-        for (int64_t i = e * M * D; i < (e * M + count[size_t(d * epr + e)]) * D; ++i) {
-          const float f = val(rng);
-          uint32_t b;
-          std::memcpy(&b, &f, 4);
-          r.rows_h[size_t(i)] = uint16_t(b >> 16);
-        }
+      for (int64_t e = 0; e < epr; ++e) {
+        const int64_t n = count[size_t(d * epr + e)] * D;
+        const std::vector<uint16_t> v = bf16_pool(rng, size_t(n));
+        std::copy(v.begin(), v.end(), r.rows_h.begin() + e * M * D);
+      }
       r.rows = std::make_unique<DeviceBuffer>(r.rows_h.size() * 2);
       upload(r.rows->p, r.rows_h);
     }
@@ -304,9 +333,217 @@ int run_ep_low_latency_bench(const EpBenchOptions& opt, double copy) {
   return failures == 0 ? 0 : 1;
 }
 
+// ---- under mpirun: a process per rank ----
+
+// Every rank's v, in rank order.
+std::vector<double> all_ranks(Comm& c, double v) {
+  std::vector<double> out;
+  for (const std::string& m : c.exchange(std::string(reinterpret_cast<const char*>(&v), sizeof v))) {
+    double x = 0;
+    FP8MOE_CHECK(m.size() == sizeof x, "bench ep: a rank sent " << m.size() << " bytes for a figure");
+    std::memcpy(&x, m.data(), sizeof x);
+    out.push_back(x);
+  }
+  return out;
+}
+double max_over_ranks(Comm& c, double v) {
+  const std::vector<double> a = all_ranks(c, v);
+  return *std::max_element(a.begin(), a.end());
+}
+
+// One timed run of fn, queued on stream s of every rank: each rank's L2 flushed, then a barrier,
+// then the run, timed by events on s; the slowest rank's microseconds (a rank's time includes
+// the others' later starts, up to the host's launch skew).
+struct RankTimer {
+  Comm& c;
+  DeviceBuffer flush{size_t(512) << 20};
+  cudaEvent_t a = nullptr, b = nullptr;
+  explicit RankTimer(Comm& comm) : c(comm) {
+    FP8MOE_CUDA_CHECK(cudaEventCreate(&a));
+    FP8MOE_CUDA_CHECK(cudaEventCreate(&b));
+  }
+  ~RankTimer() {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  }
+  double once(cudaStream_t s, const std::function<void()>& fn) {
+    FP8MOE_CUDA_CHECK(cudaMemsetAsync(flush.p, 0, flush.bytes, s));
+    FP8MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+    c.barrier();
+    FP8MOE_CUDA_CHECK(cudaEventRecord(a, s));
+    fn();
+    FP8MOE_CUDA_CHECK(cudaEventRecord(b, s));
+    FP8MOE_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    return max_over_ranks(c, 1e3 * double(ms));
+  }
+  double median_us(const EpBenchOptions& opt, cudaStream_t s, const std::function<void()>& fn) {
+    std::vector<double> us;
+    for (int i = 0; i < opt.warmup + opt.iters; ++i) {
+      const double t = once(s, fn);
+      if (i >= opt.warmup) us.push_back(t);
+    }
+    return median(us);
+  }
+};
+
+int run_ep_bench_ranks(const EpBenchOptions& opt) {
+  FP8MOE_CHECK(!opt.gemm && !opt.low_latency,
+               "bench ep under mpirun: --gemm and --low-latency run with the ranks as buffers on one GPU (without "
+               "mpirun)");
+  std::unique_ptr<Comm> comm = make_comm("auto");
+  const int P = comm->size(), me = comm->rank();
+  const int64_t T = opt.tokens, D = opt.hidden, k = opt.topk, E = opt.experts, G = D / 128;
+  // One seed for the run (rank 0's), each rank's tokens from its own stream of it.
+  uint64_t seed = opt.seed ? opt.seed : std::random_device{}();
+  {
+    const std::vector<double> seeds = all_ranks(*comm, double(seed % (uint64_t(1) << 52)));
+    seed = uint64_t(seeds[0]);
+  }
+  std::mt19937_64 rng(seed + 0x9E3779B97F4A7C15ull * uint64_t(me + 1));
+  int dev = 0;
+  cudaDeviceProp prop;
+  FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  FP8MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  char bus[32] = {};
+  FP8MOE_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof bus, dev));
+  const std::vector<std::string> buses = comm->exchange(std::string(bus) + "@" + [] {
+    char host[256] = {};
+    gethostname(host, sizeof host - 1);
+    return std::string(host);
+  }());
+  const int gpus = int(std::set<std::string>(buses.begin(), buses.end()).size());
+  // The device copy, one rank at a time (ranks may share a GPU).
+  double copy = 0;
+  for (int q = 0; q < P; ++q) {
+    comm->barrier();
+    if (q == me) copy = copy_gbs(size_t(1) << 30, opt.warmup, opt.iters);
+  }
+  const double copy_min = -max_over_ranks(*comm, -copy);
+
+  const Stream stream = make_stream();
+  const cudaStream_t s = native(stream);
+  ep::EpConfig cfg = ep_config(P, T, D, k, E, opt.num_sms);
+  cfg.pull_combine = opt.pull;
+  const int R = opt.ranks_per_node > 0 && opt.ranks_per_node < P ? opt.ranks_per_node : P;
+  cfg.ranks_per_node = R;
+  // Processes sharing a GPU take turns on it (without MPS), so a wait lasts until the peer's turn:
+  // the communicator's timeout, as the training's transport takes.
+  cfg.timeout_s = comm_detail::timeout_s();
+  auto g = EpGroup::ipc(cfg, *comm, s);
+  EpRank& r = g->rank(0);
+  RankData rd;
+  make_tokens(rng, T, k, E, D, rd);
+  rd.slot_row = std::make_unique<DeviceBuffer>(size_t(T * k) * 4);
+  const TensorView idx = dview(rd.idx->p, DType::i32, T, k);
+  r.notify(idx);
+  const ep::EpCounts& n = r.counts();
+  const double row_bytes = double(D + G * 4 + k * 8);
+  double disp_out = 0, comb_out = 0;  // over all ranks
+  for (int p = 0; p < P; ++p)
+    for (int d = 0; d < P; ++d)
+      if (p != d) {
+        disp_out += double(n.tokens_to(p, d)) * row_bytes;
+        comb_out += double(n.slots_to(p, d)) * double(D) * 2;
+      }
+  const int64_t back = n.returned(me);
+  const std::vector<uint16_t> pool = bf16_pool(rng, size_t(back * D));
+  rd.rows = std::make_unique<DeviceBuffer>(pool.size() * 2 + 16);
+  upload(rd.rows->p, pool);
+  if (opt.pull) upload(r.combine_input().data, pool);
+  const QuantizedView q{dview(rd.x->p, DType::e4m3, T, D), dview(rd.scales->p, DType::f32, G, scale_ld(T)),
+                        ScaleKind::tile_1x128};
+  const TensorView w = dview(rd.w->p, DType::f32, T, k), slot_row = dview(rd.slot_row->p, DType::i32, T, k);
+  const TensorView rows = opt.pull ? r.combine_input() : dview(rd.rows->p, DType::bf16, back, D);
+  const TensorView out = dview(rd.out->p, DType::f32, T, D);
+
+  RankTimer timer(*comm);
+  std::vector<double> tn, td, tc;
+  for (int i = 0; i < opt.warmup + opt.iters; ++i) {
+    const double a = timer.once(s, [&] { r.notify(idx); });
+    r.counts();
+    const double b = timer.once(s, [&] { r.dispatch(q, w, idx, slot_row); });
+    const double c = timer.once(s, [&] { r.combine(rows, slot_row, w, out, false); });
+    r.check();
+    if (i >= opt.warmup) tn.push_back(a), td.push_back(b), tc.push_back(c);
+  }
+
+  // The communicator's all-to-all of the same bytes: the dispatch's rows (FP8 row, scales, weights
+  // and ids as bytes) to the ranks holding their experts, and the combine's BF16 rows back; the
+  // rows a rank keeps are not sent.
+  auto a2a_us = [&](int64_t width, const std::function<int64_t(int, int)>& rows_from_to) {
+    std::vector<int64_t> sc(static_cast<size_t>(P), 0), rc(static_cast<size_t>(P), 0);
+    int64_t ns = 0, nr = 0;
+    for (int d = 0; d < P; ++d) {
+      sc[size_t(d)] = d == me ? 0 : rows_from_to(me, d);
+      rc[size_t(d)] = d == me ? 0 : rows_from_to(d, me);
+      ns += sc[size_t(d)];
+      nr += rc[size_t(d)];
+    }
+    DeviceBuffer sb(size_t(std::max<int64_t>(ns, 1) * width)), rb(size_t(std::max<int64_t>(nr, 1) * width));
+    const TensorView sv = dview(sb.p, DType::e4m3, ns, width), rv = dview(rb.p, DType::e4m3, nr, width);
+    return timer.median_us(opt, s, [&] { comm->all_to_all_v(sv, sc, rv, rc, stream); });
+  };
+  const double a2a_d = a2a_us(int64_t(row_bytes), [&](int p, int d) { return n.tokens_to(p, d); });
+  const double a2a_c = a2a_us(2 * D, [&](int p, int d) { return n.slots_to(d, p); });
+
+  // The peer copy: this rank's leaving dispatch bytes into the next rank's memory (a ring), by
+  // cudaMemcpyAsync through CUDA IPC.
+  size_t mine = 0;
+  for (int d = 0; d < P; ++d)
+    if (d != me) mine += size_t(n.tokens_to(me, d)) * size_t(row_bytes);
+  const size_t peer_bytes = std::max<size_t>(16, size_t(max_over_ranks(*comm, double(mine))));
+  DeviceBuffer src(peer_bytes), dst(peer_bytes);
+  cudaIpcMemHandle_t h;
+  FP8MOE_CUDA_CHECK(cudaIpcGetMemHandle(&h, dst.p));
+  const std::vector<std::string> handles = comm->exchange(std::string(reinterpret_cast<const char*>(&h), sizeof h));
+  cudaIpcMemHandle_t next_h;
+  std::memcpy(&next_h, handles[size_t((me + 1) % P)].data(), sizeof next_h);
+  void* next = nullptr;
+  FP8MOE_CUDA_CHECK(cudaIpcOpenMemHandle(&next, next_h, cudaIpcMemLazyEnablePeerAccess));
+  const double peer_us =
+      timer.median_us(opt, s, [&] { FP8MOE_CUDA_CHECK(cudaMemcpyAsync(next, src.p, peer_bytes, cudaMemcpyDefault, s)); });
+  comm->barrier();  // every rank's copies into its memory are over before it goes
+  FP8MOE_CUDA_CHECK(cudaIpcCloseMemHandle(next));
+
+  if (me == 0) {
+    const double us_n = median(tn), us_d = median(td), us_c = median(tc);
+    const double d_rank = disp_out / P, c_rank = comb_out / P;  // bytes leaving a rank, on average
+    auto gbs = [](double bytes, double us) { return bytes / (us * 1e3); };
+    const double peer = gbs(double(peer_bytes), peer_us);
+    std::printf("# fp8moe bench ep under mpirun on %s: %d ranks (processes) on %d GPU%s, CUDA IPC buffers; T = %lld "
+                "tokens per rank, top-%lld of %lld experts (uniform), D = %lld, num_sms %d per rank%s, seed %llu, "
+                "median of %d, L2 flushed, each step timed on every rank from a barrier (the slowest rank's)\n",
+                prop.name, P, gpus, gpus == 1 ? "" : "s", (long long)T, (long long)k, (long long)E, (long long)D,
+                opt.num_sms, R < P ? (", nodes of " + std::to_string(R) + " ranks (two-hop dispatch)").c_str() : "",
+                (unsigned long long)seed, opt.iters);
+    std::printf("# bytes: only those that leave a rank, per rank on average (dispatch: FP8 row + scales + weights + "
+                "ids per (token, other rank); combine: BF16 row per slot computed elsewhere); the all-to-all "
+                "(%s communicator) moves the same bytes; peer copy: %.1f MiB into the next rank's memory; device "
+                "copy of the slowest GPU %.0f GB/s (1 GiB D2D, bytes copied)%s\n",
+                comm->name().c_str(), double(peer_bytes) / (1 << 20), copy_min,
+                gpus < P ? "; ranks share GPUs: their bytes cross no link, and their kernels take turns on the GPU "
+                           "(without MPS), so the times are not the kernels'"
+                         : "");
+    std::printf("| ranks | step | us | MiB leaving a rank | GB/s per rank | all-to-all us | x all-to-all | of peer copy "
+                "(%.0f GB/s) |\n|---|---|---|---|---|---|---|---|\n",
+                peer);
+    std::printf("| %d | notify | %.1f | - | - | - | - | - |\n", P, us_n);
+    std::printf("| %d | dispatch | %.1f | %.1f | %.0f | %.1f | %.2fx | %.0f%% |\n", P, us_d, d_rank / (1 << 20),
+                gbs(d_rank, us_d), a2a_d, a2a_d / us_d, 100 * gbs(d_rank, us_d) / peer);
+    std::printf("| %d | combine%s | %.1f | %.1f | %.0f | %.1f | %.2fx | %.0f%% |\n", P, opt.pull ? " (pull)" : "",
+                us_c, c_rank / (1 << 20), gbs(c_rank, us_c), a2a_c, a2a_c / us_c, 100 * gbs(c_rank, us_c) / peer);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int run_ep_bench(const EpBenchOptions& opt) {
+  const LaunchInfo launch = launch_info();
+  if (launch.under_mpirun && launch.size > 1) return run_ep_bench_ranks(opt);
   const int64_t T = opt.tokens, D = opt.hidden, k = opt.topk, E = opt.experts, G = D / 128;
   const uint64_t seed = opt.seed ? opt.seed : std::random_device{}();
   std::mt19937_64 rng(seed);
@@ -346,31 +583,10 @@ int run_ep_bench(const EpBenchOptions& opt) {
     const int64_t epr = E / P;
     std::vector<RankData> rd(static_cast<size_t>(P));
     std::vector<::fp8moe::ep::DispatchLayout> layouts;
-    std::uniform_int_distribution<int> ex(-3, 3);
     for (int p = 0; p < P; ++p) {
       RankData& r = rd[size_t(p)];
-      r.tok.tokens = T;
-      ::fp8moe::ep::route_uniformly(rng, T, k, E, r.tok.idx, r.tok.w);
-      r.tok.x.resize(size_t(T * D));
-      for (size_t i = 0; i < r.tok.x.size(); i += 8) {  // random codes, no NaN
-        const uint64_t v = rng() & 0x7777777777777777ull;
-        std::memcpy(&r.tok.x[i], &v, std::min<size_t>(8, r.tok.x.size() - i));
-      }
-      r.tok.scales.resize(size_t(T * G));
-      for (auto& s : r.tok.scales) s = std::ldexp(1.0f, ex(rng));
-      std::vector<float> sc(size_t(G * scale_ld(T)), 1.0f);
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t gg = 0; gg < G; ++gg) sc[size_t(gg * scale_ld(T) + t)] = r.tok.scales[size_t(t * G + gg)];
-      r.idx = std::make_unique<DeviceBuffer>(r.tok.idx.size() * 4);
-      r.w = std::make_unique<DeviceBuffer>(r.tok.w.size() * 4);
-      r.x = std::make_unique<DeviceBuffer>(r.tok.x.size());
-      r.scales = std::make_unique<DeviceBuffer>(sc.size() * 4);
+      make_tokens(rng, T, k, E, D, r);
       r.slot_row = std::make_unique<DeviceBuffer>(size_t(T * k) * 4);
-      r.out = std::make_unique<DeviceBuffer>(size_t(T * D) * 4);
-      upload(r.idx->p, r.tok.idx);
-      upload(r.w->p, r.tok.w);
-      upload(r.x->p, r.tok.x);
-      upload(r.scales->p, sc);
       layouts.push_back(::fp8moe::ep::dispatch_layout(r.tok.idx.data(), T, k, P, epr));
     }
     auto notify = [&](int p) { g->rank(p).notify(dview(rd[size_t(p)].idx->p, DType::i32, T, k)); };
@@ -408,14 +624,7 @@ int run_ep_bench(const EpBenchOptions& opt) {
                   P, P / R, R, hop1 / (1 << 20), direct / (1 << 20), direct / hop1);
     }
     // The experts' rows: BF16 values of a random pool, each row from a random place in it.
-    std::vector<uint16_t> pool(size_t(1) << 20);
-    std::uniform_real_distribution<float> val(-4.0f, 4.0f);
-    for (auto& h : pool) {
-      const float f = val(rng);
-      uint32_t b;
-      std::memcpy(&b, &f, 4);
-      h = uint16_t(b >> 16);
-    }
+    const std::vector<uint16_t> pool = bf16_pool(rng, size_t(1) << 20);
     std::uniform_int_distribution<size_t> at(0, pool.size() - size_t(D));
     for (int d = 0; d < P; ++d) {
       RankData& r = rd[size_t(d)];
