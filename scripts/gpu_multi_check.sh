@@ -2,7 +2,8 @@
 # The multi-GPU runs, for a host with N >= 2 NVIDIA Hopper GPUs: `fp8moe bench ep` with a process
 # per GPU (normal mode, pull combine, low-latency mode; from 8 GPUs also as two nodes of N/2, the
 # two-hop dispatch), and training over NCCL at --ep N, --dp N and --pp 2 (DualPipe, F&B compared)
-# against one GPU with the same global batch: losses side by side and tokens/s per GPU. Logs and
+# against one GPU with the same global batch: losses side by side and tokens/s; with
+# $FP8MOE_BIN/test_disaggregation at hand, the prefill-to-decode cache handover's GB/s. Logs and
 # traces go to $OUT (default ./gpu_multi_out); a short table is printed last. NVLink multicast
 # stays off (NCCL_NVLS_ENABLE=0).
 #
@@ -52,6 +53,13 @@ train_run ep_comm "ref" "$N" --ep "$N" --comm nccl --ep-transport comm
 train_run dp "ref" "$N" --dp "$N" --comm nccl
 train_run pp2 "ref4" 2 --pp 2 --schedule dualpipe --grad-accum 4 --fb compare --comm nccl --trace "$OUT/pp2_trace.json"
 
+# The prefill-to-decode cache handover between two GPUs (the MPI engine, staged through the host),
+# where the test binary is at hand.
+if [ -n "${FP8MOE_BIN:-}" ] && [ -x "$FP8MOE_BIN/test_disaggregation" ]; then
+  step "cache handover, 2 GPUs" 300 "$OUT/handover.log" env FP8MOE_SERVE_BACKEND=cuda \
+    mpirun --oversubscribe -np 2 "$FP8MOE_BIN/test_disaggregation"
+fi
+
 losses() { sed -E 's/.*[{,]"loss":([^,}]*).*/\1/' "$1/metrics.jsonl" 2>/dev/null; }
 rate() { sed -nE 's/.*[{,]"tokens_per_s":([^,}]*).*/\1/p' "$1/metrics.jsonl" 2>/dev/null | sort -g |
          awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)]; else print "-" }'; }
@@ -65,6 +73,8 @@ for r in "${runs[@]}"; do
     END { printf "%-8s %d steps, %d bitwise, worst relative difference %.3g\n", tag, n, same, worst }'
   echo "         tokens/s (median): $(rate "$OUT/$tag") against $(rate "$OUT/$ref") on one GPU"
 done
+echo "== cache handover =="
+grep -hE "GB/s" "$OUT/handover.log" 2>/dev/null | head -4
 echo "== bench ep =="
 for f in bench_ep bench_ep_pull bench_ep_ll bench_ep_nodes; do
   [ -f "$OUT/$f.md" ] && grep -E "^# fp8moe|^\| [0-9]" "$OUT/$f.md"

@@ -246,6 +246,9 @@ TEST(Disaggregation, HandoverBandwidth) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
+  // On several GPUs (FP8MOE_SERVE_BACKEND=cuda) each rank on its own, so that the handover crosses
+  // between them.
+  fp8moe::select_local_gpu(fp8moe::launch_info());
   std::unique_ptr<fp8moe::Comm> world = fp8moe::make_comm("mpi");
   fp8moe::serve::g_world = world.get();
   if (world->rank() != 0) GTEST_FLAG_SET(brief, true);
