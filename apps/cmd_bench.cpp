@@ -139,6 +139,8 @@ void add_bench(CLI::App& app) {
   mla->add_option("--seed", md->seed, "random seed (0: fresh)");
   mla->add_flag("--by-length", md->by_length,
                 "split each sequence by its own length (batch invariance, speculative decoding) instead of by the batch");
+  mla->add_option("--splits", md->splits, "split counts to sweep, e.g. 0,4,8 (0: the plan's own choice)")
+      ->delimiter(',');
   auto md_no_check = std::make_shared<bool>(false);
   mla->add_flag("--no-check", *md_no_check, "skip the comparison with the CUDA-core path");
   mla->callback([md, md_no_check] {

@@ -112,6 +112,7 @@ struct MlaDecodeBenchOptions {
   std::vector<int64_t> context{4096, 8192, 16384, 32768};
   std::vector<std::string> caches{"bf16", "fp8"};
   bool by_length = false;  // MlaDecodeSplits::by_length (batch-invariant splits) instead of fit_batch
+  std::vector<int64_t> splits{0};  // split counts per case (fit_batch); 0: the plan's own
   bool check = true;   // each cache form's first case against the CUDA-core path
   uint64_t seed = 0;   // 0: fresh random seed (printed)
 };

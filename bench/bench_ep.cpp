@@ -335,11 +335,12 @@ int run_ep_low_latency_bench(const EpBenchOptions& opt, double copy) {
 
 // ---- under mpirun: a process per rank ----
 
-// Every rank's v, in rank order.
-std::vector<double> all_ranks(Comm& c, double v) {
-  std::vector<double> out;
+// Every rank's v, in rank order (its bytes, exchanged through the communicator's bootstrap).
+template <class V>
+std::vector<V> all_ranks(Comm& c, V v) {
+  std::vector<V> out;
   for (const std::string& m : c.exchange(std::string(reinterpret_cast<const char*>(&v), sizeof v))) {
-    double x = 0;
+    V x{};
     FP8MOE_CHECK(m.size() == sizeof x, "bench ep: a rank sent " << m.size() << " bytes for a figure");
     std::memcpy(&x, m.data(), sizeof x);
     out.push_back(x);
@@ -349,6 +350,10 @@ std::vector<double> all_ranks(Comm& c, double v) {
 double max_over_ranks(Comm& c, double v) {
   const std::vector<double> a = all_ranks(c, v);
   return *std::max_element(a.begin(), a.end());
+}
+double min_over_ranks(Comm& c, double v) {
+  const std::vector<double> a = all_ranks(c, v);
+  return *std::min_element(a.begin(), a.end());
 }
 
 // One timed run of fn, queued on stream s of every rank: each rank's L2 flushed, then a barrier,
@@ -486,10 +491,7 @@ int run_ep_bench_ranks(const EpBenchOptions& opt) {
   const int64_t T = opt.tokens, D = opt.hidden, k = opt.topk, E = opt.experts, G = D / 128;
   // One seed for the run (rank 0's), each rank's tokens from its own stream of it.
   uint64_t seed = opt.seed ? opt.seed : std::random_device{}();
-  {
-    const std::vector<double> seeds = all_ranks(*comm, double(seed % (uint64_t(1) << 52)));
-    seed = uint64_t(seeds[0]);
-  }
+  seed = all_ranks(*comm, seed)[0];
   std::mt19937_64 rng(seed + 0x9E3779B97F4A7C15ull * uint64_t(me + 1));
   int dev = 0;
   cudaDeviceProp prop;
@@ -509,7 +511,7 @@ int run_ep_bench_ranks(const EpBenchOptions& opt) {
     comm->barrier();
     if (q == me) copy = copy_gbs(size_t(1) << 30, opt.warmup, opt.iters);
   }
-  const double copy_min = -max_over_ranks(*comm, -copy);
+  const double copy_min = min_over_ranks(*comm, copy);
 
   const Stream stream = make_stream();
   const cudaStream_t s = native(stream);

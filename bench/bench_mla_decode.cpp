@@ -6,7 +6,8 @@
 // Tensor Core work (2 (rkv + dr) + 2 rkv flops per head and token) per second: with many heads per
 // latent the call is bound by the MMAs, not the bytes (ridge: flops per cache byte).
 // L2 is flushed clean before every timed launch (the cache comes from DRAM, as in a decode step).
-// Correctness: each cache form's first case against the CUDA-core path (FP32), rel error < 1e-2.
+// Correctness: each cache form's first case, and every case of a forced split count (--splits), against
+// the CUDA-core path (FP32), rel error < 1e-2.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -72,6 +73,10 @@ int run_mla_decode_bench(const MlaDecodeBenchOptions& opt) {
   FP8MOE_CHECK(opt.heads >= 1 && opt.rkv % 128 == 0 && opt.dr % 8 == 0 && opt.dr > 0,
                "bench mla-decode: needs heads >= 1, rkv % 128 == 0, dr % 8 == 0, got " << opt.heads << ", " << opt.rkv
                                                                                       << ", " << opt.dr);
+  for (const int64_t sp : opt.splits)
+    FP8MOE_CHECK(sp >= 0 && (sp == 0 || !opt.by_length),
+                 "bench mla-decode: --splits takes counts >= 0 (0: the plan's), and a forced count needs fit_batch "
+                 "(not --by-length), got " << sp);
   for (const std::string& c : opt.caches)
     FP8MOE_CHECK(c == "bf16" || c == "fp8", "bench mla-decode: --cache takes bf16 and fp8, got '" << c << "'");
   const cudaDeviceProp& prop = device_props();
@@ -129,32 +134,36 @@ int run_mla_decode_bench(const MlaDecodeBenchOptions& opt) {
         const double scale = 1.0 / std::sqrt(double(192));
         const MlaDecodeShape shape = check_mla_decode(qv, cache.view, tv, lv, ov, Device::cuda);
         const MlaDecodeSplits rule = opt.by_length ? MlaDecodeSplits::by_length : MlaDecodeSplits::fit_batch;
-        const MlaDecodePlan plan = mla_decode_plan(shape, qv, cache.view, MlaDecodePath::automatic, 0, rule);
-        auto call = [&] { mla_decode_attention_cuda(qv, cache.view, tv, lv, scale, ov, nullptr, MlaDecodePath::automatic, 0, rule); };
-        call();
-        FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
-        std::string note;
-        if (!checked) {
-          mla_decode_attention_cuda(qv, cache.view, tv, lv, scale, orv, nullptr, MlaDecodePath::cuda_core);
+        for (const int64_t forced : opt.splits) {
+          const MlaDecodePlan plan = mla_decode_plan(shape, qv, cache.view, MlaDecodePath::automatic, forced, rule);
+          auto call = [&] {
+            mla_decode_attention_cuda(qv, cache.view, tv, lv, scale, ov, nullptr, MlaDecodePath::automatic, forced, rule);
+          };
+          call();
           FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
-          const double err =
-              rel_error(d_to_doubles(o.p, B * H, rkv, true), d_to_doubles(o_ref.p, B * H, rkv, true));
-          char buf[96];
-          std::snprintf(buf, sizeof buf, " (rel err vs CUDA-core path %.1e)", err);
-          note = buf;
-          if (!(err < 1e-2)) status = 1;
-          checked = true;
+          std::string note;
+          if (!checked || (forced > 0 && opt.check)) {  // a forced count is checked every time
+            mla_decode_attention_cuda(qv, cache.view, tv, lv, scale, orv, nullptr, MlaDecodePath::cuda_core);
+            FP8MOE_CUDA_CHECK(cudaDeviceSynchronize());
+            const double err =
+                rel_error(d_to_doubles(o.p, B * H, rkv, true), d_to_doubles(o_ref.p, B * H, rkv, true));
+            char buf[96];
+            std::snprintf(buf, sizeof buf, " (rel err vs CUDA-core path %.1e)", err);
+            note = buf;
+            if (!(err < 1e-2)) status = 1;
+            checked = true;
+          }
+          const double us = timer.median_us(call, opt.warmup, opt.iters, flush);
+          const double bytes = double(B * ctx) * double(cache.bytes_per_token);
+          const double gbs = bytes / us * 1e-3, flops = 2.0 * double(B * ctx) * double(H) * double(2 * rkv + dr);
+          r_copy.push_back(gbs / copy_gbs);
+          std::printf("| %s | %lld | %lld | %s | %lld x %lld%s | %.1f | %.1f | %.0f | %.1f%% | %.0f | %.0f |%s\n",
+                      cache_name.c_str(), (long long)B, (long long)ctx,
+                      plan.path == MlaDecodePath::tensor_core ? "tensor_core" : "cuda_core", (long long)plan.splits,
+                      (long long)plan.head_tiles, forced ? " (forced)" : "", us, bytes * 1e-6, gbs,
+                      100.0 * gbs / copy_gbs, flops / us * 1e-6, flops / bytes, note.c_str());
+          std::fflush(stdout);
         }
-        const double us = timer.median_us(call, opt.warmup, opt.iters, flush);
-        const double bytes = double(B * ctx) * double(cache.bytes_per_token);
-        const double gbs = bytes / us * 1e-3, flops = 2.0 * double(B * ctx) * double(H) * double(2 * rkv + dr);
-        r_copy.push_back(gbs / copy_gbs);
-        std::printf("| %s | %lld | %lld | %s | %lld x %lld | %.1f | %.1f | %.0f | %.1f%% | %.0f | %.0f |%s\n",
-                    cache_name.c_str(), (long long)B, (long long)ctx,
-                    plan.path == MlaDecodePath::tensor_core ? "tensor_core" : "cuda_core", (long long)plan.splits,
-                    (long long)plan.head_tiles, us, bytes * 1e-6, gbs, 100.0 * gbs / copy_gbs, flops / us * 1e-6,
-                    flops / bytes, note.c_str());
-        std::fflush(stdout);
       }
   }
   std::printf("# geomean cache bandwidth of copy %.1f%%; seed %llu\n", 100.0 * geomean(r_copy),

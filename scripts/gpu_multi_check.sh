@@ -10,6 +10,8 @@
 #   FP8MOE_BIN=<dir> scripts/gpu_multi_check.sh   # <dir>/fp8moe
 #   scripts/gpu_multi_check.sh                    # configure + build it in build-gpu/ first
 #   FP8MOE_ITERS=20 ...                           # timed runs per benchmark step
+#   FP8MOE_RANKS=2 FP8MOE_COMM=mpi ...            # a rehearsal on fewer GPUs: N processes share
+#                                                 # them (NCCL refuses two ranks on one GPU)
 # Every step has a time limit.
 set -u
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -17,11 +19,19 @@ OUT=${OUT:-$PWD/gpu_multi_out}
 mkdir -p "$OUT"
 ITERS=${FP8MOE_ITERS:-10}
 source "$(dirname "$0")/gpu_common.sh"
-N=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-if [ "$N" -lt 2 ]; then
-  echo "gpu_multi_check: this host has $N GPU(s); the multi-GPU runs need two or more"
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+N=${FP8MOE_RANKS:-$GPUS}
+COMM=${FP8MOE_COMM:-nccl}
+if [ "$N" -lt 2 ] || [ "$GPUS" -lt 1 ]; then
+  echo "gpu_multi_check: this host has $GPUS GPU(s); the multi-GPU runs need two or more (or FP8MOE_RANKS=N)"
   exit 1
 fi
+if [ "$N" -gt "$GPUS" ] && [ "$COMM" = nccl ]; then
+  echo "gpu_multi_check: $N ranks on $GPUS GPU(s) need FP8MOE_COMM=mpi (NCCL refuses two ranks on one GPU)"
+  exit 1
+fi
+echo "gpu_multi_check: $N ranks on $GPUS GPU(s), communicator $COMM"
+
 gpu_bins fp8moe_cli
 gpu_info
 nvidia-smi topo -m >"$OUT/topo.txt" 2>&1
@@ -48,10 +58,10 @@ train_run() {  # train_run <tag> <reference> <np> <args...>
   step "train $*" 300 "$OUT/train_$tag.log" mpirun --oversubscribe -np "$np" "$BIN_CLI" "${TR[@]}" "$@" -o "$OUT/$tag"
   runs+=("$tag:$ref")
 }
-train_run ep "ref" "$N" --ep "$N" --comm nccl
-train_run ep_comm "ref" "$N" --ep "$N" --comm nccl --ep-transport comm
-train_run dp "ref" "$N" --dp "$N" --comm nccl
-train_run pp2 "ref4" 2 --pp 2 --schedule dualpipe --grad-accum 4 --fb compare --comm nccl --trace "$OUT/pp2_trace.json"
+train_run ep "ref" "$N" --ep "$N" --comm "$COMM"
+train_run ep_comm "ref" "$N" --ep "$N" --comm "$COMM" --ep-transport comm
+train_run dp "ref" "$N" --dp "$N" --comm "$COMM"
+train_run pp2 "ref4" 2 --pp 2 --schedule dualpipe --grad-accum 4 --fb compare --comm "$COMM" --trace "$OUT/pp2_trace.json"
 
 # The prefill-to-decode cache handover between two GPUs (the MPI engine, staged through the host),
 # where the test binary is at hand.
