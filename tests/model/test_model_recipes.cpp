@@ -96,13 +96,14 @@ void compare_recipes(const ModelConfig& cfg, const std::map<std::string, Bounds>
   }
 }
 
-// Bounds: at most 3x the worst seen over 3-4 seeds (FP8MOE_SEED=1,2,3 and one random), never
-// looser than they were (the FP8 rows' 2e-2 per-tensor bound is 1.3-1.7x the worst, 1.2e-2 to
-// 1.5e-2; docs/ACCURACY.md lists the measured values). The FP8 ablations land where fp8 does on a
-// model this small (K <= 1024, no outliers): what tells them apart is test_recipe_guards.cpp, which
-// observes each choice itself. The routing-sensitive bound of the top-k config (1.0 FP8, 0.5 BF16;
-// worst seen 0.48 and 0.17) only catches a broken MoE; MoeAllExpertsAgainstFp32 bounds those
-// tensors tightly.
+// Bounds: at least 1.5x the worst seen over 85 seeds (FP8MOE_SEED=1000..1083 and one that failed
+// a tighter bound), kept where they already were: the first bounds, 3x the worst of 4 seeds,
+// failed about one run in twenty, mostly on the main loss's relative error, which is heavy-tailed
+// at this size (docs/ACCURACY.md lists the measured values). The FP8 ablations land where fp8
+// does on a model this small (K <= 1024, no outliers): what tells them apart is
+// test_recipe_guards.cpp, which observes each choice itself. The routing-sensitive bound of the
+// top-k config (1.0 FP8, 0.5 BF16; worst seen 0.50 and 0.18) only catches a broken MoE;
+// MoeAllExpertsAgainstFp32 bounds those tensors tightly.
 
 // Without experts nothing is discontinuous: every gradient tensor is bounded.
 TEST(ModelRecipes, DenseAgainstFp32) {
@@ -112,11 +113,11 @@ TEST(ModelRecipes, DenseAgainstFp32) {
   c.first_k_dense_replace = c.num_hidden_layers;
   compare_recipes(c, {{"bf16", {3.8e-5, 1.5e-4, 5.7e-5, 6.1e-5, 0}},
                       {"bf16+bf16", {4e-5, 2.1e-4, 5.7e-5, 8.5e-5, 0}},
-                      {"fp8", {5e-3, 2e-2, 1e-2, 8.2e-4, 0}},
-                      {"fp8+bf16", {5e-3, 2e-2, 1e-2, 7.3e-4, 0}},
-                      {"fp8-no-promotion", {5e-3, 2e-2, 1e-2, 9.1e-4, 0}},
+                      {"fp8", {5.3e-3, 2.3e-2, 1e-2, 8.2e-4, 0}},
+                      {"fp8+bf16", {5.1e-3, 2.1e-2, 1e-2, 8.9e-4, 0}},
+                      {"fp8-no-promotion", {5.1e-3, 2.1e-2, 1e-2, 9.1e-4, 0}},
                       {"fp8-per-tensor", {8.5e-3, 3.4e-2, 1.1e-2, 1.2e-3, 0}},
-                      {"fp8-f32-cache", {5e-3, 2e-2, 1e-2, 8.7e-4, 0}}});
+                      {"fp8-f32-cache", {5.1e-3, 2.1e-2, 1e-2, 8.9e-4, 0}}});
 }
 
 // Every token to every routed expert (2 of 2): the MoE layer's FP8 paths (dispatch quantization,
@@ -130,22 +131,22 @@ TEST(ModelRecipes, MoeAllExpertsAgainstFp32) {
   c.n_group = 1;
   c.topk_group = 1;
   compare_recipes(c, {{"bf16", {3.6e-5, 2.3e-4, 5.1e-5, 8.7e-5, 0}},
-                      {"bf16+bf16", {3.9e-5, 1.9e-4, 5.6e-5, 8.6e-5, 0}},
-                      {"fp8", {9.1e-3, 7.1e-2, 1.1e-2, 6.6e-4, 0}},
-                      {"fp8+bf16", {8.8e-3, 4.4e-2, 1.1e-2, 9.2e-4, 0}},
-                      {"fp8-no-promotion", {9.1e-3, 4.9e-2, 1.1e-2, 8.5e-4, 0}},
-                      {"fp8-per-tensor", {7.9e-3, 7e-2, 1e-2, 6.8e-4, 0}},
-                      {"fp8-f32-cache", {8.8e-3, 6.4e-2, 1e-2, 5.4e-4, 0}}});
+                      {"bf16+bf16", {3.9e-5, 2.7e-4, 5.6e-5, 8.6e-5, 0}},
+                      {"fp8", {9.1e-3, 7.1e-2, 1.1e-2, 1.3e-3, 0}},
+                      {"fp8+bf16", {8.8e-3, 5.6e-2, 1.1e-2, 1.3e-3, 0}},
+                      {"fp8-no-promotion", {9.1e-3, 6.3e-2, 1.1e-2, 1.3e-3, 0}},
+                      {"fp8-per-tensor", {7.9e-3, 7e-2, 1e-2, 1.1e-3, 0}},
+                      {"fp8-f32-cache", {8.8e-3, 6.4e-2, 1e-2, 1.2e-3, 0}}});
 }
 
 TEST(ModelRecipes, MoeAgainstFp32) {
-  compare_recipes(tiny_config(), {{"bf16", {3.3e-4, 2e-3, 6.5e-4, 1.5e-4, 0.5}},
-                                  {"bf16+bf16", {4.9e-4, 2e-3, 9.1e-4, 1.1e-4, 0.5}},
-                                  {"fp8", {5e-3, 2e-2, 1.8e-2, 1.6e-3, 1.0}},
-                                  {"fp8+bf16", {5e-3, 2e-2, 1.9e-2, 1.1e-3, 1.0}},
-                                  {"fp8-no-promotion", {5e-3, 2e-2, 1.8e-2, 1.4e-3, 1.0}},
+  compare_recipes(tiny_config(), {{"bf16", {4e-4, 2e-3, 9.2e-4, 2.2e-4, 0.5}},
+                                  {"bf16+bf16", {4.9e-4, 2e-3, 9.1e-4, 1.3e-4, 0.5}},
+                                  {"fp8", {5.8e-3, 2.4e-2, 1.8e-2, 1.6e-3, 1.0}},
+                                  {"fp8+bf16", {5.9e-3, 2.4e-2, 1.9e-2, 1.5e-3, 1.0}},
+                                  {"fp8-no-promotion", {6.1e-3, 2.3e-2, 1.8e-2, 1.4e-3, 1.0}},
                                   {"fp8-per-tensor", {9.7e-3, 3.8e-2, 1.8e-2, 1.6e-3, 1.0}},
-                                  {"fp8-f32-cache", {5e-3, 2e-2, 1.6e-2, 1.5e-3, 1.0}}});
+                                  {"fp8-f32-cache", {6.5e-3, 2.4e-2, 1.6e-2, 1.5e-3, 1.0}}});
 }
 
 TEST(ModelMemory, MeasuredEqualsPredictedAndFp8KeepsLess) {
