@@ -113,7 +113,7 @@ struct MlaDecodeBenchOptions {
   std::vector<std::string> caches{"bf16", "fp8"};
   bool by_length = false;  // MlaDecodeSplits::by_length (batch-invariant splits) instead of fit_batch
   std::vector<int64_t> splits{0};  // split counts per case (fit_batch); 0: the plan's own
-  bool check = true;   // each cache form's first case against the CUDA-core path
+  bool check = true;   // each cache form's first case (and every forced split count) against the CUDA-core path
   uint64_t seed = 0;   // 0: fresh random seed (printed)
 };
 

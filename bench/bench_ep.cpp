@@ -347,15 +347,6 @@ std::vector<V> all_ranks(Comm& c, V v) {
   }
   return out;
 }
-double max_over_ranks(Comm& c, double v) {
-  const std::vector<double> a = all_ranks(c, v);
-  return *std::max_element(a.begin(), a.end());
-}
-double min_over_ranks(Comm& c, double v) {
-  const std::vector<double> a = all_ranks(c, v);
-  return *std::min_element(a.begin(), a.end());
-}
-
 // One timed run of fn, queued on stream s of every rank: each rank's L2 flushed, then a barrier,
 // then the run, timed by events on s; the slowest rank's microseconds (a rank's time includes
 // the others' later starts, up to the host's launch skew).
@@ -381,7 +372,7 @@ struct RankTimer {
     FP8MOE_CUDA_CHECK(cudaEventSynchronize(b));
     float ms = 0;
     FP8MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    return max_over_ranks(c, 1e3 * double(ms));
+    return std::ranges::max(all_ranks(c, 1e3 * double(ms)));
   }
   double median_us(const EpBenchOptions& opt, cudaStream_t s, const std::function<void()>& fn) {
     std::vector<double> us;
@@ -511,7 +502,7 @@ int run_ep_bench_ranks(const EpBenchOptions& opt) {
     comm->barrier();
     if (q == me) copy = copy_gbs(size_t(1) << 30, opt.warmup, opt.iters);
   }
-  const double copy_min = min_over_ranks(*comm, copy);
+  const double copy_min = std::ranges::min(all_ranks(*comm, copy));
 
   const Stream stream = make_stream();
   const cudaStream_t s = native(stream);
@@ -604,7 +595,7 @@ int run_ep_bench_ranks(const EpBenchOptions& opt) {
   size_t mine = 0;
   for (int d = 0; d < P; ++d)
     if (d != me) mine += size_t(n.tokens_to(me, d)) * size_t(row_bytes);
-  const size_t peer_bytes = std::max<size_t>(16, size_t(max_over_ranks(*comm, double(mine))));
+  const size_t peer_bytes = std::max<size_t>(16, size_t(std::ranges::max(all_ranks(*comm, double(mine)))));
   DeviceBuffer src(peer_bytes), dst(peer_bytes);
   cudaIpcMemHandle_t h;
   FP8MOE_CUDA_CHECK(cudaIpcGetMemHandle(&h, dst.p));
