@@ -34,6 +34,10 @@ inline void add_train_options(CLI::App* cmd, TrainOptions& o) {
                   "training steps as CUDA graphs, recorded once and replayed while the batch shape stays: auto (one "
                   "process on a GPU) | on | off")
       ->capture_default_str();
+  cmd->add_option("--wgrad-stream", o.wgrad_stream,
+                  "each sublayer's weight gradients on a second stream, beside the next sublayer's input gradient "
+                  "(the same bits): on | off")
+      ->capture_default_str();
   cmd->add_option("--ema-decay", o.ema_decay, "decay per step of the parameter EMA")->capture_default_str();
   cmd->add_option("--ema-on", o.ema_on,
                   "where the EMA's averages live: host (the report's; the snapshot crosses the bus) | device | auto "

@@ -34,6 +34,8 @@ std::string_view op_name(Op op) {
     case Op::rmsnorm_forward_fp8: return "rmsnorm_forward_fp8";
     case Op::rmsnorm_backward: return "rmsnorm_backward";
     case Op::rope: return "rope";
+    case Op::mla_split_kv: return "mla_split_kv";
+    case Op::mla_split_kv_backward: return "mla_split_kv_backward";
     case Op::attention_forward: return "attention_forward";
     case Op::attention_backward: return "attention_backward";
     case Op::mla_decode_attention: return "mla_decode_attention";
@@ -71,6 +73,14 @@ std::shared_ptr<void> hold_frees(const Backend& be) {
   if (be.device() == Device::cuda) return hold_cuda_frees();
 #endif
   (void)be;
+  return nullptr;
+}
+
+std::shared_ptr<void> set_aside_frees(Backend& be, const std::function<void()>& work) {
+#ifdef FP8MOE_HAVE_CUDA
+  if (be.device() == Device::cuda) return set_aside_cuda_frees(be.stream().native(), work);
+#endif
+  work();
   return nullptr;
 }
 
@@ -146,6 +156,32 @@ void Backend::rmsnorm_backward(const TensorView&, const TensorView&, const Tenso
   FP8MOE_UNSUPPORTED(rmsnorm_backward);
 }
 void Backend::rope(const TensorView&, int64_t, int64_t, const TensorView&, double, bool) { FP8MOE_UNSUPPORTED(rope); }
+
+// The composition the model ran before the fused kernels: the shared key rotated once, then copied
+// into every head.
+void Backend::mla_split_kv(const TensorView& kv, const TensorView& ckv, int64_t pe_col, const TensorView& positions,
+                           double theta, const TensorView& k, const TensorView& v) {
+  const auto [T, H, dn, dr, dv] = check_mla_split_kv("mla_split_kv", kv, ckv, pe_col, k, v);
+  Tensor kpe = empty(k.dtype, {T, 1, dr});
+  copy_cols(ckv, pe_col, reshape(kpe.view(), {T, dr}), 0, dr, false);
+  rope(kpe.view(), 0, dr, positions, theta, false);
+  const TensorView kvh = reshape(kv, {T * H, dn + dv}), kh = reshape(k, {T * H, dn + dr});
+  copy_cols(kvh, 0, kh, 0, dn, false);
+  copy_cols(kvh, dn, reshape(v, {T * H, dv}), 0, dv, false);
+  for (int64_t h = 0; h < H; ++h) copy_cols(reshape(kpe.view(), {T, dr}), 0, reshape(k, {T, H * (dn + dr)}), h * (dn + dr) + dn, dr, false);
+}
+void Backend::mla_split_kv_backward(const TensorView& dk, const TensorView& dv, const TensorView& positions,
+                                    double theta, const TensorView& dkv, const TensorView& dckv, int64_t pe_col) {
+  const auto [T, H, dn, dr, dvw] = check_mla_split_kv("mla_split_kv_backward", dkv, dckv, pe_col, dk, dv);
+  const TensorView dkvh = reshape(dkv, {T * H, dn + dvw});
+  copy_cols(reshape(dk, {T * H, dn + dr}), 0, dkvh, 0, dn, false);
+  copy_cols(reshape(dv, {T * H, dvw}), 0, dkvh, dn, dvw, false);
+  Tensor dkpe = zeros(dk.dtype, {T, 1, dr});
+  const TensorView dk2 = reshape(dk, {T, H * (dn + dr)}), dkpe2 = reshape(dkpe.view(), {T, dr});
+  for (int64_t h = 0; h < H; ++h) copy_cols(dk2, h * (dn + dr) + dn, dkpe2, 0, dr, true);
+  rope(dkpe.view(), 0, dr, positions, theta, true);
+  copy_cols(dkpe2, 0, dckv, pe_col, dr, false);
+}
 void Backend::attention_forward(const TensorView&, const TensorView&, const TensorView&, const TensorView&,
                                 const TensorView&, int64_t, double, DType) {
   FP8MOE_UNSUPPORTED(attention_forward);

@@ -42,6 +42,8 @@ enum class Op : uint8_t {
   rmsnorm_forward_fp8,
   rmsnorm_backward,
   rope,
+  mla_split_kv,
+  mla_split_kv_backward,
   attention_forward,
   attention_backward,
   mla_decode_attention,
@@ -247,6 +249,17 @@ class Backend {
   // head by positions[t] * theta^(-2i/rot); inverse rotates back (the backward).
   virtual void rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& positions, double theta,
                     bool inverse);
+  // MLA's per-head keys and values (src/model/attention.cpp): from kv [T, H*(dn+dv)] (each head's
+  // k_nope | v) and the shared RoPE key, columns [pe_col, pe_col + dr) of the latent ckv [T, pe_col
+  // + dr], k [T, H, dn+dr] = [k_nope | the shared key rotated as rope() does] and v [T, H, dv].
+  // The default is that composition of copy_cols and rope; a backend may fuse it, with its bits.
+  virtual void mla_split_kv(const TensorView& kv, const TensorView& ckv, int64_t pe_col, const TensorView& positions,
+                            double theta, const TensorView& k, const TensorView& v);
+  // Its backward: dkv [T, H*(dn+dv)] = each head's dk[:, h, :dn] | dv[:, h], and columns [pe_col,
+  // pe_col + dr) of dckv [T, pe_col + dr] = the sum over heads (h = 0, 1, ... in turn, from zero) of
+  // dk[:, h, dn:] rotated back (rope's inverse). The other columns of dckv are not touched.
+  virtual void mla_split_kv_backward(const TensorView& dk, const TensorView& dv, const TensorView& positions,
+                                     double theta, const TensorView& dkv, const TensorView& dckv, int64_t pe_col);
   // Causal attention within sequences of seq_len rows (T = B * seq_len): q, k [T, H, Dk], v [T, H, Dv]
   // -> out [T, H, Dv], lse [H, T] (log-sum-exp of the scaled scores, for the backward). compute is
   // the precision of the GEMM operands: the tensors' dtype (exact) or bf16 (Q, K, V, dout and the

@@ -8,6 +8,7 @@
 // reused until its end.
 //   { auto hold = hold_frees(be); ...two streams...; done.record(second); done.wait(first); }
 #pragma once
+#include <functional>
 #include <memory>
 
 #include "fp8moe/backend.hpp"
@@ -17,5 +18,12 @@ namespace fp8moe {
 // Holds (nested holds count) until the last copy of the handle goes. Nothing on the CPU, where
 // every op has run when it returns.
 std::shared_ptr<void> hold_frees(const Backend& be);
+
+// Runs `work` (ops on the backend's current stream, a second one) and sets aside the blocks of
+// other streams that it frees (the host drops tensors of the first stream that the second has
+// only queued its reads of): they return to the cache when the handle goes, by when the caller
+// has made the first stream wait for the second (an event). The second stream's own blocks are
+// freed as usual, so that `work` reuses its scratch memory. Nothing on the CPU.
+std::shared_ptr<void> set_aside_frees(Backend& be, const std::function<void()>& work);
 
 }  // namespace fp8moe

@@ -123,6 +123,10 @@ class Executor {
   // are those of the steps without graphs. A capture that fails turns graphs off for the
   // executor's life, with the reason in graph_note().
   void set_graphs(bool on);
+  // A sublayer's weight gradients on a second stream beside the next sublayer's input gradient
+  // (on by default; where W follows its B, outside overlapped F&B chunks and device times):
+  // the same bits, the SMs that small GEMMs leave idle used.
+  void set_wgrad_stream(bool on);
   int64_t graph_replays() const;  // steps run as replays so far (the recording's own included)
   const std::string& graph_note() const;
 

@@ -37,6 +37,9 @@ struct TensorView {
   std::string str() const;  // "[M, K] e4m3 cpu" for messages
 };
 
+// The same elements of a contiguous view in another shape (the same count); Error otherwise.
+TensorView reshape(const TensorView& t, std::initializer_list<int64_t> shape);
+
 // Argument checks shared by every op. Each throws fp8moe::Error naming `arg`.
 void check_tensor(const TensorView& t, const char* arg, DType dtype, int ndim);
 void check_tensor(const TensorView& t, const char* arg, std::initializer_list<DType> dtypes, int ndim);
@@ -44,6 +47,10 @@ void check_shape(const TensorView& t, const char* arg, std::initializer_list<int
 // Backend::copy_cols's shapes: 2-D src and dst with the same rows, columns [src_col, src_col +
 // ncols) of src and [dst_col, dst_col + ncols) of dst existing; messages start "copy_cols: ".
 void check_copy_cols(const TensorView& src, int64_t src_col, const TensorView& dst, int64_t dst_col, int64_t ncols);
+// Backend::mla_split_kv's shapes (kv and ckv, or dkv and dckv, with k and v or dk and dv):
+// {T, H, dn, dr, dv}; messages start with `op`.
+std::array<int64_t, 5> check_mla_split_kv(const char* op, const TensorView& kv, const TensorView& ckv, int64_t pe_col,
+                                          const TensorView& k, const TensorView& v);
 
 class Tensor {
  public:

@@ -58,6 +58,9 @@ struct TrainOptions {
   // Steps as CUDA graphs (pipeline::Executor::set_graphs): auto = where the backend records
   // graphs and the run is one process without --trace; on = the same, refused where it cannot.
   std::string graphs = "auto";  // auto | on | off
+  // A sublayer's weight gradients on a second stream beside the next one's input gradient
+  // (pipeline::Executor::set_wgrad_stream): the same bits.
+  std::string wgrad_stream = "on";  // on | off
 };
 
 struct TrainSummary {

@@ -496,6 +496,16 @@ class CudaBackend final : public Backend {
     FP8MOE_TIMED_OP("rope");
     cuda::cuda_rope(x, col0, rot, positions, theta, inverse, s_);
   }
+  void mla_split_kv(const TensorView& kv, const TensorView& ckv, int64_t pe_col, const TensorView& positions,
+                    double theta, const TensorView& k, const TensorView& v) override {
+    FP8MOE_TIMED_OP("mla_split_kv");
+    cuda::cuda_mla_split_kv(kv, ckv, pe_col, positions, theta, k, v, s_);
+  }
+  void mla_split_kv_backward(const TensorView& dk, const TensorView& dv, const TensorView& positions, double theta,
+                             const TensorView& dkv, const TensorView& dckv, int64_t pe_col) override {
+    FP8MOE_TIMED_OP("mla_split_kv_backward");
+    cuda::cuda_mla_split_kv_backward(dk, dv, positions, theta, dkv, dckv, pe_col, s_);
+  }
   void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                          const TensorView& lse, int64_t seq_len, double scale, DType compute) override {
     FP8MOE_TIMED_OP("attention_forward");
@@ -709,6 +719,20 @@ std::shared_ptr<void> hold_cuda_frees() {
   cuda::hold_frees();
   // A null pointer with a deleter: the deleter still runs when the last copy goes.
   return std::shared_ptr<void>(nullptr, [](void*) { cuda::release_frees(); });
+}
+std::shared_ptr<void> set_aside_cuda_frees(void* stream, const std::function<void()>& work) {
+  cuda::begin_set_aside(static_cast<cudaStream_t>(stream));
+  try {
+    work();
+  } catch (...) {
+    // What was queued may still read them: they return once the device has run it.
+    const std::vector<cuda::CachedBlock> blocks = cuda::end_set_aside();
+    (void)cudaDeviceSynchronize();
+    cuda::put_back_set_aside(blocks);
+    throw;
+  }
+  auto blocks = std::make_shared<std::vector<cuda::CachedBlock>>(cuda::end_set_aside());
+  return std::shared_ptr<void>(nullptr, [blocks](void*) { cuda::put_back_set_aside(*blocks); });
 }
 
 }  // namespace fp8moe

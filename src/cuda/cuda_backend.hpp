@@ -6,6 +6,7 @@
 // Tensors come from the caching allocator (runtime/caching_allocator.hpp); ops run on the backend's
 // current stream (its own compute stream unless set_stream says otherwise).
 #pragma once
+#include <functional>
 #include <memory>
 
 #include "fp8moe/backend.hpp"
@@ -20,5 +21,7 @@ std::unique_ptr<Backend> make_cuda_backend();
 std::unique_ptr<Backend> make_cublaslt_backend();
 // fp8moe/free_hold.hpp on the caching allocator: hold_frees() until the handle goes.
 std::shared_ptr<void> hold_cuda_frees();
+// fp8moe/free_hold.hpp's set_aside_frees: `work` between begin_set_aside(stream) and end_set_aside().
+std::shared_ptr<void> set_aside_cuda_frees(void* stream, const std::function<void()>& work);
 
 }  // namespace fp8moe

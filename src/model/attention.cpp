@@ -72,18 +72,8 @@ class AttentionLayer final : public Layer {
     c_.be.rope(Q.view(), dn_, dr_, b.positions.view(), c_.cfg.rope_theta, false);
     Tensor kv = c_.empty({T, H_ * (dn_ + dv_)});
     linear_forward(c_, s.ckvn, *kv_b_, kv, c_.recipe.linear);
-    Tensor kpe = c_.empty({T, 1, dr_});  // shared RoPE key
-    c_.be.copy_cols(s.ckv.view(), rkv_, reshape(kpe.view(), {T, dr_}), 0, dr_, false);
-    c_.be.rope(kpe.view(), 0, dr_, b.positions.view(), c_.cfg.rope_theta, false);
-    // Every head's k_nope and v in one copy each: kv [T, H*(dn+dv)] is [T*H, dn+dv] row-major,
-    // K [T*H, dqk] and V [T*H, dv].
-    const TensorView kvh = reshape(kv.view(), {T * H_, dn_ + dv_});
-    c_.be.copy_cols(kvh, 0, reshape(K.view(), {T * H_, dqk_}), 0, dn_, false);
-    c_.be.copy_cols(kvh, dn_, reshape(V.view(), {T * H_, dv_}), 0, dv_, false);
-    // The shared RoPE key into every head: kpe's row t repeated for rows t*H + h, then one copy.
-    Tensor kpe_heads = c_.empty({T * H_, dr_});
-    c_.be.gather_rows(reshape(kpe.view(), {T, dr_}), head_rows(T).view(), TensorView(), kpe_heads.view());
-    c_.be.copy_cols(kpe_heads.view(), 0, reshape(K.view(), {T * H_, dqk_}), dn_, dr_, false);
+    // Every head's k_nope and v, and the shared RoPE key (rotated) into every head.
+    c_.be.mla_split_kv(kv.view(), s.ckv.view(), rkv_, b.positions.view(), c_.cfg.rope_theta, K.view(), V.view());
   }
 
   // The RMSNorm outputs as the Linears read them, recomputed from the kept norm inputs: h (the
@@ -99,16 +89,6 @@ class AttentionLayer final : public Layer {
     Tensor ckv_c = c_.empty({T, rkv_});
     c_.be.copy_cols(s.ckv.view(), 0, ckv_c.view(), 0, rkv_, false);
     s.ckvn = rmsnorm_linear_input(c_, ckv_c, *kv_a_norm_, rstd, sm);
-  }
-
-  // [T * H] i32: t for row t*H + h of a [T*H, *] per-head view (made once per token count).
-  const Tensor& head_rows(int64_t T) {
-    if (!head_rows_.defined() || head_rows_.size(0) != T * H_) {
-      Tensor h = Tensor::host(DType::i32, {T * H_});
-      for (int64_t i = 0; i < T * H_; ++i) h.ptr<int32_t>()[i] = int32_t(i / H_);
-      head_rows_ = to_backend(c_, h);
-    }
-    return head_rows_;
   }
 
   std::unique_ptr<Saved> forward(const Batch& b, const Tensor& x, Tensor& y) override {
@@ -177,18 +157,11 @@ class AttentionLayer final : public Layer {
                              dQ.view(), dK.view(), dV.view(), b.seq, scale_, c_.recipe.attn_compute);
     // RoPE backward: the inverse rotation of the gradient.
     c_.be.rope(dQ.view(), dn_, dr_, b.positions.view(), c_.cfg.rope_theta, true);
-    Tensor dq = c_.empty({T, H_ * dqk_});
-    c_.be.copy(dq.view(), reshape(dQ.view(), {T, H_ * dqk_}));
-    Tensor dkv = c_.empty({T, H_ * (dn_ + dv_)});
-    Tensor dkpe = c_.zeros({T, 1, dr_});  // zero-filled: the heads' gradients accumulate into it
-    // dkv [T*H, dn+dv] = [dK's k_nope | dV] of every head, one copy each.
-    const TensorView dkvh = reshape(dkv.view(), {T * H_, dn_ + dv_});
-    c_.be.copy_cols(reshape(dK.view(), {T * H_, dqk_}), 0, dkvh, 0, dn_, false);
-    c_.be.copy_cols(reshape(dV.view(), {T * H_, dv_}), 0, dkvh, dn_, dv_, false);
-    const TensorView dK2 = reshape(dK.view(), {T, H_ * dqk_}), dkpe2 = reshape(dkpe.view(), {T, dr_});
-    for (int64_t h = 0; h < H_; ++h)
-      c_.be.copy_cols(dK2, h * dqk_ + dn_, dkpe2, 0, dr_, true);  // the shared key sums over heads
-    c_.be.rope(dkpe.view(), 0, dr_, b.positions.view(), c_.cfg.rope_theta, true);
+    const Tensor dq = reshaped(dQ, {T, H_ * dqk_});  // [T, H, dqk] row-major is [T, H*dqk]
+    // dkv = [dK's k_nope | dV] of every head; the shared key's gradient (summed over the heads,
+    // rotated back) into dckv's last dr columns, its latent's gradient below.
+    Tensor dkv = c_.empty({T, H_ * (dn_ + dv_)}), dckv = c_.empty({T, rkv_ + dr_});
+    c_.be.mla_split_kv_backward(dK.view(), dV.view(), b.positions.view(), c_.cfg.rope_theta, dkv.view(), dckv.view(), rkv_);
 
     s.dh = c_.empty({T, D});  // written by the first Dgrad below, then accumulated into
     if (q_a_) {
@@ -209,9 +182,7 @@ class AttentionLayer final : public Layer {
     Tensor dckv_c = c_.empty({T, rkv_});
     c_.be.rmsnorm_backward(ckv_c.view(), kv_a_norm_->weight.view(), s.rstd_kv.view(), s.dckvn.view(), dckv_c.view(),
                            TensorView(), false);
-    Tensor dckv = c_.empty({T, rkv_ + dr_});
     c_.be.copy_cols(dckv_c.view(), 0, dckv.view(), 0, rkv_, false);
-    c_.be.copy_cols(dkpe2, 0, dckv.view(), rkv_, dr_, false);
     s.dckv = linear_backward_input(c_, dckv, *kv_a_, s.dh, true, prec);
     dx = clone(c_, dy.view());
     c_.be.rmsnorm_backward(norm_input(c_, s.x).view(), norm_->weight.view(), s.rstd.view(), s.dh.view(), dx.view(),
@@ -250,7 +221,6 @@ class AttentionLayer final : public Layer {
   Parameter *kv_a_ = nullptr, *kv_a_norm_ = nullptr, *kv_b_ = nullptr, *o_ = nullptr;
   int64_t H_, dn_, dr_, dv_, dqk_, rkv_;
   double scale_;
-  Tensor head_rows_;  // head_rows()
 };
 
 }  // namespace

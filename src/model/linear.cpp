@@ -28,12 +28,6 @@ TensorView rows_view(const TensorView& t, int64_t r0, int64_t n) {
   return v;
 }
 
-TensorView reshape(const TensorView& t, std::initializer_list<int64_t> shape) {
-  TensorView v(t.data, t.dtype, shape, t.device);
-  FP8MOE_CHECK(v.numel() == t.numel() && t.is_contiguous(), "reshape: " << t.str() << " to " << v.str());
-  return v;
-}
-
 namespace {
 
 // A tensor of the backend with t's dtype and shape, zero-filled or not.

@@ -447,8 +447,8 @@ Batch Model::make_batch(const TensorView& tokens, const TensorView& targets, con
                "tokens: sequence length " << b.seq << " exceeds max_position_embeddings = " << m.cfg.max_position_embeddings);
   b.tokens = m.be.empty(DType::i32, {T});
   b.targets = m.be.empty(DType::i32, {T});
-  m.be.copy(b.tokens.view(), model::reshape(tokens, {T}));
-  m.be.copy(b.targets.view(), model::reshape(targets, {T}));
+  m.be.copy(b.tokens.view(), reshape(tokens, {T}));
+  m.be.copy(b.targets.view(), reshape(targets, {T}));
   Tensor pos = Tensor::host(DType::i32, {T});
   for (int64_t t = 0; t < T; ++t) pos.ptr<int32_t>()[t] = int32_t(t % b.seq);
   b.positions = model::to_backend(m.ctx, pos);

@@ -75,8 +75,6 @@ struct Ctx {
 
 // A non-owning view of rows [r0, r0 + n) of a contiguous 2-D tensor.
 TensorView rows_view(const TensorView& t, int64_t r0, int64_t n);
-// The same storage seen with another shape (contiguous, same element count).
-TensorView reshape(const TensorView& t, std::initializer_list<int64_t> shape);
 // A zero tensor of the backend with t's dtype and shape, the same without the zero fill (for an op
 // to overwrite whole), and a copy of t.
 Tensor zeros_like(Backend& be, const TensorView& t);

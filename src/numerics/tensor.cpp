@@ -2,6 +2,7 @@
 #include "fp8moe/tensor.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -83,11 +84,32 @@ void check_shape(const TensorView& t, const char* arg, std::initializer_list<int
   FP8MOE_CHECK(ok, arg << ": expected shape " << want.str() << ", got " << t.str());
 }
 
+TensorView reshape(const TensorView& t, std::initializer_list<int64_t> shape) {
+  TensorView v(t.data, t.dtype, shape, t.device);
+  FP8MOE_CHECK(v.numel() == t.numel() && t.is_contiguous(), "reshape: " << t.str() << " to " << v.str());
+  return v;
+}
+
 void check_copy_cols(const TensorView& src, int64_t src_col, const TensorView& dst, int64_t dst_col, int64_t ncols) {
   FP8MOE_CHECK(src.size(0) == dst.size(0), "copy_cols: src " << src.str() << " and dst " << dst.str() << " differ in rows");
   for (const auto& [t, arg, col] : {std::tuple{&src, "src", src_col}, std::tuple{&dst, "dst", dst_col}})
     FP8MOE_CHECK(col >= 0 && ncols >= 0 && col + ncols <= t->size(1),
                  "copy_cols: columns [" << col << ", " << col + ncols << ") outside " << arg << " " << t->str());
+}
+
+std::array<int64_t, 5> check_mla_split_kv(const char* op, const TensorView& kv, const TensorView& ckv, int64_t pe_col,
+                                          const TensorView& k, const TensorView& v) {
+  FP8MOE_CHECK(k.ndim == 3 && v.ndim == 3 && kv.ndim == 2 && ckv.ndim == 2,
+               op << ": expected k, v [T, H, *], kv and ckv [T, *]; got k " << k.str() << ", v " << v.str() << ", kv "
+                  << kv.str() << ", ckv " << ckv.str());
+  const int64_t T = k.size(0), H = k.size(1), dr = ckv.size(1) - pe_col, dn = k.size(2) - dr, dv = v.size(2);
+  FP8MOE_CHECK(pe_col >= 0 && dr > 0 && dr % 2 == 0 && dn >= 0,
+               op << ": the shared key ckv[:, " << pe_col << ":] of ckv " << ckv.str() << " must be an even number of columns "
+                  << "no wider than k " << k.str());
+  FP8MOE_CHECK(v.size(0) == T && v.size(1) == H && ckv.size(0) == T && kv.size(0) == T && kv.size(1) == H * (dn + dv),
+               op << ": k " << k.str() << ", v " << v.str() << ", ckv " << ckv.str() << " and kv " << kv.str()
+                  << " must be [T, H, dn + dr], [T, H, dv], [T, pe_col + dr] and [T, H * (dn + dv)]");
+  return {T, H, dn, dr, dv};
 }
 
 Tensor::Tensor(std::shared_ptr<void> storage, DType t, std::initializer_list<int64_t> dims, Device dev)

@@ -1,5 +1,5 @@
-// Non-owning views the engine and the cache take of contiguous tensors: rows [r0, r0 + n),
-// another shape of the same storage, and strided matrices in it.
+// Non-owning views the engine and the cache take of contiguous tensors: rows [r0, r0 + n) and
+// strided matrices in it (another shape of the same storage: fp8moe/tensor.hpp's reshape).
 #pragma once
 #include <initializer_list>
 
@@ -13,12 +13,6 @@ inline TensorView rows(const TensorView& t, int64_t r0, int64_t n) {
   TensorView v = t;
   v.data = static_cast<char*>(t.data) + r0 * t.strides[0] * int64_t(dtype_size(t.dtype));
   v.shape[0] = n;
-  return v;
-}
-
-inline TensorView reshape(const TensorView& t, std::initializer_list<int64_t> shape) {
-  TensorView v(t.data, t.dtype, shape, t.device);
-  FP8MOE_CHECK(v.numel() == t.numel() && t.is_contiguous(), "reshape: " << t.str() << " to " << v.str());
   return v;
 }
 

@@ -197,6 +197,8 @@ void validate_train_options(const TrainOptions& o) {
                "train: --ema-on (ema_on) = '" << o.ema_on << "' is not one of auto, host, device");
   FP8MOE_CHECK(o.graphs == "auto" || o.graphs == "on" || o.graphs == "off",
                "train: --graphs (graphs) = '" << o.graphs << "' is not one of auto, on, off");
+  FP8MOE_CHECK(o.wgrad_stream == "on" || o.wgrad_stream == "off",
+               "train: --wgrad-stream (wgrad_stream) = '" << o.wgrad_stream << "' is not one of on, off");
   FP8MOE_CHECK(o.backend == "auto" || o.backend == "cpu" || o.backend == "cuda",
                "train: --backend (backend) = '" << o.backend << "' is not one of auto, cpu, cuda");
   FP8MOE_CHECK(!o.out_dir.empty(), "train: --out (out_dir) must not be empty");
@@ -338,6 +340,7 @@ struct Trainer::Impl {
                                                  << par->layout.str() << ")");
     // Under mpirun the step talks to other ranks; one process records it once and replays it.
     executor->set_graphs(opt.graphs != "off" && !par && backend->can_capture());
+    executor->set_wgrad_stream(opt.wgrad_stream == "on");
     std::vector<ParamRef> ema_refs;
     for (Parameter* p : all) ema_refs.push_back({p->name, p->weight.view(), p->grad.view(), false});
     // Every ema_every steps a snapshot, folded in with decay^ema_every. In host memory (the

@@ -5,7 +5,7 @@
 // The op stores FP32 results of FP64 sums, so they agree to FP32 rounding (1e-6 relative, plus
 // 1e-9 of the tensor's largest magnitude for sums that cancel); a BF16 rounding missing or added
 // moves results by ~1e-3 and fails. Sequence lengths off the 32-row tiles, several heads and
-// sequences, Dk != Dv.
+// sequences, Dk != Dv. And MLA's key and value split (mla_split_kv) from its formulas.
 #include <algorithm>
 #include <cmath>
 
@@ -208,6 +208,63 @@ TEST(CpuAttention, ComputeDtypes) {
                "attention_forward: compute = f32 must be bf16 or the tensors' dtype f64");
   expect_error([&] { cpu->attention_forward(q, k, v, out32, lse32, c.S, c.scale(), DType::e4m3); },
                "compute = e4m3");
+}
+
+// MLA's per-head keys and values (Backend::mla_split_kv) from the formulas: k_nope and v copied
+// out of each head's kv, the shared key rotated at each token's position into every head; the
+// backward's copies, and the heads' summed key gradient rotated back into dckv's last dr columns.
+TEST(CpuAttention, MlaSplitKvFollowsItsFormulas) {
+  auto cpu = make_backend("cpu");
+  auto rng = make_rng();
+  const int64_t T = 13, H = 3, dn = 5, dr = 4, dv = 6, rkv = 7;
+  const double theta = 10000.0;
+  Tensor pos = Tensor::host(DType::i32, {T});
+  for (int64_t t = 0; t < T; ++t) pos.ptr<int32_t>()[t] = int32_t(37 * t % 101);
+  const Tensor kv = random_normal(rng, DType::f32, {T, H * (dn + dv)}, 1.0f),
+               ckv = random_normal(rng, DType::f32, {T, rkv + dr}, 1.0f);
+  Tensor k = Tensor::host(DType::f32, {T, H, dn + dr}), v = Tensor::host(DType::f32, {T, H, dv});
+  cpu->mla_split_kv(kv, ckv, rkv, pos, theta, k, v);
+  // (x0, x1) rotated by pair i's angle at token t, sign -1 for the inverse.
+  auto rotate = [&](int64_t t, int64_t i, double x0, double x1, double sign, int j) {
+    const double ang = pos.ptr<int32_t>()[t] * std::pow(theta, -2.0 * double(i) / double(dr));
+    const double c = std::cos(ang), s = sign * std::sin(ang);
+    return j == 0 ? x0 * c - x1 * s : x0 * s + x1 * c;
+  };
+  const float* K = k.ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t c = 0; c < dn; ++c) ASSERT_EQ(K[(t * H + h) * (dn + dr) + c], kv.ptr<float>()[t * H * (dn + dv) + h * (dn + dv) + c]);
+      for (int64_t c = 0; c < dv; ++c)
+        ASSERT_EQ(v.ptr<float>()[(t * H + h) * dv + c], kv.ptr<float>()[t * H * (dn + dv) + h * (dn + dv) + dn + c]);
+      for (int64_t i = 0; i < dr / 2; ++i)
+        for (int j = 0; j < 2; ++j) {
+          const float* pe = ckv.ptr<float>() + t * (rkv + dr) + rkv + 2 * i;
+          EXPECT_NEAR(K[(t * H + h) * (dn + dr) + dn + 2 * i + j], rotate(t, i, pe[0], pe[1], 1.0, j), 1e-6) << t << " " << h;
+        }
+    }
+  const Tensor dk = random_normal(rng, DType::f32, {T, H, dn + dr}, 1.0f), dvv = random_normal(rng, DType::f32, {T, H, dv}, 1.0f);
+  Tensor dkv = Tensor::host(DType::f32, {T, H * (dn + dv)}), dckv = Tensor::host(DType::f32, {T, rkv + dr});
+  for (int64_t i = 0; i < dckv.numel(); ++i) dckv.ptr<float>()[i] = 7.0f;
+  cpu->mla_split_kv_backward(dk, dvv, pos, theta, dkv, dckv, rkv);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t c = 0; c < dn; ++c)
+        ASSERT_EQ(dkv.ptr<float>()[t * H * (dn + dv) + h * (dn + dv) + c], dk.ptr<float>()[(t * H + h) * (dn + dr) + c]);
+      for (int64_t c = 0; c < dv; ++c)
+        ASSERT_EQ(dkv.ptr<float>()[t * H * (dn + dv) + h * (dn + dv) + dn + c], dvv.ptr<float>()[(t * H + h) * dv + c]);
+    }
+    for (int64_t c = 0; c < rkv; ++c) ASSERT_EQ(dckv.ptr<float>()[t * (rkv + dr) + c], 7.0f) << "the latent's columns stay";
+    for (int64_t i = 0; i < dr / 2; ++i) {
+      double g[2] = {0, 0};
+      for (int64_t h = 0; h < H; ++h)
+        for (int j = 0; j < 2; ++j) g[j] += dk.ptr<float>()[(t * H + h) * (dn + dr) + dn + 2 * i + j];
+      for (int j = 0; j < 2; ++j)
+        EXPECT_NEAR(dckv.ptr<float>()[t * (rkv + dr) + rkv + 2 * i + j], rotate(t, i, g[0], g[1], -1.0, j), 1e-5) << t;
+    }
+  }
+  Tensor narrow = Tensor::host(DType::f32, {T, H, dv + 1});
+  expect_error([&] { cpu->mla_split_kv(kv, ckv, rkv, pos, theta, k, narrow); }, "mla_split_kv: k ");
+  expect_error([&] { cpu->mla_split_kv(kv, ckv, rkv + 1, pos, theta, k, v); }, "must be an even number of columns");
 }
 
 }  // namespace

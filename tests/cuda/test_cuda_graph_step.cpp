@@ -1,10 +1,11 @@
-// Training steps as CUDA graphs (pipeline::Executor::set_graphs, Backend::begin_capture): a model
-// stepped with graphs against the same model stepped without, bit for bit (losses, expert loads,
+// Training steps as CUDA graphs (pipeline::Executor::set_graphs, Backend::begin_capture) and with
+// the Wgrads on a stream of their own (set_wgrad_stream): a model stepped so against the same
+// model stepped plainly (one stream, no graphs), bit for bit (losses, expert loads,
 // gradient norms and every weight after AdamW, with new data each step and a grad_scale that
 // changes half-way, so that a step runs as usual and the next one records again); a deferred
 // check that fails inside a replayed step raised at synchronize(); the caching allocator keeping
-// the blocks a recording used out of every allocation outside graphs; and the trainer's
-// --graphs on against --graphs off. Skips without a GPU (the steps: without a Hopper GPU).
+// the blocks a recording used (on its stream and on one that joined it) out of every allocation
+// outside graphs; and the trainer's --graphs on against --graphs off. Skips without a GPU (the steps: without a Hopper GPU).
 // Run: build/tests/cuda/test_cuda_graph_step
 #include <filesystem>
 #include <fstream>
@@ -37,10 +38,11 @@ struct Stepper {
   pipeline::Executor ex;
   std::vector<ParamRef> refs;
   std::unique_ptr<AdamW> opt;
-  Stepper(const ModelConfig& cfg, Backend& be, int M, bool graphs)
+  Stepper(const ModelConfig& cfg, Backend& be, int M, bool graphs, bool wgrad_stream = true)
       : model(cfg, Recipe::from_name("fp8"), be, 3),
         ex(model, pipeline::one_f_one_b_schedule(1, M), pipeline::balanced_split(cfg, 1), nullptr) {
     ex.set_graphs(graphs);
+    ex.set_wgrad_stream(wgrad_stream);
     for (Parameter& p : model.parameters())
       if (p.trainable) refs.push_back({p.name, p.weight.view(), p.grad.view(), p.decay});
     opt = std::make_unique<AdamW>(be, refs, AdamWConfig{});
@@ -93,6 +95,43 @@ TEST(GraphStepCuda, BlocksOfARecordingStayWithGraphs) {
   stream.synchronize();
 }
 
+// A stream that joins a recording (it waits for an event of the recorded stream: the Wgrad
+// stream of a step) takes and frees graph blocks as the recorded stream does.
+TEST(GraphStepCuda, AStreamJoiningARecordingTakesGraphBlocks) {
+  FP8MOE_REQUIRE_GPU();
+  const Stream main_stream = cuda::make_stream(), side_stream = cuda::make_stream();
+  const cudaStream_t s = cuda::native(main_stream), side = cuda::native(side_stream);
+  const cuda::CachedBlock used = cuda::cached_malloc(24576, side);  // an ordinary block of the side stream
+  cudaEvent_t fork = nullptr, join = nullptr;
+  ASSERT_EQ(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&join, cudaEventDisableTiming), cudaSuccess);
+  cuda::begin_graph_pool(s);
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  const cuda::CachedBlock before_join = cuda::cached_malloc(20480, side);  // not recorded yet
+  ASSERT_EQ(cudaEventRecord(fork, s), cudaSuccess);
+  ASSERT_EQ(cudaStreamWaitEvent(side, fork, 0), cudaSuccess);
+  const cuda::CachedBlock joined = cuda::cached_malloc(16384, side);
+  ASSERT_EQ(cudaMemsetAsync(joined.ptr, 0, 16384, side), cudaSuccess);
+  cuda::cached_free(used);  // a recorded kernel of the side stream may have used it
+  ASSERT_EQ(cudaEventRecord(join, side), cudaSuccess);
+  ASSERT_EQ(cudaStreamWaitEvent(s, join, 0), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  cuda::end_graph_pool();
+  EXPECT_FALSE(before_join.graph);
+  EXPECT_TRUE(joined.graph);
+  cuda::cached_free(joined);
+  const cuda::CachedBlock after = cuda::cached_malloc(16384, side), after_used = cuda::cached_malloc(24576, side);
+  EXPECT_NE(after.ptr, joined.ptr) << "the graph's block stays with graphs";
+  EXPECT_NE(after_used.ptr, used.ptr) << "the block freed during the recording stays with graphs";
+  for (const cuda::CachedBlock& b : {before_join, after, after_used}) cuda::cached_free(b);
+  (void)cudaGraphDestroy(graph);
+  (void)cudaEventDestroy(fork);
+  (void)cudaEventDestroy(join);
+  main_stream.synchronize();
+  side_stream.synchronize();
+}
+
 TEST(GraphStepCuda, StepsAsGraphsEqualStepsWithout) {
   FP8MOE_REQUIRE_SM90();
   auto be = make_cuda_backend();
@@ -100,32 +139,37 @@ TEST(GraphStepCuda, StepsAsGraphsEqualStepsWithout) {
   be->set_checks(Backend::Checks::deferred);
   ModelConfig cfg = load_config(config_path("tiny.json"));
   const int M = 2;
-  Stepper eager(cfg, *be, M, false), graphed(cfg, *be, M, true);
+  // The plain steps: one stream, no graphs. Against them, the Wgrads on their own stream, without
+  // and with graphs (the recording then spans both streams).
+  Stepper plain(cfg, *be, M, false, false), eager(cfg, *be, M, false), graphed(cfg, *be, M, true);
   const int steps = 7;
   for (int step = 0; step < steps; ++step) {
     std::vector<Tensor> tok, tgt;
     seeded_micro_batches(cfg, M, 100 + step, tok, tgt);
     const double scale = step < 3 ? 1.0 / M : 0.5 / M;  // step 3 runs as usual, 4 records again
-    const auto [want, want_norm] = eager.step(tok, tgt, scale);
-    const auto [got, got_norm] = graphed.step(tok, tgt, scale);
-    ASSERT_EQ(got.size(), want.size());
-    for (size_t m = 0; m < got.size(); ++m) {
-      EXPECT_EQ(got[m].loss, want[m].loss) << "step " << step << " micro-batch " << m;
-      EXPECT_EQ(got[m].main_loss, want[m].main_loss) << "step " << step;
-      EXPECT_EQ(got[m].mtp_loss, want[m].mtp_loss) << "step " << step;
-      EXPECT_EQ(got[m].balance_loss, want[m].balance_loss) << "step " << step;
-      EXPECT_EQ(got[m].expert_loads, want[m].expert_loads) << "step " << step;
+    const auto [want, want_norm] = plain.step(tok, tgt, scale);
+    for (Stepper* s : {&eager, &graphed}) {
+      const char* what = s == &eager ? "wgrad stream" : "wgrad stream, graphs";
+      const auto [got, got_norm] = s->step(tok, tgt, scale);
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t m = 0; m < got.size(); ++m) {
+        EXPECT_EQ(got[m].loss, want[m].loss) << what << ", step " << step << " micro-batch " << m;
+        EXPECT_EQ(got[m].main_loss, want[m].main_loss) << what << ", step " << step;
+        EXPECT_EQ(got[m].mtp_loss, want[m].mtp_loss) << what << ", step " << step;
+        EXPECT_EQ(got[m].balance_loss, want[m].balance_loss) << what << ", step " << step;
+        EXPECT_EQ(got[m].expert_loads, want[m].expert_loads) << what << ", step " << step;
+      }
+      EXPECT_EQ(got_norm, want_norm) << what << ", step " << step;
     }
-    EXPECT_EQ(got_norm, want_norm) << "step " << step;
   }
   // Steps 0 and 3 ran as usual; 1 and 4 were recorded; all the others replayed.
   EXPECT_EQ(graphed.ex.graph_replays(), steps - 2);
   EXPECT_EQ(graphed.ex.graph_note(), "");
   EXPECT_EQ(eager.ex.graph_replays(), 0);
-  for (size_t i = 0; i < eager.model.parameters().size(); ++i) {
-    const Parameter& a = eager.model.parameters()[i];
-    const Parameter& b = graphed.model.parameters()[i];
-    EXPECT_EQ(first_mismatch(be->to_host(b.weight), be->to_host(a.weight)), -1) << a.name;
+  for (size_t i = 0; i < plain.model.parameters().size(); ++i) {
+    const Parameter& a = plain.model.parameters()[i];
+    for (Stepper* s : {&eager, &graphed})
+      EXPECT_EQ(first_mismatch(be->to_host(s->model.parameters()[i].weight), be->to_host(a.weight)), -1) << a.name;
   }
 }
 

@@ -484,6 +484,47 @@ TEST_F(CudaModelOps, RopeForwardInverseMatchCpu) {
     }
 }
 
+// MLA's keys and values: the fused kernels against the composition they replace (Backend's
+// default, run on the CUDA backend), bit for bit, and against the CPU backend (rope's tolerance;
+// the copies exact). The latent columns of dckv, which the backward leaves alone, keep their values.
+TEST_F(CudaModelOps, MlaSplitKvIsItsCompositionBitForBit) {
+  const int64_t T = 75, H = 3, dn = 10, dr = 6, dv = 7, rkv = 9;
+  const double theta = 10000.0;
+  Tensor pos = ids_host(rng_, T, 0, 4096), kv = randn({T, H * (dn + dv)}), ckv = randn({T, rkv + dr});
+  Tensor kc = Tensor::host(DType::f32, {T, H, dn + dr}), vc = Tensor::host(DType::f32, {T, H, dv});
+  cpu_->mla_split_kv(kv, ckv, rkv, pos, theta, kc, vc);
+  Tensor k[2], v[2];
+  for (int fused = 0; fused < 2; ++fused) {
+    k[fused] = poisoned(DType::f32, {T, H, dn + dr});
+    v[fused] = poisoned(DType::f32, {T, H, dv});
+    if (fused) gpu_->mla_split_kv(dev(kv), dev(ckv), rkv, dev(pos), theta, k[fused], v[fused]);
+    else gpu_->Backend::mla_split_kv(dev(kv), dev(ckv), rkv, dev(pos), theta, k[fused], v[fused]);
+  }
+  expect_bits(host(k[1]), host(k[0]), "mla_split_kv k");
+  expect_bits(host(v[1]), host(v[0]), "mla_split_kv v");
+  expect_close(host(k[1]), kc, 1e-5, "mla_split_kv k against the CPU");
+  expect_bits(host(v[1]), vc, "mla_split_kv v against the CPU");
+
+  Tensor dk = randn({T, H, dn + dr}), dvv = randn({T, H, dv}), dckv0 = randn({T, rkv + dr});
+  Tensor dkvc = Tensor::host(DType::f32, {T, H * (dn + dv)}), dckvc = clone(dckv0);
+  cpu_->mla_split_kv_backward(dk, dvv, pos, theta, dkvc, dckvc, rkv);
+  Tensor dkv[2], dckv[2];
+  for (int fused = 0; fused < 2; ++fused) {
+    dkv[fused] = poisoned(DType::f32, {T, H * (dn + dv)});
+    dckv[fused] = dev(dckv0);
+    if (fused) gpu_->mla_split_kv_backward(dev(dk), dev(dvv), dev(pos), theta, dkv[fused], dckv[fused], rkv);
+    else gpu_->Backend::mla_split_kv_backward(dev(dk), dev(dvv), dev(pos), theta, dkv[fused], dckv[fused], rkv);
+  }
+  expect_bits(host(dkv[1]), host(dkv[0]), "mla_split_kv_backward dkv");
+  expect_bits(host(dckv[1]), host(dckv[0]), "mla_split_kv_backward dckv");
+  expect_bits(host(dkv[1]), dkvc, "mla_split_kv_backward dkv against the CPU");
+  expect_close(host(dckv[1]), dckvc, 1e-5, "mla_split_kv_backward dckv against the CPU");
+  const Tensor got = host(dckv[1]);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < rkv; ++c)
+      ASSERT_EQ(got.ptr<float>()[t * (rkv + dr) + c], dckv0.ptr<float>()[t * (rkv + dr) + c]) << t << ", " << c;
+}
+
 struct AttnCase {
   int64_t B, S, H, Dk, Dv;
   std::string str() const {

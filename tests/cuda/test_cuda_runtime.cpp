@@ -1,6 +1,7 @@
 // The CUDA backend's runtime: the caching allocator (size classes, reuse without the device pool,
-// the figures it reports) and streams and events (ops go to the current stream; an event orders
-// two streams). The size-class test runs without a GPU; the others skip without one.
+// the figures it reports, frees set aside for a second stream) and streams and events (ops go to
+// the current stream; an event orders two streams). The size-class test runs without a GPU; the
+// others skip without one.
 //   build/tests/cuda/test_cuda_runtime
 #include <gtest/gtest.h>
 
@@ -8,6 +9,7 @@
 
 #include "cuda/runtime/caching_allocator.hpp"
 #include "cuda_test_util.hpp"
+#include "fp8moe/error.hpp"
 
 namespace fp8moe {
 namespace {
@@ -65,6 +67,42 @@ TEST(CachingAllocator, MemoryStatsFollowTheTensors) {
   }
   EXPECT_EQ(be->memory_stats().allocated, s0.allocated);
   EXPECT_GE(be->memory_stats().reserved, during) << "the freed block stays cached";
+}
+
+// Work queued on a second stream may still read a block of the first that the host drops: set
+// aside, it is not the first stream's next block of its class until it is put back; the second
+// stream's own blocks are reused at once (its order covers them).
+TEST(CachingAllocator, FreesOfOtherStreamsAreSetAsideUntilPutBack) {
+  FP8MOE_REQUIRE_GPU();
+  auto be = make_backend("cuda");
+  const cudaStream_t first = static_cast<cudaStream_t>(be->stream().native());
+  const Stream second_stream = be->new_stream();
+  const cudaStream_t second = static_cast<cudaStream_t>(second_stream.native());
+  const cuda::CachedBlock a = cuda::cached_malloc(12288, first), b = cuda::cached_malloc(12288, second);
+  cuda::begin_set_aside(second);
+  cuda::cached_free(a);
+  cuda::cached_free(b);
+  const cuda::CachedBlock a2 = cuda::cached_malloc(12288, first), b2 = cuda::cached_malloc(12288, second);
+  EXPECT_NE(a2.ptr, a.ptr) << "the first stream's block is set aside";
+  EXPECT_EQ(b2.ptr, b.ptr) << "the second stream's own block is reused";
+  const std::vector<cuda::CachedBlock> aside = cuda::end_set_aside();
+  ASSERT_EQ(aside.size(), 1u);
+  EXPECT_EQ(aside[0].ptr, a.ptr);
+  const int64_t in_use = cuda::allocator_stats().allocated;
+  cuda::put_back_set_aside(aside);
+  EXPECT_EQ(cuda::allocator_stats().allocated, in_use - int64_t(a.size));
+  const cuda::CachedBlock a3 = cuda::cached_malloc(12288, first);
+  EXPECT_EQ(a3.ptr, a.ptr) << "put back, it serves its stream again";
+  for (const cuda::CachedBlock& x : {a2, b2, a3}) cuda::cached_free(x);
+  EXPECT_THROW(
+      {
+        cuda::begin_set_aside(second);
+        struct End {
+          ~End() { (void)cuda::end_set_aside(); }
+        } end;
+        cuda::begin_set_aside(second);
+      },
+      Error);
 }
 
 TEST(CudaStreams, OpsGoToTheCurrentStreamAndAnEventOrdersTwoStreams) {

@@ -57,6 +57,7 @@ TEST(TrainOptions, EveryRangeIsCheckedNamingTheOption) {
       {[](TrainOptions& o) { o.moments = "f16"; }, "--moments (moments) = 'f16' is not one of bf16, f32"},
       {[](TrainOptions& o) { o.backend = "tpu"; }, "--backend (backend) = 'tpu' is not one of auto, cpu, cuda"},
       {[](TrainOptions& o) { o.graphs = "yes"; }, "--graphs (graphs) = 'yes' is not one of auto, on, off"},
+      {[](TrainOptions& o) { o.wgrad_stream = "auto"; }, "--wgrad-stream (wgrad_stream) = 'auto' is not one of on, off"},
       {[](TrainOptions& o) { o.ema_on = "gpu"; }, "--ema-on (ema_on) = 'gpu' is not one of auto, host, device"},
       {[](TrainOptions& o) { o.out_dir = ""; }, "--out (out_dir) must not be empty"},
       {[](TrainOptions& o) { o.resume = o.overwrite = true; }, "--resume continues the run in --out and --overwrite replaces it"},

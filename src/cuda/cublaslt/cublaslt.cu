@@ -79,9 +79,17 @@ using PlanKey = std::tuple<int, bool, int, int, int64_t, int64_t, int64_t, int64
 
 struct Context {
   cublasLtHandle_t handle = nullptr;
-  void* workspace = nullptr;
+  // One workspace per stream: GEMMs on two streams (a step's Wgrads beside its Dgrads) may run
+  // at the same time.
+  std::map<cudaStream_t, void*> workspaces;
   std::map<PlanKey, std::unique_ptr<Plan>> plans;
   std::mutex mu;
+  // Under mu.
+  void* workspace(cudaStream_t stream) {
+    void*& w = workspaces[stream];
+    if (!w) FP8MOE_CUDA_CHECK(cudaMalloc(&w, kWorkspaceBytes));
+    return w;
+  }
 };
 
 Context& context() {
@@ -96,7 +104,6 @@ Context& context() {
   if (!c) {
     auto fresh = std::make_unique<Context>();
     FP8MOE_CUBLAS_CHECK(cublasLtCreate(&fresh->handle));
-    FP8MOE_CUDA_CHECK(cudaMalloc(&fresh->workspace, kWorkspaceBytes));
     c = fresh.release();
   }
   return *c;
@@ -187,7 +194,7 @@ void run(Context& ctx, Plan& plan, const void* a_ptr, const void* b_ptr, void* d
   const void* first = plan.orient == 0 ? b_ptr : a_ptr;
   const void* second = plan.orient == 0 ? a_ptr : b_ptr;
   FP8MOE_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.op, &alpha, first, plan.la, second, plan.lb, &beta, d, plan.lc, d,
-                                     plan.lc, &plan.algo, ctx.workspace, kWorkspaceBytes, stream));
+                                     plan.lc, &plan.algo, ctx.workspace(stream), kWorkspaceBytes, stream));
 }
 
 void check_d(const TensorView& d, int64_t M, int64_t N, bool accumulate) {

@@ -84,6 +84,11 @@ void cuda_rmsnorm_backward(const TensorView& x, const TensorView& w, const Tenso
                            const TensorView& dx, const TensorView& dw, bool accumulate_dx, cudaStream_t stream);
 void cuda_rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView& positions, double theta,
                bool inverse, cudaStream_t stream);
+// Backend::mla_split_kv and its backward in one kernel each, with the composition's bits.
+void cuda_mla_split_kv(const TensorView& kv, const TensorView& ckv, int64_t pe_col, const TensorView& positions,
+                       double theta, const TensorView& k, const TensorView& v, cudaStream_t stream);
+void cuda_mla_split_kv_backward(const TensorView& dk, const TensorView& dv, const TensorView& positions, double theta,
+                                const TensorView& dkv, const TensorView& dckv, int64_t pe_col, cudaStream_t stream);
 // Attention computes in FP32 or with BF16 GEMM operands (compute f32 | bf16, as the CPU op) on
 // one of two paths (model_ops_attention.cu): `gemm` materializes the scores of a chunk of
 // sequences in a stream-ordered workspace ([chunk, H, seq_len, seq_len] f32 per score buffer, one

@@ -217,22 +217,86 @@ __global__ void swiglu_forward_fp8_kernel(const float* __restrict__ g, const flo
   }
 }
 
+// The rotation of pair i of rot columns at position `pos`: (s, c) = (sign * sin, cos) of pos *
+// theta^(-2i/rot), in FP64 as the CPU op.
+__device__ __forceinline__ void rope_angle(int32_t pos, int64_t i, int64_t rot, double theta, double sign, double& s,
+                                           double& c) {
+  const double freq = pow(theta, -2.0 * double(i) / double(rot));
+  const double ang = double(pos) * freq;
+  sincos(ang, &s, &c);
+  s *= sign;
+}
+// p[0], p[1] rotated by (s, c), each product rounded on its own (no FMA), as the CPU op.
+__device__ __forceinline__ void rope_rotate(float* p, double a, double b, double s, double c) {
+  p[0] = __double2float_rn(__dsub_rn(__dmul_rn(a, c), __dmul_rn(b, s)));
+  p[1] = __double2float_rn(__dadd_rn(__dmul_rn(a, s), __dmul_rn(b, c)));
+}
+
 // In place on x [N, H, C]: one thread per (token t, pair i) rotates pair i of every head.
 __global__ void rope_kernel(float* x, const int32_t* __restrict__ pos, int64_t N, int64_t H, int64_t C, int64_t col0,
                             int64_t rot, double theta, double sign) {
   const int64_t half = rot / 2;
   FP8MOE_GRID_STRIDE(k, N * half) {
     const int64_t t = k / half, i = k - t * half;
-    const double freq = pow(theta, -2.0 * double(i) / double(rot));
-    const double ang = double(pos[t]) * freq;
     double s, c;
-    sincos(ang, &s, &c);
-    s *= sign;
+    rope_angle(pos[t], i, rot, theta, sign, s, c);
     for (int64_t h = 0; h < H; ++h) {
       float* p = x + (t * H + h) * C + col0 + 2 * i;
-      const double a = p[0], b = p[1];
-      p[0] = __double2float_rn(__dsub_rn(__dmul_rn(a, c), __dmul_rn(b, s)));
-      p[1] = __double2float_rn(__dadd_rn(__dmul_rn(a, s), __dmul_rn(b, c)));
+      rope_rotate(p, p[0], p[1], s, c);
+    }
+  }
+}
+
+// Backend::mla_split_kv, a block per token: the shared key's pairs rotated into shared memory
+// (rope()'s arithmetic), then k [H, dn + dr] and v [H, dv] of the token written from kv and it.
+__global__ void mla_split_kv_kernel(const float* __restrict__ kv, const float* __restrict__ ckv, int64_t ldc,
+                                    int64_t pe_col, const int32_t* __restrict__ pos, int64_t T, int64_t H, int64_t dn,
+                                    int64_t dr, int64_t dv, double theta, float* __restrict__ k, float* __restrict__ v) {
+  extern __shared__ float pe[];  // [dr]
+  const int64_t dqk = dn + dr, dkv = dn + dv;
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+    for (int64_t i = threadIdx.x; i < dr / 2; i += blockDim.x) {
+      double s, c;
+      rope_angle(pos[t], i, dr, theta, 1.0, s, c);
+      const float* p = ckv + t * ldc + pe_col + 2 * i;
+      rope_rotate(pe + 2 * i, p[0], p[1], s, c);
+    }
+    __syncthreads();
+    const float* src = kv + t * H * dkv;
+    for (int64_t j = threadIdx.x; j < H * dqk; j += blockDim.x) {
+      const int64_t h = j / dqk, col = j - h * dqk;
+      k[t * H * dqk + j] = col < dn ? src[h * dkv + col] : pe[col - dn];
+    }
+    for (int64_t j = threadIdx.x; j < H * dv; j += blockDim.x) {
+      const int64_t h = j / dv, col = j - h * dv;
+      v[t * H * dv + j] = src[h * dkv + dn + col];
+    }
+    __syncthreads();  // pe is the next token's
+  }
+}
+
+// Its backward, a block per token: dkv's rows from dk and dv, and the shared key's gradient (the
+// heads' sum in order, each add as copy_cols' accumulate: in FP64, rounded to f32) rotated back.
+__global__ void mla_split_kv_backward_kernel(const float* __restrict__ dk, const float* __restrict__ dv,
+                                             const int32_t* __restrict__ pos, int64_t T, int64_t H, int64_t dn,
+                                             int64_t dr, int64_t dvw, double theta, float* __restrict__ dkv,
+                                             float* __restrict__ dckv, int64_t ldc, int64_t pe_col) {
+  const int64_t dqk = dn + dr, dkvw = dn + dvw;
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+    const float* k = dk + t * H * dqk;
+    for (int64_t j = threadIdx.x; j < H * dkvw; j += blockDim.x) {
+      const int64_t h = j / dkvw, col = j - h * dkvw;
+      dkv[t * H * dkvw + j] = col < dn ? k[h * dqk + col] : dv[(t * H + h) * dvw + col - dn];
+    }
+    for (int64_t i = threadIdx.x; i < dr / 2; i += blockDim.x) {
+      float a = 0.0f, b = 0.0f;
+      for (int64_t h = 0; h < H; ++h) {
+        a = float(double(k[h * dqk + dn + 2 * i]) + double(a));
+        b = float(double(k[h * dqk + dn + 2 * i + 1]) + double(b));
+      }
+      double s, c;
+      rope_angle(pos[t], i, dr, theta, -1.0, s, c);
+      rope_rotate(dckv + t * ldc + pe_col + 2 * i, a, b, s, c);
     }
   }
 }
@@ -461,6 +525,45 @@ void cuda_rope(const TensorView& x, int64_t col0, int64_t rot, const TensorView&
   rope_kernel<<<grid_for(N * (rot / 2), 128), 128, 0, stream>>>(x.ptr<float>(), positions.ptr<const int32_t>(), N, H, C, col0,
                                                       rot, theta, inverse ? -1.0 : 1.0);
   FP8MOE_CUDA_CHECK_LAUNCH("rope_kernel");
+}
+
+namespace {
+// mla_split_kv's checks and shapes on the device, for the forward's (kv, ckv, k, v) or the
+// backward's (dkv, dckv, dk, dv) under their names.
+std::array<int64_t, 5> check_mla_split_dev(const char* op, const TensorView& kv, const TensorView& ckv, int64_t pe_col,
+                                           const TensorView& k, const TensorView& v, const TensorView& positions,
+                                           const std::array<const char*, 4>& names) {
+  const std::array<int64_t, 5> shapes = check_mla_split_kv(op, kv, ckv, pe_col, k, v);
+  check_f32(kv, op, names[0], 2);
+  check_f32(ckv, op, names[1], 2);
+  check_f32(k, op, names[2], 3);
+  check_f32(v, op, names[3], 3);
+  check_dev(positions, op, "positions", DType::i32, 1);
+  FP8MOE_CHECK(positions.size(0) == shapes[0], op << ": positions " << positions.str() << " must have a row per token");
+  return shapes;
+}
+}  // namespace
+
+void cuda_mla_split_kv(const TensorView& kv, const TensorView& ckv, int64_t pe_col, const TensorView& positions,
+                       double theta, const TensorView& k, const TensorView& v, cudaStream_t stream) {
+  const auto [T, H, dn, dr, dv] =
+      check_mla_split_dev("mla_split_kv", kv, ckv, pe_col, k, v, positions, {"kv", "ckv", "k", "v"});
+  if (T == 0) return;
+  mla_split_kv_kernel<<<unsigned(std::min<int64_t>(T, 65535)), 128, size_t(dr) * sizeof(float), stream>>>(
+      kv.ptr<const float>(), ckv.ptr<const float>(), ckv.strides[0], pe_col, positions.ptr<const int32_t>(), T, H, dn, dr,
+      dv, theta, k.ptr<float>(), v.ptr<float>());
+  FP8MOE_CUDA_CHECK_LAUNCH("mla_split_kv_kernel");
+}
+
+void cuda_mla_split_kv_backward(const TensorView& dk, const TensorView& dv, const TensorView& positions, double theta,
+                                const TensorView& dkv, const TensorView& dckv, int64_t pe_col, cudaStream_t stream) {
+  const auto [T, H, dn, dr, dvw] = check_mla_split_dev("mla_split_kv_backward", dkv, dckv, pe_col, dk, dv, positions,
+                                                       {"dkv", "dckv", "dk", "dv"});
+  if (T == 0) return;
+  mla_split_kv_backward_kernel<<<unsigned(std::min<int64_t>(T, 65535)), 128, 0, stream>>>(
+      dk.ptr<const float>(), dv.ptr<const float>(), positions.ptr<const int32_t>(), T, H, dn, dr, dvw, theta,
+      dkv.ptr<float>(), dckv.ptr<float>(), dckv.strides[0], pe_col);
+  FP8MOE_CUDA_CHECK_LAUNCH("mla_split_kv_backward_kernel");
 }
 
 }  // namespace fp8moe::cuda

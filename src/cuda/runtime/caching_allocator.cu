@@ -7,6 +7,7 @@
 #include <bit>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "cuda/runtime/cuda_check.hpp"
@@ -47,7 +48,7 @@ class Cache {
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++stat(device).allocations;
-      graph = capturing_ && stream == capture_stream_;
+      graph = capturing_ && captured(stream);
       if (graph) {
         if (void* p = pop(graph_free_, key)) return taken(Block{p, size, stream, device, true});
         if (void* p = pop(free_, key)) {
@@ -84,9 +85,13 @@ class Cache {
 
   void free(Block b) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!b.graph && capturing_ && b.stream == capture_stream_) {  // a recorded kernel may have used it
+    if (!b.graph && capturing_ && captured(b.stream)) {  // a recorded kernel may have used it
       b.graph = true;
       stat(b.device).graph_reserved += int64_t(b.size);
+    }
+    if (aside_ && b.stream != aside_stream_) {
+      aside_blocks_.push_back(b);  // its stream may not have waited yet for the one that used it
+      return;
     }
     if (holds_ > 0) {
       held_.push_back(b);  // still counted as allocated: it is not reusable yet
@@ -116,6 +121,25 @@ class Cache {
     if (holds_ > 0 && --holds_ > 0) return;
     for (const Block& b : held_) put_back(b);
     held_.clear();
+  }
+
+  void begin_set_aside(cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    FP8MOE_CHECK(!aside_, "caching allocator: frees are already being set aside");
+    aside_ = true;
+    aside_stream_ = stream;
+  }
+  std::vector<Block> end_set_aside() {
+    std::lock_guard<std::mutex> lock(mu_);
+    aside_ = false;
+    return std::exchange(aside_blocks_, {});
+  }
+  void put_back_set_aside(const std::vector<Block>& blocks) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Block& b : blocks) {
+      if (holds_ > 0) held_.push_back(b);
+      else put_back(b);
+    }
   }
 
   void release(int device) {
@@ -150,7 +174,19 @@ class Cache {
   }
 
  private:
-  // Under mu_.
+  // Under mu_. Whether work on `s` is being recorded: the stream the capture began on, or one
+  // that joined it by waiting for an event of a captured stream (only asked during a capture).
+  bool captured(cudaStream_t s) const {
+    if (s == capture_stream_) return true;
+    // Asking about the legacy stream while a stream that syncs with it records is an error.
+    if (s == nullptr) return false;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(s, &status) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return status == cudaStreamCaptureStatusActive;
+  }
   AllocatorStats& stat(int device) {
     if (size_t(device) >= stats_.size()) stats_.resize(size_t(device) + 1);
     return stats_[size_t(device)];
@@ -195,6 +231,9 @@ class Cache {
   cudaStream_t capture_stream_ = nullptr;
   int holds_ = 0;
   std::vector<Block> held_;  // freed while held
+  bool aside_ = false;  // begin_set_aside .. end_set_aside
+  cudaStream_t aside_stream_ = nullptr;
+  std::vector<Block> aside_blocks_;
   std::vector<AllocatorStats> stats_;  // per device
   std::vector<cudaMemPool_t> pools_;
 };
@@ -225,6 +264,9 @@ void hold_frees() { cache().hold(); }
 void begin_graph_pool(cudaStream_t stream) { cache().begin_graph(stream); }
 void end_graph_pool() { cache().end_graph(); }
 void release_frees() { cache().release_held(); }
+void begin_set_aside(cudaStream_t stream) { cache().begin_set_aside(stream); }
+std::vector<CachedBlock> end_set_aside() { return cache().end_set_aside(); }
+void put_back_set_aside(const std::vector<CachedBlock>& blocks) { cache().put_back_set_aside(blocks); }
 AllocatorStats allocator_stats() { return cache().stats(current_device()); }
 void reset_peak_stats() { cache().reset_peak(current_device()); }
 void release_cached() { cache().release(current_device()); }

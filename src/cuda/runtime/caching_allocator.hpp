@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace fp8moe::cuda {
 
@@ -55,10 +56,19 @@ void cached_free(const CachedBlock& b);
 // owning streams wait for the other stream before it releases (the allocator does not track uses).
 void hold_frees();
 void release_frees();
-// Graph capture on `stream` (Backend::begin_capture): until end_graph_pool(), that stream's
-// requests take blocks kept for graphs (its graph free list first, then its ordinary free list,
-// then a new cudaMalloc: a capture must not record pool allocations), and every block freed on it
-// meanwhile is kept for graphs too, because a recorded kernel may use it at each replay. A block
+// From begin_set_aside(s) to end_set_aside() (one at a time), a freed block of another stream
+// than `s` is set aside, not freed: work queued on `s` (a second stream) may still read it, and
+// its own stream has not yet waited for that work. end_set_aside() hands these blocks over;
+// put_back_set_aside() frees them once their streams have waited for `s` (an event). Blocks of
+// `s` itself are freed as usual: `s`'s order covers them.
+void begin_set_aside(cudaStream_t stream);
+std::vector<CachedBlock> end_set_aside();
+void put_back_set_aside(const std::vector<CachedBlock>& blocks);
+// Graph capture on `stream` (Backend::begin_capture): until end_graph_pool(), the requests of
+// that stream, and of every stream that joined its capture (by waiting for one of its events),
+// take blocks kept for graphs (its graph free list first, then its ordinary free list,
+// then a new cudaMalloc: a capture must not record pool allocations), and every block of those
+// streams freed meanwhile is kept for graphs too, because a recorded kernel may use it at each replay. A block
 // kept for graphs returns to the graph free list of its stream whenever it is freed, never to the
 // ordinary one: the memory a graph's replays write is never another tensor's outside graphs.
 // One capture at a time per process. The graphs of one stream share its graph blocks: a graph

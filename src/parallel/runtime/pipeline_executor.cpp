@@ -20,6 +20,7 @@
 #include "fp8moe/paired_chunk.hpp"
 #include "fp8moe/pipeline_executor.hpp"
 #include "model/model_internal.hpp"
+#include "parallel/runtime/wgrad_stream.hpp"
 
 namespace fp8moe::pipeline {
 
@@ -74,6 +75,8 @@ struct Executor::Impl {
   Stream comm_stream;
   Event compute_done, comm_done;
   bool in_pair = false;  // issuing an overlapped F&B chunk: no synchronization per component
+  bool wgrad_stream = true;  // set_wgrad_stream
+  std::unique_ptr<WgradStream> wgrad;  // made at first use
 
   // One run's state.
   struct Posted {
@@ -228,9 +231,10 @@ struct Executor::Impl {
           layer.backward_input(b, s, *dy, dx);
           *dy = dx;
         });
-        if (!defers) component("W " + layer.name(), [&] { layer.backward_weight(b, s); });
+        if (!defers) component("W " + layer.name(), [&] { weight_grad([&] { layer.backward_weight(b, s); }); });
       });
     steps.push_back([this, p, dy, defers, &b] {
+      if (wgrad) wgrad->join();  // the gradients complete before they leave the pass
       if (p.stage == 0) {
         if (defers) embed_grad[key(p)] = *dy;
         else component("W embed", [&] { model.embed_backward(b, *dy); });
@@ -245,6 +249,19 @@ struct Executor::Impl {
       }
     });
     return steps;
+  }
+
+  // A sublayer's W queued beside the next sublayer's B (wgrad_stream.hpp), where that is on and
+  // the B runs on the current stream alone: not in an overlapped F&B chunk (whose backward half
+  // is already the second stream) nor with device times (each component timed on its own).
+  void weight_grad(const std::function<void()>& w) {
+    if (!wgrad_stream || in_pair || device_times != DeviceTimes::off) {
+      if (wgrad) wgrad->join();
+      w();
+      return;
+    }
+    if (!wgrad) wgrad = std::make_unique<WgradStream>(model.backend());
+    wgrad->run(w);
   }
 
   static void run_steps(const Steps& steps) {
@@ -594,6 +611,7 @@ void Executor::set_fb_mode(FbMode mode) { impl_->fb_mode = mode; }
 FbMode Executor::fb_mode() const { return impl_->fb_mode; }
 void Executor::set_device_times(DeviceTimes times) { impl_->device_times = times; }
 void Executor::set_graphs(bool on) { impl_->graphs = on; }
+void Executor::set_wgrad_stream(bool on) { impl_->wgrad_stream = on; }
 int64_t Executor::graph_replays() const { return impl_->replays; }
 const std::string& Executor::graph_note() const { return impl_->graph_note; }
 
