@@ -66,12 +66,12 @@ std::vector<CachedBlock> end_set_aside();
 void put_back_set_aside(const std::vector<CachedBlock>& blocks);
 // Graph capture on `stream` (Backend::begin_capture): until end_graph_pool(), the requests of
 // that stream, and of every stream that joined its capture (by waiting for one of its events),
-// take blocks kept for graphs (its graph free list first, then its ordinary free list,
-// then a new cudaMalloc: a capture must not record pool allocations), and every block of those
-// streams freed meanwhile is kept for graphs too, because a recorded kernel may use it at each replay. A block
-// kept for graphs returns to the graph free list of its stream whenever it is freed, never to the
-// ordinary one: the memory a graph's replays write is never another tensor's outside graphs.
-// One capture at a time per process. The graphs of one stream share its graph blocks: a graph
+// take blocks kept for graphs (its graph free list first, then its ordinary free list, then a new
+// cudaMalloc: a capture must not record pool allocations), and every block of those streams
+// freed meanwhile is kept for graphs too, because a recorded kernel may use it at each replay. A
+// block kept for graphs returns to the graph free list of its stream whenever it is freed, never
+// to the ordinary one: the memory a graph's replays write is never another tensor's outside
+// graphs. One capture at a time per process. The graphs of one stream share its graph blocks: a graph
 // must not be replayed after another one of its stream has been captured.
 void begin_graph_pool(cudaStream_t stream);
 void end_graph_pool();
