@@ -1,11 +1,12 @@
 // Training steps as CUDA graphs (pipeline::Executor::set_graphs, Backend::begin_capture) and with
 // the Wgrads on a stream of their own (set_wgrad_stream): a model stepped so against the same
-// model stepped plainly (one stream, no graphs), bit for bit (losses, expert loads,
-// gradient norms and every weight after AdamW, with new data each step and a grad_scale that
-// changes half-way, so that a step runs as usual and the next one records again); a deferred
-// check that fails inside a replayed step raised at synchronize(); the caching allocator keeping
-// the blocks a recording used (on its stream and on one that joined it) out of every allocation
-// outside graphs; and the trainer's --graphs on against --graphs off. Skips without a GPU (the steps: without a Hopper GPU).
+// model stepped plainly (one stream, no graphs), bit for bit (losses, expert loads, gradient
+// norms and every weight after AdamW, with new data each step and a grad_scale that changes
+// half-way, so that a step runs as usual and the next one records again); a deferred check that
+// fails inside a replayed step raised at synchronize(); the caching allocator keeping the blocks a
+// recording used (on its stream and on one that joined it) out of every allocation outside
+// graphs; and the trainer's --graphs on against --graphs off. Skips without a GPU (the steps:
+// without a Hopper GPU).
 // Run: build/tests/cuda/test_cuda_graph_step
 #include <filesystem>
 #include <fstream>
