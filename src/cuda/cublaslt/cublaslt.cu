@@ -22,12 +22,11 @@
 
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/kernel_api.hpp"
+#include "cuda/ops/model_ops_util.cuh"
 
 namespace fp8moe::cuda {
 
 namespace {
-
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
 struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
@@ -77,35 +76,23 @@ std::string describe(const cublasLtMatmulAlgo_t& algo, int orient) {
 // (device, fp8?, a scale mode, b scale mode, M, N, K, ldd, d dtype, accumulate)
 using PlanKey = std::tuple<int, bool, int, int, int64_t, int64_t, int64_t, int64_t, int, bool>;
 
+// The plans of the current device. The handle and the workspaces (one per stream: GEMMs on two
+// streams, a step's Wgrads beside its Dgrads, may run at the same time) are the model ops' own
+// (ops::cublaslt_shared).
 struct Context {
-  cublasLtHandle_t handle = nullptr;
-  // One workspace per stream: GEMMs on two streams (a step's Wgrads beside its Dgrads) may run
-  // at the same time.
-  std::map<cudaStream_t, void*> workspaces;
   std::map<PlanKey, std::unique_ptr<Plan>> plans;
   std::mutex mu;
-  // Under mu.
-  void* workspace(cudaStream_t stream) {
-    void*& w = workspaces[stream];
-    if (!w) FP8MOE_CUDA_CHECK(cudaMalloc(&w, kWorkspaceBytes));
-    return w;
-  }
 };
 
 Context& context() {
-  // NOTES: one context per device, leaked on purpose: destroying cuBLASLt handles during static
-  // destruction can run after the CUDA runtime has shut down.
+  // NOTES: one context per device, leaked on purpose, as the handle it plans with.
   static std::mutex mu;
   static std::map<int, Context*> ctxs;
   int dev = 0;
   FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
   std::lock_guard<std::mutex> lock(mu);
   Context*& c = ctxs[dev];
-  if (!c) {
-    auto fresh = std::make_unique<Context>();
-    FP8MOE_CUBLAS_CHECK(cublasLtCreate(&fresh->handle));
-    c = fresh.release();
-  }
+  if (!c) c = new Context;
   return *c;
 }
 
@@ -136,8 +123,9 @@ void set_attr(cublasLtMatmulDesc_t op, cublasLtMatmulDescAttributes_t attr, cons
 //      (CUBLASLT_ORDER_ROW).
 // NOTES: block-scaled FP8 validates the scale pointers in the heuristic query, so they are set
 // before it (and again on every call, since the plan is shared).
-Plan& get_plan(Context& ctx, const PlanKey& key, cudaDataType_t in_type, cudaDataType_t d_type, int64_t M, int64_t N,
-               int64_t K, int64_t ldd, int a_mode, int b_mode, bool fp8, const void* sa, const void* sb) {
+Plan& get_plan(Context& ctx, const ops::CublasLtShared& lt, const PlanKey& key, cudaDataType_t in_type,
+               cudaDataType_t d_type, int64_t M, int64_t N, int64_t K, int64_t ldd, int a_mode, int b_mode, bool fp8,
+               const void* sa, const void* sb) {
   auto it = ctx.plans.find(key);
   if (it != ctx.plans.end()) return *it->second;
   std::string failures;
@@ -168,13 +156,13 @@ Plan& get_plan(Context& ctx, const PlanKey& key, cudaDataType_t in_type, cudaDat
     }
     cublasLtMatmulPreference_t pref = nullptr;
     FP8MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t ws = kWorkspaceBytes;
+    const uint64_t ws = lt.workspace_bytes;
     cublasLtMatmulHeuristicResult_t res{};
     int n = 0;
     cublasStatus_t st =
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
     if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulAlgoGetHeuristic(ctx.handle, plan->op, plan->la, plan->lb, plan->lc, plan->lc, pref, 1, &res,
+      st = cublasLtMatmulAlgoGetHeuristic(lt.handle, plan->op, plan->la, plan->lb, plan->lc, plan->lc, pref, 1, &res,
                                           &n);
     cublasLtMatmulPreferenceDestroy(pref);
     if (st == CUBLAS_STATUS_SUCCESS && n > 0) {
@@ -189,12 +177,13 @@ Plan& get_plan(Context& ctx, const PlanKey& key, cudaDataType_t in_type, cudaDat
               " GEMM for M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) + failures);
 }
 
-void run(Context& ctx, Plan& plan, const void* a_ptr, const void* b_ptr, void* d, bool accumulate, cudaStream_t stream) {
+void run(const ops::CublasLtShared& lt, Plan& plan, const void* a_ptr, const void* b_ptr, void* d, bool accumulate,
+         cudaStream_t stream) {
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   const void* first = plan.orient == 0 ? b_ptr : a_ptr;
   const void* second = plan.orient == 0 ? a_ptr : b_ptr;
-  FP8MOE_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.op, &alpha, first, plan.la, second, plan.lb, &beta, d, plan.lc, d,
-                                     plan.lc, &plan.algo, ctx.workspace(stream), kWorkspaceBytes, stream));
+  FP8MOE_CUBLAS_CHECK(cublasLtMatmul(lt.handle, plan.op, &alpha, first, plan.la, second, plan.lb, &beta, d, plan.lc, d,
+                                     plan.lc, &plan.algo, lt.workspace, lt.workspace_bytes, stream));
 }
 
 void check_d(const TensorView& d, int64_t M, int64_t N, bool accumulate) {
@@ -239,12 +228,13 @@ void run_fp8(const QuantizedView& a, const QuantizedView& b, const TensorView& d
   FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
   const cudaDataType_t dt = d.dtype == DType::f32 ? CUDA_R_32F : CUDA_R_16BF;
   const PlanKey key{dev, true, a_mode, b_mode, M, N, K, d.strides[0], int(dt), accumulate};
+  const ops::CublasLtShared lt = ops::cublaslt_shared(stream);
   std::lock_guard<std::mutex> lock(ctx.mu);
-  Plan& plan = get_plan(ctx, key, CUDA_R_8F_E4M3, dt, M, N, K, d.strides[0], a_mode, b_mode, true, sa, sb);
+  Plan& plan = get_plan(ctx, lt, key, CUDA_R_8F_E4M3, dt, M, N, K, d.strides[0], a_mode, b_mode, true, sa, sb);
   set_attr(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(plan.orient == 0 ? sb : sa));
   set_attr(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(plan.orient == 0 ? sa : sb));
   if (desc) *desc = plan.desc;
-  else run(ctx, plan, a.values.data, b.values.data, d.data, accumulate, stream);
+  else run(lt, plan, a.values.data, b.values.data, d.data, accumulate, stream);
 }
 
 }  // namespace
@@ -277,9 +267,10 @@ void gemm_bf16_cublaslt(const TensorView& a, const TensorView& b, const TensorVi
   FP8MOE_CUDA_CHECK(cudaGetDevice(&dev));
   const cudaDataType_t dt = d.dtype == DType::f32 ? CUDA_R_32F : CUDA_R_16BF;
   const PlanKey key{dev, false, 0, 0, M, N, K, d.strides[0], int(dt), accumulate};
+  const ops::CublasLtShared lt = ops::cublaslt_shared(stream);
   std::lock_guard<std::mutex> lock(ctx.mu);
-  Plan& plan = get_plan(ctx, key, CUDA_R_16BF, dt, M, N, K, d.strides[0], 0, 0, false, nullptr, nullptr);
-  run(ctx, plan, a.data, b.data, d.data, accumulate, stream);
+  Plan& plan = get_plan(ctx, lt, key, CUDA_R_16BF, dt, M, N, K, d.strides[0], 0, 0, false, nullptr, nullptr);
+  run(lt, plan, a.data, b.data, d.data, accumulate, stream);
 }
 
 }  // namespace fp8moe::cuda
